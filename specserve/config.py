@@ -1,0 +1,92 @@
+"""Engine and speculative-decoding configuration, validated when built.
+
+Every config is a dataclass that checks itself in ``__post_init__`` and rejects
+unknown keys when built from a dict, so a typo is an error, not a silent default.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+MAX_SPECULATIVE_TOKENS = 16  # beyond this acceptance of the last positions is ~0
+
+
+def _from_dict(cls, values: dict, what: str):
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown {what} keys {unknown}; known keys: {sorted(known)}")
+    return cls(**values)
+
+
+@dataclass
+class SpeculativeConfig:
+    """How tokens are proposed for verification.
+
+    method: "draft_model" (a smaller model with the target's vocabulary),
+    "ngram" (prompt lookup: no model) or "eagle" (a head over the target's
+    hidden states). ``model`` is anything the loader accepts.
+    """
+
+    method: str | None = None
+    model: str | None = None
+    num_speculative_tokens: int = 4
+    draft_tensor_parallel_size: int | None = None
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    draft_dtype: str | None = None   # defaults to the target's dtype
+
+    METHODS = ("draft_model", "ngram", "eagle")
+
+    def __post_init__(self) -> None:
+        if self.method is None:
+            self.method = "draft_model" if self.model is not None else None
+        if self.method not in self.METHODS:
+            raise ValueError(f"unknown speculative method {self.method!r}; choose one of {list(self.METHODS)}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not (1 <= k <= MAX_SPECULATIVE_TOKENS):
+            raise ValueError(
+                f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}"
+            )
+        if self.method == "ngram":
+            if self.model is not None:
+                raise ValueError("the ngram method takes no speculative model")
+            if not (1 <= self.prompt_lookup_min <= self.prompt_lookup_max):
+                raise ValueError(
+                    "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                    f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
+                )
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "SpeculativeConfig":
+        return _from_dict(cls, dict(values), "speculative_config")
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs besides the model weights.
+
+    kv_cache_memory: bytes of KV cache for the target (the draft's cache is
+    sized to the same number of blocks). max_num_batched_tokens is the per-step
+    token budget shared by prefill chunks and decode/verification tokens.
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str | None = None            # None: cuda if available, else cpu
+    max_model_len: int | None = None     # None: the model's own limit, capped at 8192
+    kv_cache_memory: int = 1 << 30       # bytes
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    seed: int = 0
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")

@@ -1,0 +1,268 @@
+"""The engine: add requests, step, abort.
+
+One step: the scheduler picks requests and token counts (with lookahead slots
+for draft tokens), the proposer drafts, the target runs ONE forward over every
+request's new tokens, the rejection sampler accepts/recovers/adds a bonus, and
+the tokens are appended with stop checks. ``num_computed_tokens`` is lowered by
+the number of rejected draft tokens; no KV block is freed or copied.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+import torch
+
+from specserve.config import EngineConfig, SpeculativeConfig
+from specserve.engine.kv_cache_manager import KVCacheManager
+from specserve.engine.output_processor import OutputProcessor, logprob_entries
+from specserve.engine.request import Request, RequestStatus
+from specserve.engine.scheduler import ScheduledRequest, Scheduler
+from specserve.model_executor.loader import load_model, resolve_dtype
+from specserve.outputs import RequestOutput, SpecDecodeStats
+from specserve.sample.rejection_sampler import rejection_sample
+from specserve.sample.sampler import SamplingTensors, processed_probs
+from specserve.sampling_params import SamplingParams
+from specserve.spec_decode.factory import build_proposer
+from specserve.worker.model_runner import ForwardInput, ModelRunner
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, spec_config: SpeculativeConfig | None = None):
+        self.config = config
+        self.spec_config = spec_config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        loaded = load_model(config.model, self.dtype)
+        self.model_name = loaded.name
+        self.tokenizer = loaded.tokenizer
+        self.hf_config = loaded.config
+        model_limit = getattr(loaded.config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN)
+        if config.max_model_len is not None and config.max_model_len > model_limit:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's limit of {model_limit} positions")
+        self.max_model_len = config.max_model_len or min(model_limit, DEFAULT_MAX_MODEL_LEN)
+        self.runner = ModelRunner(
+            loaded.config, loaded.state_dict, self.dtype, self.device, self.max_model_len, config.block_size
+        )
+        del loaded
+        self.vocab_size = loaded_vocab = self.hf_config.vocab_size
+        k = spec_config.num_speculative_tokens if spec_config else 0
+        num_blocks = config.kv_cache_memory // self.runner.bytes_per_block
+        needed = -(-(self.max_model_len + k) // config.block_size)
+        if num_blocks < needed:
+            raise ValueError(
+                f"kv_cache_memory={config.kv_cache_memory} bytes holds {num_blocks} blocks of {config.block_size} "
+                f"tokens, fewer than one request of max_model_len={self.max_model_len} (+{k} lookahead) needs "
+                f"({needed}); raise kv_cache_memory or lower max_model_len"
+            )
+        self.runner.allocate_kv_cache(num_blocks)
+        self.kv_cache = KVCacheManager(num_blocks, config.block_size)
+        self.proposer = build_proposer(spec_config, self, loaded_vocab) if spec_config else None
+        self.num_speculative_tokens = k
+        self.scheduler = Scheduler(
+            self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, num_lookahead_slots=k
+        )
+        self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self.spec_stats = SpecDecodeStats()
+        self._ids = itertools.count()
+        self._seed_rng = torch.Generator().manual_seed(config.seed)
+        self.eos_token_id = self.tokenizer.eos_token_id
+
+    # ------------------------------------------------------------------ requests
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
+
+    def prepare_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        """Tokenize and check a prompt; raises ValueError naming the problem."""
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenize(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            text, token_ids = None, list(prompt)
+        else:
+            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in token_ids if not (0 <= t < self.vocab_size)]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt is {len(token_ids)} tokens long, but max_model_len is {self.max_model_len} "
+                "(at least one token must fit after it)"
+            )
+        return text, token_ids
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Validate and queue a request; raises ValueError before any work starts."""
+        params = params or SamplingParams()
+        text, token_ids = self.prepare_prompt(prompt)
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        generator = None
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+        req = Request(request_id, text, token_ids, params, generator, self.eos_token_id)
+        self.requests[request_id] = req
+        self.scheduler.add_request(req)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is not None and not req.is_finished():
+            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---------------------------------------------------------------------- step
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            return []
+        self._propose(plan.scheduled)
+        inputs = [self._forward_input(s) for s in plan.scheduled]
+        result = self.runner.execute(inputs)
+        sampling = [s for s in plan.scheduled if s.will_sample]
+        emitted = self._verify(sampling, result.logits) if sampling else {}
+        outputs = []
+        for s in plan.scheduled:
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens + len(req.draft_token_ids)
+            if not s.will_sample:
+                continue
+            tokens, num_accepted, logprobs = emitted[req.request_id]
+            req.num_computed_tokens -= len(req.draft_token_ids) - num_accepted
+            req.proposer_num_computed_tokens = min(req.proposer_num_computed_tokens, req.num_computed_tokens)
+            status, appended = None, 0
+            for i, token in enumerate(tokens):
+                if req.logprobs is not None:
+                    req.logprobs.append(logprobs[i])
+                appended += 1
+                status = self.output_processor.append(req, token)
+                if status is not None:
+                    break
+            if s.num_new_tokens == 1:  # a decoding (verification) step, drafts or not
+                req.spec_stats.record(len(req.draft_token_ids), num_accepted, appended)
+                self.spec_stats.record(len(req.draft_token_ids), num_accepted, appended)
+            req.draft_token_ids = []
+            if status is not None:
+                self._finish(req, status)
+            outputs.append(self.output_processor.make_output(req))
+        return outputs
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.finish_time = time.monotonic()
+        self.scheduler.finish(req, status)
+        self.requests.pop(req.request_id, None)
+
+    def _propose(self, scheduled: list[ScheduledRequest]) -> None:
+        if self.proposer is None:
+            return
+        decoding = [s for s in scheduled if s.num_lookahead > 0]
+        if not decoding:
+            return
+        proposal = self.proposer.propose(decoding)
+        for s, tokens, probs in zip(decoding, proposal.token_ids, proposal.probs):
+            s.request.draft_token_ids = list(tokens[: s.num_lookahead])
+            s.request.draft_probs = probs
+
+    def _forward_input(self, s: ScheduledRequest) -> ForwardInput:
+        req = s.request
+        start = req.num_computed_tokens
+        tokens = req.all_token_ids[start : start + s.num_new_tokens] + req.draft_token_ids
+        return ForwardInput(
+            token_ids=tokens,
+            start_position=start,
+            block_table=self.kv_cache.block_table(req.request_id),
+            num_logits=len(req.draft_token_ids) + 1 if s.will_sample else 0,
+        )
+
+    def _verify(self, sampling: list[ScheduledRequest], logits: torch.Tensor):
+        """logits [sum (n_i + 1), V] -> {request_id: (tokens, num_accepted, logprobs)}."""
+        reqs = [s.request for s in sampling]
+        counts = [len(r.draft_token_ids) for r in reqs]
+        k = max(counts)
+        batch = len(reqs)
+        rows_per_req = [n + 1 for n in counts]
+        params = [r.sampling_params for r in reqs]
+        row_params = [p for p, n in zip(params, rows_per_req) for _ in range(n)]
+        st = SamplingTensors.build(row_params, self.vocab_size, self.device)
+        probs = processed_probs(logits, st)                       # [R, V]
+        # Scatter rows into the padded [B, K+1, V] layout.
+        padded = probs.new_zeros(batch, k + 1, self.vocab_size)
+        drafts = torch.zeros(batch, k, dtype=torch.long)
+        row = 0
+        draft_probs = None
+        if any(getattr(r, "draft_probs", None) is not None for r in reqs):
+            draft_probs = probs.new_zeros(batch, k, self.vocab_size)
+        for b, r in enumerate(reqs):
+            n = counts[b]
+            padded[b, : n + 1] = probs[row : row + n + 1]
+            row += n + 1
+            if n:
+                drafts[b, :n] = torch.tensor(r.draft_token_ids)
+                if draft_probs is not None:
+                    dp = r.draft_probs
+                    if dp is None:  # a one-hot proposal inside a batch with probabilistic ones
+                        draft_probs[b, torch.arange(n), drafts[b, :n]] = 1.0
+                    else:
+                        draft_probs[b, :n] = dp[:n]
+        out = rejection_sample(
+            padded,
+            drafts.to(self.device),
+            torch.tensor(counts).to(self.device),
+            draft_probs,
+            [p.greedy for p in params],
+            [r.generator for r in reqs],
+        )
+        token_ids = out.token_ids.tolist()       # the one host sync of the step
+        num_accepted = out.num_accepted.tolist()
+        logprobs = self._logprobs(reqs, logits, rows_per_req, token_ids, num_accepted)
+        result = {}
+        for b, r in enumerate(reqs):
+            emitted = token_ids[b][: num_accepted[b] + 1]
+            result[r.request_id] = (emitted, num_accepted[b], logprobs[b])
+            r.draft_probs = None
+        return result
+
+    def _logprobs(self, reqs, logits, rows_per_req, token_ids, num_accepted):
+        """Log-probabilities (of the raw target distribution) of emitted tokens and top n."""
+        out: list[list | None] = [None] * len(reqs)
+        row = 0
+        for b, r in enumerate(reqs):
+            n_top = r.sampling_params.logprobs
+            if n_top is not None:
+                emitted = token_ids[b][: num_accepted[b] + 1]
+                lps = torch.log_softmax(logits[row : row + len(emitted)], dim=-1)
+                chosen = lps.gather(1, torch.tensor(emitted, device=lps.device).unsqueeze(1)).squeeze(1).tolist()
+                top_lps, top_ids = lps.topk(max(n_top, 1), dim=-1) if n_top else (lps[:, :0], lps[:, :0].long())
+                out[b] = [
+                    logprob_entries(self.tokenizer, tok, chosen[i], top_ids[i].tolist(), top_lps[i].tolist())
+                    for i, tok in enumerate(emitted)
+                ]
+            row += rows_per_req[b]
+        return out
+
+    # ------------------------------------------------------------------ helpers
+    def get_spec_decode_stats(self) -> SpecDecodeStats:
+        return self.spec_stats

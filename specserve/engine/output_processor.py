@@ -1,0 +1,84 @@
+"""Appending emitted tokens: detokenize, then stop on EOS, stop tokens, stop
+strings, max_tokens or max_model_len, one token at a time (a verification step
+may emit several tokens; whatever follows a stop is dropped)."""
+from __future__ import annotations
+
+from specserve.engine.request import Request, RequestStatus
+from specserve.outputs import CompletionOutput, Logprob, RequestOutput
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, max_model_len: int):
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+
+    def append(self, req: Request, token_id: int) -> RequestStatus | None:
+        """Append one token; return the finishing status, or None to carry on."""
+        req.append_token(token_id)
+        params = req.sampling_params
+        if not params.ignore_eos and token_id == req.eos_token_id:
+            req.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in params.stop_token_ids:
+            req.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if params.stop:
+            status = self._check_stop_strings(req)
+            if status is not None:
+                return status
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _check_stop_strings(self, req: Request) -> RequestStatus | None:
+        text = self.decode(req)
+        # Only the tail can hold a new match: look back a stop string's length.
+        window = max(len(s) for s in req.sampling_params.stop) + 16
+        for stop in req.sampling_params.stop:
+            at = text.find(stop, max(0, len(req.output_text) - window))
+            if at >= 0:
+                req.output_text = text[:at]
+                req.stop_reason = stop
+                return RequestStatus.FINISHED_STOPPED
+        req.output_text = text
+        return None
+
+    def decode(self, req: Request) -> str:
+        return self.tokenizer.decode(req.output_token_ids, skip_special_tokens=req.sampling_params.skip_special_tokens)
+
+    def make_output(self, req: Request) -> RequestOutput:
+        if req.stop_reason is None or not isinstance(req.stop_reason, str):
+            req.output_text = self.decode(req)
+        finish = req.status.value if req.is_finished() else None
+        completion = CompletionOutput(
+            index=0,
+            text=req.output_text,
+            token_ids=list(req.output_token_ids),
+            finish_reason=finish,
+            stop_reason=req.stop_reason,
+            logprobs=req.logprobs,
+        )
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[completion],
+            finished=req.is_finished(),
+            spec_decode_stats=req.spec_stats,
+            metrics={
+                "arrival_time": req.arrival_time,
+                "first_token_time": req.first_token_time,
+                "finish_time": req.finish_time,
+                "num_preemptions": req.num_preemptions,
+            },
+        )
+
+
+def logprob_entries(tokenizer, chosen: int, chosen_logprob: float, top_ids: list[int], top_lps: list[float]) -> dict[int, Logprob]:
+    entry = {chosen: Logprob(chosen_logprob, rank=None, decoded_token=tokenizer.decode([chosen]))}
+    for rank, (tid, lp) in enumerate(zip(top_ids, top_lps), start=1):
+        if tid == chosen:
+            entry[chosen].rank = rank
+        else:
+            entry[tid] = Logprob(lp, rank=rank, decoded_token=tokenizer.decode([tid]))
+    return entry

@@ -1,0 +1,98 @@
+"""One request's state as it moves through the engine."""
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from specserve.outputs import Logprob, SpecDecodeStats
+from specserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"        # not scheduled yet, or preempted (its KV was dropped)
+    RUNNING = "running"        # holds KV blocks
+    FINISHED_STOPPED = "stop"  # EOS, stop token or stop string
+    FINISHED_LENGTH = "length" # max_tokens or max_model_len
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+
+class Request:
+    """Token ids, how many of them have KV in the cache, and what to emit.
+
+    ``num_computed_tokens`` counts the tokens whose KV is in the target's cache.
+    The engine schedules ``num_tokens - num_computed_tokens`` more (a prefill
+    chunk, or the last sampled token) plus up to k draft tokens; rejection of
+    draft tokens lowers it again (their KV slots are simply overwritten later).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        generator: torch.Generator | None,
+        eos_token_id: int | None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.generator = generator            # per-request RNG; None for greedy
+        self.eos_token_id = eos_token_id
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.num_preemptions = 0
+        # Speculation: draft tokens proposed for this step, and how many of this
+        # request's tokens the proposer's own KV cache holds (draft model / EAGLE).
+        self.draft_token_ids: list[int] = []
+        self.draft_probs: torch.Tensor | None = None   # [n, V] processed draft probs, None = one-hot
+        self.proposer_num_computed_tokens = 0
+        self.spec_stats = SpecDecodeStats()
+        # Output bookkeeping.
+        self.output_text = ""
+        self.logprobs: list[dict[int, Logprob]] | None = [] if sampling_params.logprobs is not None else None
+        self.stop_reason: str | int | None = None
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        mt = self.sampling_params.max_tokens
+        return mt if mt is not None else 1 << 30
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

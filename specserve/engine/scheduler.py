@@ -1,0 +1,130 @@
+"""Continuous batching under a per-step token budget, with lookahead slots.
+
+There is no prefill phase and no decode phase: each step, every request is
+given ``num_tokens - num_computed_tokens`` new tokens (capped by the budget, so
+long prompts are chunked) and, when it is decoding and speculation is on, up
+to k lookahead slots for draft tokens. Running requests go first; waiting ones
+join while budget and blocks last. When blocks run out, the most recently
+admitted running request is preempted: its blocks are freed and it is
+recomputed later from its tokens (same output, since nothing is lost).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from specserve.engine.kv_cache_manager import KVCacheManager
+from specserve.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int      # tokens of the request itself (prefill chunk or the last sampled token)
+    num_lookahead: int       # draft tokens it may carry this step (0 = none)
+    will_sample: bool = False  # this step reaches the request's last token, so it emits tokens
+
+    def __post_init__(self) -> None:
+        r = self.request
+        self.will_sample = r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens + s.num_lookahead for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        num_lookahead_slots: int = 0,
+    ):
+        self.kv_cache = kv_cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.num_lookahead_slots = num_lookahead_slots
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _lookahead_for(self, request: Request, num_new: int, budget_left: int) -> int:
+        """Draft slots for a decoding request, never past max_tokens or max_model_len."""
+        if self.num_lookahead_slots == 0 or num_new != 1:
+            return 0
+        room_output = request.max_tokens - request.num_output_tokens - 1
+        room_context = self.max_model_len - request.num_tokens - 1
+        return max(0, min(self.num_lookahead_slots, room_output, room_context, budget_left))
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled_ids: set[str] = set()
+
+        # 1. Running requests, oldest first; preempt from the newest when out of blocks.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            lookahead = self._lookahead_for(req, num_new, budget - num_new)
+            needed = req.num_computed_tokens + num_new + lookahead
+            while not self.kv_cache.allocate_slots(req.request_id, needed):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # req itself was preempted; self.running shrank
+            out.scheduled.append(ScheduledRequest(req, num_new, lookahead))
+            scheduled_ids.add(req.request_id)
+            budget -= num_new + lookahead
+            i += 1
+
+        # 2. Waiting requests (new or preempted), in arrival order.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            req = self.waiting[0]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            lookahead = self._lookahead_for(req, num_new, budget - num_new)
+            if not self.kv_cache.allocate_slots(req.request_id, req.num_computed_tokens + num_new + lookahead):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, num_new, lookahead))
+            budget -= num_new + lookahead
+        return out
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self.kv_cache.free(req.request_id)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.proposer_num_computed_tokens = 0
+        req.draft_token_ids = []
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted.append(req)
+        out.scheduled = [s for s in out.scheduled if s.request is not req]
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Mark a request finished (stop, length or abort) and free its blocks."""
+        req.status = status
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv_cache.free(req.request_id)

@@ -1,0 +1,146 @@
+"""The ``LLM`` facade: vLLM's offline interface over specserve's engine."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from tqdm.auto import tqdm
+
+from specserve.config import EngineConfig, SpeculativeConfig
+from specserve.engine.llm_engine import LLMEngine
+from specserve.outputs import RequestOutput, SpecDecodeStats
+from specserve.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+def build_speculative_config(
+    speculative_model: str | None,
+    num_speculative_tokens: int | None,
+    speculative_config: dict | SpeculativeConfig | None,
+    speculative_method: str | None = None,
+) -> SpeculativeConfig | None:
+    """Merge the flat keyword arguments and the dict form into one config."""
+    if isinstance(speculative_config, SpeculativeConfig):
+        return speculative_config
+    values = dict(speculative_config or {})
+    if speculative_model is not None:
+        values["model"] = speculative_model
+    if speculative_method is not None:
+        values["method"] = speculative_method
+    if num_speculative_tokens is not None:
+        values["num_speculative_tokens"] = num_speculative_tokens
+    if not values:
+        return None
+    if "method" not in values and "model" not in values:
+        raise ValueError("speculative decoding needs a speculative model or a method (e.g. 'ngram')")
+    return SpeculativeConfig.from_dict(values)
+
+
+class LLM:
+    """Generate text with a target model, optionally with lossless speculative decoding.
+
+    >>> llm = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    >>> llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8))
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        kv_cache_memory: int = 1 << 30,
+        seed: int = 0,
+        speculative_model: str | None = None,
+        num_speculative_tokens: int | None = None,
+        speculative_config: dict | SpeculativeConfig | None = None,
+        tensor_parallel_size: int = 1,
+        device: str | None = None,
+        block_size: int = 16,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+    ):
+        spec = build_speculative_config(speculative_model, num_speculative_tokens, speculative_config)
+        config = EngineConfig(
+            model=model,
+            dtype=dtype,
+            device=device,
+            max_model_len=max_model_len,
+            kv_cache_memory=kv_cache_memory,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            seed=seed,
+            tensor_parallel_size=tensor_parallel_size,
+        )
+        self.engine = LLMEngine(config, spec)
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_spec_decode_stats(self) -> SpecDecodeStats:
+        """Engine-wide speculation counts since start-up."""
+        return self.engine.get_spec_decode_stats()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts (strings or token-id lists) to completion; outputs keep input order.
+
+        Every prompt is validated before any work starts, so one bad prompt raises
+        without running (or losing) the others.
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        for i, p in enumerate(prompts):
+            try:
+                self.engine.prepare_prompt(p)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        return self._run(ids, use_tqdm if use_tqdm is not None else len(ids) > 8)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        tok = self.engine.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise ValueError(f"the model {self.engine.model_name!r} has no chat template")
+        text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self.engine.tokenize(text)
+
+    def _run(self, ids: list[str], show_progress: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        bar = tqdm(total=len(ids), desc="Generating", disable=not show_progress)
+        try:
+            while wanted - finished.keys():
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            for rid in wanted - finished.keys():
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+        return [finished[i] for i in ids]

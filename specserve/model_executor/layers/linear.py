@@ -1,0 +1,63 @@
+"""Tensor-parallel linear layers (Megatron style).
+
+Column-parallel splits the output features across ranks (no communication);
+row-parallel splits the input features and all-reduces the partial sums.
+Each layer's ``load`` takes the FULL checkpoint tensor and keeps only its shard,
+so a rank never holds more than its part after loading.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.distributed.parallel_state import SINGLE, TensorParallelGroup
+
+
+class ColumnParallelLinear(nn.Module):
+    """y[..., out/N] = x @ W_shard.T ; the output stays sharded."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, tp: TensorParallelGroup = SINGLE):
+        super().__init__()
+        self.tp = tp
+        # Several logical outputs (q, k, v or gate, up) may be fused into one matmul;
+        # each is sharded on its own so every rank gets its slice of each.
+        self.shard_sizes = [tp.shard(size, "output features")[1] for size in out_sizes]
+        out_local = sum(self.shard_sizes)
+        self.weight = nn.Parameter(torch.empty(out_local, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_local), requires_grad=False) if bias else None
+
+    def load(self, parts: list[torch.Tensor], bias_parts: list[torch.Tensor] | None = None) -> None:
+        """parts: full [out_i, in] tensors, one per fused output."""
+        self.weight.data = torch.cat([self._shard_rows(p) for p in parts])
+        if self.bias is not None:
+            assert bias_parts is not None, "this layer has a bias but none was loaded"
+            self.bias.data = torch.cat([self._shard_rows(b) for b in bias_parts])
+
+    def _shard_rows(self, full: torch.Tensor) -> torch.Tensor:
+        start, length = self.tp.shard(full.shape[0], "output features")
+        return full[start : start + length]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x[..., in/N] @ W_shard.T) (+ bias once, after the reduce)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallelGroup = SINGLE):
+        super().__init__()
+        self.tp = tp
+        _, in_local = tp.shard(in_features, "input features")
+        self.weight = nn.Parameter(torch.empty(out_features, in_local), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def load(self, full: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        start, length = self.tp.shard(full.shape[1], "input features")
+        self.weight.data = full[:, start : start + length].contiguous()
+        if self.bias is not None:
+            self.bias.data = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y

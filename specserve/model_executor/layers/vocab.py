@@ -1,0 +1,43 @@
+"""Vocabulary-parallel embedding and LM head: each rank holds vocab/N rows."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.distributed.parallel_state import SINGLE, TensorParallelGroup
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallelGroup = SINGLE):
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        # Pad the vocabulary up to a multiple of the TP size; padded rows are zero.
+        self.padded_vocab = -(-vocab_size // tp.world_size) * tp.world_size
+        self.vocab_start, self.vocab_local = tp.shard(self.padded_vocab, "padded vocabulary")
+        self.weight = nn.Parameter(torch.empty(self.vocab_local, hidden_size), requires_grad=False)
+
+    def load(self, full: torch.Tensor) -> None:
+        local = torch.zeros(self.vocab_local, full.shape[1], dtype=full.dtype)
+        rows = full[self.vocab_start : self.vocab_start + self.vocab_local]
+        local[: rows.shape[0]] = rows
+        self.weight.data = local
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        if self.tp.world_size == 1:
+            return F.embedding(token_ids, self.weight)
+        local_ids = token_ids - self.vocab_start
+        mine = (local_ids >= 0) & (local_ids < self.vocab_local)
+        out = F.embedding(local_ids.clamp(0, self.vocab_local - 1), self.weight)
+        out = out * mine.unsqueeze(-1).to(out.dtype)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """logits = hidden @ E.T, gathered over ranks and trimmed to the real vocab."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
+        logits = F.linear(hidden, self.weight)
+        logits = self.tp.all_gather_last_dim(logits)
+        return logits[:, : self.vocab_size].float()

@@ -1,0 +1,107 @@
+"""What `LLM.generate` returns: the vLLM shapes, plus speculative-decoding stats."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecDecodeStats:
+    """Counts of one request's (or the whole engine's) speculation.
+
+    acceptance rate = accepted / draft tokens; mean acceptance length (tau) =
+    emitted tokens per verification step, bonus/recovered included, so plain
+    decoding is 1.0.
+    """
+
+    num_drafts: int = 0            # verification steps that carried >= 1 draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0    # tokens emitted by all decode steps (drafted or not)
+    num_steps: int = 0             # decode steps (with or without drafts)
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, num_draft: int, num_accepted: int, num_emitted: int) -> None:
+        self.num_steps += 1
+        self.num_emitted_tokens += num_emitted
+        if num_draft == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        while len(self.drafted_per_position) < num_draft:
+            self.drafted_per_position.append(0)
+            self.accepted_per_position.append(0)
+        for pos in range(num_draft):
+            self.drafted_per_position[pos] += 1
+            if pos < num_accepted:
+                self.accepted_per_position[pos] += 1
+
+    def merge(self, other: "SpecDecodeStats") -> None:
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        self.num_emitted_tokens += other.num_emitted_tokens
+        self.num_steps += other.num_steps
+        n = max(len(self.drafted_per_position), len(other.drafted_per_position))
+        for lst in (self.drafted_per_position, self.accepted_per_position):
+            lst.extend([0] * (n - len(lst)))
+        for i, v in enumerate(other.drafted_per_position):
+            self.drafted_per_position[i] += v
+        for i, v in enumerate(other.accepted_per_position):
+            self.accepted_per_position[i] += v
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return self.num_emitted_tokens / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    def as_dict(self) -> dict:
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "num_emitted_tokens": self.num_emitted_tokens,
+            "num_steps": self.num_steps,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_acceptance_length": round(self.mean_acceptance_length, 4),
+            "acceptance_by_position": [round(x, 4) for x in self.acceptance_by_position],
+        }
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None          # "stop" | "length" | "abort" | None while running
+    stop_reason: str | int | None = None      # the stop string or stop token that ended it
+    logprobs: list[dict[int, Logprob]] | None = None  # one dict per token: chosen + top n
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    spec_decode_stats: SpecDecodeStats | None = None
+    metrics: dict = field(default_factory=dict)   # arrival/first-token/finish times (seconds)

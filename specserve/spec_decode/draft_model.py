@@ -1,0 +1,68 @@
+"""A draft model proposer: a smaller model with the target's vocabulary.
+
+It has its own ModelRunner and KV cache tensors but shares the target's block
+tables (same block ids, its own cache), so the scheduler's lookahead slots and
+preemption cover it too. Each step it first catches up on every token it has
+not seen (the prompt, and recovered / bonus tokens from the last verification)
+and samples draft 1, then runs single-token steps for drafts 2..k, all without
+going back to the scheduler.
+"""
+from __future__ import annotations
+
+import torch
+
+from specserve.engine.kv_cache_manager import KVCacheManager
+from specserve.engine.scheduler import ScheduledRequest
+from specserve.sample.sampler import SamplingTensors, processed_probs, sample_from_probs
+from specserve.spec_decode.proposer import Proposal, Proposer
+from specserve.worker.model_runner import ForwardInput, ModelRunner
+
+
+class DraftModelProposer(Proposer):
+    def __init__(self, runner: ModelRunner, kv_cache: KVCacheManager, vocab_size: int):
+        self.runner = runner
+        self.kv_cache = kv_cache
+        self.vocab_size = vocab_size
+
+    @torch.inference_mode()
+    def propose(self, scheduled: list[ScheduledRequest]) -> Proposal:
+        reqs = [s.request for s in scheduled]
+        budgets = [s.num_lookahead for s in scheduled]
+        params = [r.sampling_params for r in reqs]
+        st = SamplingTensors.build(params, self.vocab_size, self.runner.device)
+        drafts: list[list[int]] = [[] for _ in reqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in reqs]
+        # Step 1: catch up on unseen tokens; the last one's logits give draft 1.
+        inputs = []
+        for r in reqs:
+            start = r.proposer_num_computed_tokens
+            inputs.append(ForwardInput(r.all_token_ids[start:], start, self.kv_cache.block_table(r.request_id), 1))
+        active = list(range(len(reqs)))
+        for step in range(max(budgets)):
+            logits = self.runner.execute(inputs).logits                         # [len(active), V]
+            sub = SamplingTensors(
+                st.temperature[active], st.top_k[active], st.top_p[active], st.min_p[active], st.need_sort, st.need_min_p
+            )
+            q = processed_probs(logits, sub)                                      # [len(active), V]
+            greedy_tokens = q.argmax(dim=-1)
+            sampled = sample_from_probs(q, [reqs[i].generator for i in active])
+            is_greedy = torch.tensor([params[i].greedy for i in active], device=q.device)
+            tokens = torch.where(is_greedy, greedy_tokens, sampled).tolist()
+            for row, i in enumerate(active):
+                reqs[i].proposer_num_computed_tokens += len(inputs[row].token_ids)
+                drafts[i].append(tokens[row])
+                if not params[i].greedy:
+                    probs[i].append(q[row])
+            # Next step: feed each new draft token to requests that want more.
+            active = [i for i in active if len(drafts[i]) < budgets[i]]
+            inputs = [
+                ForwardInput([drafts[i][-1]], reqs[i].proposer_num_computed_tokens,
+                             self.kv_cache.block_table(reqs[i].request_id), 1)
+                for i in active
+            ]
+            if not active:
+                break
+        return Proposal(
+            token_ids=drafts,
+            probs=[torch.stack(p) if p else None for p in probs],
+        )

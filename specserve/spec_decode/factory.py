@@ -1,0 +1,44 @@
+"""SpeculativeConfig -> a Proposer, with the start-up checks (vocabulary, context)."""
+from __future__ import annotations
+
+from specserve.config import SpeculativeConfig
+from specserve.model_executor.loader import load_model, resolve_dtype
+from specserve.spec_decode.draft_model import DraftModelProposer
+from specserve.spec_decode.ngram import NgramProposer
+from specserve.spec_decode.proposer import Proposer
+from specserve.worker.model_runner import ModelRunner
+
+
+class VocabularyMismatchError(ValueError):
+    pass
+
+
+def check_vocab(target_vocab: int, draft_vocab: int, draft_name: str) -> None:
+    if target_vocab != draft_vocab:
+        raise VocabularyMismatchError(
+            f"the draft {draft_name!r} has a vocabulary of {draft_vocab} tokens but the target has "
+            f"{target_vocab}; a draft must share the target's vocabulary"
+        )
+
+
+def build_proposer(spec: SpeculativeConfig, engine, target_vocab: int) -> Proposer:
+    if spec.method == "ngram":
+        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if spec.method == "draft_model":
+        if spec.model is None:
+            raise ValueError("speculative method 'draft_model' needs a speculative model (speculative_model=...)")
+        dtype = resolve_dtype(spec.draft_dtype, engine.device) if spec.draft_dtype else engine.dtype
+        loaded = load_model(spec.model, dtype)
+        check_vocab(target_vocab, loaded.config.vocab_size, loaded.name)
+        draft_limit = getattr(loaded.config, "max_position_embeddings", engine.max_model_len)
+        if draft_limit < engine.max_model_len:
+            raise ValueError(
+                f"the draft supports {draft_limit} positions, fewer than max_model_len={engine.max_model_len}; "
+                "lower max_model_len"
+            )
+        runner = ModelRunner(
+            loaded.config, loaded.state_dict, dtype, engine.device, engine.max_model_len, engine.config.block_size
+        )
+        runner.allocate_kv_cache(engine.kv_cache.num_blocks)
+        return DraftModelProposer(runner, engine.kv_cache, target_vocab)
+    raise ValueError(f"speculative method {spec.method!r} is not available yet")

@@ -1,0 +1,94 @@
+"""Scheduled batch -> flat tensors -> one forward -> logits at the asked positions.
+
+One ``ModelRunner`` owns one model and its paged KV cache. The target and a
+draft model each have their own runner (and their own attention metadata), so
+both live in one process without shared global state.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.distributed.parallel_state import SINGLE, TensorParallelGroup
+from specserve.model_executor.layers.attention import AttentionMetadata
+from specserve.model_executor.models.registry import get_model_class
+
+
+@dataclass
+class ForwardInput:
+    """One request's share of a step."""
+
+    token_ids: list[int]       # the new tokens to compute (prefill chunk, last token, drafts)
+    start_position: int        # position of token_ids[0] (= tokens already in the cache)
+    block_table: list[int]
+    num_logits: int            # logits wanted at the last num_logits new tokens (0 = none)
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor       # [sum num_logits, vocab] fp32
+    hidden: torch.Tensor       # [sum num_logits, hidden] final-norm hidden states at the same positions
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config,
+        state_dict: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device,
+        max_model_len: int,
+        block_size: int,
+        tp: TensorParallelGroup = SINGLE,
+    ):
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        self.block_size = block_size
+        model_cls = get_model_class(config)
+        # Parameters are created empty (no init cost) and replaced by the checkpoint's
+        # tensors, already in ``dtype``; rotary tables stay fp32.
+        model = model_cls(config, tp=tp, max_positions=max_model_len)
+        model.load_weights({name: t.to(dtype) for name, t in state_dict.items()})
+        self.model = model.to(device).eval()
+        self.kv_caches: list[torch.Tensor] = []
+        self.num_blocks = 0
+
+    @property
+    def bytes_per_block(self) -> int:
+        m = self.model
+        per_layer = 2 * self.block_size * m.num_kv_heads_local * m.head_dim * torch.finfo(self.dtype).bits // 8
+        return per_layer * len(m.layers)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        m = self.model
+        shape = (2, num_blocks, self.block_size, m.num_kv_heads_local, m.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in m.layers]
+        self.num_blocks = num_blocks
+
+    @torch.inference_mode()
+    def execute(self, inputs: list[ForwardInput]) -> ForwardOutput:
+        token_ids: list[int] = []
+        positions: list[int] = []
+        logit_indices: list[int] = []
+        for inp in inputs:
+            first = len(token_ids)
+            n = len(inp.token_ids)
+            token_ids.extend(inp.token_ids)
+            positions.extend(range(inp.start_position, inp.start_position + n))
+            logit_indices.extend(range(first + n - inp.num_logits, first + n))
+        meta = AttentionMetadata.build(
+            query_lens=[len(i.token_ids) for i in inputs],
+            context_lens=[i.start_position + len(i.token_ids) for i in inputs],
+            block_tables=[i.block_table for i in inputs],
+            block_size=self.block_size,
+            device=self.device,
+            dtype=self.dtype,
+        )
+        ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
+        hidden = self.model(ids, pos, self.kv_caches, meta)  # [T, hidden]
+        idx = torch.tensor(logit_indices, dtype=torch.long).to(self.device, non_blocking=True)
+        hidden = hidden[idx]
+        return ForwardOutput(logits=self.model.compute_logits(hidden), hidden=hidden)
