@@ -1,0 +1,141 @@
+"""The ``specserve`` command line: ``specserve generate`` (and more subcommands)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """Options shared by every subcommand that builds an engine."""
+    p.add_argument("--model", default=None, help="a .gguf file, a Hugging Face folder or a cached hub id (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="auto", help="auto (bfloat16), bfloat16, float16 or float32")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes of KV cache")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--speculative-model", default=None, help="draft model (anything --model accepts)")
+    p.add_argument("--speculative-method", default=None, choices=["draft_model", "ngram", "eagle"])
+    p.add_argument("--num-speculative-tokens", type=int, default=None, help="k, draft tokens per step")
+    p.add_argument("--prompt-lookup-max", type=int, default=None, help="ngram: longest suffix to match")
+    p.add_argument("--prompt-lookup-min", type=int, default=None, help="ngram: shortest suffix to match")
+    p.add_argument("--draft-tensor-parallel-size", type=int, default=None)
+
+
+def speculative_config_from_args(args) -> dict | None:
+    values = {
+        "method": args.speculative_method,
+        "model": args.speculative_model,
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "prompt_lookup_max": args.prompt_lookup_max,
+        "prompt_lookup_min": args.prompt_lookup_min,
+        "draft_tensor_parallel_size": args.draft_tensor_parallel_size,
+    }
+    values = {k: v for k, v in values.items() if v is not None}
+    if not values:
+        return None
+    if "method" not in values and "model" not in values:
+        raise SystemExit("error: --num-speculative-tokens needs --speculative-model or --speculative-method")
+    return values
+
+
+def build_llm(args):
+    from specserve import LLM
+
+    return LLM(
+        model=args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        kv_cache_memory=args.kv_cache_memory,
+        device=args.device,
+        tensor_parallel_size=args.tensor_parallel_size,
+        speculative_config=speculative_config_from_args(args),
+    )
+
+
+def cmd_generate(args) -> int:
+    from specserve import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
+        stop=args.stop,
+        logprobs=args.logprobs,
+    )
+    llm = build_llm(args)
+    if args.chat:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+    else:
+        out = llm.generate(args.prompt, params)[0]
+    completion = out.outputs[0]
+    stats = llm.get_spec_decode_stats()
+    if args.json:
+        doc = {
+            "prompt": args.prompt,
+            "prompt_token_ids": out.prompt_token_ids,
+            "text": completion.text,
+            "token_ids": completion.token_ids,
+            "finish_reason": completion.finish_reason,
+        }
+        if completion.logprobs is not None:
+            doc["logprobs"] = [
+                {str(tid): lp.logprob for tid, lp in entry.items()} for entry in completion.logprobs
+            ]
+        if args.stats:
+            doc["spec_decode_stats"] = stats.as_dict()
+        print(json.dumps(doc, ensure_ascii=False))
+    else:
+        print(completion.text)
+        if args.stats:
+            print_stats(stats, file=sys.stderr)
+    return 0
+
+
+def print_stats(stats, file=sys.stderr) -> None:
+    d = stats.as_dict()
+    print(
+        f"[spec decode] drafts={d['num_drafts']} draft_tokens={d['num_draft_tokens']} "
+        f"accepted={d['num_accepted_tokens']} acceptance_rate={d['acceptance_rate']:.3f} "
+        f"mean_acceptance_length={d['mean_acceptance_length']:.3f} "
+        f"by_position={d['acceptance_by_position']}",
+        file=file,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specserve", description="LLM inference with lossless speculative decoding")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one prompt")
+    gen.add_argument("prompt")
+    add_model_args(gen)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    gen.add_argument("--logprobs", type=int, default=None, help="return the top-n log-probabilities per token")
+    gen.add_argument("--json", action="store_true", help="print the output as JSON, token ids included")
+    gen.add_argument("--stats", action="store_true", help="print speculative-decoding metrics")
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:  # bad input: a clear message, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
