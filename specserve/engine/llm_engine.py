@@ -109,10 +109,14 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        prepared: tuple[str | None, list[int]] | None = None,
     ) -> str:
-        """Validate and queue a request; raises ValueError before any work starts."""
+        """Validate and queue a request; raises ValueError before any work starts.
+
+        ``prepared`` is ``prepare_prompt(prompt)``'s result when the caller already has it.
+        """
         params = params or SamplingParams()
-        text, token_ids = self.prepare_prompt(prompt)
+        text, token_ids = prepared if prepared is not None else self.prepare_prompt(prompt)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")

@@ -100,12 +100,13 @@ class LLM:
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        prepared = []
         for i, p in enumerate(prompts):
             try:
-                self.engine.prepare_prompt(p)
+                prepared.append(self.engine.prepare_prompt(p))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        ids = [self.engine.add_request(p, sp, prepared=pp) for p, sp, pp in zip(prompts, params, prepared)]
         return self._run(ids, use_tqdm if use_tqdm is not None else len(ids) > 8)
 
     def chat(
