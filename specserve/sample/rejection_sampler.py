@@ -19,9 +19,10 @@ take the exact-match path: accept while x_i == argmax p_i, then emit the argmax.
 With k = 0 this is plain sampling, so the engine has a single sampling path.
 
 Randomness comes from each request's own generator, drawn in a fixed order
-(k uniforms, then V exponentials), so a seeded request is reproducible alone or
-in any batch. Sampling from a distribution uses the exponential race
-``argmax(p / Exp(1))``: no cumulative sums and no host synchronisation.
+(its own num_draft uniforms, then V exponentials; never the batch's padded K),
+so a seeded request is reproducible alone or in any batch. Sampling from a
+distribution uses the exponential race ``argmax(p / Exp(1))``: no cumulative
+sums and no host synchronisation (pass num_draft as a host list on GPU).
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ class RejectionOutput:
 def rejection_sample(
     target_probs: torch.Tensor,          # [B, K+1, V] processed target distributions
     draft_token_ids: torch.Tensor,       # [B, K] (padding beyond num_draft is ignored)
-    num_draft: torch.Tensor,             # [B] draft tokens per request (0..K)
+    num_draft: torch.Tensor | list[int], # [B] draft tokens per request (0..K); a host list avoids a sync
     draft_probs: torch.Tensor | None,    # [B, K, V] processed draft distributions; None = one-hot proposer
     greedy: list[bool],                  # per request (a host list: no device sync to read it)
     generators: list[torch.Generator | None],  # per request; unused for greedy rows
@@ -49,6 +50,9 @@ def rejection_sample(
     batch, k_plus_1, vocab = target_probs.shape
     k = k_plus_1 - 1
     device = target_probs.device
+    counts = list(num_draft) if isinstance(num_draft, (list, tuple)) else num_draft.tolist()
+    if not isinstance(num_draft, torch.Tensor):
+        num_draft = torch.tensor(counts, dtype=torch.long).to(device, non_blocking=True)
     is_greedy = torch.tensor(greedy, dtype=torch.bool).to(device, non_blocking=True)  # [B]
     positions = torch.arange(k, device=device)
     valid = positions[None, :] < num_draft[:, None]                                  # [B, K]
@@ -65,8 +69,8 @@ def rejection_sample(
     noise = torch.ones(batch, vocab, device=device)
     if random_rows:
         for b in random_rows:
-            if k:
-                uniforms[b].uniform_(generator=generators[b])
+            if counts[b]:
+                uniforms[b, : counts[b]].uniform_(generator=generators[b])
         noise[random_rows] = exponential_noise(len(random_rows), vocab, [generators[b] for b in random_rows], device)
 
     argmax = target_probs.argmax(dim=-1)                                             # [B, K+1]
@@ -84,7 +88,7 @@ def rejection_sample(
         if k:
             q_next.scatter_(1, rejected_token, 1.0)
     else:
-        q_full = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)  # [B, K+1, V]
+        q_full = torch.cat([draft_probs, draft_probs.new_zeros(batch, 1, vocab)], dim=1)  # [B, K+1, V]
         q_next = q_full[torch.arange(batch, device=device), num_accepted]
     q_next = q_next * rejected_a_draft[:, None]
     residual = (p_next - q_next).clamp(min=0)

@@ -1,0 +1,194 @@
+"""processed_probs against a plain per-row reference, and sample_from_probs:
+seeded reproducibility, independence from batch neighbours, and that it really
+samples from p (chi-square and total-variation checks)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from scipy import stats
+
+from specserve.sample.sampler import SamplingTensors, processed_probs, sample_from_probs
+from specserve.sampling_params import SamplingParams
+
+V = 40
+
+
+def reference_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """One row, float64, loops: temperature, then top-k, then top-p, then min-p."""
+    x = logits.double() / (p.temperature if p.temperature > 0 else 1.0)
+    vocab = x.numel()
+    keep = [True] * vocab
+    if 0 < p.top_k < vocab:
+        kth = sorted(x.tolist(), reverse=True)[p.top_k - 1]
+        keep = [x[i].item() >= kth for i in range(vocab)]
+
+    def renorm() -> torch.Tensor:
+        w = torch.tensor([math.exp(x[i].item() - x.max().item()) if keep[i] else 0.0 for i in range(vocab)],
+                         dtype=torch.float64)
+        return w / w.sum()
+
+    probs = renorm()
+    if p.top_p < 1.0:
+        mass = 0.0
+        for i in sorted(range(vocab), key=lambda i: -probs[i].item()):
+            if mass >= p.top_p:          # the tokens above already cover top_p: drop the rest
+                keep[i] = False
+            mass += probs[i].item()
+        probs = renorm()
+    if p.min_p > 0.0:
+        threshold = p.min_p * probs.max().item()
+        probs = torch.where(probs < threshold, 0.0, probs)
+        probs = probs / probs.sum()
+    return probs
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, atol: float, rtol: float) -> None:
+    # (torch.testing.assert_close would import torch.distributed on first use: seconds.)
+    err = (got.double() - want.double()).abs()
+    assert (err <= atol + rtol * want.double().abs()).all(), f"max error {err.max().item():.2e}"
+
+
+def run_processed(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    st = SamplingTensors.build(params, logits.shape[-1], logits.device)
+    return processed_probs(logits, st)
+
+
+PARAMS = [
+    SamplingParams(),                                        # nothing: plain softmax
+    SamplingParams(temperature=0.0),                         # greedy rows: processed at temperature 1
+    SamplingParams(temperature=0.5),
+    SamplingParams(temperature=1.7),
+    SamplingParams(top_k=1),
+    SamplingParams(top_k=5),
+    SamplingParams(top_k=V),                                  # top_k == vocab: disabled
+    SamplingParams(top_p=0.9),
+    SamplingParams(top_p=0.3),
+    SamplingParams(top_p=1e-6),                               # keeps exactly the top token
+    SamplingParams(min_p=0.1),
+    SamplingParams(min_p=0.9),
+    SamplingParams(temperature=0.7, top_k=10, top_p=0.8),
+    SamplingParams(temperature=1.3, top_k=20, top_p=0.95, min_p=0.05),
+    SamplingParams(temperature=2.0, top_k=8, min_p=0.3),
+    SamplingParams(temperature=0.8, top_p=0.6, min_p=0.2),
+]
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}-m{p.min_p}")
+def test_processed_probs_matches_reference(params):
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(8, V, generator=gen) * 3
+    got = run_processed(logits, [params] * 8)
+    for i in range(8):
+        want = reference_probs(logits[i], params)
+        assert torch.equal(got[i] > 0, want > 0), f"row {i}: kept tokens differ"
+        assert_close(got[i], want, atol=1e-5, rtol=1e-4)
+        assert got[i].sum().item() == pytest.approx(1.0, abs=1e-5)
+
+
+def test_order_is_temperature_top_k_top_p_min_p():
+    # With one row where the order changes the answer: top-p after top-k renormalizes
+    # over the top-k tokens, so applying it first (or to the raw softmax) keeps a different set.
+    logits = torch.log(torch.tensor([[0.3, 0.25, 0.2, 0.15, 0.1]]))
+    got = run_processed(logits, [SamplingParams(top_k=2, top_p=0.5)])[0]
+    # top-2 renormalized = [0.545, 0.455]; 0.545 >= 0.5 so only the first survives.
+    assert got.tolist() == pytest.approx([1.0, 0, 0, 0, 0])
+    # Temperature before top-p: at T=0.5 the top token alone has 0.4 >= 0.35; at T=1 only 0.3.
+    got = run_processed(logits, [SamplingParams(temperature=0.5, top_p=0.35)])[0]
+    assert (got > 0).tolist() == [True, False, False, False, False]
+    got = run_processed(logits, [SamplingParams(top_p=0.35)])[0]
+    assert (got > 0).tolist() == [True, True, False, False, False]
+
+
+def test_top_p_keeps_at_least_one_token():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(16, V, generator=gen) * 5
+    logits[0] = 0.0                   # uniform row: ties, still exactly one kept
+    logits[1, 3] = 100.0              # one token holds all the mass
+    got = run_processed(logits, [SamplingParams(top_p=1e-9)] * 16)
+    assert ((got > 0).sum(dim=-1) == 1).all()
+    assert torch.equal(got.argmax(dim=-1)[1:], logits.argmax(dim=-1)[1:])
+    assert torch.allclose(got.sum(dim=-1), torch.ones(16))
+
+
+def test_rows_with_different_params_each_get_their_own():
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(len(PARAMS), V, generator=gen) * 2
+    batched = run_processed(logits, PARAMS)
+    for i, p in enumerate(PARAMS):
+        alone = run_processed(logits[i : i + 1], [p])[0]
+        assert_close(batched[i], alone, atol=1e-6, rtol=1e-5)
+        assert_close(batched[i], reference_probs(logits[i], p), atol=1e-5, rtol=1e-4)
+    # Same logits in every row, different params: the rows really differ.
+    same = run_processed(logits[:1].expand(len(PARAMS), V).contiguous(), PARAMS)
+    assert len({tuple((row > 0).tolist()) for row in same}) > 5
+
+
+# ---------------------------------------------------------------------------- sampling
+
+
+def _gens(seeds):
+    return [torch.Generator().manual_seed(s) for s in seeds]
+
+
+def test_sample_from_probs_is_reproducible_with_seeds():
+    probs = torch.softmax(torch.randn(4, V, generator=torch.Generator().manual_seed(3)), dim=-1)
+    gens_a, gens_b = _gens([1, 2, 3, 4]), _gens([1, 2, 3, 4])
+    a = [sample_from_probs(probs, gens_a) for _ in range(30)]
+    b = [sample_from_probs(probs, gens_b) for _ in range(30)]
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert len({tuple(x.tolist()) for x in a}) > 1                  # it does move on
+    c = [sample_from_probs(probs, _gens([5, 6, 7, 8])) for _ in range(3)]
+    assert any(not torch.equal(x, y) for x, y in zip(a, c))
+
+
+def test_sample_from_probs_row_independent_of_batch_neighbours():
+    probs = torch.softmax(torch.randn(3, V, generator=torch.Generator().manual_seed(4)), dim=-1)
+    alone_gen, batch_gens = _gens([42]), _gens([7, 42, 9])
+    alone = [sample_from_probs(probs[1:2], alone_gen).item() for _ in range(50)]
+    in_batch = [sample_from_probs(probs, batch_gens)[1].item() for _ in range(50)]
+    assert alone == in_batch
+    # Different neighbours (and global-RNG rows) do not disturb it either.
+    torch.manual_seed(0)
+    mixed_gens = [None, _gens([42])[0], None]
+    in_mixed = [sample_from_probs(probs[[2, 1, 0]], mixed_gens)[1].item() for _ in range(50)]
+    assert in_mixed == alone
+
+
+def test_sample_from_probs_never_picks_a_zero_probability_token():
+    probs = run_processed(torch.randn(2000, V, generator=torch.Generator().manual_seed(5)), [SamplingParams(top_k=3)] * 2000)
+    torch.manual_seed(5)
+    tokens = sample_from_probs(probs, [None] * 2000)
+    assert (probs.gather(1, tokens[:, None]) > 0).all()
+
+
+def test_sample_from_probs_samples_from_p():
+    """N = 50,000 draws from one p over V = 40 tokens (10 of them zero).
+
+    Chi-square over the non-zero cells must not reject at the 1e-6 level, and the
+    total-variation distance must be below E[TV] + t, where
+    E[TV] <= 1/2 sum_i sqrt(p_i (1 - p_i) / N)  (Jensen) and, by McDiarmid (one draw
+    moves TV by at most 1/N), P(TV > E[TV] + t) <= exp(-2 N t^2) = 1e-6 for
+    t = sqrt(ln(1e6) / (2N)). Here that bound is about 0.02.
+    """
+    n = 50_000
+    gen = torch.Generator().manual_seed(6)
+    logits = torch.randn(V, generator=gen) * 1.5
+    logits[:10] = float("-inf")
+    p = torch.softmax(logits, dim=-1)
+    torch.manual_seed(6)
+    tokens = sample_from_probs(p.expand(n, V), [None] * n)
+    counts = torch.bincount(tokens, minlength=V).double()
+    assert counts[:10].sum() == 0
+    nz = p > 0
+    expected = p[nz].double() / p[nz].double().sum() * n
+    chi2 = stats.chisquare(counts[nz].numpy(), expected.numpy())
+    assert chi2.pvalue > 1e-6, chi2
+    tv = 0.5 * (counts / n - p.double()).abs().sum().item()
+    bound = 0.5 * (p.double() * (1 - p.double()) / n).sqrt().sum().item() + math.sqrt(math.log(1e6) / (2 * n))
+    assert bound < 0.025
+    assert tv < bound, (tv, bound)
+    # The same check rejects a nearby wrong distribution (power check of the bound).
+    wrong = torch.softmax(logits * 1.2, dim=-1)
+    assert 0.5 * (counts / n - wrong.double()).abs().sum().item() > bound

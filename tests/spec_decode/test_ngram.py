@@ -1,0 +1,86 @@
+"""N-gram prompt lookup: longest match, most recent occurrence, k, min/max n."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specserve.engine.request import Request
+from specserve.engine.scheduler import ScheduledRequest
+from specserve.sampling_params import SamplingParams
+from specserve.spec_decode.ngram import NgramProposer, ngram_lookup
+
+
+def test_longest_match_wins():
+    # Suffix [2, 3] occurs at 1..2 (followed by 10, 11); suffix [3] alone last occurs at 6 (followed by 20).
+    tokens = [5, 2, 3, 10, 11, 7, 3, 20, 2, 3]
+    assert ngram_lookup(tokens, min_n=1, max_n=3, k=3) == [10, 11, 7]
+    assert ngram_lookup(tokens, min_n=1, max_n=1, k=3) == [20, 2, 3]     # max_n caps the match length
+
+
+def test_most_recent_occurrence():
+    tokens = [1, 2, 8, 4, 1, 2, 9, 5, 1, 2]
+    assert ngram_lookup(tokens, min_n=1, max_n=4, k=2) == [9, 5]
+    assert ngram_lookup(tokens, min_n=2, max_n=2, k=3) == [9, 5, 1]
+
+
+def test_respects_k():
+    tokens = [7, 1, 2, 3, 4, 5, 6, 9, 7]
+    assert ngram_lookup(tokens, 1, 3, k=1) == [1]
+    assert ngram_lookup(tokens, 1, 3, k=4) == [1, 2, 3, 4]
+    assert ngram_lookup(tokens, 1, 3, k=0) == []
+    # Fewer tokens than k follow the match: propose what there is.
+    assert ngram_lookup([4, 5, 6, 4], 1, 3, k=5) == [5, 6, 4]
+
+
+def test_min_n():
+    tokens = [3, 9, 1, 8, 3]                    # only a 1-gram repeats
+    assert ngram_lookup(tokens, min_n=1, max_n=3, k=2) == [9, 1]
+    assert ngram_lookup(tokens, min_n=2, max_n=3, k=2) == []
+
+
+def test_max_n_bounds_longer_matches():
+    # The 3-gram [1, 2, 3] matches at 0 (followed by 4); the 2-gram [2, 3] last at 6 (followed by 5).
+    tokens = [1, 2, 3, 4, 0, 0, 2, 3, 5, 1, 2, 3]
+    assert ngram_lookup(tokens, 1, 3, k=1) == [4]
+    assert ngram_lookup(tokens, 1, 2, k=1) == [5]
+
+
+@pytest.mark.parametrize("tokens", [[], [7], [1, 2, 3, 4, 5], list(range(100))])
+def test_no_match(tokens):
+    assert ngram_lookup(tokens, 1, 4, k=3) == []
+
+
+def test_accepts_numpy_and_returns_python_ints():
+    out = ngram_lookup(np.array([6, 7, 8, 6], dtype=np.int32), 1, 2, k=2)
+    assert out == [7, 8] and all(type(t) is int for t in out)
+
+
+def test_proposal_is_a_continuation_seen_before():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        tokens = rng.integers(0, 5, size=rng.integers(2, 40)).tolist()
+        k = int(rng.integers(1, 6))
+        out = ngram_lookup(tokens, 1, 3, k)
+        assert len(out) <= k
+        if out:   # some earlier window equal to a suffix is followed by exactly `out`
+            assert any(
+                tokens[i - n : i] == tokens[-n:] and tokens[i : i + len(out)] == out
+                for n in range(1, 4) for i in range(n, len(tokens))
+            )
+
+
+def _scheduled(tokens, lookahead, rid):
+    req = Request(rid, None, tokens, SamplingParams(temperature=0.0), None, None)
+    req.num_computed_tokens = len(tokens) - 1       # decoding: the last token is new
+    return ScheduledRequest(req, num_new_tokens=1, num_lookahead=lookahead)
+
+
+def test_proposer_respects_each_requests_num_lookahead():
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2]         # matches [1, 2] -> 3, 4, 5, ...
+    scheduled = [_scheduled(tokens, la, str(la)) for la in (0, 1, 3, 5)]
+    scheduled.append(_scheduled([9, 8, 7], 4, "nomatch"))
+    proposal = NgramProposer(min_n=1, max_n=3).propose(scheduled)
+    assert proposal.token_ids == [[], [3], [3, 4, 5], [3, 4, 5, 6, 7], []]
+    assert proposal.probs == [None] * 5
+    for s, drafts in zip(scheduled, proposal.token_ids):
+        assert len(drafts) <= s.num_lookahead
