@@ -1,4 +1,4 @@
-"""The ``specserve`` command line: ``specserve generate`` (and more subcommands)."""
+"""The ``specserve`` command line: ``specserve generate`` and ``specserve serve``."""
 from __future__ import annotations
 
 import argparse
@@ -125,7 +125,26 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print the output as JSON, token ids included")
     gen.add_argument("--stats", action="store_true", help="print speculative-decoding metrics")
     gen.set_defaults(func=cmd_generate)
+
+    serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    add_model_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECSERVE_API_KEY)")
+    serve.add_argument("--served-model-name", action="append", default=None,
+                       help="a name clients use in 'model' (repeatable; default: the model's own name)")
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    serve.set_defaults(func=cmd_serve)
     return parser
+
+
+def cmd_serve(args) -> int:
+    import logging
+
+    from specserve.entrypoints.openai.api_server import run_server
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run_server(args)
 
 
 def main(argv: list[str] | None = None) -> int:

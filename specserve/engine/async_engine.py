@@ -1,0 +1,284 @@
+"""An asynchronous driver for ``LLMEngine``: one engine thread, many async streams.
+
+``LLMEngine`` is not thread-safe, so everything that touches it (add, abort,
+step) runs on ONE background thread, fed by a command queue. Requests that
+arrive while a step runs join the batch at the next step (continuous batching).
+Each request gets an ``asyncio.Queue`` on the event loop that asked for it; the
+engine thread hands it every ``RequestOutput`` with ``loop.call_soon_threadsafe``.
+
+    async_engine = AsyncLLMEngine(llm.engine)
+    async for out in async_engine.generate("Hello", SamplingParams(max_tokens=8)):
+        print(out.outputs[0].text)          # cumulative text so far
+
+If a step raises, the error is delivered to every request in flight (their
+``generate`` raises ``EngineStepError``), those requests are aborted so their KV
+blocks return to the pool, and the loop carries on with new requests. Only if
+the engine cannot even be cleaned up does it become dead (``EngineDeadError``).
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import queue
+import threading
+import weakref
+from dataclasses import dataclass, field, replace
+from typing import AsyncIterator
+
+from specserve.engine.llm_engine import LLMEngine
+from specserve.engine.request import RequestStatus
+from specserve.outputs import RequestOutput
+from specserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineStepError(RuntimeError):
+    """An engine step failed while this request was in flight."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped; no request can be served."""
+
+
+class _Aborted:
+    """Sentinel put on a stream when its request was aborted."""
+
+
+@dataclass
+class _Stream:
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    finished: bool = False
+
+    def put(self, item) -> None:
+        """Called on the engine thread."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the consumer's event loop is closed: nobody is listening
+            pass
+
+
+# One driver per LLMEngine: two engine threads stepping one engine would corrupt it.
+_DRIVERS: "weakref.WeakKeyDictionary[LLMEngine, AsyncLLMEngine]" = weakref.WeakKeyDictionary()
+_DRIVERS_LOCK = threading.Lock()
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine):
+        with _DRIVERS_LOCK:
+            other = _DRIVERS.get(engine)
+            if other is not None and other.is_running:
+                raise ValueError("this LLMEngine already has a running AsyncLLMEngine; use AsyncLLMEngine.from_engine")
+            _DRIVERS[engine] = self
+        self.engine = engine
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, _Stream] = {}      # touched on the engine thread only
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+        self._stopped = False
+        self.dead_error: BaseException | None = None
+        self.num_steps = 0
+
+    @classmethod
+    def from_engine(cls, engine_or_llm) -> "AsyncLLMEngine":
+        """The running driver of an ``LLMEngine`` (or ``LLM``), created on first use."""
+        if isinstance(engine_or_llm, AsyncLLMEngine):
+            return engine_or_llm
+        engine = getattr(engine_or_llm, "engine", engine_or_llm)
+        if not isinstance(engine, LLMEngine):
+            raise TypeError(f"expected an LLM, LLMEngine or AsyncLLMEngine, got {type(engine_or_llm).__name__}")
+        with _DRIVERS_LOCK:
+            driver = _DRIVERS.get(engine)
+        if driver is not None and driver.is_running:
+            return driver
+        return cls(engine)
+
+    # ---------------------------------------------------------------- lifecycle
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopped
+
+    @property
+    def errored(self) -> bool:
+        return self.dead_error is not None
+
+    def start(self) -> None:
+        with self._start_lock:
+            if self._stopped:
+                raise EngineDeadError("the engine loop was shut down")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
+                self._thread.start()
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Stop the engine thread; requests in flight are aborted."""
+        self._stopped = True
+        self._commands.put(("stop",))
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    # ---------------------------------------------------------------- requests
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    async def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> "_Stream":
+        """Queue a request on the engine thread; raises ValueError for bad input."""
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine is dead: {self.dead_error!r}")
+        if self._stopped:
+            raise EngineDeadError("the engine loop was shut down")
+        self.start()
+        request_id = request_id if request_id is not None else self.new_request_id()
+        stream = _Stream(request_id, asyncio.get_running_loop())
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("add", prompt, params or SamplingParams(), request_id, stream, done))
+        await asyncio.wrap_future(done)
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (thread-safe, non-blocking); its blocks are freed before the next step."""
+        if self._thread is not None:
+            self._commands.put(("abort", request_id))
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's cumulative outputs until it finishes.
+
+        Leaving the loop early (break, cancellation, a client disconnect) aborts
+        the request. Raises ValueError (bad input), EngineStepError, EngineDeadError.
+        """
+        stream = await self.add_request(prompt, params, request_id)
+        async for out in self.iterate(stream):
+            yield out
+
+    async def iterate(self, stream: "_Stream") -> AsyncIterator[RequestOutput]:
+        """Yield a stream's outputs (the newest of those waiting); abort when left early."""
+        try:
+            while True:
+                item = await stream.queue.get()
+                while not stream.queue.empty():  # outputs are cumulative: skip to the newest
+                    nxt = stream.queue.get_nowait()
+                    if isinstance(item, RequestOutput) and item.finished:
+                        break
+                    item = nxt
+                if isinstance(item, BaseException):
+                    stream.finished = True
+                    raise item
+                if item is _Aborted:
+                    stream.finished = True
+                    return
+                if item.finished:
+                    stream.finished = True
+                yield item
+                if stream.finished:
+                    return
+        finally:
+            if not stream.finished:
+                self.abort(stream.request_id)
+
+    # ------------------------------------------------------------- engine thread
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                busy = engine.has_unfinished_requests()
+                if not self._drain_commands(block=not busy):
+                    break
+                if not engine.has_unfinished_requests():
+                    continue
+                try:
+                    outputs = engine.step()
+                except Exception as e:  # noqa: BLE001 - delivered to the waiting requests
+                    logger.exception("engine step failed")
+                    self._fail_all(EngineStepError(f"engine step failed: {type(e).__name__}: {e}"))
+                    continue
+                self.num_steps += 1
+                for out in outputs:
+                    stream = self._streams.get(out.request_id)
+                    if stream is None:
+                        continue
+                    completion = out.outputs[0]
+                    if completion.logprobs is not None:  # the engine keeps appending to its list
+                        out.outputs[0] = replace(completion, logprobs=list(completion.logprobs))
+                    stream.put(out)
+                    if out.finished:
+                        del self._streams[out.request_id]
+        except BaseException as e:  # noqa: BLE001
+            logger.exception("engine loop died")
+            self.dead_error = e
+        finally:
+            self._stopped = True
+            error = self.dead_error or EngineDeadError("the engine loop was shut down")
+            for stream in self._streams.values():
+                stream.put(error if isinstance(error, Exception) else EngineDeadError(repr(error)))
+            self._streams.clear()
+            self._fail_pending_commands(error)
+
+    def _drain_commands(self, block: bool) -> bool:
+        """Apply queued commands; False once asked to stop."""
+        first = True
+        while True:
+            try:
+                cmd = self._commands.get(block=block and first)
+            except queue.Empty:
+                return True
+            first = False
+            kind = cmd[0]
+            if kind == "stop":
+                for rid in list(self._streams):
+                    self.engine.abort_request(rid)
+                return False
+            if kind == "add":
+                _, prompt, params, request_id, stream, done = cmd
+                try:
+                    if request_id in self._streams:
+                        raise ValueError(f"request id {request_id!r} is already in use")
+                    self.engine.add_request(prompt, params, request_id)
+                except Exception as e:  # noqa: BLE001 - bad input goes back to the caller
+                    done.set_exception(e)
+                else:
+                    self._streams[request_id] = stream
+                    done.set_result(request_id)
+            elif kind == "abort":
+                rid = cmd[1]
+                self.engine.abort_request(rid)
+                stream = self._streams.pop(rid, None)
+                if stream is not None:
+                    stream.put(_Aborted)
+
+    def _fail_all(self, error: Exception) -> None:
+        """After a failed step: tell every waiting request, abort them all to free their blocks."""
+        for rid, stream in list(self._streams.items()):
+            stream.put(error)
+        try:
+            for rid in list(self._streams):
+                self.engine.abort_request(rid)
+            for req in list(self.engine.scheduler.waiting) + list(self.engine.scheduler.running):
+                self.engine.abort_request(req.request_id)
+                if not req.is_finished():  # not in engine.requests any more: finish it directly
+                    self.engine.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        finally:
+            self._streams.clear()
+
+    def _fail_pending_commands(self, error: BaseException) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                cmd[5].set_exception(EngineDeadError(f"the engine is not running: {error!r}"))

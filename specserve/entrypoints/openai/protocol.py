@@ -1,0 +1,280 @@
+"""Request and response shapes of the OpenAI API subset the server speaks.
+
+Requests are strict: unknown fields and wrong types are a 400, not a silent
+default (``"max_tokens": "8"`` is an error). OpenAI fields specserve cannot
+honour (n > 1, penalties, echo) are accepted only at their neutral value.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from specserve.sampling_params import SamplingParams
+
+MAX_LOGPROBS = 20
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class _SamplingFields(StrictModel):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = 1
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    user: str | None = None
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _positive_max_tokens(cls, v):
+        if v is not None and v <= 0:
+            raise ValueError("must be at least 1")
+        return v
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v):
+        if v is not None and v < 0:
+            raise ValueError("must be >= 0")
+        return v
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, v):
+        if v is not None and not (0.0 < v <= 1.0):
+            raise ValueError("must be in (0, 1]")
+        return v
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v):
+        if v is not None and v < -1:
+            raise ValueError("must be -1 (disabled), 0 (disabled) or positive")
+        return v
+
+    @field_validator("min_p")
+    @classmethod
+    def _min_p(cls, v):
+        if v is not None and not (0.0 <= v <= 1.0):
+            raise ValueError("must be in [0, 1]")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if any(not s for s in stops):
+            raise ValueError("stop strings must not be empty")
+        if len(stops) > 16:
+            raise ValueError("at most 16 stop strings")
+        return v
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, v):
+        if v not in (None, 1):
+            raise ValueError("only n=1 is supported; send the request several times instead")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalties(cls, v):
+        if v not in (None, 0, 0.0):
+            raise ValueError("presence and frequency penalties are not supported (only 0)")
+        return v
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else float(self.temperature),
+            top_p=1.0 if self.top_p is None else float(self.top_p),
+            top_k=-1 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else float(self.min_p),
+            seed=self.seed,
+            stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions. ``prompt``: a string, token ids, or a batch of either."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16          # OpenAI's default for completions
+    logprobs: int | None = None
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v):
+        if v is not None and not (0 <= v <= MAX_LOGPROBS):
+            raise ValueError(f"must be in [0, {MAX_LOGPROBS}]")
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _echo(cls, v):
+        if v:
+            raise ValueError("echo is not supported")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix(cls, v):
+        if v:
+            raise ValueError("suffix is not supported")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v):
+        if v not in (None, 1):
+            raise ValueError("only best_of=1 is supported")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v):
+        if v:
+            raise ValueError("logit_bias is not supported")
+        return v
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, v):
+        def token_ids(x):
+            return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+        if isinstance(v, str) or token_ids(v):
+            return v
+        if isinstance(v, list) and v and (all(isinstance(x, str) for x in v) or all(token_ids(x) for x in v)):
+            return v
+        if isinstance(v, list) and not v:
+            raise ValueError("the prompt is empty")
+        raise ValueError(
+            "must be a string, a list of token ids, or a batch (a list of strings or of token-id lists)"
+        )
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch of prompts: one string or token-id list per choice."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
+    def to_sampling_params(self, default_max_tokens: int | None = None) -> SamplingParams:
+        return self._sampling_params(self.max_tokens if self.max_tokens is not None else default_max_tokens, self.logprobs)
+
+
+class ContentPart(StrictModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    # Extra keys (name, tool_call_id, ...) are passed to the chat template untouched.
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+
+    def to_template_dict(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        d = dict(self.model_extra or {})
+        d["role"] = "system" if self.role == "developer" else self.role
+        d["content"] = content or ""
+        return d
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions. ``max_tokens`` defaults to what the context leaves."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _positive_max_completion_tokens(cls, v):
+        if v is not None and v <= 0:
+            raise ValueError("must be at least 1")
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, v):
+        if v is not None and not (0 <= v <= MAX_LOGPROBS):
+            raise ValueError(f"must be in [0, {MAX_LOGPROBS}]")
+        return v
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        return self
+
+    def to_sampling_params(self, default_max_tokens: int | None = None) -> SamplingParams:
+        max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(max_tokens, logprobs)
+
+
+# ---------------------------------------------------------------------- responses
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: str = "model"
+    created: int = Field(default_factory=now)
+    owned_by: str = "specserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: str = "list"
+    data: list[ModelCard] = Field(default_factory=list)
