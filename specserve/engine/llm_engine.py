@@ -25,6 +25,7 @@ from specserve.sample.rejection_sampler import rejection_sample
 from specserve.sample.sampler import SamplingTensors, processed_probs
 from specserve.sampling_params import SamplingParams
 from specserve.spec_decode.factory import build_proposer
+from specserve.spec_decode.proposer import kept_hidden_states
 from specserve.worker.model_runner import ForwardInput, ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -145,7 +146,10 @@ class LLMEngine:
             return []
         self._propose(plan.scheduled)
         inputs = [self._forward_input(s) for s in plan.scheduled]
-        result = self.runner.execute(inputs)
+        # EAGLE-style proposers also see the target's hidden state of every kept position.
+        want_hidden = self.proposer is not None and self.proposer.needs_target_hidden
+        starts = [s.request.num_computed_tokens for s in plan.scheduled]
+        result = self.runner.execute(inputs, return_all_hidden=True) if want_hidden else self.runner.execute(inputs)
         sampling = [s for s in plan.scheduled if s.will_sample]
         emitted = self._verify(sampling, result.logits) if sampling else {}
         outputs = []
@@ -172,6 +176,9 @@ class LLMEngine:
             if status is not None:
                 self._finish(req, status)
             outputs.append(self.output_processor.make_output(req))
+        if want_hidden:
+            sizes = [len(i.token_ids) for i in inputs]
+            self.proposer.observe(kept_hidden_states(plan.scheduled, sizes, starts, result.all_hidden))
         return outputs
 
     def _finish(self, req: Request, status: RequestStatus) -> None:

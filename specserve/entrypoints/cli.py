@@ -5,6 +5,8 @@ import argparse
 import json
 import sys
 
+from specserve.training.cli import add_train_draft_parser
+
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """Options shared by every subcommand that builds an engine."""
@@ -125,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print the output as JSON, token ids included")
     gen.add_argument("--stats", action="store_true", help="print speculative-decoding metrics")
     gen.set_defaults(func=cmd_generate)
+
+    add_train_draft_parser(sub)
 
     serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     add_model_args(serve)

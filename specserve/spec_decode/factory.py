@@ -1,6 +1,8 @@
 """SpeculativeConfig -> a Proposer, with the start-up checks (vocabulary, context)."""
 from __future__ import annotations
 
+import dataclasses
+
 from specserve.config import SpeculativeConfig
 from specserve.model_executor.loader import load_model, resolve_dtype
 from specserve.spec_decode.draft_model import DraftModelProposer
@@ -24,9 +26,16 @@ def check_vocab(target_vocab: int, draft_vocab: int, draft_name: str) -> None:
 def build_proposer(spec: SpeculativeConfig, engine, target_vocab: int) -> Proposer:
     if spec.method == "ngram":
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if spec.method in ("draft_model", "eagle") and spec.model is None:
+        # No draft named: the one shipped for the default target (a clear error for other targets).
+        from specserve.drafts import shipped_draft
+
+        spec = dataclasses.replace(spec, model=shipped_draft(spec.method, engine.config.model))
+    if spec.method == "eagle":
+        from specserve.spec_decode.eagle import build_eagle_proposer
+
+        return build_eagle_proposer(spec, engine, target_vocab)
     if spec.method == "draft_model":
-        if spec.model is None:
-            raise ValueError("speculative method 'draft_model' needs a speculative model (speculative_model=...)")
         dtype = resolve_dtype(spec.draft_dtype, engine.device) if spec.draft_dtype else engine.dtype
         loaded = load_model(spec.model, dtype)
         check_vocab(target_vocab, loaded.config.vocab_size, loaded.name)

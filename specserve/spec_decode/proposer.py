@@ -1,4 +1,25 @@
-"""The proposer interface: what guesses draft tokens for verification."""
+"""The proposer interface: what guesses draft tokens for verification.
+
+Per engine step, for the requests that are decoding:
+
+1. ``propose(scheduled)`` returns up to ``s.num_lookahead`` draft tokens per
+   request (and the draft's processed probabilities for sampled requests; ``None``
+   means one-hot, i.e. the tokens were chosen deterministically).
+2. The target verifies them in its one forward pass.
+3. Only for proposers with ``needs_target_hidden = True`` (EAGLE):
+   ``observe(states)`` receives the target's final hidden states at every
+   position whose KV the step KEPT: prefill chunks, and for a verification run
+   the last token plus the accepted drafts (rejected positions are left out).
+   Positions are absolute, so a proposer can tell a continuation from a
+   recomputation after preemption.
+
+Proposers that keep a KV cache (draft model, EAGLE) track what they have
+computed in ``request.proposer_num_computed_tokens``; the engine lowers it to
+the target's ``num_computed_tokens`` after verification, so rejected drafts are
+recomputed (the scheduler zeroes it on preemption). Per-request state that a
+proposer keeps must not outlive the request (see ``EagleProposer``: a
+``WeakKeyDictionary`` keyed by the request).
+"""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -6,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.engine.request import Request
 from specserve.engine.scheduler import ScheduledRequest
 
 
@@ -17,16 +39,39 @@ class Proposal:
     probs: list[torch.Tensor | None]      # per request [n_i, V] processed draft probs; None = one-hot
 
 
+@dataclass
+class TargetHidden:
+    """The target's final (post-norm) hidden states of one request's kept positions."""
+
+    request: Request
+    start_position: int        # position of hidden[0]
+    hidden: torch.Tensor       # [n, hidden_size], positions start_position .. start_position + n - 1
+
+
 class Proposer(ABC):
-    """Guesses up to ``s.num_lookahead`` tokens for each decoding request.
+    """Guesses up to ``s.num_lookahead`` tokens for each decoding request."""
 
-    Proposers that keep a KV cache (draft model, EAGLE) track what they have
-    computed in ``request.proposer_num_computed_tokens``; the engine lowers it
-    after verification so rejected drafts are recomputed.
-    """
-
-    #: True when the proposer needs the target's hidden states (EAGLE).
+    #: True when the proposer needs the target's hidden states (EAGLE): the engine
+    #: then asks the runner for every new token's hidden state and calls ``observe``.
     needs_target_hidden: bool = False
 
     @abstractmethod
     def propose(self, scheduled: list[ScheduledRequest]) -> Proposal: ...
+
+    def observe(self, states: list[TargetHidden]) -> None:  # noqa: B027 - optional hook
+        """The target's hidden states after a step (only if ``needs_target_hidden``)."""
+
+
+def kept_hidden_states(
+    scheduled: list[ScheduledRequest],
+    num_tokens: list[int],        # per request: tokens it fed to the target this step (drafts included)
+    starts: list[int],            # per request: num_computed_tokens before the step
+    all_hidden: torch.Tensor,     # [sum num_tokens, hidden] the target's hidden state of every new token
+) -> list[TargetHidden]:
+    """Slice a step's hidden states to the positions each request kept (after verification)."""
+    out, row = [], 0
+    for s, n, start in zip(scheduled, num_tokens, starts):
+        kept = s.request.num_computed_tokens - start
+        out.append(TargetHidden(s.request, start, all_hidden[row : row + kept]))
+        row += n
+    return out

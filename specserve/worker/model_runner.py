@@ -29,6 +29,7 @@ class ForwardInput:
 class ForwardOutput:
     logits: torch.Tensor       # [sum num_logits, vocab] fp32
     hidden: torch.Tensor       # [sum num_logits, hidden] final-norm hidden states at the same positions
+    all_hidden: torch.Tensor | None = None  # [sum len(token_ids), hidden] every new token's (when asked)
 
 
 class ModelRunner:
@@ -68,7 +69,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
 
     @torch.inference_mode()
-    def execute(self, inputs: list[ForwardInput]) -> ForwardOutput:
+    def execute(self, inputs: list[ForwardInput], return_all_hidden: bool = False) -> ForwardOutput:
         token_ids: list[int] = []
         positions: list[int] = []
         logit_indices: list[int] = []
@@ -88,7 +89,11 @@ class ModelRunner:
         )
         ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
-        hidden = self.model(ids, pos, self.kv_caches, meta)  # [T, hidden]
+        all_hidden = self.model(ids, pos, self.kv_caches, meta)  # [T, hidden]
         idx = torch.tensor(logit_indices, dtype=torch.long).to(self.device, non_blocking=True)
-        hidden = hidden[idx]
-        return ForwardOutput(logits=self.model.compute_logits(hidden), hidden=hidden)
+        hidden = all_hidden[idx]
+        return ForwardOutput(
+            logits=self.model.compute_logits(hidden),
+            hidden=hidden,
+            all_hidden=all_hidden if return_all_hidden else None,
+        )

@@ -1,0 +1,210 @@
+"""An EAGLE-1-style draft head: one decoder layer over [target feature, next-token embedding].
+
+At position t the target's final (post-norm) hidden state ``f_t`` and the token
+that follows it, ``x_{t+1}``, go in::
+
+    x = fc([f_t ; embed(x_{t+1})])          # [T, 2H] -> [T, H]
+    h = norm(decoder_layer(x))              # attends to the head's earlier positions
+    logits = h @ lm_head[draft_vocab].T     # predicts x_{t+2}
+
+``h`` is trained to equal ``f_{t+1}`` (and its logits to match the target's),
+so when drafting the head feeds its own ``h`` back in as the next feature.
+The embedding and the LM head are the target's, frozen and never saved; the
+LM head may be cut to a draft vocabulary (the most frequent target tokens),
+which makes both drafting and training several times cheaper.
+
+On disk a head is a folder: ``eagle_config.json`` + ``model.safetensors``
+(``fc.weight``, ``layer.*`` in Hugging Face naming, ``norm.weight`` and, for a
+reduced vocabulary, ``draft_vocab``: the int64 target token ids it can draft).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.model_executor.layers.attention import AttentionMetadata
+from specserve.model_executor.layers.norm import RMSNorm
+from specserve.model_executor.layers.rotary import RotaryEmbedding, apply_rotary
+from specserve.model_executor.models.llama import LlamaDecoderLayer
+
+EAGLE_CONFIG_NAME = "eagle_config.json"
+EAGLE_WEIGHTS_NAME = "model.safetensors"
+
+
+@dataclass
+class EagleConfig:
+    """The head's shape; the attention/MLP sizes are a Llama decoder layer's."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    vocab_size: int                    # the target's vocabulary (checked at load)
+    draft_vocab_size: int              # rows of the LM head the head drafts from (<= vocab_size)
+    target: str = ""                   # the target it was trained for (display only)
+    architecture: str = "EagleHead"
+    model_type: str = "llama"          # what the decoder layer is
+    hidden_act: str = "silu"
+    training: dict = field(default_factory=dict)  # how it was trained (free-form, for the record)
+
+    @classmethod
+    def from_target(cls, config, draft_vocab_size: int | None = None, target: str = "") -> "EagleConfig":
+        from specserve.model_executor.layers.rotary import rope_theta_of
+
+        heads = config.num_attention_heads
+        return cls(
+            hidden_size=config.hidden_size,
+            num_attention_heads=heads,
+            num_key_value_heads=config.num_key_value_heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            intermediate_size=config.intermediate_size,
+            rms_norm_eps=config.rms_norm_eps,
+            rope_theta=rope_theta_of(config),
+            vocab_size=config.vocab_size,
+            draft_vocab_size=draft_vocab_size or config.vocab_size,
+            target=target,
+        )
+
+    def save(self, folder: str) -> None:
+        with open(os.path.join(folder, EAGLE_CONFIG_NAME), "w") as f:
+            json.dump(asdict(self), f, indent=2)
+
+    @classmethod
+    def load(cls, folder: str) -> "EagleConfig":
+        with open(os.path.join(folder, EAGLE_CONFIG_NAME)) as f:
+            values = json.load(f)
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in values.items() if k in known})
+
+
+def is_eagle_folder(path: str | None) -> bool:
+    return bool(path) and os.path.isfile(os.path.join(path, EAGLE_CONFIG_NAME))
+
+
+class EagleHead(nn.Module):
+    def __init__(self, config: EagleConfig, max_positions: int = 8192):
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.layer = LlamaDecoderLayer(config, _single_tp())
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta)
+        self.num_kv_heads_local = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        # The target's token ids the LM head rows stand for (None = the whole vocabulary).
+        self.register_buffer("draft_vocab", None, persistent=False)
+
+    # ------------------------------------------------------------- weights I/O
+    def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
+        """Hugging Face names (``layer.self_attn.q_proj.weight``...) -> fused layers."""
+        sd = dict(sd)
+        self.fc.weight.data = sd.pop("fc.weight")
+        self.norm.weight.data = sd.pop("norm.weight")
+        vocab = sd.pop("draft_vocab", None)
+        self.draft_vocab = vocab.long() if vocab is not None else None
+        p, layer = "layer.", self.layer
+        layer.self_attn.qkv_proj.load([sd.pop(f"{p}self_attn.{n}_proj.weight") for n in "qkv"])
+        layer.self_attn.o_proj.load(sd.pop(f"{p}self_attn.o_proj.weight"))
+        layer.mlp.gate_up_proj.load([sd.pop(f"{p}mlp.gate_proj.weight"), sd.pop(f"{p}mlp.up_proj.weight")])
+        layer.mlp.down_proj.load(sd.pop(f"{p}mlp.down_proj.weight"))
+        layer.input_layernorm.weight.data = sd.pop(f"{p}input_layernorm.weight")
+        layer.post_attention_layernorm.weight.data = sd.pop(f"{p}post_attention_layernorm.weight")
+        if sd:
+            raise ValueError(f"unexpected weights in the EAGLE head: {sorted(sd)[:5]}")
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """The inverse of ``load_weights`` (unfused, Hugging Face names)."""
+        layer = self.layer
+        q_size = self.config.num_attention_heads * self.head_dim
+        kv_size = self.config.num_key_value_heads * self.head_dim
+        q, k, v = layer.self_attn.qkv_proj.weight.detach().split([q_size, kv_size, kv_size])
+        gate, up = layer.mlp.gate_up_proj.weight.detach().chunk(2)
+        sd = {
+            "fc.weight": self.fc.weight.detach(),
+            "norm.weight": self.norm.weight.detach(),
+            "layer.self_attn.q_proj.weight": q,
+            "layer.self_attn.k_proj.weight": k,
+            "layer.self_attn.v_proj.weight": v,
+            "layer.self_attn.o_proj.weight": layer.self_attn.o_proj.weight.detach(),
+            "layer.mlp.gate_proj.weight": gate,
+            "layer.mlp.up_proj.weight": up,
+            "layer.mlp.down_proj.weight": layer.mlp.down_proj.weight.detach(),
+            "layer.input_layernorm.weight": layer.input_layernorm.weight.detach(),
+            "layer.post_attention_layernorm.weight": layer.post_attention_layernorm.weight.detach(),
+        }
+        if self.draft_vocab is not None:
+            sd["draft_vocab"] = self.draft_vocab
+        return {k: t.contiguous() for k, t in sd.items()}
+
+    # ---------------------------------------------------------------- forwards
+    def forward(
+        self,
+        features: torch.Tensor,    # [T, H] target (or the head's own) post-norm hidden states
+        token_embeds: torch.Tensor,  # [T, H] embeddings of the tokens that follow them
+        positions: torch.Tensor,   # [T]
+        kv_cache: torch.Tensor,    # [2, num_blocks, block_size, Hk, hd]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:             # [T, H] predicted next features
+        x = self.fc(torch.cat([features, token_embeds], dim=-1))
+        rope = self.rotary.lookup(positions, x.dtype)
+        return self.norm(self.layer(rope, x, kv_cache, meta))
+
+    def forward_train(
+        self,
+        features: torch.Tensor,      # [B, L, H]
+        token_embeds: torch.Tensor,  # [B, L, H]
+    ) -> torch.Tensor:               # [B, L, H]
+        """The same computation over whole padded sequences with causal attention (no KV cache)."""
+        b, length, _ = features.shape
+        x = self.fc(torch.cat([features, token_embeds], dim=-1))
+        positions = torch.arange(length, device=x.device)
+        cos, sin = self.rotary.lookup(positions, x.dtype)               # [L, 1, hd]
+        layer, attn = self.layer, self.layer.self_attn
+        hq, hk, hd = self.config.num_attention_heads, self.config.num_key_value_heads, self.head_dim
+        qkv = attn.qkv_proj(layer.input_layernorm(x))                     # [B, L, (hq + 2hk) hd]
+        qk, v = qkv.split([(hq + hk) * hd, hk * hd], dim=-1)
+        qk = apply_rotary(qk.reshape(b, length, hq + hk, hd), cos, sin)
+        q, k = qk.split([hq, hk], dim=2)
+        v = v.reshape(b, length, hk, hd)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=hq != hk
+        )                                                                # [B, hq, L, hd]
+        x = x + attn.o_proj(out.transpose(1, 2).reshape(b, length, hq * hd))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)
+
+
+def _single_tp():
+    from specserve.distributed.parallel_state import SINGLE
+
+    return SINGLE
+
+
+def save_eagle_head(folder: str, head: EagleHead, dtype: torch.dtype = torch.bfloat16) -> None:
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    sd = {k: (t.to(dtype) if t.is_floating_point() else t).cpu() for k, t in head.export_weights().items()}
+    save_file(sd, os.path.join(folder, EAGLE_WEIGHTS_NAME))
+    head.config.save(folder)
+
+
+def load_eagle_head(folder: str, dtype: torch.dtype, max_positions: int = 8192) -> EagleHead:
+    from safetensors.torch import load_file
+
+    if not is_eagle_folder(folder):
+        raise ValueError(f"{folder!r} is not an EAGLE head folder (no {EAGLE_CONFIG_NAME})")
+    config = EagleConfig.load(folder)
+    sd = load_file(os.path.join(folder, EAGLE_WEIGHTS_NAME))
+    head = EagleHead(config, max_positions)
+    head.load_weights({k: (t.to(dtype) if t.is_floating_point() else t) for k, t in sd.items()})
+    return head

@@ -1,0 +1,237 @@
+"""The EAGLE proposer: a one-layer head over the target's hidden states.
+
+The head (``model_executor/models/eagle.py``) has its own one-layer KV cache
+but shares the target's block tables, like the draft-model proposer, so the
+scheduler's lookahead slots and preemption cover it. Its position t holds
+``fc([f_t ; embed(x_{t+1})])``, where ``f_t`` is the target's final hidden state
+at t, so it can only be computed once the target has computed t AND the token
+after it is known.
+
+Each step, for every decoding request with ``n = num_computed_tokens`` (the
+target has positions 0..n-1; token n is the one just sampled):
+
+1. catch up: one head forward over positions ``proposer_num_computed_tokens``
+   .. n-1 with the target's real features (from ``observe``) and tokens
+   x_{p+1}; the last position's output gives draft 1;
+2. drafts 2..k: single-position forwards at n, n+1, ... that feed the head's
+   own output back in as the feature (no target feature exists there yet).
+
+Only positions computed from real target features count as computed: after
+drafting, ``proposer_num_computed_tokens`` is n, so the draft positions are
+recomputed (overwritten) with real features after verification.
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+
+import torch
+
+from specserve.engine.kv_cache_manager import KVCacheManager
+from specserve.engine.request import Request
+from specserve.engine.scheduler import ScheduledRequest
+from specserve.model_executor.layers.attention import AttentionMetadata
+from specserve.model_executor.models.eagle import EagleHead
+from specserve.sample.sampler import SamplingTensors, processed_probs, sample_from_probs
+from specserve.spec_decode.proposer import Proposal, Proposer, TargetHidden
+
+logger = logging.getLogger(__name__)
+
+
+class _Features:
+    """The target's hidden states of one request at positions [start, start + len(rows))."""
+
+    def __init__(self, start: int, rows: torch.Tensor):
+        self.start = start
+        self.rows = rows
+
+    @property
+    def end(self) -> int:
+        return self.start + self.rows.shape[0]
+
+    def add(self, start: int, rows: torch.Tensor) -> None:
+        if self.start <= start <= self.end:  # a continuation (or a rewrite of the tail)
+            self.rows = torch.cat([self.rows[: start - self.start], rows])
+        else:  # a gap or a restart (preemption recomputes from 0): keep only the new rows
+            self.start, self.rows = start, rows
+
+    def get(self, start: int, end: int) -> torch.Tensor | None:
+        if start < self.start or end > self.end:
+            return None
+        return self.rows[start - self.start : end - self.start]
+
+    def drop_before(self, position: int) -> None:
+        if position > self.start:
+            self.rows = self.rows[position - self.start :]
+            self.start = position
+
+
+class EagleProposer(Proposer):
+    needs_target_hidden = True
+
+    def __init__(
+        self,
+        head: EagleHead,
+        embed_tokens: torch.nn.Module,     # the target's embedding (frozen, shared)
+        lm_head_weight: torch.Tensor,      # [V, H] the target's LM head rows (full vocabulary)
+        kv_cache: KVCacheManager,
+        vocab_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        block_size: int,
+    ):
+        self.head = head.to(device).eval()
+        self.embed_tokens = embed_tokens
+        self.kv_cache = kv_cache
+        self.vocab_size = vocab_size
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        vocab = head.draft_vocab
+        self.draft_vocab = vocab.to(device) if vocab is not None else None            # [Vd] target ids
+        rows = lm_head_weight[: vocab_size] if vocab is None else lm_head_weight[vocab.to(lm_head_weight.device)]
+        self.lm_head = rows.to(device=device, dtype=dtype).contiguous()                 # [Vd, H]
+        cfg = head.config
+        shape = (2, kv_cache.num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        self.features: weakref.WeakKeyDictionary[Request, _Features] = weakref.WeakKeyDictionary()
+        self._warned = False
+
+    # ------------------------------------------------------------------ hooks
+    def observe(self, states: list[TargetHidden]) -> None:
+        for st in states:
+            req = st.request
+            if req.is_finished() or st.hidden.shape[0] == 0:
+                continue
+            feats = self.features.get(req)
+            if feats is None:
+                self.features[req] = _Features(st.start_position, st.hidden)
+            else:
+                feats.add(st.start_position, st.hidden)
+
+    # --------------------------------------------------------------- drafting
+    def _forward(self, features, token_ids, positions, query_lens, context_lens, block_tables) -> torch.Tensor:
+        meta = AttentionMetadata.build(query_lens, context_lens, block_tables, self.block_size, self.device, self.dtype)
+        ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
+        embeds = self.embed_tokens(ids).to(self.dtype)
+        return self.head(features.to(self.dtype), embeds, pos, self.kv, meta)   # [T, H]
+
+    def _choose(self, hidden: torch.Tensor, rows: list[int], reqs: list[Request], st: SamplingTensors):
+        """hidden [n, H] of requests ``rows`` -> (tokens, probs [n, V] or None when all greedy)."""
+        logits = (hidden @ self.lm_head.T).float()                                     # [n, Vd]
+        greedy = [reqs[i].sampling_params.greedy for i in rows]
+        if all(greedy):
+            best = logits.argmax(dim=-1)
+            tokens = self.draft_vocab[best] if self.draft_vocab is not None else best
+            return tokens.tolist(), None
+        if self.draft_vocab is not None:  # tokens outside the draft vocabulary get probability 0
+            full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+            full[:, self.draft_vocab] = logits
+            logits = full
+        sub = SamplingTensors(
+            st.temperature[rows], st.top_k[rows], st.top_p[rows], st.min_p[rows], st.need_sort, st.need_min_p
+        )
+        q = processed_probs(logits, sub)                                               # [n, V]
+        sampled = sample_from_probs(q, [reqs[i].generator for i in rows])
+        is_greedy = torch.tensor(greedy, device=q.device)
+        tokens = torch.where(is_greedy, q.argmax(dim=-1), sampled)
+        return tokens.tolist(), q
+
+    @torch.inference_mode()
+    def propose(self, scheduled: list[ScheduledRequest]) -> Proposal:
+        reqs = [s.request for s in scheduled]
+        budgets = [s.num_lookahead for s in scheduled]
+        st = SamplingTensors.build([r.sampling_params for r in reqs], self.vocab_size, self.device)
+        drafts: list[list[int]] = [[] for _ in reqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in reqs]
+
+        # 1. Catch up on positions [proposer_num_computed_tokens, num_computed_tokens) with real features.
+        active, feats, token_ids, positions, q_lens, ctx_lens, tables = [], [], [], [], [], [], []
+        for i, r in enumerate(reqs):
+            start, end = r.proposer_num_computed_tokens, r.num_computed_tokens
+            stored = self.features.get(r)
+            rows = stored.get(start, end) if stored is not None else None
+            if rows is None or end <= start or budgets[i] == 0:
+                if budgets[i] and not self._warned:
+                    logger.warning("EAGLE: no target hidden states for request %s; not drafting", r.request_id)
+                    self._warned = True
+                continue
+            active.append(i)
+            feats.append(rows)
+            token_ids.extend(r.all_token_ids[start + 1 : end + 1])
+            positions.extend(range(start, end))
+            q_lens.append(end - start)
+            ctx_lens.append(end)
+            tables.append(self.kv_cache.block_table(r.request_id))
+        if not active:
+            return Proposal(token_ids=drafts, probs=[None] * len(reqs))
+        hidden = self._forward(torch.cat(feats), token_ids, positions, q_lens, ctx_lens, tables)
+        last = torch.tensor(q_lens).cumsum(0) - 1
+        hidden = hidden[last.to(self.device)]                                         # [len(active), H]
+        for i in active:
+            r = reqs[i]
+            r.proposer_num_computed_tokens = r.num_computed_tokens
+            self.features[r].drop_before(r.num_computed_tokens)
+
+        # 2. Draft: each step's output feature and token feed the next position.
+        step = 0
+        while True:
+            tokens, q = self._choose(hidden, active, reqs, st)
+            for row, i in enumerate(active):
+                drafts[i].append(tokens[row])
+                if q is not None and not reqs[i].sampling_params.greedy:
+                    probs[i].append(q[row])
+            keep = [row for row, i in enumerate(active) if len(drafts[i]) < budgets[i]]
+            if not keep:
+                break
+            active = [active[row] for row in keep]
+            hidden = hidden[torch.tensor(keep, device=self.device)]
+            pos = [reqs[i].num_computed_tokens + step for i in active]
+            hidden = self._forward(
+                hidden,
+                [drafts[i][-1] for i in active],
+                pos,
+                [1] * len(active),
+                [p + 1 for p in pos],
+                [self.kv_cache.block_table(reqs[i].request_id) for i in active],
+            )
+            step += 1
+        return Proposal(token_ids=drafts, probs=[torch.stack(p) if p else None for p in probs])
+
+
+def build_eagle_proposer(spec, engine, target_vocab: int) -> EagleProposer:
+    """SpeculativeConfig(method="eagle", model=FOLDER) + the engine -> an EagleProposer."""
+    from specserve.model_executor.loader import resolve_dtype
+    from specserve.model_executor.models.eagle import EagleConfig, is_eagle_folder, load_eagle_head
+    from specserve.spec_decode.factory import check_vocab
+
+    folder = spec.model
+    if not is_eagle_folder(folder):
+        raise ValueError(
+            f"speculative method 'eagle' needs an EAGLE head folder (with eagle_config.json), got {folder!r}; "
+            "train one with `specserve train-draft --target MODEL --method eagle --out DIR`"
+        )
+    if engine.config.tensor_parallel_size != 1:
+        raise ValueError("the EAGLE proposer does not support tensor_parallel_size > 1 yet")
+    config = EagleConfig.load(folder)
+    check_vocab(target_vocab, config.vocab_size, folder)
+    target_hidden = engine.hf_config.hidden_size
+    if config.hidden_size != target_hidden:
+        raise ValueError(
+            f"the EAGLE head {folder!r} has hidden size {config.hidden_size} but the target has {target_hidden}; "
+            "it was trained for another target"
+        )
+    dtype = resolve_dtype(spec.draft_dtype, engine.device) if spec.draft_dtype else engine.dtype
+    head = load_eagle_head(folder, dtype, max_positions=engine.max_model_len + spec.num_speculative_tokens)
+    target = engine.runner.model
+    return EagleProposer(
+        head,
+        target.embed_tokens,
+        target.lm_head.weight,
+        engine.kv_cache,
+        target_vocab,
+        engine.device,
+        dtype,
+        engine.config.block_size,
+    )

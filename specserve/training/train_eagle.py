@@ -1,0 +1,81 @@
+"""Train an EAGLE head (model_executor/models/eagle.py) on self-distillation data.
+
+At head position t the input is ``(f_t, x_{t+1})`` and the output ``h_t`` should
+be the target's ``f_{t+1}``: the loss is ``reg_weight * smoothL1(h_t, f_{t+1})
++ kl_weight * KL(target || head)`` over the draft vocabulary, at the positions
+whose predicted token is part of a response. The decoder layer starts as a copy
+of the target's last layer, the norm as the target's final norm, and ``fc`` as
+``[I | I]`` (feature + embedding), so training starts from something that
+already reads the target's residual stream; the embedding and LM head are the
+target's, frozen.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from specserve.model_executor.models.eagle import EagleConfig, EagleHead, save_eagle_head
+from specserve.training.trainer import Batch, distill_loss
+
+
+class EagleTask:
+    def __init__(self, target_config, target_sd: dict, draft_vocab: torch.Tensor | None, target_name: str,
+                 reg_weight: float = 1.0, kl_weight: float = 1.0, feature_noise: float = 0.0):
+        config = EagleConfig.from_target(
+            target_config, len(draft_vocab) if draft_vocab is not None else None, target_name
+        )
+        head = EagleHead(config, max_positions=4096)
+        last = target_config.num_hidden_layers - 1
+        p = f"model.layers.{last}."
+        h = config.hidden_size
+        sd = {"fc.weight": torch.cat([torch.eye(h), torch.eye(h)], dim=1), "norm.weight": target_sd["model.norm.weight"]}
+        for name, t in target_sd.items():
+            if name.startswith(p) and not name.endswith(".bias"):  # (a Qwen2 layer's qkv bias is dropped)
+                sd["layer." + name[len(p):]] = t
+        if draft_vocab is not None:
+            sd["draft_vocab"] = draft_vocab
+        head.load_weights({k: (v.float() if v.is_floating_point() else v) for k, v in sd.items()})
+        for param in head.parameters():
+            param.requires_grad_(True)
+        self.module = head
+        self.embed = target_sd["model.embed_tokens.weight"].float()                       # [V, H] frozen
+        self.full_lm_head = target_sd.get("lm_head.weight", target_sd["model.embed_tokens.weight"]).float()
+        self.set_vocab(draft_vocab)
+        self.reg_weight = reg_weight
+        self.kl_weight = kl_weight
+        self.feature_noise = feature_noise
+
+    def set_vocab(self, rows: torch.Tensor | None) -> None:
+        """Which LM-head rows the loss uses (None: all)."""
+        rows = rows.to(self.full_lm_head.device) if rows is not None else None
+        self.lm_head = self.full_lm_head[rows] if rows is not None else self.full_lm_head  # [Vd, H]
+        self.vocab_size = self.lm_head.shape[0]
+
+    def loss(self, batch: Batch):
+        feats, tokens = batch.features, batch.tokens           # [B, L-1, H], [B, L]
+        n = feats.shape[1] - 1                                 # head positions t = 0 .. L-3
+        if n < 1:
+            zero = feats.sum() * 0.0
+            return zero, {"loss": 0.0, "kl": 0.0, "agree": 0.0, "positions": 0}
+        f_in = feats[:, :n]
+        if self.feature_noise and self.module.training:
+            f_in = f_in + self.feature_noise * (torch.rand_like(f_in) - 0.5)
+        emb = F.embedding(tokens[:, 1 : n + 1], self.embed)
+        h = self.module.forward_train(f_in, emb)                # [B, n, H]
+        target = feats[:, 1 : n + 1]
+        t = torch.arange(n, device=tokens.device)[None, :]
+        mask = (t >= (batch.prompt_lens[:, None] - 2)) & (t < (batch.lengths[:, None] - 2))
+        hs, ts = h[mask], target[mask]
+        reg = F.smooth_l1_loss(hs, ts)
+        kl, agree = distill_loss(hs, ts, self.lm_head)
+        loss = self.reg_weight * reg + self.kl_weight * kl
+        return loss, {"loss": loss.item(), "kl": kl.item(), "agree": agree.item(), "positions": int(mask.sum())}
+
+    def to(self, device) -> "EagleTask":
+        self.module.to(device)
+        self.embed, self.full_lm_head, self.lm_head = (t.to(device) for t in (self.embed, self.full_lm_head, self.lm_head))
+        return self
+
+    def export(self, out_dir: str, training_info: dict) -> None:
+        self.module.config.training = training_info
+        save_eagle_head(out_dir, self.module, torch.bfloat16)

@@ -1,0 +1,95 @@
+"""`specserve train-draft` end to end on a tiny random target, for both draft kinds.
+
+The tiny target has the default model's tokenizer (so the chat template and
+vocabulary are real) but 2 layers of width 64, so generating a few answers and
+training for a few steps takes seconds.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specserve import LLM, SamplingParams
+from specserve.entrypoints.cli import main as cli_main
+from specserve.model_executor.loader import load_model
+from specserve.model_executor.models.eagle import EAGLE_CONFIG_NAME, EagleConfig
+from specserve.training.prompts import PROMPTS_FILE, build_prompts, load_prompts
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory) -> str:
+    folder = str(tmp_path_factory.mktemp("tiny-target"))
+    tokenizer = load_model(None, torch.float32, load_weights=False).tokenizer
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+COMMON = ["--num-prompts", "4", "--max-tokens", "12", "--gen-batch-size", "2", "--epochs", "2",
+          "--batch-tokens", "256", "--device", "cpu", "--draft-vocab-size", "512"]
+
+
+def test_shipped_prompt_set_is_the_generated_one():
+    shipped = load_prompts()
+    assert [p["prompt"] for p in shipped] == [p["prompt"] for p in build_prompts()]
+    assert {p["category"] for p in shipped} == {"chat", "qa", "code", "summarization", "math"}
+    bench = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "prompts", "default.jsonl")
+    if os.path.isfile(bench):  # held out: no benchmark prompt is a training prompt
+        assert not {p["prompt"] for p in load_prompts(bench)} & {p["prompt"] for p in shipped}
+    assert os.path.isfile(PROMPTS_FILE)
+
+
+def test_train_draft_model_end_to_end(tiny_target, tmp_path):
+    out = str(tmp_path / "draft")
+    data = str(tmp_path / "data")
+    rc = cli_main(["train-draft", "--target", tiny_target, "--method", "draft_model", "--out", out,
+                   "--data-dir", data, "--num-layers", "1", "--hidden-size", "32", "--profile", *COMMON])
+    assert rc == 0
+    info = json.load(open(os.path.join(out, "training.json")))
+    assert info["complete"] and len(info["history"]) == 2
+    assert set(info["profile"]) == {"draft_vocab", "full_vocab", "no_lm_head"}
+    # A plain Hugging Face folder: transformers loads it...
+    draft = LlamaForCausalLM.from_pretrained(out)
+    assert draft.config.num_hidden_layers == 1 and draft.config.hidden_size == 32
+    # ... and it drafts for the target in specserve; greedy output is the target's own.
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    plain = LLM(model=tiny_target, dtype="float32", device="cpu").generate("Hello there", params)[0]
+    spec_llm = LLM(model=tiny_target, dtype="float32", device="cpu", speculative_model=out, num_speculative_tokens=3)
+    spec = spec_llm.generate("Hello there", params)[0]
+    assert spec.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert spec_llm.get_spec_decode_stats().num_draft_tokens > 0
+
+
+def test_train_eagle_end_to_end_and_resume(tiny_target, tmp_path):
+    out = str(tmp_path / "eagle")
+    work = str(tmp_path / "work")
+    rc = cli_main(["train-draft", "--target", tiny_target, "--method", "eagle", "--out", out,
+                   "--work-dir", work, *COMMON])
+    assert rc == 0
+    config = EagleConfig.load(out)
+    assert config.draft_vocab_size == 512 and config.vocab_size == 49152
+    assert os.path.isfile(os.path.join(out, EAGLE_CONFIG_NAME))
+    assert os.path.isfile(os.path.join(work, "checkpoint.pt"))
+    # --resume with more epochs continues from the checkpoint (the data is reused, not regenerated).
+    rc = cli_main(["train-draft", "--target", tiny_target, "--method", "eagle", "--out", out,
+                   "--work-dir", work, "--resume", *COMMON[:-6], "--epochs", "3", *COMMON[-6:-4], *COMMON[-4:]])
+    assert rc == 0
+    info = json.load(open(os.path.join(out, "training.json")))
+    assert [h["epoch"] for h in info["history"]] == [0, 1, 2]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    plain = LLM(model=tiny_target, dtype="float32", device="cpu").generate(["Hi", "Tell me a story"], params)
+    llm = LLM(model=tiny_target, dtype="float32", device="cpu",
+              speculative_config={"method": "eagle", "model": out, "num_speculative_tokens": 3})
+    spec = llm.generate(["Hi", "Tell me a story"], params)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    assert llm.get_spec_decode_stats().num_draft_tokens > 0
