@@ -1,8 +1,34 @@
 """specserve: an LLM inference engine with lossless speculative decoding."""
-from specserve.config import EngineConfig, SpeculativeConfig
-from specserve.entrypoints.llm import LLM
-from specserve.outputs import CompletionOutput, RequestOutput, SpecDecodeStats
-from specserve.sampling_params import SamplingParams
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from specserve.config import EngineConfig, SpeculativeConfig
+    from specserve.entrypoints.llm import LLM
+    from specserve.outputs import CompletionOutput, RequestOutput, SpecDecodeStats
+    from specserve.sampling_params import SamplingParams
+
+# Imported on first use (PEP 562), so a process that needs only a submodule (a
+# tensor-parallel worker: torch and the model code) skips transformers and the loader.
+_EXPORTS = {
+    "EngineConfig": "specserve.config",
+    "SpeculativeConfig": "specserve.config",
+    "LLM": "specserve.entrypoints.llm",
+    "CompletionOutput": "specserve.outputs",
+    "RequestOutput": "specserve.outputs",
+    "SpecDecodeStats": "specserve.outputs",
+    "SamplingParams": "specserve.sampling_params",
+}
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'specserve' has no attribute {name!r}")
 
 __all__ = ["LLM", "SamplingParams", "SpeculativeConfig", "EngineConfig", "RequestOutput", "CompletionOutput", "SpecDecodeStats"]
 __version__ = "0.1.0"

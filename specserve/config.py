@@ -47,6 +47,9 @@ class SpeculativeConfig:
             raise ValueError(
                 f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}"
             )
+        d = self.draft_tensor_parallel_size
+        if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 1):
+            raise ValueError(f"draft_tensor_parallel_size must be a positive integer, got {d!r}")
         if self.method == "ngram":
             if self.model is not None:
                 raise ValueError("the ngram method takes no speculative model")

@@ -2,10 +2,18 @@
 
 A target at TP N and a draft at TP 1 can live in one process because each
 model holds its own ``TensorParallelGroup``.
+
+``group`` is a process group made by ``create_process_group``: a gloo or NCCL
+backend built straight from a store, never registered as torch.distributed's
+default group, so two engines (or a test and an engine) in one process never
+collide. Collectives are called as methods on it. Any object with the same
+``allreduce`` / ``allgather`` / ``gather`` methods works (a registered
+``ProcessGroup`` too; the unit tests pass an in-process fake).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -15,21 +23,43 @@ import torch.distributed as dist
 class TensorParallelGroup:
     rank: int = 0
     world_size: int = 1
-    group: object | None = None   # a torch.distributed ProcessGroup when world_size > 1
+    group: object | None = None   # a process group (see module doc) when world_size > 1
+
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0 runs the engine, the scheduler and the sampler."""
+        return self.rank == 0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over ranks, in place."""
         if self.world_size == 1:
             return x
-        dist.all_reduce(x, group=self.group)
+        self.group.allreduce([x]).wait()
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
-        """Concatenate every rank's shard along the last dimension."""
+        """Concatenate every rank's shard along the last dimension, on every rank."""
         if self.world_size == 1:
             return x
+        x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
+        self.group.allgather([parts], [x]).wait()
         return torch.cat(parts, dim=-1)
+
+    def gather_last_dim(self, x: torch.Tensor, dst: int = 0) -> torch.Tensor | None:
+        """Concatenate every rank's shard along the last dimension on rank ``dst`` only.
+
+        Other ranks get ``None``: only the driver needs logits, so the LM head
+        sends each shard once instead of to every rank.
+        """
+        if self.world_size == 1:
+            return x
+        x = x.contiguous()
+        opts = dist.GatherOptions()
+        opts.rootRank = dst
+        parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == dst else []
+        self.group.gather([parts] if parts else [], [x], opts).wait()
+        return torch.cat(parts, dim=-1) if self.rank == dst else None
 
     def shard(self, size: int, what: str) -> tuple[int, int]:
         """(start, length) of this rank's slice of a dimension of ``size``."""
@@ -40,3 +70,41 @@ class TensorParallelGroup:
 
 
 SINGLE = TensorParallelGroup()
+
+
+def create_process_group(
+    backend: str,
+    store: dist.Store,
+    rank: int,
+    world_size: int,
+    timeout: timedelta,
+    device: torch.device,
+    loopback: bool = False,
+):
+    """A gloo (CPU) or NCCL (CUDA) process group over ``store``, not registered globally.
+
+    Every rank must call this with the same store (prefix) and world size; it
+    returns once all of them have connected (or raises after ``timeout``).
+    ``loopback`` pins gloo to 127.0.0.1 (all ranks on this machine).
+    """
+    if backend == "gloo":
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [
+            dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
+            if loopback
+            else dist.ProcessGroupGloo.create_default_device()
+        ]
+        pg = dist.ProcessGroupGloo(store, rank, world_size, opts)
+    elif backend == "nccl":
+        if not dist.is_nccl_available():
+            raise RuntimeError("this PyTorch build has no NCCL; tensor parallelism on CUDA needs a CUDA build of torch")
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
+        pg.eager_connect_single_device(device)
+    else:
+        raise ValueError(f"unknown process-group backend {backend!r}; use 'gloo' or 'nccl'")
+    if hasattr(pg, "_set_sequence_number_for_group"):
+        pg._set_sequence_number_for_group()
+    return pg

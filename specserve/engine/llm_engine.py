@@ -27,6 +27,7 @@ from specserve.sampling_params import SamplingParams
 from specserve.spec_decode.factory import build_proposer
 from specserve.spec_decode.proposer import kept_hidden_states
 from specserve.worker.model_runner import ForwardInput, ModelRunner
+from specserve.worker.tp_executor import build_executor, prepare_parallelism
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, spec_config: SpeculativeConfig | None = None):
         self.config = config
         self.spec_config = spec_config
+        prepare_parallelism(config, spec_config)  # TP checks; on a torchrun worker rank this serves and exits
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         loaded = load_model(config.model, self.dtype)
@@ -53,9 +55,9 @@ class LLMEngine:
         if config.max_model_len is not None and config.max_model_len > model_limit:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's limit of {model_limit} positions")
         self.max_model_len = config.max_model_len or min(model_limit, DEFAULT_MAX_MODEL_LEN)
-        self.runner = ModelRunner(
-            loaded.config, loaded.state_dict, self.dtype, self.device, self.max_model_len, config.block_size
-        )
+        # A ModelRunner, or at tensor_parallel_size > 1 a TensorParallelExecutor with the same interface.
+        self.runner = build_executor(config, loaded, self.dtype, self.device, self.max_model_len)
+        self.device = self.runner.device  # cuda:LOCAL_RANK under tensor parallelism
         del loaded
         self.vocab_size = loaded_vocab = self.hf_config.vocab_size
         k = spec_config.num_speculative_tokens if spec_config else 0
@@ -241,7 +243,7 @@ class LLMEngine:
         out = rejection_sample(
             padded,
             drafts.to(self.device),
-            torch.tensor(counts).to(self.device),
+            counts,
             draft_probs,
             [p.greedy for p in params],
             [r.generator for r in reqs],

@@ -9,6 +9,7 @@ from specserve.spec_decode.draft_model import DraftModelProposer
 from specserve.spec_decode.ngram import NgramProposer
 from specserve.spec_decode.proposer import Proposer
 from specserve.worker.model_runner import ModelRunner
+from specserve.worker.tp_executor import build_draft_runner
 
 
 class VocabularyMismatchError(ValueError):
@@ -45,9 +46,8 @@ def build_proposer(spec: SpeculativeConfig, engine, target_vocab: int) -> Propos
                 f"the draft supports {draft_limit} positions, fewer than max_model_len={engine.max_model_len}; "
                 "lower max_model_len"
             )
-        runner = ModelRunner(
-            loaded.config, loaded.state_dict, dtype, engine.device, engine.max_model_len, engine.config.block_size
-        )
+        # TP 1: in the driver process only; draft_tensor_parallel_size = the target's TP: sharded like it.
+        runner = build_draft_runner(spec, engine, loaded, dtype)
         runner.allocate_kv_cache(engine.kv_cache.num_blocks)
         return DraftModelProposer(runner, engine.kv_cache, target_vocab)
     raise ValueError(f"speculative method {spec.method!r} is not available yet")

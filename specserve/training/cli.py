@@ -126,7 +126,7 @@ def cmd_train_draft(args) -> int:
         "draft_vocab_coverage": round(coverage, 4),
         "epochs": args.epochs, "lr": args.lr, "batch_tokens": args.batch_tokens,
         "train_minutes": round((time.monotonic() - t1) / 60, 2),
-        "history": result["history"], "complete": result["complete"],
+        "history": result["history"], "best_epoch": result["best_epoch"], "complete": result["complete"],
     }
     if profile:
         info["profile"] = profile
@@ -137,7 +137,8 @@ def cmd_train_draft(args) -> int:
         task.export(args.out, loaded.tokenizer, info)
     with open(os.path.join(args.out, "training.json"), "w") as f:
         json.dump(info, f, indent=2)
-    last = result["history"][-1] if result["history"] else {}
+    hist = {h["epoch"]: h for h in result["history"]}
+    last = hist.get(result["best_epoch"], result["history"][-1] if result["history"] else {})
     print(f"saved {args.method} draft to {args.out} "
           f"(held-out top-1 agreement with the target: {last.get('eval_agree', float('nan')):.3f}; "
           f"{'complete' if result['complete'] else 'stopped early: rerun with --resume'})")

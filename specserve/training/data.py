@@ -102,7 +102,7 @@ def generate_dataset(
     seed: int = 0,
     max_minutes: float | None = None,
     max_model_len: int | None = None,
-    kv_cache_memory: int = 2 << 30,
+    kv_cache_memory: int | None = None,
 ) -> dict:
     """Generate (or resume generating) the dataset; returns its meta (also saved as meta.json).
 
@@ -117,6 +117,15 @@ def generate_dataset(
     if not todo and os.path.isfile(meta_path):
         with open(meta_path) as f:
             return json.load(f)
+    if kv_cache_memory is None:  # room for the whole batch at full length (no preemption), +25%
+        from specserve.model_executor.loader import load_model, resolve_dtype
+
+        cfg = load_model(target, torch.float32, load_weights=False).config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim
+        per_token *= torch.finfo(resolve_dtype(dtype, torch.device("cpu"))).bits // 8
+        longest = max(len(p["prompt"]) for p in prompts) // 2 + 64 + max_tokens  # generous tokens per prompt
+        kv_cache_memory = max(16 << 20, int(1.25 * per_token * longest * batch_size * len(temperatures)))
     llm = LLM(
         model=target,
         dtype=dtype,
@@ -204,11 +213,15 @@ def response_token_counts(records: list[dict], vocab_size: int) -> torch.Tensor:
 def choose_draft_vocab(records: list[dict], vocab_size: int, size: int | None) -> tuple[torch.Tensor | None, float]:
     """The ``size`` most frequent response tokens (sorted ids) and the share of tokens they cover.
 
+    Ties, including every token never seen, are broken in favour of lower token ids.
+
     ``None`` (size 0/None or >= vocab): the whole vocabulary.
     """
     if not size or size >= vocab_size:
         return None, 1.0
     counts = response_token_counts(records, vocab_size)
-    top = counts.topk(size).indices
+    # Ties (above all: tokens never seen) go to lower ids: BPE merges come in corpus-frequency order.
+    prior = 0.5 * (1 - torch.arange(vocab_size, dtype=torch.float64) / vocab_size)
+    top = (counts.double() + prior).topk(size).indices
     coverage = counts[top].sum().item() / max(1, counts.sum().item())
     return top.sort().values, coverage

@@ -175,6 +175,7 @@ def train(task, records: list[dict], cfg: TrainConfig, work_dir: str, resume: bo
 
     started = time.monotonic()
     out_of_time = False
+    best = None
     bar = tqdm(total=total_steps, initial=step, desc="Training", unit="step")
     while epoch < cfg.epochs and not out_of_time:
         groups = make_batches(train_records, cfg.batch_tokens, cfg.max_len, cfg.seed + epoch)
@@ -209,6 +210,9 @@ def train(task, records: list[dict], cfg: TrainConfig, work_dir: str, resume: bo
         history.append({"epoch": epoch, "train_loss": run["loss"] / n, "train_agree": run["agree"] / n,
                         **{f"eval_{k}": v for k, v in ev.items()}})
         logger.info("epoch %d: %s", epoch, history[-1])
+        score = ev.get("agree", -epoch)
+        if best is None or score > best[0]:  # keep the epoch that agrees with the target best on held-out data
+            best = (score, epoch, {k: v.detach().clone() for k, v in task.module.state_dict().items()})
         tqdm.write(f"epoch {epoch}: " + ", ".join(f"{k}={v:.4f}" for k, v in history[-1].items() if k != "epoch"))
         epoch += 1
         batch_index = 0
@@ -219,13 +223,17 @@ def train(task, records: list[dict], cfg: TrainConfig, work_dir: str, resume: bo
         tqdm.write(f"stopped after {cfg.max_minutes} minutes at epoch {epoch}, batch {batch_index}; "
                    "--resume continues from here")
     task.module.eval()
-    return {"history": history, "steps": step, "complete": not out_of_time,
+    best_epoch = None
+    if best is not None and not out_of_time:
+        task.module.load_state_dict(best[2])
+        best_epoch = best[1]
+    return {"history": history, "best_epoch": best_epoch, "steps": step, "complete": not out_of_time,
             "train_minutes_this_run": round((time.monotonic() - started) / 60, 2),
             "train_records": len(train_records), "eval_records": len(eval_records),
             "train_tokens": sum(len(r["tokens"]) - r["prompt_len"] for r in train_records)}
 
 
-def profile_loss(task, records: list[dict], cfg: TrainConfig, draft_vocab: torch.Tensor | None, steps: int = 3) -> dict:
+def profile_loss(task, records: list[dict], cfg: TrainConfig, draft_vocab: torch.Tensor | None, steps: int = 2) -> dict:
     """Seconds per 1k loss positions of forward + backward: draft vocabulary, full vocabulary, no LM head.
 
     "no LM head" uses a 2-row head, so it measures the draft's own layers; the

@@ -51,10 +51,17 @@ class ModelRunner:
         # Parameters are created empty (no init cost) and replaced by the checkpoint's
         # tensors, already in ``dtype``; rotary tables stay fp32.
         model = model_cls(config, tp=tp, max_positions=max_model_len)
-        model.load_weights({name: t.to(dtype) for name, t in state_dict.items()})
+        self.load_weights(model, state_dict)
         self.model = model.to(device).eval()
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
+
+    def load_weights(self, model, state_dict: dict[str, torch.Tensor]) -> None:
+        """Full (unsharded) checkpoint tensors; each layer keeps its shard.
+
+        A tensor-parallel worker overrides this: its weights arrive already sharded.
+        """
+        model.load_weights({name: t.to(self.dtype) for name, t in state_dict.items()})
 
     @property
     def bytes_per_block(self) -> int:

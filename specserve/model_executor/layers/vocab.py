@@ -35,9 +35,15 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """logits = hidden @ E.T, gathered over ranks and trimmed to the real vocab."""
+    """logits = hidden @ E.T, gathered on rank 0 and trimmed to the real vocab.
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
-        logits = F.linear(hidden, self.weight)
-        logits = self.tp.all_gather_last_dim(logits)
+    Only the driver (rank 0) samples, so the shards are gathered there alone;
+    other ranks get ``None``.
+    """
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [N, hidden] -> [N, vocab] fp32
+        logits = F.linear(hidden, self.weight)                   # [N, padded_vocab / tp]
+        logits = self.tp.gather_last_dim(logits, dst=0)          # [N, padded_vocab] on rank 0
+        if logits is None:
+            return None
         return logits[:, : self.vocab_size].float()

@@ -1,0 +1,211 @@
+"""specserve's Llama-family model against transformers' reference implementation.
+
+Same weights, same tokens: our logits (paged KV cache, flat batches, chunked
+prefill) must equal transformers' ``*ForCausalLM`` logits. Everything runs in
+float32, where the only differences are summation order (different matmul and
+attention kernels), so the tolerances are tight:
+
+- tiny random models (logits of magnitude ~1-10): max abs diff < 1e-4;
+- the real default model (logits of magnitude ~40): max abs diff < 1e-3
+  (we see ~4e-5).
+
+Paths that compute the same thing with different shapes (one pass vs two
+chunks, one request vs a flat batch of two) are held to the same 1e-4 / 1e-3.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from specserve.model_executor.loader import load_model
+from specserve.worker.model_runner import ForwardInput, ModelRunner
+
+BLOCK_SIZE = 16
+TINY_ATOL = 1e-4
+REAL_ATOL = 1e-3
+
+
+# --------------------------------------------------------------------------- helpers
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread (override with SPECSERVE_TEST_THREADS): on a busy 2-core machine two
+    OpenMP threads spin-wait on each other and a forward pass gets ~10x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(int(os.environ.get("SPECSERVE_TEST_THREADS", "1")))
+    yield
+    torch.set_num_threads(before)
+
+
+def make_runner(config, state_dict, num_blocks: int = 32, max_model_len: int = 256) -> ModelRunner:
+    runner = ModelRunner(config, state_dict, torch.float32, torch.device("cpu"), max_model_len, BLOCK_SIZE)
+    runner.allocate_kv_cache(num_blocks)
+    return runner
+
+
+def run_chunks(runner: ModelRunner, tokens: list[int], chunk_lens: list[int], block_table: list[int]) -> torch.Tensor:
+    """Prefill ``tokens`` in chunks through the paged cache; logits at every position [T, V]."""
+    assert sum(chunk_lens) == len(tokens)
+    out, start = [], 0
+    for n in chunk_lens:
+        chunk = tokens[start : start + n]
+        out.append(runner.execute([ForwardInput(chunk, start, block_table, num_logits=n)]).logits)
+        start += n
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def hf_logits(hf_model, tokens: list[int]) -> torch.Tensor:
+    return hf_model(torch.tensor([tokens])).logits[0].float()
+
+
+def randomize_(model: torch.nn.Module, seed: int) -> None:
+    """Weights far from the init scale (std 0.02 makes every logit ~0 and every test trivially pass);
+    norm weights away from 1 so a forgotten norm weight shows."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1.0 + 0.2 * noise if "norm" in name else 0.15 * noise)
+
+
+def save_tiny(model, folder, tokenizer) -> str:
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)  # the loader wants a tokenizer; any one will do for logits
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def default_tokenizer():
+    return load_model(None, torch.float32, load_weights=False).tokenizer
+
+
+def tiny_llama() -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2,          # GQA
+        max_position_embeddings=256, rope_theta=500000.0,      # non-default theta
+        rms_norm_eps=1e-5, tie_word_embeddings=False,          # separate LM head (the default model ties)
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    randomize_(model, seed=1)
+    return model
+
+
+def tiny_qwen2() -> Qwen2ForCausalLM:
+    config = Qwen2Config(
+        vocab_size=280, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).eval()
+    randomize_(model, seed=2)  # includes the q/k/v biases
+    assert model.model.layers[0].self_attn.q_proj.bias is not None
+    return model
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tiny_pair(request, tmp_path_factory, default_tokenizer):
+    """(transformers model, specserve runner) over the same weights, loaded from a saved folder."""
+    hf = tiny_llama() if request.param == "llama" else tiny_qwen2()
+    folder = save_tiny(hf, tmp_path_factory.mktemp(f"tiny-{request.param}"), default_tokenizer)
+    loaded = load_model(folder, torch.float32)
+    assert loaded.config.model_type == request.param
+    return hf, make_runner(loaded.config, loaded.state_dict)
+
+
+def prompt(vocab: int, n: int, seed: int) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# ------------------------------------------------------------------ tiny random models
+def test_tiny_matches_transformers(tiny_pair):
+    hf, runner = tiny_pair
+    tokens = prompt(hf.config.vocab_size, 40, seed=3)
+    ref = hf_logits(hf, tokens)
+    # A non-contiguous, unordered block table: the paging must not assume block i at slot i.
+    ours = run_chunks(runner, tokens, [40], block_table=[7, 2, 19])
+    assert ours.shape == ref.shape
+    assert ref.abs().max() > 1.0, "random weights too small to make this test meaningful"
+    assert (ours - ref).abs().max() < TINY_ATOL
+
+
+def test_tiny_chunked_prefill_and_decode_equal_one_pass(tiny_pair):
+    hf, runner = tiny_pair
+    tokens = prompt(hf.config.vocab_size, 45, seed=4)
+    one_pass = run_chunks(runner, tokens, [45], block_table=[3, 9, 1])
+    # Chunks that do not line up with block boundaries, then single-token decode steps.
+    chunked = run_chunks(runner, tokens, [13, 21, 1, 1, 1, 8], block_table=[5, 0, 11])
+    assert (chunked - one_pass).abs().max() < TINY_ATOL
+    assert (chunked - hf_logits(hf, tokens)).abs().max() < TINY_ATOL
+
+
+def test_tiny_flat_batch_equals_each_alone(tiny_pair):
+    hf, runner = tiny_pair
+    vocab = hf.config.vocab_size
+    a, b = prompt(vocab, 23, seed=5), prompt(vocab, 37, seed=6)
+    alone_a = run_chunks(runner, a, [23], block_table=[0, 1])
+    alone_b = run_chunks(runner, b, [37], block_table=[2, 3, 4])
+    # Request b's first 30 tokens are already in the cache (a previous chunk); then one
+    # step carries a's whole prompt and b's last 7 tokens: different query lengths
+    # (the padded attention path) and b at start_position > 0.
+    runner.execute([ForwardInput(b[:30], 0, [12, 13, 14], num_logits=0)])
+    batch = runner.execute([
+        ForwardInput(a, 0, [10, 11], num_logits=23),
+        ForwardInput(b[30:], 30, [12, 13, 14], num_logits=7),
+    ]).logits
+    assert batch.shape == (30, vocab)
+    assert (batch[:23] - alone_a).abs().max() < TINY_ATOL
+    assert (batch[23:] - alone_b[30:]).abs().max() < TINY_ATOL
+    # num_logits picks the last positions only.
+    last = runner.execute([ForwardInput(a, 0, [10, 11], num_logits=1), ForwardInput(b, 0, [2, 3, 4], num_logits=2)])
+    assert (last.logits[0] - alone_a[-1]).abs().max() < TINY_ATOL
+    assert (last.logits[1:] - alone_b[-2:]).abs().max() < TINY_ATOL
+
+
+# ------------------------------------------------------------------- the default model
+@pytest.fixture(scope="module")
+def default_pair():
+    loaded = load_model(None, torch.float32)
+    hf = AutoModelForCausalLM.from_config(loaded.config)
+    missing, unexpected = hf.load_state_dict(loaded.state_dict, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embeddings
+    hf.tie_weights()
+    hf = hf.float().eval()
+    runner = make_runner(loaded.config, loaded.state_dict, num_blocks=16, max_model_len=256)
+    tok = loaded.tokenizer
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "Explain in two sentences why the sky is blue."}],
+        tokenize=False, add_generation_prompt=True,
+    )
+    return hf, runner, tok.encode(text, add_special_tokens=False)
+
+
+def test_default_model_matches_transformers(default_pair):
+    hf, runner, tokens = default_pair
+    assert len(tokens) > BLOCK_SIZE  # spans blocks
+    ref = hf_logits(hf, tokens)
+    ours = run_chunks(runner, tokens, [len(tokens)], block_table=[4, 1, 9])
+    assert ref.abs().max() > 10  # real logits, not a degenerate model
+    assert (ours - ref).abs().max() < REAL_ATOL
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_default_model_chunked_and_batched(default_pair):
+    hf, runner, tokens = default_pair
+    n = len(tokens)
+    one_pass = run_chunks(runner, tokens, [n], block_table=[0, 1, 2])
+    two_chunks = run_chunks(runner, tokens, [n - 11, 11], block_table=[3, 4, 5])
+    assert (two_chunks - one_pass).abs().max() < REAL_ATOL
+    other = tokens[:-7]
+    alone_other = run_chunks(runner, other, [len(other)], block_table=[6, 7, 8])
+    batch = runner.execute([
+        ForwardInput(tokens, 0, [9, 10, 11], num_logits=n),
+        ForwardInput(other, 0, [12, 13, 14], num_logits=len(other)),
+    ]).logits
+    assert (batch[:n] - one_pass).abs().max() < REAL_ATOL
+    assert (batch[n:] - alone_other).abs().max() < REAL_ATOL
