@@ -34,6 +34,10 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     draft_dtype: str | None = None   # defaults to the target's dtype
+    # Skip drafting in steps with at least this many decoding requests: a large
+    # batch already uses the hardware well, and verifying k+1 positions per
+    # request then costs more than it saves (vLLM's disable_by_batch_size).
+    disable_by_batch_size: int | None = None
 
     METHODS = ("draft_model", "ngram", "eagle")
 
@@ -47,6 +51,9 @@ class SpeculativeConfig:
             raise ValueError(
                 f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}"
             )
+        b = self.disable_by_batch_size
+        if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 1):
+            raise ValueError(f"disable_by_batch_size must be a positive integer, got {b!r}")
         d = self.draft_tensor_parallel_size
         if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 1):
             raise ValueError(f"draft_tensor_parallel_size must be a positive integer, got {d!r}")

@@ -192,6 +192,9 @@ class LLMEngine:
         if self.proposer is None:
             return
         decoding = [s for s in scheduled if s.num_lookahead > 0]
+        limit = self.spec_config.disable_by_batch_size
+        if limit is not None and len(decoding) >= limit:
+            return  # plain decoding this step; the reserved lookahead slots stay unused
         if not decoding:
             return
         proposal = self.proposer.propose(decoding)
