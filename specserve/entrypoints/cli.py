@@ -21,6 +21,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=None, help="k, draft tokens per step")
     p.add_argument("--prompt-lookup-max", type=int, default=None, help="ngram: longest suffix to match")
     p.add_argument("--prompt-lookup-min", type=int, default=None, help="ngram: shortest suffix to match")
+    p.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
+                   help="skip drafting in steps with at least this many decoding requests")
     p.add_argument("--draft-tensor-parallel-size", type=int, default=None)
 
 
@@ -32,6 +34,7 @@ def speculative_config_from_args(args) -> dict | None:
         "prompt_lookup_max": args.prompt_lookup_max,
         "prompt_lookup_min": args.prompt_lookup_min,
         "draft_tensor_parallel_size": args.draft_tensor_parallel_size,
+        "disable_by_batch_size": args.speculative_disable_by_batch_size,
     }
     values = {k: v for k, v in values.items() if v is not None}
     if not values:
