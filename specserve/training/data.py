@@ -35,7 +35,10 @@ META_FILE = "meta.json"
 
 
 class FeatureRecorder(Proposer):
-    """A proposer that drafts nothing and records the target's hidden states per request."""
+    """A proposer that drafts nothing and records the target's hidden states per request.
+
+    Install it as ``engine.proposer`` of an engine built with any speculative config.
+    """
 
     needs_target_hidden = True
 
@@ -135,10 +138,12 @@ def generate_dataset(
         kv_cache_memory=kv_cache_memory,
         max_num_seqs=batch_size * len(temperatures),
         max_num_batched_tokens=max(4096, 8 * batch_size),
+        # Speculation is configured only so the engine has a proposer; the recorder drafts nothing.
+        speculative_config={"method": "ngram", "num_speculative_tokens": 1},
     )
     engine = llm.engine
     recorder = FeatureRecorder()
-    engine.proposer = recorder  # no lookahead slots (k = 0): it only observes
+    engine.proposer = recorder
     tokenizer = llm.get_tokenizer()
     meta = {
         "target": engine.model_name,
