@@ -179,7 +179,8 @@ def test_missing_default_package(monkeypatch):
 
 def test_resolve_dtype():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert resolve_dtype("auto", cpu) == resolve_dtype("auto", cuda) == torch.bfloat16
+    assert resolve_dtype("auto", cpu) == torch.float32
+    assert resolve_dtype("auto", cuda) == torch.bfloat16
     assert resolve_dtype("fp32", cpu) == resolve_dtype("float32", cpu) == torch.float32
     assert resolve_dtype("bf16", cpu) == torch.bfloat16
     assert resolve_dtype("fp16", cuda) == resolve_dtype("float16", cuda) == torch.float16
