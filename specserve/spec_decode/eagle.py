@@ -150,10 +150,12 @@ class EagleProposer(Proposer):
         active, feats, token_ids, positions, q_lens, ctx_lens, tables = [], [], [], [], [], [], []
         for i, r in enumerate(reqs):
             start, end = r.proposer_num_computed_tokens, r.num_computed_tokens
+            if end <= start or budgets[i] == 0:
+                continue  # nothing computed by the target yet (a one-token prompt's first step)
             stored = self.features.get(r)
             rows = stored.get(start, end) if stored is not None else None
-            if rows is None or end <= start or budgets[i] == 0:
-                if budgets[i] and not self._warned:
+            if rows is None:  # should not happen: every kept position is observed
+                if not self._warned:
                     logger.warning("EAGLE: no target hidden states for request %s; not drafting", r.request_id)
                     self._warned = True
                 continue
