@@ -13,7 +13,7 @@ output has the target's distribution. Proposers:
 
 float32 throughout: in bfloat16 a verification forward over k+1 query tokens
 rounds differently from a one-token decode step, so a near-tie can flip a greedy
-token without any bug. Engines are built lazily, one at a time (``engines``),
+token without any bug. Engines are built lazily and reused (``engines``),
 with the weights loaded once per module (``shared_weights``).
 """
 from __future__ import annotations
@@ -85,19 +85,23 @@ def plain():
 
 
 class Engines:
-    """Speculative engines by (draft, k), built on first use; only the latest is kept (memory)."""
+    """Speculative engines by (draft, k), built on first use. The k=3 engines serve several
+    tests and stay; any other is dropped when the next one is asked for (memory)."""
+
+    KEEP = {("ngram", 3), ("draft4", 3)}
 
     def __init__(self, draft_dir: str):
         self.drafts = {"ngram": None, "draft4": draft_dir, "self": loader.default_model_path()}
-        self.key, self.llm = None, None
+        self.llms: dict[tuple[str, int], LLM] = {}
 
     def get(self, draft: str, k: int) -> LLM:
-        if self.key != (draft, k):
-            self.llm = None
+        key = (draft, k)
+        if key not in self.llms:
+            for old in [o for o in self.llms if o not in self.KEEP]:
+                del self.llms[old]
             gc.collect()
-            self.llm = LLM(**ENGINE_KW, speculative_config=spec_config(draft, k, self.drafts[draft]))
-            self.key = (draft, k)
-        return self.llm
+            self.llms[key] = LLM(**ENGINE_KW, speculative_config=spec_config(draft, k, self.drafts[draft]))
+        return self.llms[key]
 
 
 def spec_config(draft: str, k: int, path: str | None) -> dict:
@@ -110,7 +114,7 @@ def spec_config(draft: str, k: int, path: str | None) -> dict:
 def engines(truncated_draft_dir):
     pool = Engines(truncated_draft_dir)
     yield pool
-    pool.llm = None
+    pool.llms.clear()
 
 
 LONG_TEXT = (
@@ -205,11 +209,11 @@ def run_and_check(llm: LLM, prompts, params, k: int):
 
 
 # ------------------------------------------------------------------ greedy == plain
-# (draft, k, batch): k = 1, 3, 5 at batch 8 and k = 3 at batch 1. The 4-layer draft at
-# k = 3, batch 8 is covered by test_mixed_batch_and_seeded_determinism (its greedy half),
-# which runs on the same engine; the order keeps engines in use together adjacent.
+# (draft, k, batch): k = 1, 3, 5 at batch 8 and k = 3 at batch 1. k = 3 at batch 8 is
+# covered for both proposers by test_mixed_batch_and_seeded_determinism (its greedy
+# half, on the same engines), which saves two slow runs.
 GREEDY_CASES = [
-    ("ngram", 1, 8), ("ngram", 3, 8), ("ngram", 3, 1), ("ngram", 5, 8),
+    ("ngram", 1, 8), ("ngram", 3, 1), ("ngram", 5, 8),
     ("draft4", 1, 8), ("draft4", 5, 8), ("self", 3, 8), ("draft4", 3, 1),
 ]
 
@@ -223,7 +227,7 @@ def test_greedy_equals_plain(engines, prompts, ref, draft, k, batch):
         assert got == ref
     else:
         delta = SpecDecodeStats()
-        for i in (2, 3):  # the code prompt and the "repeat this" chat, each alone
+        for i in (2, 3) if draft == "ngram" else (3,):  # the code prompt and/or the "repeat this" chat, alone
             outs, d = run_and_check(llm, [prompts[i]], GREEDY, k)
             assert outs[0].outputs[0].token_ids == ref[i]
             delta.merge(d)
@@ -231,8 +235,9 @@ def test_greedy_equals_plain(engines, prompts, ref, draft, k, batch):
     assert delta.num_draft_tokens > 0  # the proposer really proposed
     # Every emitted token after a request's first came from a verification step
     # (all prompts are > 1 token and nothing was preempted or chunked).
-    num_requests = batch if batch == 8 else 2
-    num_tokens = sum(len(r) for r in ref) if batch == 8 else len(ref[2]) + len(ref[3])
+    alone = (2, 3) if draft == "ngram" else (3,)
+    num_requests = batch if batch == 8 else len(alone)
+    num_tokens = sum(len(r) for r in ref) if batch == 8 else sum(len(ref[i]) for i in alone)
     assert delta.num_emitted_tokens == num_tokens - num_requests
     if draft == "ngram" and batch == 8:
         assert delta.num_accepted_tokens > 0  # the prompts that quote themselves
@@ -247,19 +252,23 @@ def test_greedy_equals_plain(engines, prompts, ref, draft, k, batch):
 @pytest.mark.parametrize("draft", ["draft4", "ngram"])
 def test_mixed_batch_and_seeded_determinism(engines, prompts, ref, draft):
     """Greedy and seeded sampled requests in one batch: greedy ones equal plain output,
-    sampled ones are reproducible (same seed -> same output) alone, in a batch of
-    sampled requests, and mixed with greedy ones."""
+    sampled ones are reproducible (same seed -> same output) mixed with greedy ones,
+    in a batch of two sampled requests, and (for ngram) alone."""
     llm = engines.get(draft, 3)
-    sampled = lambda i: SamplingParams(temperature=0.8, top_p=0.9, seed=7 + i, max_tokens=12)  # noqa: E731
+    # ngram rows use top-p; draft-model rows use min-p (top-p/top-k sort whole rows, slow
+    # on this CPU for every draft step), so both filters meet speculation.
+    filt = dict(top_p=0.9) if draft == "ngram" else dict(min_p=0.05)
+    sampled = lambda i: SamplingParams(temperature=0.8, seed=7 + i, max_tokens=12, **filt)  # noqa: E731
     params = [GREEDY if i % 2 == 0 else sampled(i) for i in range(len(prompts))]
     mixed = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     for i in range(0, len(prompts), 2):
         assert mixed[i] == ref[i]
-    odd = list(range(1, len(prompts), 2))
+    odd = [1, 3]
     only_sampled = [o.outputs[0].token_ids for o in llm.generate([prompts[i] for i in odd], [params[i] for i in odd])]
     assert only_sampled == [mixed[i] for i in odd]
-    assert llm.generate(prompts[odd[0]], params[odd[0]])[0].outputs[0].token_ids == mixed[odd[0]]
-    assert any(mixed[i] != ref[i][:12] for i in odd)  # the sampled ones really sampled
+    if draft == "ngram":
+        assert llm.generate(prompts[odd[0]], params[odd[0]])[0].outputs[0].token_ids == mixed[odd[0]]
+    assert any(mixed[i] != ref[i][:12] for i in range(1, len(prompts), 2))  # the sampled ones really sampled
 
 
 def _second_tokens(llm: LLM, prompt: list[int], n: int, max_tokens: int) -> tuple[list[int], list[int]]:
@@ -332,14 +341,13 @@ def test_near_max_tokens_gets_fewer_drafts(engines, prompts, ref):
             assert stats.num_drafts == 0
 
 
-@pytest.mark.parametrize("draft", ["ngram", "draft4"])
-def test_greedy_equals_plain_under_preemption(prompts, ref, truncated_draft_dir, draft):
+def test_greedy_equals_plain_under_preemption(prompts, ref, truncated_draft_dir):
     # 12 blocks of 16 tokens: one request of max_model_len=128 (+3 lookahead slots)
     # fits, the 8 prompts (3-100 tokens, +16 new) do not: preemption and recompute,
-    # for the target's and the draft's cache alike.
-    path = truncated_draft_dir if draft == "draft4" else None
+    # for the target's and the draft's cache alike. (The draft model is the harder
+    # case: its own KV and proposer_num_computed_tokens must be rebuilt too.)
     llm = LLM(dtype="float32", max_model_len=128, kv_cache_memory=12 * BYTES_PER_BLOCK_FP32,
-              speculative_config=spec_config(draft, 3, path))
+              speculative_config=spec_config("draft4", 3, truncated_draft_dir))
     assert llm.engine.kv_cache.num_blocks == 12
     outs = llm.generate(prompts, GREEDY)
     assert sum(o.metrics["num_preemptions"] for o in outs) > 0
