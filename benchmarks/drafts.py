@@ -99,22 +99,20 @@ class HFEngine:
 
 
 def build_hf_target(dtype_name: str):
-    from transformers import LlamaForCausalLM
+    """transformers' Llama on the very weights specserve loads, in the same dtype."""
+    from transformers import AutoModelForCausalLM
 
     from specserve.model_executor.loader import load_model, resolve_dtype
 
     dtype = resolve_dtype(dtype_name, torch.device("cpu"))
     loaded = load_model(None, dtype)
-    config = loaded.config
-    config.architectures = ["LlamaForCausalLM"]
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    sd = dict(loaded.state_dict)
-    if "lm_head.weight" not in sd:
-        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
-    model.load_state_dict(sd, assign=True, strict=False)
+    model = AutoModelForCausalLM.from_config(loaded.config, dtype=dtype)
+    missing, unexpected = model.load_state_dict(loaded.state_dict, strict=False)
     model.tie_weights()
-    return model.to(dtype).eval()
+    bad = [m for m in missing if not (m == "lm_head.weight" and loaded.config.tie_word_embeddings)]
+    if bad or unexpected:
+        raise RuntimeError(f"transformers target: missing {bad[:5]}, unexpected {list(unexpected)[:5]}")
+    return model.eval()
 
 
 def main(argv=None) -> int:
