@@ -127,6 +127,15 @@ PROMPTS = [
 KW = dict(dtype="float32", max_model_len=512, kv_cache_memory=64 << 20)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread: on a shared 2-core machine two threads per process mostly wait for each other."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def plain():
     return LLM(**KW)

@@ -20,6 +20,15 @@ from specserve.model_executor.models.eagle import EAGLE_CONFIG_NAME, EagleConfig
 from specserve.training.prompts import PROMPTS_FILE, build_prompts, load_prompts
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread: on a shared 2-core machine two threads per process mostly wait for each other."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def tiny_target(tmp_path_factory) -> str:
     folder = str(tmp_path_factory.mktemp("tiny-target"))
@@ -63,8 +72,10 @@ def test_train_draft_model_end_to_end(tiny_target, tmp_path):
     assert draft.config.num_hidden_layers == 1 and draft.config.hidden_size == 32
     # ... and it drafts for the target in specserve; greedy output is the target's own.
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    plain = LLM(model=tiny_target, dtype="float32", device="cpu", kv_cache_memory=16 << 20).generate("Hello there", params)[0]
-    spec_llm = LLM(model=tiny_target, dtype="float32", device="cpu", kv_cache_memory=16 << 20, speculative_model=out, num_speculative_tokens=3)
+    plain = LLM(model=tiny_target, dtype="float32", device="cpu", kv_cache_memory=16 << 20).generate(
+        "Hello there", params)[0]
+    spec_llm = LLM(model=tiny_target, dtype="float32", device="cpu", kv_cache_memory=16 << 20,
+                   speculative_model=out, num_speculative_tokens=3)
     spec = spec_llm.generate("Hello there", params)[0]
     assert spec.outputs[0].token_ids == plain.outputs[0].token_ids
     assert spec_llm.get_spec_decode_stats().num_draft_tokens > 0
@@ -87,7 +98,8 @@ def test_train_eagle_end_to_end_and_resume(tiny_target, tmp_path):
     info = json.load(open(os.path.join(out, "training.json")))
     assert [h["epoch"] for h in info["history"]] == [0, 1, 2]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    plain = LLM(model=tiny_target, dtype="float32", device="cpu", kv_cache_memory=16 << 20).generate(["Hi", "Tell me a story"], params)
+    plain = LLM(model=tiny_target, dtype="float32", device="cpu", kv_cache_memory=16 << 20).generate(
+        ["Hi", "Tell me a story"], params)
     llm = LLM(model=tiny_target, dtype="float32", device="cpu", kv_cache_memory=16 << 20,
               speculative_config={"method": "eagle", "model": out, "num_speculative_tokens": 3})
     spec = llm.generate(["Hi", "Tell me a story"], params)
