@@ -17,6 +17,12 @@ At batch 1 prompts run one at a time; at batch B they run in groups of B (the
 last group may be smaller), and throughput is total new tokens / total time.
 Per-category throughput is reported at batch 1 only (larger groups mix categories);
 acceptance figures are per request, so they are reported per category at every size.
+"tok/s" is end to end (prefill included, as Spec-Bench measures); "decode tok/s"
+(specserve engines only) counts the tokens after each request's first one over the
+time after the group's last first token, so long prompts' prefill does not dilute
+the effect of speculation. Batch sizes run one after the other, so a ratio between
+batch sizes is exposed to load changes on a shared machine; ratios within one
+batch size are interleaved.
 
     python benchmarks/benchmark.py --baseline transformers --batch-sizes 1,16
     python benchmarks/benchmark.py --speculative-method ngram --num-speculative-tokens 4 \\
@@ -77,6 +83,7 @@ def load_prompts(path: str, categories: list[str] | None, limit_per_category: in
 class RunResult:
     token_ids: list[list[int]]
     spec_stats: list[object | None]   # SpecDecodeStats per request (specserve only)
+    decode_seconds: float | None = None  # last finish - last first token (specserve only): prefill excluded
 
 
 class SpecserveEngine:
@@ -107,7 +114,10 @@ class SpecserveEngine:
             for i in range(len(prompts))
         ]
         outs = self.llm.generate([p.token_ids for p in prompts], params, use_tqdm=False)
-        return RunResult([list(o.outputs[0].token_ids) for o in outs], [o.spec_decode_stats for o in outs])
+        first = [o.metrics.get("first_token_time") for o in outs]
+        finish = [o.metrics.get("finish_time") for o in outs]
+        decode = max(finish) - max(first) if None not in first and None not in finish else None
+        return RunResult([list(o.outputs[0].token_ids) for o in outs], [o.spec_decode_stats for o in outs], decode)
 
 
 class TransformersEngine:
@@ -160,12 +170,18 @@ class Tally:
 
         self.tokens = 0
         self.seconds = 0.0
+        self.decode_tokens = 0      # tokens after each request's first one
+        self.decode_seconds = 0.0   # time after the group's last first token
         self.spec = SpecDecodeStats()
         self.has_spec = False
 
     @property
     def tok_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def decode_tok_s(self) -> float | None:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else None
 
 
 def fmt(x: float | None, digits: int = 1) -> str:
@@ -293,6 +309,9 @@ def main(argv=None) -> dict:
                 for b in buckets:
                     tallies[e.name][b].tokens += ntok
                     tallies[e.name][b].seconds += dt
+                    if res.decode_seconds is not None:
+                        tallies[e.name][b].decode_tokens += sum(max(len(t) - 1, 0) for t in res.token_ids)
+                        tallies[e.name][b].decode_seconds += res.decode_seconds
                 for p, toks, st in zip(group, res.token_ids, res.spec_stats):
                     outputs[e.name][p.question_id] = toks
                     if st is not None:
@@ -302,6 +321,7 @@ def main(argv=None) -> dict:
                     per_request.append({"batch_size": bs, "group": gi, "engine": e.name,
                                         "question_id": p.question_id, "category": p.category,
                                         "num_tokens": len(toks), "group_seconds": round(dt, 4),
+                                        "group_decode_seconds": res.decode_seconds,
                                         "spec_decode_stats": st.as_dict() if st is not None else None,
                                         "token_ids": toks})
             done = sum(len(g) for g in groups[:gi + 1])
@@ -330,6 +350,8 @@ def summarize(bs, args, names, categories, tallies, outputs, prompts) -> dict:
         for n in names:
             t = tallies[n][b]
             row[n] = {"tokens": t.tokens, "seconds": round(t.seconds, 3), "tok_s": round(t.tok_s, 2)}
+            if t.decode_tok_s is not None:
+                row[n]["decode_tok_s"] = round(t.decode_tok_s, 2)
             sp = tallies[n]["all" if b == "all" else "cat:" + b]
             if sp.has_spec:
                 row[n]["spec_decode"] = sp.spec.as_dict()
@@ -373,7 +395,8 @@ def render_markdown(report: dict, categories: list[str]) -> str:
         if "transformers" in names:
             header.append("specserve / transformers")
         if "spec" in names:
-            header += ["spec / specserve", "acceptance rate", "tau"]
+            header += ["spec / specserve", "decode tok/s specserve → spec", "decode speedup",
+                       "acceptance rate", "tau"]
         lines.append("| " + " | ".join(header) + " |")
         lines.append("|" + "---|" * len(header))
         for b, row in res["rows"].items():
@@ -384,6 +407,9 @@ def render_markdown(report: dict, categories: list[str]) -> str:
             if "spec" in names:
                 base = row["specserve"]["tok_s"]
                 cells.append(fmt(row["spec"]["tok_s"] / base, 2) + "x" if base else "—")
+                da, db = row["specserve"].get("decode_tok_s"), row["spec"].get("decode_tok_s")
+                cells.append(f"{fmt(da)} → {fmt(db)}")
+                cells.append(fmt(db / da, 2) + "x" if da and db else "—")
                 sd = row["spec"].get("spec_decode")
                 cells += [fmt(sd["acceptance_rate"], 2), fmt(sd["mean_acceptance_length"], 2)] if sd else ["—", "—"]
             lines.append("| " + " | ".join(cells) + " |")
