@@ -31,6 +31,8 @@ from specserve.engine.kv_cache_manager import KVCacheManager
 from specserve.engine.request import Request
 from specserve.engine.scheduler import ScheduledRequest
 from specserve.model_executor.layers.attention import AttentionMetadata
+from specserve.model_executor.layers.fp16_gemm import compute_dtype_for, round_to_weight_dtype
+from specserve.model_executor.layers.linear import ColumnParallelLinear
 from specserve.model_executor.models.eagle import EagleHead
 from specserve.sample.sampler import SamplingTensors, processed_probs, sample_from_probs
 from specserve.spec_decode.proposer import Proposal, Proposer, TargetHidden
@@ -77,20 +79,25 @@ class EagleProposer(Proposer):
         kv_cache: KVCacheManager,
         vocab_size: int,
         device: torch.device,
-        dtype: torch.dtype,
+        weight_dtype: torch.dtype,
         block_size: int,
     ):
+        """``head`` arrives in the compute dtype for ``weight_dtype`` (fp16_gemm.compute_dtype_for)."""
+        self.dtype = dtype = compute_dtype_for(weight_dtype, device)
         self.head = head.to(device).eval()
         self.embed_tokens = embed_tokens
         self.kv_cache = kv_cache
         self.vocab_size = vocab_size
         self.device = device
-        self.dtype = dtype
         self.block_size = block_size
         vocab = head.draft_vocab
         self.draft_vocab = vocab.to(device) if vocab is not None else None            # [Vd] target ids
         rows = lm_head_weight[: vocab_size] if vocab is None else lm_head_weight[vocab.to(lm_head_weight.device)]
-        self.lm_head = rows.to(device=device, dtype=dtype).contiguous()                 # [Vd, H]
+        self.lm_head = ColumnParallelLinear(rows.shape[1], [rows.shape[0]], bias=False)   # [Vd, H], not sharded
+        self.lm_head.load([rows.to(dtype=dtype)])
+        self.lm_head.to(device)
+        round_to_weight_dtype(self.head, weight_dtype, dtype, device)
+        round_to_weight_dtype(self.lm_head, weight_dtype, dtype, device)
         cfg = head.config
         shape = (2, kv_cache.num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv = torch.zeros(shape, dtype=dtype, device=device)
@@ -119,7 +126,7 @@ class EagleProposer(Proposer):
 
     def _choose(self, hidden: torch.Tensor, rows: list[int], reqs: list[Request], st: SamplingTensors):
         """hidden [n, H] of requests ``rows`` -> (tokens, probs [n, V] or None when all greedy)."""
-        logits = (hidden @ self.lm_head.T).float()                                     # [n, Vd]
+        logits = self.lm_head(hidden).float()                                           # [n, Vd]
         greedy = [reqs[i].sampling_params.greedy for i in rows]
         if all(greedy):
             best = logits.argmax(dim=-1)
@@ -224,8 +231,10 @@ def build_eagle_proposer(spec, engine, target_vocab: int) -> EagleProposer:
             f"the EAGLE head {folder!r} has hidden size {config.hidden_size} but the target has {target_hidden}; "
             "it was trained for another target"
         )
-    dtype = resolve_dtype(spec.draft_dtype, engine.device) if spec.draft_dtype else engine.dtype
-    head = load_eagle_head(folder, dtype, max_positions=engine.max_model_len + spec.num_speculative_tokens)
+    weight_dtype = resolve_dtype(spec.draft_dtype, engine.device) if spec.draft_dtype else engine.dtype
+    head = load_eagle_head(
+        folder, compute_dtype_for(weight_dtype, engine.device), max_positions=engine.max_model_len + spec.num_speculative_tokens
+    )
     target = engine.runner.model
     return EagleProposer(
         head,
@@ -234,6 +243,6 @@ def build_eagle_proposer(spec, engine, target_vocab: int) -> EagleProposer:
         engine.kv_cache,
         target_vocab,
         engine.device,
-        dtype,
+        weight_dtype,
         engine.config.block_size,
     )

@@ -12,6 +12,7 @@ import torch
 
 from specserve.distributed.parallel_state import SINGLE, TensorParallelGroup
 from specserve.model_executor.layers.attention import AttentionMetadata
+from specserve.model_executor.layers.fp16_gemm import compute_dtype_for, round_to_weight_dtype
 from specserve.model_executor.models.registry import get_model_class
 
 
@@ -43,8 +44,11 @@ class ModelRunner:
         block_size: int,
         tp: TensorParallelGroup = SINGLE,
     ):
+        """``dtype`` is the weights' dtype; activations and the KV cache use
+        ``self.dtype`` (float32 for float16 weights on a CPU, see fp16_gemm)."""
         self.config = config
-        self.dtype = dtype
+        self.weight_dtype = dtype
+        self.dtype = compute_dtype_for(dtype, device)
         self.device = device
         self.block_size = block_size
         model_cls = get_model_class(config)
@@ -53,6 +57,7 @@ class ModelRunner:
         model = model_cls(config, tp=tp, max_positions=max_model_len)
         self.load_weights(model, state_dict)
         self.model = model.to(device).eval()
+        round_to_weight_dtype(self.model, self.weight_dtype, self.dtype, device)
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
 

@@ -248,6 +248,24 @@ def test_greedy_equals_plain(engines, prompts, ref, draft, k, batch):
         assert len(delta.acceptance_by_position) == k
 
 
+def test_greedy_equals_plain_in_default_dtype(prompts):
+    """The default dtype ("auto": float16 weights with float32 activations on x86 CPUs,
+    bfloat16 on GPUs) keeps the invariant too: ngram and a self-draft (every draft
+    accepted, so drafting, verification and bonus tokens all run in that dtype)."""
+    kw = dict(ENGINE_KW, dtype="auto")
+    plain_auto = LLM(**kw)
+    want = [o.outputs[0].token_ids for o in plain_auto.generate(prompts, GREEDY)]
+    del plain_auto
+    for config in ({"method": "ngram", "num_speculative_tokens": 3},
+                   {"method": "draft_model", "model": loader.default_model_path(), "num_speculative_tokens": 3}):
+        llm = LLM(**kw, speculative_config=config)
+        outs, delta = run_and_check(llm, prompts, GREEDY, 3)
+        assert [o.outputs[0].token_ids for o in outs] == want, config["method"]
+        assert delta.num_accepted_tokens > 0
+        del llm
+        gc.collect()
+
+
 # ------------------------------------------------------------------ sampling
 @pytest.mark.parametrize("draft", ["draft4", "ngram"])
 def test_mixed_batch_and_seeded_determinism(engines, prompts, ref, draft):

@@ -179,7 +179,9 @@ def test_missing_default_package(monkeypatch):
 
 def test_resolve_dtype():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert resolve_dtype("auto", cpu) == torch.float32
+    # float16 weights (fp32 activations, fbgemm's GEMM) where fbgemm exists, else float32.
+    expected_cpu = torch.float16 if "fbgemm" in torch.backends.quantized.supported_engines else torch.float32
+    assert resolve_dtype("auto", cpu) == expected_cpu
     assert resolve_dtype("auto", cuda) == torch.bfloat16
     assert resolve_dtype("fp32", cpu) == resolve_dtype("float32", cpu) == torch.float32
     assert resolve_dtype("bf16", cpu) == torch.bfloat16

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.distributed.parallel_state import SINGLE, TensorParallelGroup
+from specserve.model_executor.layers.fp16_gemm import PackedFp16Weight
 
 
 class ColumnParallelLinear(nn.Module):
@@ -26,6 +27,12 @@ class ColumnParallelLinear(nn.Module):
         out_local = sum(self.shard_sizes)
         self.weight = nn.Parameter(torch.empty(out_local, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_local), requires_grad=False) if bias else None
+        self.packed: PackedFp16Weight | None = None  # set by pack_fp16 (CPU, dtype float16)
+
+    def pack_fp16(self) -> None:
+        """Use fbgemm's fp16-weight GEMM from now on; ``weight`` keeps the fp16 values it uses."""
+        self.packed = PackedFp16Weight(self.weight, self.bias)
+        self.weight.data = self.weight.data.half()
 
     def load(self, parts: list[torch.Tensor], bias_parts: list[torch.Tensor] | None = None) -> None:
         """parts: full [out_i, in] tensors, one per fused output."""
@@ -39,6 +46,8 @@ class ColumnParallelLinear(nn.Module):
         return full[start : start + length]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return self.packed(x)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -51,6 +60,12 @@ class RowParallelLinear(nn.Module):
         _, in_local = tp.shard(in_features, "input features")
         self.weight = nn.Parameter(torch.empty(out_features, in_local), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.packed: PackedFp16Weight | None = None  # set by pack_fp16 (CPU, dtype float16)
+
+    def pack_fp16(self) -> None:
+        """Use fbgemm's fp16-weight GEMM from now on (the bias is added after the all-reduce)."""
+        self.packed = PackedFp16Weight(self.weight)
+        self.weight.data = self.weight.data.half()
 
     def load(self, full: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         start, length = self.tp.shard(full.shape[1], "input features")
@@ -59,5 +74,6 @@ class RowParallelLinear(nn.Module):
             self.bias.data = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        partial = self.packed(x) if self.packed is not None else F.linear(x, self.weight)
+        y = self.tp.all_reduce(partial)
         return y + self.bias if self.bias is not None else y

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.distributed.parallel_state import SINGLE, TensorParallelGroup
+from specserve.model_executor.layers.fp16_gemm import PackedFp16Weight
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -41,8 +42,18 @@ class ParallelLMHead(VocabParallelEmbedding):
     other ranks get ``None``.
     """
 
+    packed: PackedFp16Weight | None = None  # set by pack_fp16 (CPU, dtype float16)
+
+    def pack_fp16(self) -> None:
+        """Use fbgemm's fp16-weight GEMM for the logits; ``weight`` keeps the fp16 values it uses."""
+        self.packed = PackedFp16Weight(self.weight)
+        self.weight.data = self.weight.data.half()
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [N, hidden] -> [N, vocab] fp32
-        logits = F.linear(hidden, self.weight)                   # [N, padded_vocab / tp]
+        if self.packed is not None:
+            logits = self.packed(hidden)                         # [N, padded_vocab / tp]
+        else:
+            logits = F.linear(hidden, self.weight)               # [N, padded_vocab / tp]
         logits = self.tp.gather_last_dim(logits, dst=0)          # [N, padded_vocab] on rank 0
         if logits is None:
             return None

@@ -1,0 +1,76 @@
+"""The CPU fp16-weight GEMM: same numbers as a float32 matmul over float16-rounded weights."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specserve.model_executor.layers import fp16_gemm
+from specserve.model_executor.layers.fp16_gemm import (PackedFp16Weight, compute_dtype_for, cpu_fp16_gemm_available,
+                                                      round_to_weight_dtype)
+from specserve.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+from specserve.model_executor.layers.vocab import ParallelLMHead
+
+needs_fbgemm = pytest.mark.skipif(not cpu_fp16_gemm_available("cpu"), reason="PyTorch built without fbgemm")
+
+
+def rounded(w: torch.Tensor) -> torch.Tensor:
+    return w.half().float()
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("rows", [1, 2, 5, 16])
+def test_packed_weight_matches_fp32_matmul_of_rounded_weights(rows):
+    torch.manual_seed(rows)
+    w, b, x = torch.randn(96, 64), torch.randn(96), torch.randn(rows, 64)
+    got = PackedFp16Weight(w, b)(x)                                            # [rows, 96]
+    want = F.linear(x, rounded(w), b)  # fbgemm keeps the bias in float32
+    # fp32 accumulation in another order: ~1e-6 relative; rounding the weights alone is ~1e-3.
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    assert (got - F.linear(x, w, b)).abs().max() > 1e-4  # the weights really are float16
+
+
+def _layers():
+    torch.manual_seed(0)
+    col = ColumnParallelLinear(64, [32, 16], bias=True)
+    col.load([torch.randn(32, 64), torch.randn(16, 64)], [torch.randn(32), torch.randn(16)])
+    row = RowParallelLinear(48, 64, bias=True)
+    row.load(torch.randn(64, 48), torch.randn(64))
+    head = ParallelLMHead(100, 64)
+    head.load(torch.randn(100, 64))
+    return col, row, head
+
+
+def _outputs(col, row, head):
+    torch.manual_seed(1)
+    x64, x48 = torch.randn(3, 64), torch.randn(3, 48)
+    return col(x64), row(x48), head.compute_logits(x64)
+
+
+@pytest.mark.parametrize("use_fbgemm", [True, False])
+def test_layers_after_rounding_compute_with_fp16_weights(monkeypatch, use_fbgemm):
+    if use_fbgemm and not cpu_fp16_gemm_available("cpu"):
+        pytest.skip("PyTorch built without fbgemm")
+    if not use_fbgemm:  # CPUs without fbgemm: fp16-rounded values kept in float32
+        monkeypatch.setattr(fp16_gemm, "cpu_fp16_gemm_available", lambda device: False)
+    col, row, head = _layers()
+    reference = [rounded(m.weight.data) for m in (col, row, head)]
+    col_bias, row_bias = col.bias.data.clone(), row.bias.data.clone()  # biases stay float32
+    for m in (col, row, head):
+        round_to_weight_dtype(m, torch.float16, torch.float32, "cpu")
+        assert (m.packed is not None) == use_fbgemm
+    got = _outputs(col, row, head)
+    torch.manual_seed(1)
+    x64, x48 = torch.randn(3, 64), torch.randn(3, 48)
+    want = (F.linear(x64, reference[0], col_bias), F.linear(x48, reference[1]) + row_bias,
+            F.linear(x64, reference[2]))
+    for g, w in zip(got, want):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-4)
+
+
+def test_compute_dtype():
+    assert compute_dtype_for(torch.float16, "cpu") == torch.float32
+    assert compute_dtype_for(torch.float16, "cuda") == torch.float16
+    assert compute_dtype_for(torch.bfloat16, "cpu") == torch.bfloat16
+    assert compute_dtype_for(torch.float32, "cpu") == torch.float32
