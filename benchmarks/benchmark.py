@@ -8,8 +8,11 @@ noisy machine slows all of them alike and the ratios stay meaningful.
 
 Engines compared in one run:
 
-- ``transformers`` (with ``--baseline transformers``): ``generate`` on the same
-  weights and dtype as specserve (built from the specserve loader's state dict);
+- ``transformers-<dtype>`` (with ``--baseline transformers``): ``generate`` on
+  the same weights (built from the specserve loader's state dict), in each of
+  ``--baseline-dtypes`` (default bfloat16). specserve runs in ``--dtype``
+  (default auto: float16 weights with float32 activations on x86 CPUs), so
+  the comparison is each engine in the dtype it is run in;
 - ``specserve``: plain decoding;
 - ``spec`` (when a ``--speculative-*`` option is given): specserve with speculation.
 
@@ -123,14 +126,13 @@ class SpecserveEngine:
 class TransformersEngine:
     """``generate`` on the very weights specserve loads, in the same dtype."""
 
-    name = "transformers"
-
-    def __init__(self, args):
+    def __init__(self, args, dtype_name: str):
         from transformers import AutoModelForCausalLM
 
         from specserve.model_executor.loader import load_model, resolve_dtype
 
-        dtype = resolve_dtype(args.dtype, torch.device("cpu"))
+        dtype = resolve_dtype(dtype_name, torch.device("cpu"))
+        self.name = "transformers-" + {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}[dtype]
         loaded = load_model(args.model, dtype)
         model = AutoModelForCausalLM.from_config(loaded.config, dtype=dtype)
         missing, unexpected = model.load_state_dict(loaded.state_dict, strict=False)
@@ -196,7 +198,9 @@ def parse_args(argv=None):
     ap.add_argument("--limit-per-category", type=int, default=None)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batch-sizes", default="1,16")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="specserve's dtype")
+    ap.add_argument("--baseline-dtypes", default="bfloat16",
+                    help="comma-separated dtypes for the transformers baseline, one engine each")
     ap.add_argument("--model", default=None, help="anything the specserve loader accepts (default: SmolLM2-135M)")
     ap.add_argument("--speculative-method", default=None)
     ap.add_argument("--speculative-model", default=None)
@@ -257,7 +261,7 @@ def main(argv=None) -> dict:
 
     engines: list = []
     if args.baseline == "transformers":
-        engines.append(TransformersEngine(args))
+        engines += [TransformersEngine(args, d.strip()) for d in args.baseline_dtypes.split(",") if d.strip()]
     engines.append(SpecserveEngine("specserve", args, None))
     if spec_cfg:
         engines.append(SpecserveEngine("spec", args, spec_cfg))
@@ -392,8 +396,8 @@ def render_markdown(report: dict, categories: list[str]) -> str:
         lines.append(f"### Batch size {bs}")
         lines.append("")
         header = ["category"] + [f"{n} tok/s" for n in names]
-        if "transformers" in names:
-            header.append("specserve / transformers")
+        baselines = [n for n in names if n.startswith("transformers")]
+        header += [f"specserve / {n}" for n in baselines]
         if "spec" in names:
             header += ["spec / specserve", "decode tok/s specserve → spec", "decode speedup",
                        "acceptance rate", "tau"]
@@ -401,8 +405,8 @@ def render_markdown(report: dict, categories: list[str]) -> str:
         lines.append("|" + "---|" * len(header))
         for b, row in res["rows"].items():
             cells = [f"**{b}**" if b == "all" else b] + [fmt(row[n]["tok_s"]) for n in names]
-            if "transformers" in names:
-                tr = row["transformers"]["tok_s"]
+            for n in baselines:
+                tr = row[n]["tok_s"]
                 cells.append(fmt(row["specserve"]["tok_s"] / tr, 2) + "x" if tr else "—")
             if "spec" in names:
                 base = row["specserve"]["tok_s"]

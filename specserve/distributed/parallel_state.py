@@ -61,12 +61,30 @@ class TensorParallelGroup:
         self.group.gather([parts] if parts else [], [x], opts).wait()
         return torch.cat(parts, dim=-1) if self.rank == dst else None
 
-    def shard(self, size: int, what: str) -> tuple[int, int]:
-        """(start, length) of this rank's slice of a dimension of ``size``."""
-        if size % self.world_size:
-            raise ValueError(f"{what} ({size}) is not divisible by the tensor-parallel size {self.world_size}")
-        length = size // self.world_size
-        return self.rank * length, length
+    def shard(self, size: int, what: str, num_units: int | None = None) -> tuple[int, int]:
+        """(start, length) of this rank's slice of a dimension of ``size``.
+
+        The dimension is made of ``num_units`` equal units that must not be cut
+        (attention heads grouped by KV head; default: single elements). Units
+        are dealt out as evenly as possible, the first ranks taking one more
+        when they do not divide evenly: 3 KV heads on 2 ranks are 2 + 1. Uneven
+        splits let models such as the default one (9 query / 3 KV heads) run at
+        any tensor-parallel size up to their KV head count; rank 0 then does a
+        little more work than the others.
+        """
+        units = size if num_units is None else num_units
+        if units <= 0 or size % units:
+            raise ValueError(f"{what} ({size}) is not a whole number of {units} units")
+        if units < self.world_size:
+            raise ValueError(
+                f"{what} ({units}) is smaller than the tensor-parallel size {self.world_size}: "
+                "every rank needs at least one"
+            )
+        unit = size // units
+        base, extra = divmod(units, self.world_size)
+        first = self.rank * base + min(self.rank, extra)
+        count = base + (1 if self.rank < extra else 0)
+        return first * unit, count * unit
 
 
 SINGLE = TensorParallelGroup()

@@ -49,31 +49,29 @@ TARGET, DRAFT = "target", "draft"
 
 __all__ = [
     "TensorParallelExecutor", "WorkerError", "build_executor", "build_draft_runner", "prepare_parallelism",
-    "check_tp_divisible", "validate_parallel_config",
+    "check_tp_splittable", "validate_parallel_config",
 ]
 
 
 # --------------------------------------------------------------------------- checks
 
 
-def check_tp_divisible(config, tp: int, what: str = "the model", name: str = "") -> None:
-    """Each rank must hold whole attention heads (and an equal slice of the MLP)."""
+def check_tp_splittable(config, tp: int, what: str = "the model", name: str = "") -> None:
+    """Each rank must hold at least one whole KV head (with its query heads).
+
+    Heads need not divide evenly: 3 KV heads on 2 ranks are split 2 + 1
+    (TensorParallelGroup.shard), so the default model runs at TP 2 and 3.
+    """
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    inter = config.intermediate_size
-    bad = [
-        key
-        for key, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads), ("intermediate_size", inter))
-        if value % tp
-    ]
-    if bad:
-        sizes = [d for d in range(1, heads + 1) if heads % d == 0 and kv_heads % d == 0 and inter % d == 0]
-        label = f"{what} {name!r}" if name else what
+    label = f"{what} {name!r}" if name else what
+    if heads % kv_heads:
+        raise ValueError(f"{label}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+    if kv_heads < tp:
         raise ValueError(
-            f"tensor_parallel_size={tp} does not divide {label}: num_attention_heads={heads}, "
-            f"num_key_value_heads={kv_heads} and intermediate_size={inter} must all be divisible by it "
-            f"({', '.join(bad)} {'is' if len(bad) == 1 else 'are'} not). Every rank holds whole heads; uneven "
-            f"splits are not supported. Sizes that work for it: {sizes}"
+            f"tensor_parallel_size={tp} is larger than {label}'s num_key_value_heads={kv_heads} "
+            f"(num_attention_heads={heads}): every rank needs at least one whole KV head. "
+            f"Sizes that work for it: 1 to {kv_heads}"
         )
 
 
@@ -113,7 +111,7 @@ def build_executor(config, loaded, dtype: torch.dtype, device: torch.device, max
     tp = config.tensor_parallel_size
     if tp == 1:
         return ModelRunner(loaded.config, loaded.state_dict, dtype, device, max_model_len, config.block_size)
-    check_tp_divisible(loaded.config, tp, "the target", loaded.name)
+    check_tp_splittable(loaded.config, tp, "the target", loaded.name)
     return TensorParallelExecutor.start(
         tp, loaded.config, loaded.state_dict, dtype, device, max_model_len, config.block_size
     )
@@ -127,7 +125,7 @@ def build_draft_runner(spec, engine, loaded, dtype: torch.dtype):
         return ModelRunner(
             loaded.config, loaded.state_dict, dtype, engine.device, engine.max_model_len, engine.config.block_size
         )
-    check_tp_divisible(loaded.config, tp, "the draft", loaded.name)
+    check_tp_splittable(loaded.config, tp, "the draft", loaded.name)
     return engine.runner.add_model(DRAFT, loaded.config, loaded.state_dict, dtype, engine.max_model_len)
 
 

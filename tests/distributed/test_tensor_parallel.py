@@ -4,11 +4,11 @@
    (no process group): column/row-parallel linears, vocab-parallel embedding and
    LM head, and a whole tiny Llama whose ranks run as threads exchanging tensors
    through a fake group.
-2. Real process groups: the default model (SmolLM2-135M: 9 heads, 3 kv heads, so
-   TP 3) at TP 3 gives TP 1's greedy tokens in float32, without speculation,
-   with n-gram and with a draft at TP 1 and at TP 3; no process outlives
-   ``del llm``; a worker killed mid-generation raises quickly; start-up errors
-   (indivisible heads, bad draft TP) are clear.
+2. Real process groups: the default model (SmolLM2-135M: 9 heads, 3 kv heads,
+   split 6 + 3 / 2 + 1 over 2 ranks) at TP 2 gives TP 1's greedy tokens in
+   float32, without speculation, with n-gram and with a draft at TP 1 and at
+   TP 2; no process outlives ``del llm``; a worker killed mid-generation raises
+   quickly; start-up errors (more ranks than KV heads, bad draft TP) are clear.
 3. Lifetimes and launches on a tiny random model (fast to start): Ctrl-C or
    SIGKILL of the driver leaves no worker behind; a torchrun-style launch
    (MASTER_ADDR/PORT, RANK, WORLD_SIZE) of the same script on two ranks works.
@@ -44,7 +44,7 @@ from specserve.spec_decode import factory
 from specserve.worker.model_runner import ForwardInput, ModelRunner
 from specserve.worker.tp_executor import BlockTableDeltas
 
-TP = 3  # the default model's 9 heads and 3 kv heads split evenly over 3 ranks (not over 2)
+TP = 2  # the default model's 3 kv heads (and their 9 query heads) split unevenly: 2 + 1
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):"]
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
 ENGINE = dict(dtype="float32", max_model_len=256, kv_cache_memory=1 << 25)
@@ -69,8 +69,20 @@ def ranks(n: int, group=None) -> list[TensorParallelGroup]:
     return [TensorParallelGroup(r, n, group) for r in range(n)]
 
 
-@pytest.mark.parametrize("n", [1, 2, 3])
-def test_column_parallel_matches_full_linear(n):
+def test_shard_deals_units_out_evenly():
+    # 3 KV heads of 64 over 2 ranks: 2 + 1 heads; 9 query heads follow their KV heads (6 + 3).
+    assert [TensorParallelGroup(r, 2).shard(3 * 64, "kv", 3) for r in range(2)] == [(0, 128), (128, 64)]
+    assert [TensorParallelGroup(r, 2).shard(9 * 64, "q", 3) for r in range(2)] == [(0, 384), (384, 192)]
+    assert [TensorParallelGroup(r, 4).shard(10, "x") for r in range(4)] == [(0, 3), (3, 3), (6, 2), (8, 2)]
+    with pytest.raises(ValueError, match="smaller than the tensor-parallel size 4"):
+        TensorParallelGroup(0, 4).shard(3 * 64, "num_key_value_heads", 3)
+
+
+@pytest.mark.parametrize("n,units", [(1, None), (2, None), (3, None), (4, 3), (2, 3)])
+def test_column_parallel_matches_full_linear(n, units):
+    """Even and uneven splits (n=4 over 12 rows; 3 units of 4 rows over 2 ranks)."""
+    if units is not None and units < n:
+        units = None
     torch.manual_seed(0)
     q, kv = torch.randn(12, 10), torch.randn(6, 10)   # two fused outputs, each sharded on its own
     bq, bkv = torch.randn(12), torch.randn(6)
@@ -78,24 +90,24 @@ def test_column_parallel_matches_full_linear(n):
     full = torch.cat([F.linear(x, q, bq), F.linear(x, kv, bkv)], dim=-1)
     outs = []
     for tp in ranks(n):
-        layer = ColumnParallelLinear(10, [12, 6], bias=True, tp=tp)
+        layer = ColumnParallelLinear(10, [12, 6], bias=True, tp=tp, num_units=units)
         layer.load([q, kv], [bq, bkv])
-        outs.append(layer(x).split([12 // n, 6 // n], dim=-1))
-    # Rank r holds rows [r*12/n, (r+1)*12/n) of q and likewise of kv.
+        outs.append(layer(x).split(layer.shard_sizes, dim=-1))
+    # Rank r holds its slice of q's rows and likewise of kv's.
     got = torch.cat([torch.cat([o[0] for o in outs], -1), torch.cat([o[1] for o in outs], -1)], -1)
     torch.testing.assert_close(got, full)
 
 
-@pytest.mark.parametrize("n", [1, 2, 3])
-def test_row_parallel_matches_full_linear(n):
+@pytest.mark.parametrize("n,units", [(1, None), (2, None), (3, None), (2, 3), (5, None)])
+def test_row_parallel_matches_full_linear(n, units):
     torch.manual_seed(1)
     w, b = torch.randn(7, 12), torch.randn(7)
     x = torch.randn(5, 12)
     partials = []
     for tp in ranks(n, _NoReduce()):
-        layer = RowParallelLinear(12, 7, bias=True, tp=tp)
+        layer = RowParallelLinear(12, 7, bias=True, tp=tp, num_units=units)
         layer.load(w, b)
-        start, length = tp.shard(12, "in")
+        start, length = tp.shard(12, "in", units)
         partials.append(layer(x[:, start : start + length]))   # partial sum + bias (added once per rank)
     got = sum(partials) - (n - 1) * b
     torch.testing.assert_close(got, F.linear(x, w, b))
@@ -176,10 +188,11 @@ def _tiny_llama_state(config: LlamaConfig, seed: int) -> dict[str, torch.Tensor]
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [2, 3, 4])
 def test_sharded_model_matches_unsharded_with_ranks_as_threads(n):
     """A whole model (heads, kv heads, MLP and vocab sharded, a per-rank KV cache) over
-    prefill + decode steps: rank 0's logits equal the unsharded model's."""
+    prefill + decode steps: rank 0's logits equal the unsharded model's. At n=4 the
+    6 KV heads split unevenly (2 + 2 + 1 + 1), and the query heads with them."""
     config = LlamaConfig(vocab_size=101, hidden_size=96, intermediate_size=192, num_hidden_layers=2,
                          num_attention_heads=12, num_key_value_heads=6, max_position_embeddings=256)
     config.architectures = ["LlamaForCausalLM"]
@@ -306,7 +319,7 @@ SPEC_CASES = {
     "plain": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 3},
     "draft_tp1": {"num_speculative_tokens": 3, "draft_tensor_parallel_size": 1},
-    "draft_tp3": {"num_speculative_tokens": 3, "draft_tensor_parallel_size": TP},
+    "draft_tpN": {"num_speculative_tokens": 3, "draft_tensor_parallel_size": TP},
 }
 
 
@@ -321,11 +334,13 @@ def test_tp_greedy_equals_tp1_and_leaves_no_process(case, reference, truncated_d
     runner = llm.engine.runner
     pids = runner.worker_pids
     assert len(pids) == TP - 1 and all(_alive(p) for p in pids)
-    # Each rank holds about a third of the weights (norms are replicated).
-    assert max(runner.weight_bytes_per_rank) < 0.4 * full_bytes, runner.weight_bytes_per_rank
+    # Each rank holds about half the weights: rank 0 has 2 of the 3 KV heads' attention
+    # weights (about 0.53 of the whole model), rank 1 the rest; norms are replicated.
+    assert max(runner.weight_bytes_per_rank) < 0.56 * full_bytes, runner.weight_bytes_per_rank
+    assert sum(runner.weight_bytes_per_rank) < 1.01 * full_bytes, runner.weight_bytes_per_rank
     if case == "draft_tp1":
         assert type(llm.engine.proposer.runner) is ModelRunner       # in the driver process only
-    if case == "draft_tp3":
+    if case == "draft_tpN":
         assert llm.engine.proposer.runner.worker_pids == pids         # sharded over the same workers
     assert token_ids(llm.generate(PROMPTS, GREEDY)) == ref_tokens
     if spec is not None:
@@ -335,13 +350,13 @@ def test_tp_greedy_equals_tp1_and_leaves_no_process(case, reference, truncated_d
     assert wait_gone(pids) == []
 
 
-def test_indivisible_heads_is_a_clear_error():
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 .*num_attention_heads=9.*num_key_value_heads=3"):
-        LLM(tensor_parallel_size=2, **ENGINE)
+def test_more_ranks_than_kv_heads_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 .*num_key_value_heads=3.*Sizes that work for it: 1 to 3"):
+        LLM(tensor_parallel_size=4, **ENGINE)
 
 
 def test_invalid_draft_tensor_parallel_size():
-    for tp, draft_tp in [(3, 2), (1, 3)]:
+    for tp, draft_tp in [(3, 2), (1, 2)]:
         with pytest.raises(ValueError, match=f"draft_tensor_parallel_size={draft_tp} is not supported"):
             LLM(tensor_parallel_size=tp, speculative_config={"method": "ngram", "draft_tensor_parallel_size": draft_tp},
                 **ENGINE)

@@ -12,7 +12,7 @@ longest query run and a mask that is causal at each query's absolute position.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,14 @@ class AttentionMetadata:
     attn_mask: torch.Tensor         # [B, 1, max_q, max_blocks * block_size] additive: 0 = may attend, -inf = not
     max_query_len: int
     uniform: bool                   # every request has max_query_len new tokens: no padding needed
+    _grouped_masks: dict = field(default_factory=dict, repr=False)
+
+    def grouped_mask(self, group: int) -> torch.Tensor:
+        """[B, 1, group * max_q, S]: ``attn_mask`` with its query rows repeated for
+        ``group`` query heads per KV head (see ``paged_attention``); built once per step."""
+        if group not in self._grouped_masks:
+            self._grouped_masks[group] = self.attn_mask.repeat(1, 1, group, 1)
+        return self._grouped_masks[group]
 
     @classmethod
     def build(
@@ -83,24 +91,34 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:          # [T, Hq, hd]
+    """Grouped-query attention runs as plain attention per KV head: the ``group``
+    query heads that share a KV head are stacked as extra query rows
+    ([B, Hk, group * max_q, hd]), so no K/V is repeated per query head. On CPU
+    this is ~2x faster than SDPA's ``enable_gqa`` for verification steps."""
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     # Write the new tokens' K/V, then read every request's whole context.
     k_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = k
     v_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = v
     num_reqs, max_blocks = meta.block_tables.shape
-    keys = k_cache[meta.block_tables].view(num_reqs, -1, num_kv_heads, head_dim).transpose(1, 2)
-    values = v_cache[meta.block_tables].view(num_reqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    flat_table = meta.block_tables.view(-1)
+    # index_select, not k_cache[block_tables]: the same gather, ~6x faster on CPU.
+    keys = k_cache.index_select(0, flat_table).view(num_reqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    values = v_cache.index_select(0, flat_table).view(num_reqs, -1, num_kv_heads, head_dim).transpose(1, 2)
     # keys/values: [B, Hk, S, hd]
     num_heads = q.shape[1]
+    group = num_heads // num_kv_heads
     max_q = meta.max_query_len
     if meta.uniform:  # tokens are already laid out request by request, max_q each
         q_pad = q
     else:
         q_pad = q.new_zeros(num_reqs * max_q, num_heads, head_dim)
         q_pad[meta.token_to_padded] = q
-    q_pad = q_pad.view(num_reqs, max_q, num_heads, head_dim).transpose(1, 2)  # [B, Hq, max_q, hd]
-    out = F.scaled_dot_product_attention(
-        q_pad, keys, values, attn_mask=meta.attn_mask, scale=scale, enable_gqa=num_heads != num_kv_heads
-    )
-    out = out.transpose(1, 2).reshape(num_reqs * max_q, num_heads, head_dim)
+    # [B * max_q, Hq, hd] -> [B, Hk, group * max_q, hd]; query head h uses KV head h // group.
+    q_rows = (q_pad.view(num_reqs, max_q, num_kv_heads, group, head_dim)
+              .permute(0, 2, 3, 1, 4).reshape(num_reqs, num_kv_heads, group * max_q, head_dim))
+    mask = meta.grouped_mask(group) if group > 1 else meta.attn_mask
+    out = F.scaled_dot_product_attention(q_rows, keys, values, attn_mask=mask, scale=scale)
+    # [B, Hk, group * max_q, hd] -> [B * max_q, Hq, hd]
+    out = (out.view(num_reqs, num_kv_heads, group, max_q, head_dim)
+           .permute(0, 3, 1, 2, 4).reshape(num_reqs * max_q, num_heads, head_dim))
     return out if meta.uniform else out[meta.token_to_padded]

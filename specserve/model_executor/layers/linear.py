@@ -18,12 +18,21 @@ from specserve.model_executor.layers.fp16_gemm import PackedFp16Weight
 class ColumnParallelLinear(nn.Module):
     """y[..., out/N] = x @ W_shard.T ; the output stays sharded."""
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, tp: TensorParallelGroup = SINGLE):
+    def __init__(
+        self,
+        in_features: int,
+        out_sizes: list[int],
+        bias: bool,
+        tp: TensorParallelGroup = SINGLE,
+        num_units: int | None = None,
+    ):
+        """``num_units``: each output is made of that many uncuttable units (heads by KV group)."""
         super().__init__()
         self.tp = tp
+        self.num_units = num_units
         # Several logical outputs (q, k, v or gate, up) may be fused into one matmul;
         # each is sharded on its own so every rank gets its slice of each.
-        self.shard_sizes = [tp.shard(size, "output features")[1] for size in out_sizes]
+        self.shard_sizes = [tp.shard(size, "output features", num_units)[1] for size in out_sizes]
         out_local = sum(self.shard_sizes)
         self.weight = nn.Parameter(torch.empty(out_local, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_local), requires_grad=False) if bias else None
@@ -42,7 +51,7 @@ class ColumnParallelLinear(nn.Module):
             self.bias.data = torch.cat([self._shard_rows(b) for b in bias_parts])
 
     def _shard_rows(self, full: torch.Tensor) -> torch.Tensor:
-        start, length = self.tp.shard(full.shape[0], "output features")
+        start, length = self.tp.shard(full.shape[0], "output features", self.num_units)
         return full[start : start + length]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -54,10 +63,19 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """y = all_reduce(x[..., in/N] @ W_shard.T) (+ bias once, after the reduce)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallelGroup = SINGLE):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        tp: TensorParallelGroup = SINGLE,
+        num_units: int | None = None,
+    ):
+        """``num_units``: the input is made of that many uncuttable units (heads by KV group)."""
         super().__init__()
         self.tp = tp
-        _, in_local = tp.shard(in_features, "input features")
+        self.num_units = num_units
+        _, in_local = tp.shard(in_features, "input features", num_units)
         self.weight = nn.Parameter(torch.empty(out_features, in_local), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.packed: PackedFp16Weight | None = None  # set by pack_fp16 (CPU, dtype float16)
@@ -68,7 +86,7 @@ class RowParallelLinear(nn.Module):
         self.weight.data = self.weight.data.half()
 
     def load(self, full: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        start, length = self.tp.shard(full.shape[1], "input features")
+        start, length = self.tp.shard(full.shape[1], "input features", self.num_units)
         self.weight.data = full[:, start : start + length].contiguous()
         if self.bias is not None:
             self.bias.data = bias

@@ -24,16 +24,22 @@ class LlamaAttention(nn.Module):
         self.total_heads = config.num_attention_heads
         self.total_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or hidden // self.total_heads
-        _, self.num_heads = tp.shard(self.total_heads, "num_attention_heads")
-        _, self.num_kv_heads = tp.shard(self.total_kv_heads, "num_key_value_heads")
+        if self.total_heads % self.total_kv_heads:
+            raise ValueError(f"num_attention_heads ({self.total_heads}) is not a multiple of "
+                             f"num_key_value_heads ({self.total_kv_heads})")
+        # Ranks hold whole KV heads with their query heads (3 KV heads on 2 ranks: 2 + 1).
+        kv_groups = self.total_kv_heads
+        _, self.num_heads = tp.shard(self.total_heads, "num_attention_heads", kv_groups)
+        _, self.num_kv_heads = tp.shard(self.total_kv_heads, "num_key_value_heads", kv_groups)
         bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
         self.qkv_proj = ColumnParallelLinear(
             hidden,
             [self.total_heads * self.head_dim, self.total_kv_heads * self.head_dim, self.total_kv_heads * self.head_dim],
             bias=bias,
             tp=tp,
+            num_units=kv_groups,
         )
-        self.o_proj = RowParallelLinear(self.total_heads * self.head_dim, hidden, bias=False, tp=tp)
+        self.o_proj = RowParallelLinear(self.total_heads * self.head_dim, hidden, bias=False, tp=tp, num_units=kv_groups)
         self.scale = self.head_dim**-0.5
 
     def forward(self, rope, x, kv_cache, meta: AttentionMetadata):
