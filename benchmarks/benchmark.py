@@ -207,6 +207,8 @@ def parse_args(argv=None):
     ap.add_argument("--num-speculative-tokens", type=int, default=None)
     ap.add_argument("--prompt-lookup-max", type=int, default=None)
     ap.add_argument("--prompt-lookup-min", type=int, default=None)
+    ap.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
+                    help="no drafting in steps with at least this many decoding requests")
     ap.add_argument("--baseline", choices=["transformers", "none"], default="none")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--json-out", default=None)
@@ -234,6 +236,8 @@ def speculative_config_from(args) -> dict | None:
         spec["prompt_lookup_max"] = args.prompt_lookup_max
     if args.prompt_lookup_min is not None:
         spec["prompt_lookup_min"] = args.prompt_lookup_min
+    if args.speculative_disable_by_batch_size is not None:
+        spec["disable_by_batch_size"] = args.speculative_disable_by_batch_size
     return spec or None
 
 

@@ -60,7 +60,7 @@ def main() -> None:
                 totals[m][i] += t * (30 if name != "lm_head" else 1)
             print(f"| {name} {list((out_f, in_f))} | {m} | {t32:.3f} | {tbf:.3f} | {t16:.3f} | {t32 / t16:.1f}x |")
     print()
-    print("Whole model (30 layers + LM head), ms of matmul per forward:")
+    print("Whole model (30 layers + LM head), ms of matmul per forward:\n")
     print("| rows | fp32 | bf16 | fp16-weight | cost vs 1 row (fp16-weight) |")
     print("|---|---|---|---|---|")
     for m in rows:
