@@ -121,12 +121,14 @@ def generate_dataset(
         with open(meta_path) as f:
             return json.load(f)
     if kv_cache_memory is None:  # room for the whole batch at full length (no preemption), +25%
+        from specserve.model_executor.layers.fp16_gemm import compute_dtype_for
         from specserve.model_executor.loader import load_model, resolve_dtype
 
         cfg = load_model(target, torch.float32, load_weights=False).config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim
-        per_token *= torch.finfo(resolve_dtype(dtype, torch.device("cpu"))).bits // 8
+        kv_dtype = compute_dtype_for(resolve_dtype(dtype, torch.device(device)), device)  # the KV cache's dtype
+        per_token *= torch.finfo(kv_dtype).bits // 8
         longest = max(len(p["prompt"]) for p in prompts) // 2 + 64 + max_tokens  # generous tokens per prompt
         kv_cache_memory = max(16 << 20, int(1.25 * per_token * longest * batch_size * len(temperatures)))
     llm = LLM(
