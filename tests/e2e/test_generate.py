@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 import pytest
 import torch
@@ -23,25 +22,11 @@ from specserve.engine import llm_engine
 from specserve.model_executor import loader
 from specserve.spec_decode import factory
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 MAX_TOKENS = 16
 HF_MAX_TOKENS = 24  # the comparison with transformers runs a little longer
 BYTES_PER_BLOCK_FP32 = 2 * 16 * 3 * 64 * 4 * 30   # K+V, block 16, 3 KV heads, head_dim 64, fp32, 30 layers
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Run torch on one thread (override with SPECSERVE_TEST_THREADS).
-
-    On the 2-core machine these tests are run on, shared with other jobs, two
-    OpenMP threads spin-wait on each other whenever one is descheduled: we measured
-    8 greedy requests x 24 tokens at 104 s on two threads and 9 s on one.
-    """
-    before = torch.get_num_threads()
-    torch.set_num_threads(int(os.environ.get("SPECSERVE_TEST_THREADS", "1")))
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import gc
-import os
 
 import numpy as np
 import pytest
@@ -33,26 +32,12 @@ from specserve.model_executor import loader
 from specserve.outputs import SpecDecodeStats
 from specserve.spec_decode import factory
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 MAX_TOKENS = 16
 BYTES_PER_BLOCK_FP32 = 2 * 16 * 3 * 64 * 4 * 30   # K+V, block 16, 3 KV heads, head_dim 64, fp32, 30 layers
 ENGINE_KW = dict(dtype="float32", max_model_len=512, kv_cache_memory=160 * BYTES_PER_BLOCK_FP32)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Run torch on one thread (override with SPECSERVE_TEST_THREADS).
-
-    On the 2-core machine these tests are run on, shared with other jobs, two
-    OpenMP threads spin-wait on each other whenever one is descheduled (10x
-    slower steps, measured); one thread is predictable.
-    """
-    before = torch.get_num_threads()
-    torch.set_num_threads(int(os.environ.get("SPECSERVE_TEST_THREADS", "1")))
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module", autouse=True)

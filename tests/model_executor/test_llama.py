@@ -18,8 +18,6 @@ chunks, one request vs a flat batch of two) are held to the same 1e-4 / 1e-3.
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -27,22 +25,14 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qw
 from specserve.model_executor.loader import load_model
 from specserve.worker.model_runner import ForwardInput, ModelRunner
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 BLOCK_SIZE = 16
 TINY_ATOL = 1e-4
 REAL_ATOL = 1e-3
 
 
 # --------------------------------------------------------------------------- helpers
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread (override with SPECSERVE_TEST_THREADS): on a busy 2-core machine two
-    OpenMP threads spin-wait on each other and a forward pass gets ~10x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(int(os.environ.get("SPECSERVE_TEST_THREADS", "1")))
-    yield
-    torch.set_num_threads(before)
-
-
 def make_runner(config, state_dict, num_blocks: int = 32, max_model_len: int = 256) -> ModelRunner:
     runner = ModelRunner(config, state_dict, torch.float32, torch.device("cpu"), max_model_len, BLOCK_SIZE)
     runner.allocate_kv_cache(num_blocks)

@@ -22,16 +22,7 @@ from specserve.sample.rejection_sampler import rejection_sample
 from specserve.sample.sampler import SamplingTensors, processed_probs
 from specserve.sampling_params import SamplingParams
 
-
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These tensors are tiny: intra-op threads only add overhead on a shared machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ---------------------------------------------------------------------------- the reference

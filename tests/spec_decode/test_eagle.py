@@ -26,6 +26,8 @@ from specserve.spec_decode.proposer import Proposer
 from specserve.training.data import FeatureRecorder
 from specserve.training.train_eagle import EagleTask
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 # ----------------------------------------------------------------------------- tiny target
 @pytest.fixture(scope="module")
@@ -125,15 +127,6 @@ PROMPTS = [
     "Explain what a compiler does in two sentences.",
 ]
 KW = dict(dtype="float32", max_model_len=512, kv_cache_memory=64 << 20)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread: on a shared 2-core machine two threads per process mostly wait for each other."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -19,14 +19,7 @@ from specserve.model_executor.loader import load_model
 from specserve.model_executor.models.eagle import EAGLE_CONFIG_NAME, EagleConfig
 from specserve.training.prompts import PROMPTS_FILE, build_prompts, load_prompts
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread: on a shared 2-core machine two threads per process mostly wait for each other."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
