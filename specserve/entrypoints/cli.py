@@ -11,7 +11,7 @@ from specserve.training.cli import add_train_draft_parser
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """Options shared by every subcommand that builds an engine."""
     p.add_argument("--model", default=None, help="a .gguf file, a Hugging Face folder or a cached hub id (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU), bfloat16, float16 or float32")
+    p.add_argument("--dtype", default="auto", help="auto (float16 weights with float32 activations on x86 CPUs, else float32; bfloat16 on GPU), bfloat16, float16 or float32")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes of KV cache")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")

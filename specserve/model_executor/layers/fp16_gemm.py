@@ -46,11 +46,13 @@ def round_to_weight_dtype(
     """
     if weight_dtype == compute_dtype:
         return
-    if cpu_fp16_gemm_available(device):
-        pack_fp16_weights(model)
-        return
+    use_fbgemm = cpu_fp16_gemm_available(device)
     for module in model.modules():
-        if hasattr(module, "pack_fp16"):
+        if not hasattr(module, "pack_fp16"):  # layers with a matmul weight define pack_fp16
+            continue
+        if use_fbgemm:
+            module.pack_fp16()
+        else:
             module.weight.data = module.weight.data.to(weight_dtype).to(compute_dtype)
 
 
@@ -58,7 +60,6 @@ class PackedFp16Weight:
     """A weight [out, in] (and optional bias [out]) prepacked for fbgemm's fp16 GEMM."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        self.out_features = weight.shape[0]
         self._packed = torch.ops.quantized.linear_prepack_fp16(
             weight.detach().float().contiguous(), None if bias is None else bias.detach().float()
         )
@@ -67,9 +68,3 @@ class PackedFp16Weight:
         # The overload itself: the packet's Python-side dispatch checks cost ~10 us a call.
         return torch.ops.quantized.linear_dynamic_fp16.default(x, self._packed)
 
-
-def pack_fp16_weights(model: torch.nn.Module) -> None:
-    """Switch every layer that supports it (``pack_fp16``) to the fp16-weight GEMM."""
-    for module in model.modules():
-        if hasattr(module, "pack_fp16"):
-            module.pack_fp16()
