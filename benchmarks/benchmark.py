@@ -207,6 +207,8 @@ def parse_args(argv=None):
     ap.add_argument("--num-speculative-tokens", type=int, default=None)
     ap.add_argument("--prompt-lookup-max", type=int, default=None)
     ap.add_argument("--prompt-lookup-min", type=int, default=None)
+    ap.add_argument("--prompt-lookup-adaptive", action=argparse.BooleanOptionalAction, default=None,
+                    help="ngram: min(k, match length + 1) draft tokens (specserve's default) or always k")
     ap.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
                     help="no drafting in steps with at least this many decoding requests")
     ap.add_argument("--baseline", choices=["transformers", "none"], default="none")
@@ -236,6 +238,8 @@ def speculative_config_from(args) -> dict | None:
         spec["prompt_lookup_max"] = args.prompt_lookup_max
     if args.prompt_lookup_min is not None:
         spec["prompt_lookup_min"] = args.prompt_lookup_min
+    if args.prompt_lookup_adaptive is not None:
+        spec["prompt_lookup_adaptive"] = args.prompt_lookup_adaptive
     if args.speculative_disable_by_batch_size is not None:
         spec["disable_by_batch_size"] = args.speculative_disable_by_batch_size
     return spec or None

@@ -26,7 +26,7 @@ def check_vocab(target_vocab: int, draft_vocab: int, draft_name: str) -> None:
 
 def build_proposer(spec: SpeculativeConfig, engine, target_vocab: int) -> Proposer:
     if spec.method == "ngram":
-        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.prompt_lookup_adaptive)
     if spec.method in ("draft_model", "eagle") and spec.model is None:
         # No draft named: the one shipped for the default target (a clear error for other targets).
         from specserve.drafts import shipped_draft

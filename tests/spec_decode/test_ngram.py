@@ -32,6 +32,16 @@ def test_respects_k():
     assert ngram_lookup([4, 5, 6, 4], 1, 3, k=5) == [5, 6, 4]
 
 
+def test_adaptive_proposes_one_more_token_than_the_match():
+    # Suffix [2, 3] (n=2) matches at 1..2: 3 tokens follow it, k allowing.
+    tokens = [5, 2, 3, 10, 11, 7, 8, 20, 2, 3]
+    assert ngram_lookup(tokens, 1, 3, k=8, adaptive=True) == [10, 11, 7]
+    assert ngram_lookup(tokens, 1, 3, k=2, adaptive=True) == [10, 11]   # k still caps it
+    # Only a 1-gram repeats: two tokens.
+    assert ngram_lookup([3, 9, 1, 8, 3], 1, 3, k=8, adaptive=True) == [9, 1]
+    assert ngram_lookup(tokens, 1, 3, k=8, adaptive=False) == [10, 11, 7, 8, 20, 2, 3]
+
+
 def test_min_n():
     tokens = [3, 9, 1, 8, 3]                    # only a 1-gram repeats
     assert ngram_lookup(tokens, min_n=1, max_n=3, k=2) == [9, 1]
@@ -79,8 +89,10 @@ def test_proposer_respects_each_requests_num_lookahead():
     tokens = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2]         # matches [1, 2] -> 3, 4, 5, ...
     scheduled = [_scheduled(tokens, la, str(la)) for la in (0, 1, 3, 5)]
     scheduled.append(_scheduled([9, 8, 7], 4, "nomatch"))
-    proposal = NgramProposer(min_n=1, max_n=3).propose(scheduled)
+    proposal = NgramProposer(min_n=1, max_n=3, adaptive=False).propose(scheduled)
     assert proposal.token_ids == [[], [3], [3, 4, 5], [3, 4, 5, 6, 7], []]
+    adaptive = NgramProposer(min_n=1, max_n=3).propose(scheduled)   # a 2-token match: at most 3
+    assert adaptive.token_ids == [[], [3], [3, 4, 5], [3, 4, 5], []]
     assert proposal.probs == [None] * 5
     for s, drafts in zip(scheduled, proposal.token_ids):
         assert len(drafts) <= s.num_lookahead

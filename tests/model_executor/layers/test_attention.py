@@ -1,0 +1,86 @@
+"""Paged attention against a dense per-request reference, one and several context groups."""
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specserve.model_executor.layers import attention
+from specserve.model_executor.layers.attention import AttentionMetadata, paged_attention, split_by_context_length
+
+BLOCK = 4
+
+
+def test_similar_lengths_stay_one_group_in_order():
+    assert split_by_context_length([40, 37, 44, 41], BLOCK) == [[0, 1, 2, 3]]
+
+
+def test_mixed_lengths_split_into_short_and_long():
+    lens = [30, 900, 25, 40, 880, 33]
+    groups = split_by_context_length(lens, BLOCK, group_cost=64)
+    assert sorted(map(sorted, groups)) == [[0, 2, 3, 5], [1, 4]]
+
+
+def test_every_request_in_exactly_one_group():
+    rng = random.Random(0)
+    for _ in range(50):
+        lens = [rng.randint(1, 500) for _ in range(rng.randint(1, 20))]
+        groups = split_by_context_length(lens, BLOCK, group_cost=rng.choice([0, 16, 256]))
+        assert sorted(i for g in groups for i in g) == list(range(len(lens)))
+
+
+def reference_attention(q, keys, values, q_len, scale):
+    """Dense causal attention of one request: q [q_len, Hq, hd], keys/values [ctx, Hk, hd]."""
+    ctx = keys.shape[0]
+    group = q.shape[1] // keys.shape[1]
+    k = keys.repeat_interleave(group, dim=1).transpose(0, 1)   # [Hq, ctx, hd]
+    v = values.repeat_interleave(group, dim=1).transpose(0, 1)
+    q_pos = torch.arange(ctx - q_len, ctx)
+    mask = torch.arange(ctx)[None, :] <= q_pos[:, None]          # [q_len, ctx]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=scale)
+    return out.transpose(0, 1)
+
+
+@pytest.mark.parametrize("group_cost", [0, 10**9, None])  # many groups, one group, the default rule
+def test_paged_attention_matches_dense_reference(monkeypatch, group_cost):
+    if group_cost is not None:
+        monkeypatch.setattr(attention, "GROUP_COST_IN_KEY_POSITIONS", group_cost)
+    torch.manual_seed(0)
+    heads, kv_heads, hd, num_blocks = 6, 2, 8, 200
+    # (tokens already cached, new tokens): decode, verification, prefill chunk, long decode
+    shapes = [(9, 1), (30, 5), (0, 13), (300, 1), (5, 1), (250, 3)]
+    perm = torch.randperm(num_blocks - 1) + 1
+    k_cache = torch.zeros(num_blocks, BLOCK, kv_heads, hd)
+    v_cache = torch.zeros_like(k_cache)
+    tables, full_k, full_v, next_block = [], [], [], 0
+    for cached, new in shapes:
+        n = -(-(cached + new) // BLOCK)
+        table = perm[next_block:next_block + n].tolist()
+        next_block += n
+        tables.append(table)
+        keys, values = torch.randn(cached + new, kv_heads, hd), torch.randn(cached + new, kv_heads, hd)
+        full_k.append(keys)
+        full_v.append(values)
+        for p in range(cached):  # what earlier steps wrote
+            k_cache[table[p // BLOCK], p % BLOCK] = keys[p]
+            v_cache[table[p // BLOCK], p % BLOCK] = values[p]
+    meta = AttentionMetadata.build(
+        query_lens=[new for _, new in shapes],
+        context_lens=[c + n for c, n in shapes],
+        block_tables=tables,
+        block_size=BLOCK,
+        device=torch.device("cpu"),
+    )
+    if group_cost == 0:
+        assert len(meta.groups) > 1
+    if group_cost == 10**9:
+        assert len(meta.groups) == 1
+    q = torch.randn(sum(n for _, n in shapes), heads, hd)
+    k_new = torch.cat([full_k[i][c:] for i, (c, _) in enumerate(shapes)])
+    v_new = torch.cat([full_v[i][c:] for i, (c, _) in enumerate(shapes)])
+    out = paged_attention(q, k_new, v_new, k_cache, v_cache, meta, scale=0.3)
+    row = 0
+    for i, (cached, new) in enumerate(shapes):
+        expected = reference_attention(q[row:row + new], full_k[i], full_v[i], new, 0.3)
+        torch.testing.assert_close(out[row:row + new], expected, rtol=1e-5, atol=1e-5)
+        row += new
