@@ -208,7 +208,7 @@ def parse_args(argv=None):
     ap.add_argument("--prompt-lookup-max", type=int, default=None)
     ap.add_argument("--prompt-lookup-min", type=int, default=None)
     ap.add_argument("--prompt-lookup-adaptive", action=argparse.BooleanOptionalAction, default=None,
-                    help="ngram: min(k, match length + 1) draft tokens (specserve's default) or always k")
+                    help="ngram: min(k, match length) draft tokens (specserve's default) or always k")
     ap.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
                     help="no drafting in steps with at least this many decoding requests")
     ap.add_argument("--baseline", choices=["transformers", "none"], default="none")

@@ -33,7 +33,7 @@ class SpeculativeConfig:
     draft_tensor_parallel_size: int | None = None
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
-    # ngram: propose min(k, matched length + 1) tokens instead of always k. A
+    # ngram: propose min(k, matched suffix length) tokens instead of always k. A
     # one-token match is a weak hint and a long one a strong one; on CPUs each
     # extra verified position costs ~5% of a step (docs/speculative_decoding.md).
     prompt_lookup_adaptive: bool = True

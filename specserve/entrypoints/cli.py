@@ -22,7 +22,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-lookup-max", type=int, default=None, help="ngram: longest suffix to match")
     p.add_argument("--prompt-lookup-min", type=int, default=None, help="ngram: shortest suffix to match")
     p.add_argument("--prompt-lookup-adaptive", action=argparse.BooleanOptionalAction, default=None,
-                   help="ngram: propose min(k, match length + 1) tokens (default) rather than always k")
+                   help="ngram: propose min(k, match length) tokens (default) rather than always k")
     p.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
                    help="skip drafting in steps with at least this many decoding requests")
     p.add_argument("--draft-tensor-parallel-size", type=int, default=None)

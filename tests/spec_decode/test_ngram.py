@@ -32,14 +32,15 @@ def test_respects_k():
     assert ngram_lookup([4, 5, 6, 4], 1, 3, k=5) == [5, 6, 4]
 
 
-def test_adaptive_proposes_one_more_token_than_the_match():
-    # Suffix [2, 3] (n=2) matches at 1..2: 3 tokens follow it, k allowing.
-    tokens = [5, 2, 3, 10, 11, 7, 8, 20, 2, 3]
-    assert ngram_lookup(tokens, 1, 3, k=8, adaptive=True) == [10, 11, 7]
-    assert ngram_lookup(tokens, 1, 3, k=2, adaptive=True) == [10, 11]   # k still caps it
-    # Only a 1-gram repeats: two tokens.
-    assert ngram_lookup([3, 9, 1, 8, 3], 1, 3, k=8, adaptive=True) == [9, 1]
-    assert ngram_lookup(tokens, 1, 3, k=8, adaptive=False) == [10, 11, 7, 8, 20, 2, 3]
+def test_adaptive_proposes_as_many_tokens_as_matched():
+    # Suffix [1, 2, 3] (n=3) matches at 1..3: 3 of the tokens after it, k allowing.
+    tokens = [5, 1, 2, 3, 10, 11, 7, 8, 20, 1, 2, 3]
+    assert ngram_lookup(tokens, 1, 4, k=8, adaptive=True) == [10, 11, 7]
+    assert ngram_lookup(tokens, 1, 4, k=2, adaptive=True) == [10, 11]   # k still caps it
+    assert ngram_lookup(tokens, 1, 2, k=8, adaptive=True) == [10, 11]   # so does max_n
+    # Only a 1-gram repeats: a single token.
+    assert ngram_lookup([3, 9, 1, 8, 3], 1, 3, k=8, adaptive=True) == [9]
+    assert ngram_lookup(tokens, 1, 4, k=8, adaptive=False) == [10, 11, 7, 8, 20, 1, 2, 3]
 
 
 def test_min_n():
@@ -91,8 +92,8 @@ def test_proposer_respects_each_requests_num_lookahead():
     scheduled.append(_scheduled([9, 8, 7], 4, "nomatch"))
     proposal = NgramProposer(min_n=1, max_n=3, adaptive=False).propose(scheduled)
     assert proposal.token_ids == [[], [3], [3, 4, 5], [3, 4, 5, 6, 7], []]
-    adaptive = NgramProposer(min_n=1, max_n=3).propose(scheduled)   # a 2-token match: at most 3
-    assert adaptive.token_ids == [[], [3], [3, 4, 5], [3, 4, 5], []]
+    adaptive = NgramProposer(min_n=1, max_n=3).propose(scheduled)   # a 2-token match: at most 2
+    assert adaptive.token_ids == [[], [3], [3, 4], [3, 4], []]
     assert proposal.probs == [None] * 5
     for s, drafts in zip(scheduled, proposal.token_ids):
         assert len(drafts) <= s.num_lookahead
