@@ -16,8 +16,9 @@ Engines compared in one run:
 - ``specserve``: plain decoding;
 - ``spec`` (when a ``--speculative-*`` option is given): specserve with speculation.
 
-At batch 1 prompts run one at a time; at batch B they run in groups of B (the
-last group may be smaller), and throughput is total new tokens / total time.
+At batch 1 prompts run one at a time; at batch B they run in groups of exactly B
+(the last group is filled up with prompts from the start of the list, so every
+group measures B requests in flight), and throughput is total new tokens / total time.
 Per-category throughput is reported at batch 1 only (larger groups mix categories);
 acceptance figures are per request, so they are reported per category at every size.
 "tok/s" is end to end (prefill included, as Spec-Bench measures); "decode tok/s"
@@ -301,7 +302,8 @@ def main(argv=None) -> dict:
     }
 
     for bs in args.batch_sizes:
-        groups = [prompts[i:i + bs] for i in range(0, len(prompts), bs)]
+        groups = full_groups(prompts, bs)
+        num_requests = sum(len(g) for g in groups)
         # Warm up every engine once at this batch size (short run, not timed).
         for e in engines:
             e.run(groups[0], min(8, args.max_tokens), args.temperature)
@@ -337,7 +339,7 @@ def main(argv=None) -> dict:
                                         "spec_decode_stats": st.as_dict() if st is not None else None,
                                         "token_ids": toks})
             done = sum(len(g) for g in groups[:gi + 1])
-            print(f"  batch {bs}: {done}/{len(prompts)} prompts, {time.perf_counter() - t_start:.0f}s "
+            print(f"  batch {bs}: {done}/{num_requests} requests, {time.perf_counter() - t_start:.0f}s "
                   + " ".join(f"{n}={tallies[n]['all'].tok_s:.1f}tok/s" for n in names), flush=True)
 
         report["results"][str(bs)] = summarize(bs, args, names, categories, tallies, outputs, prompts)
@@ -352,6 +354,17 @@ def main(argv=None) -> dict:
             json.dump(report, f, indent=1)
         print(f"\nwrote {args.json_out}")
     return report
+
+
+def full_groups(prompts: list[Prompt], batch_size: int) -> list[list[Prompt]]:
+    """Groups of exactly ``batch_size`` prompts; the last one wraps around to the first prompts.
+
+    A short last group (4 of 20 prompts at batch 16) would run at a quarter of the
+    batch and pull the "batch 16" figure towards batch-4 throughput.
+    """
+    n = -(-len(prompts) // batch_size) * batch_size
+    cycled = [prompts[i % len(prompts)] for i in range(n)]
+    return [cycled[i:i + batch_size] for i in range(0, n, batch_size)]
 
 
 def summarize(bs, args, names, categories, tallies, outputs, prompts) -> dict:
