@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 MAX_SPECULATIVE_TOKENS = 16  # beyond this acceptance of the last positions is ~0
+DEFAULT_SPECULATIVE_TOKENS = 4  # k when neither the user nor the draft says otherwise
 
 
 def _from_dict(cls, values: dict, what: str):
@@ -29,7 +30,9 @@ class SpeculativeConfig:
 
     method: str | None = None
     model: str | None = None
-    num_speculative_tokens: int = 4
+    # None: the draft's own recommendation (an EAGLE head's eagle_config.json may
+    # carry the k it was measured best at), else DEFAULT_SPECULATIVE_TOKENS.
+    num_speculative_tokens: int | None = None
     draft_tensor_parallel_size: int | None = None
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
@@ -51,7 +54,7 @@ class SpeculativeConfig:
         if self.method not in self.METHODS:
             raise ValueError(f"unknown speculative method {self.method!r}; choose one of {list(self.METHODS)}")
         k = self.num_speculative_tokens
-        if not isinstance(k, int) or isinstance(k, bool) or not (1 <= k <= MAX_SPECULATIVE_TOKENS):
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not (1 <= k <= MAX_SPECULATIVE_TOKENS)):
             raise ValueError(
                 f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}"
             )

@@ -24,7 +24,7 @@ from specserve.outputs import RequestOutput, SpecDecodeStats
 from specserve.sample.rejection_sampler import rejection_sample
 from specserve.sample.sampler import SamplingTensors, processed_probs
 from specserve.sampling_params import SamplingParams
-from specserve.spec_decode.factory import build_proposer
+from specserve.spec_decode.factory import build_proposer, resolve_speculative_config
 from specserve.spec_decode.proposer import kept_hidden_states
 from specserve.worker.model_runner import ForwardInput, ModelRunner
 from specserve.worker.tp_executor import build_executor, prepare_parallelism
@@ -43,6 +43,8 @@ def resolve_device(device: str | None) -> torch.device:
 class LLMEngine:
     def __init__(self, config: EngineConfig, spec_config: SpeculativeConfig | None = None):
         self.config = config
+        if spec_config is not None:
+            spec_config = resolve_speculative_config(spec_config, config.model)
         self.spec_config = spec_config
         prepare_parallelism(config, spec_config)  # TP checks; on a torchrun worker rank this serves and exits
         self.device = resolve_device(config.device)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from specserve.config import SpeculativeConfig
+from specserve.config import DEFAULT_SPECULATIVE_TOKENS, SpeculativeConfig
 from specserve.model_executor.loader import load_model, resolve_dtype
 from specserve.spec_decode.draft_model import DraftModelProposer
 from specserve.spec_decode.ngram import NgramProposer
@@ -24,14 +24,32 @@ def check_vocab(target_vocab: int, draft_vocab: int, draft_name: str) -> None:
         )
 
 
-def build_proposer(spec: SpeculativeConfig, engine, target_vocab: int) -> Proposer:
-    if spec.method == "ngram":
-        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.prompt_lookup_adaptive)
+def resolve_speculative_config(spec: SpeculativeConfig, target_model: str | None) -> SpeculativeConfig:
+    """Fill in what the user left to specserve: the shipped draft and k.
+
+    No draft named (draft_model or eagle): the one shipped for the default target
+    (a clear error for other targets). No k: an EAGLE head's recommended k from
+    its eagle_config.json, else DEFAULT_SPECULATIVE_TOKENS.
+    """
     if spec.method in ("draft_model", "eagle") and spec.model is None:
-        # No draft named: the one shipped for the default target (a clear error for other targets).
         from specserve.drafts import shipped_draft
 
-        spec = dataclasses.replace(spec, model=shipped_draft(spec.method, engine.config.model))
+        spec = dataclasses.replace(spec, model=shipped_draft(spec.method, target_model))
+    if spec.num_speculative_tokens is None:
+        k = None
+        if spec.method == "eagle":
+            from specserve.model_executor.models.eagle import EagleConfig, is_eagle_folder
+
+            if is_eagle_folder(spec.model):
+                k = EagleConfig.load(spec.model).num_speculative_tokens
+        spec = dataclasses.replace(spec, num_speculative_tokens=k or DEFAULT_SPECULATIVE_TOKENS)
+    return spec
+
+
+def build_proposer(spec: SpeculativeConfig, engine, target_vocab: int) -> Proposer:
+    """``spec`` as returned by ``resolve_speculative_config``."""
+    if spec.method == "ngram":
+        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.prompt_lookup_adaptive)
     if spec.method == "eagle":
         from specserve.spec_decode.eagle import build_eagle_proposer
 

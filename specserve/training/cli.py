@@ -53,6 +53,9 @@ def add_train_draft_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--reg-weight", type=float, default=1.0, help="eagle: feature regression (smooth L1) weight")
     p.add_argument("--kl-weight", type=float, default=1.0, help="eagle: distribution (KL) weight")
     p.add_argument("--feature-noise", type=float, default=0.0, help="eagle: uniform noise width added to input features")
+    p.add_argument("--unroll-steps", type=int, default=2, choices=[1, 2],
+                   help="eagle: 2 also trains each position on the head's own previous output, as when it drafts "
+                        "a second token (EAGLE's training-time test; about 2x the training time)")
     p.add_argument("--max-train-minutes", type=float, default=None, help="stop training after this long (resumable)")
     p.add_argument("--save-every", type=int, default=50, help="steps between checkpoints")
     p.add_argument("--resume", action="store_true", help="continue training from WORK_DIR/checkpoint.pt")
@@ -102,7 +105,7 @@ def cmd_train_draft(args) -> int:
         from specserve.training.train_eagle import EagleTask
 
         task = EagleTask(loaded.config, loaded.state_dict, vocab, loaded.name, args.reg_weight, args.kl_weight,
-                         args.feature_noise)
+                         args.feature_noise, args.unroll_steps)
     else:
         from specserve.training.train_draft_model import DraftModelTask
 
@@ -125,6 +128,7 @@ def cmd_train_draft(args) -> int:
         "draft_vocab_size": len(vocab) if vocab is not None else loaded.config.vocab_size,
         "draft_vocab_coverage": round(coverage, 4),
         "epochs": args.epochs, "lr": args.lr, "batch_tokens": args.batch_tokens,
+        **({"unroll_steps": args.unroll_steps} if args.method == "eagle" else {}),
         "train_minutes": round((time.monotonic() - t1) / 60, 2),
         "history": result["history"], "best_epoch": result["best_epoch"], "complete": result["complete"],
     }

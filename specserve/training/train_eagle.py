@@ -7,7 +7,9 @@ whose predicted token is part of a response. The decoder layer starts as a copy
 of the target's last layer, the norm as the target's final norm, and ``fc`` as
 ``[I | I]`` (feature + embedding), so training starts from something that
 already reads the target's residual stream; the embedding and LM head are the
-target's, frozen.
+target's, frozen. With ``unroll_steps=2`` every position is also trained with
+the head's own previous output as its feature (``forward_train_unrolled``),
+which is what it sees when drafting a second or later token.
 """
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ from specserve.training.trainer import Batch, distill_loss
 
 class EagleTask:
     def __init__(self, target_config, target_sd: dict, draft_vocab: torch.Tensor | None, target_name: str,
-                 reg_weight: float = 1.0, kl_weight: float = 1.0, feature_noise: float = 0.0):
+                 reg_weight: float = 1.0, kl_weight: float = 1.0, feature_noise: float = 0.0,
+                 unroll_steps: int = 1):
         config = EagleConfig.from_target(
             target_config, len(draft_vocab) if draft_vocab is not None else None, target_name
         )
@@ -44,6 +47,9 @@ class EagleTask:
         self.reg_weight = reg_weight
         self.kl_weight = kl_weight
         self.feature_noise = feature_noise
+        if unroll_steps not in (1, 2):
+            raise ValueError(f"unroll_steps must be 1 or 2, got {unroll_steps}")
+        self.unroll_steps = unroll_steps
 
     def set_vocab(self, rows: torch.Tensor | None) -> None:
         """Which LM-head rows the loss uses (None: all)."""
@@ -61,15 +67,26 @@ class EagleTask:
         if self.feature_noise and self.module.training:
             f_in = f_in + self.feature_noise * (torch.rand_like(f_in) - 0.5)
         emb = F.embedding(tokens[:, 1 : n + 1], self.embed)
-        h = self.module.forward_train(f_in, emb)                # [B, n, H]
         target = feats[:, 1 : n + 1]
         t = torch.arange(n, device=tokens.device)[None, :]
         mask = (t >= (batch.prompt_lens[:, None] - 2)) & (t < (batch.lengths[:, None] - 2))
+        if self.unroll_steps == 1:
+            h = self.module.forward_train(f_in, emb)            # [B, n, H]
+            loss, metrics = self._position_loss(h, target, mask)
+            return loss, {**metrics, "positions": int(mask.sum())}
+        h1, h2 = self.module.forward_train_unrolled(f_in, emb)   # [B, n, H] each
+        loss1, m1 = self._position_loss(h1, target, mask)
+        loss2, m2 = self._position_loss(h2, target, mask & (t >= 1))   # position 0 has no own feature
+        loss = loss1 + loss2
+        return loss, {"loss": loss.item(), "kl": m1["kl"], "agree": m1["agree"],
+                      "agree2": m2["agree"], "positions": int(mask.sum())}
+
+    def _position_loss(self, h, target, mask):
         hs, ts = h[mask], target[mask]
         reg = F.smooth_l1_loss(hs, ts)
         kl, agree = distill_loss(hs, ts, self.lm_head)
         loss = self.reg_weight * reg + self.kl_weight * kl
-        return loss, {"loss": loss.item(), "kl": kl.item(), "agree": agree.item(), "positions": int(mask.sum())}
+        return loss, {"loss": loss.item(), "kl": kl.item(), "agree": agree.item()}
 
     def to(self, device) -> "EagleTask":
         self.module.to(device)

@@ -135,15 +135,16 @@ class TrainConfig:
 def evaluate(task, records: list[dict], cfg: TrainConfig) -> dict:
     if not records:
         return {}
-    total = {"loss": 0.0, "kl": 0.0, "agree": 0.0}
+    total: dict[str, float] = {}
     n = 0
     with torch.no_grad():
         for group in make_batches(records, cfg.batch_tokens, cfg.max_len, None):
             batch = collate([records[i] for i in group], cfg.max_len).to(cfg.device)
             loss, m = task.loss(batch)
             w = m["positions"]
-            for k in total:
-                total[k] += m[k] * w
+            for k, v in m.items():
+                if k != "positions":
+                    total[k] = total.get(k, 0.0) + v * w
             n += w
     return {k: v / max(1, n) for k, v in total.items()}
 

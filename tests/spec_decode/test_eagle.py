@@ -19,9 +19,11 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specserve import LLM, SamplingParams
+from specserve.config import DEFAULT_SPECULATIVE_TOKENS, SpeculativeConfig
 from specserve.drafts import SHIPPED, shipped_draft
 from specserve.model_executor.loader import load_model
 from specserve.model_executor.models.eagle import EagleConfig, load_eagle_head
+from specserve.spec_decode.factory import resolve_speculative_config
 from specserve.spec_decode.proposer import Proposer
 from specserve.training.data import FeatureRecorder
 from specserve.training.train_eagle import EagleTask
@@ -49,6 +51,23 @@ def tiny(tmp_path_factory):
     eagle = str(root / "eagle")
     task.export(eagle, {})
     return target, eagle
+
+
+def test_unrolled_training_sees_what_drafting_a_second_token_sees(tiny):
+    """h2[:, j] = the head at position j with its own h1[:, j-1] as the feature there and
+    the target's features before j (as in the drafting loop of the test below)."""
+    _, eagle_dir = tiny
+    head = load_eagle_head(eagle_dir, torch.float32)
+    torch.manual_seed(1)
+    hidden = head.config.hidden_size
+    feats, embeds = torch.randn(2, 9, hidden), torch.randn(2, 9, hidden)
+    with torch.no_grad():
+        h1, h2 = head.forward_train_unrolled(feats, embeds)
+        torch.testing.assert_close(h1, head.forward_train(feats, embeds))
+        for j in range(1, 9):
+            own = torch.cat([feats[:, :j], h1[:, j - 1 : j]], dim=1)
+            want = head.forward_train(own, embeds[:, : j + 1])[:, j]
+            torch.testing.assert_close(h2[:, j], want, rtol=1e-4, atol=1e-5)
 
 
 class Recording(Proposer):
@@ -147,6 +166,21 @@ def test_shipped_drafts_are_found():
     assert config.vocab_size == 49152 and config.hidden_size == 576
     with pytest.raises(ValueError, match="train-draft"):
         shipped_draft("eagle", "/some/other/model")
+
+
+def test_k_left_unset_comes_from_the_draft():
+    """The shipped EAGLE head recommends its own k; other drafts and ngram get the default."""
+    eagle_k = EagleConfig.load(shipped_draft("eagle", None)).num_speculative_tokens
+    assert eagle_k is not None
+    resolved = resolve_speculative_config(SpeculativeConfig(method="eagle"), None)
+    assert resolved.num_speculative_tokens == eagle_k and resolved.model == shipped_draft("eagle", None)
+    assert resolve_speculative_config(SpeculativeConfig(method="eagle", num_speculative_tokens=3),
+                                      None).num_speculative_tokens == 3
+    for method in ("draft_model", "ngram"):
+        assert resolve_speculative_config(SpeculativeConfig(method=method), None).num_speculative_tokens == \
+            DEFAULT_SPECULATIVE_TOKENS
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        SpeculativeConfig(method="ngram", num_speculative_tokens=0)
 
 
 @pytest.mark.slow

@@ -54,6 +54,8 @@ class EagleConfig:
     model_type: str = "llama"          # what the decoder layer is
     hidden_act: str = "silu"
     training: dict = field(default_factory=dict)  # how it was trained (free-form, for the record)
+    # The k this head was measured fastest at; used when the user sets none.
+    num_speculative_tokens: int | None = None
 
     @classmethod
     def from_target(cls, config, draft_vocab_size: int | None = None, target: str = "") -> "EagleConfig":
@@ -164,21 +166,53 @@ class EagleHead(nn.Module):
         token_embeds: torch.Tensor,  # [B, L, H]
     ) -> torch.Tensor:               # [B, L, H]
         """The same computation over whole padded sequences with causal attention (no KV cache)."""
+        x, q, k, v = self._train_qkv(features, token_embeds)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        return self._train_finish(x, out)
+
+    def forward_train_unrolled(
+        self,
+        features: torch.Tensor,      # [B, L, H] the target's features
+        token_embeds: torch.Tensor,  # [B, L, H]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # h1, h2: [B, L, H]
+        """``h1`` as ``forward_train``; ``h2[:, j]`` is the head's output at position j when
+        its input feature is its own ``h1[:, j - 1]``, as when it drafts a second token,
+        while positions before j keep the target's features (what its KV cache then
+        holds). Training on h2 too is EAGLE's "training-time test": without it the head
+        only ever saw the target's features and its second and later drafts are rarely
+        accepted."""
+        x1, q1, k1, v1 = self._train_qkv(features, token_embeds)
+        gqa = q1.shape[1] != k1.shape[1]
+        h1 = self._train_finish(x1, F.scaled_dot_product_attention(q1, k1, v1, is_causal=True, enable_gqa=gqa))
+        own = torch.cat([features[:, :1], h1[:, :-1].detach()], dim=1)   # [B, L, H] position 0 has no prediction
+        x2, q2, k2, v2 = self._train_qkv(own, token_embeds)
+        length = features.shape[1]
+        pos = torch.arange(length, device=features.device)
+        # Query j sees the target-feature keys before j and its own-feature key at j.
+        mask = torch.cat([pos[None, :] < pos[:, None], pos[None, :] == pos[:, None]], dim=1)  # [L, 2L]
+        out2 = F.scaled_dot_product_attention(
+            q2, torch.cat([k1, k2], dim=2), torch.cat([v1, v2], dim=2), attn_mask=mask, enable_gqa=gqa
+        )
+        return h1, self._train_finish(x2, out2)
+
+    def _train_qkv(self, features, token_embeds):
+        """-> x [B, L, H] (the layer's input), q [B, hq, L, hd], k and v [B, hk, L, hd]."""
         b, length, _ = features.shape
         x = self.fc(torch.cat([features, token_embeds], dim=-1))
-        positions = torch.arange(length, device=x.device)
-        cos, sin = self.rotary.lookup(positions, x.dtype)               # [L, 1, hd]
-        layer, attn = self.layer, self.layer.self_attn
+        cos, sin = self.rotary.lookup(torch.arange(length, device=x.device), x.dtype)  # [L, 1, hd]
+        attn = self.layer.self_attn
         hq, hk, hd = self.config.num_attention_heads, self.config.num_key_value_heads, self.head_dim
-        qkv = attn.qkv_proj(layer.input_layernorm(x))                     # [B, L, (hq + 2hk) hd]
+        qkv = attn.qkv_proj(self.layer.input_layernorm(x))                # [B, L, (hq + 2hk) hd]
         qk, v = qkv.split([(hq + hk) * hd, hk * hd], dim=-1)
         qk = apply_rotary(qk.reshape(b, length, hq + hk, hd), cos, sin)
         q, k = qk.split([hq, hk], dim=2)
-        v = v.reshape(b, length, hk, hd)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=hq != hk
-        )                                                                # [B, hq, L, hd]
-        x = x + attn.o_proj(out.transpose(1, 2).reshape(b, length, hq * hd))
+        return x, q.transpose(1, 2), k.transpose(1, 2), v.reshape(b, length, hk, hd).transpose(1, 2)
+
+    def _train_finish(self, x, attn_out):
+        """x [B, L, H], attn_out [B, hq, L, hd] -> the head's output [B, L, H]."""
+        b, hq, length, hd = attn_out.shape
+        layer = self.layer
+        x = x + layer.self_attn.o_proj(attn_out.transpose(1, 2).reshape(b, length, hq * hd))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
 
