@@ -53,7 +53,7 @@ def add_train_draft_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--reg-weight", type=float, default=1.0, help="eagle: feature regression (smooth L1) weight")
     p.add_argument("--kl-weight", type=float, default=1.0, help="eagle: distribution (KL) weight")
     p.add_argument("--feature-noise", type=float, default=0.0, help="eagle: uniform noise width added to input features")
-    p.add_argument("--unroll-steps", type=int, default=2, choices=[1, 2],
+    p.add_argument("--unroll-steps", type=int, default=1, choices=[1, 2],
                    help="eagle: 2 also trains each position on the head's own previous output, as when it drafts "
                         "a second token (EAGLE's training-time test; about 2x the training time)")
     p.add_argument("--max-train-minutes", type=float, default=None, help="stop training after this long (resumable)")
