@@ -49,24 +49,26 @@ RULES = [
 ]
 
 
-def step_costs(llm: LLM, max_rows: int, context: int = 250, repeats: int = 8) -> list[float]:
-    """cost[m] = time of a batch-1 forward over m new rows / time over 1 row (m = 0 unused)."""
+def step_costs(llm: LLM, max_rows: int, context: int = 250, rounds: int = 15) -> list[float]:
+    """cost[m] = time of a batch-1 forward over m new rows / time over 1 row (m = 0 unused).
+
+    Row counts are timed round-robin (1, 2, ..., max_rows, 1, 2, ...) and the
+    median per count is kept, so a slow spell of a shared machine hits every
+    count alike instead of skewing one of them.
+    """
     runner = llm.engine.runner
     block_size = llm.engine.config.block_size
     blocks = list(range(1, (context + max_rows) // block_size + 2))
     runner.execute([ForwardInput(list(range(100, 100 + context)), 0, blocks, 1)])
-    times = {}
-    for _ in range(2):  # two passes, keep the faster: less exposed to a noisy neighbour
+    samples: dict[int, list[float]] = defaultdict(list)
+    for _ in range(rounds):
         for m in range(1, max_rows + 1):
             inp = [ForwardInput(list(range(200, 200 + m)), context, blocks, m)]
+            t = time.perf_counter()
             runner.execute(inp)
-            samples = []
-            for _ in range(repeats):
-                t = time.perf_counter()
-                runner.execute(inp)
-                samples.append(time.perf_counter() - t)
-            times[m] = min(times.get(m, float("inf")), statistics.median(samples))
-    return [0.0] + [times[m] / times[1] for m in range(1, max_rows + 1)]
+            samples[m].append(time.perf_counter() - t)
+    median = {m: statistics.median(ts) for m, ts in samples.items()}
+    return [0.0] + [median[m] / median[1] for m in range(1, max_rows + 1)]
 
 
 def replay(prompt: list[int], answer: list[int], rule, cost: list[float]) -> tuple[int, float, int]:
