@@ -19,7 +19,6 @@ Prefill is left out (it is the same with and without speculation).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
