@@ -30,7 +30,7 @@ import torch
 from specserve.engine.kv_cache_manager import KVCacheManager
 from specserve.engine.request import Request
 from specserve.engine.scheduler import ScheduledRequest
-from specserve.model_executor.layers.attention import AttentionMetadata
+from specserve.model_executor.layers.attention import AttentionMetadata, kv_cache_shape
 from specserve.model_executor.layers.fp16_gemm import compute_dtype_for, round_to_weight_dtype
 from specserve.model_executor.layers.linear import ColumnParallelLinear
 from specserve.model_executor.models.eagle import EagleHead
@@ -99,7 +99,7 @@ class EagleProposer(Proposer):
         round_to_weight_dtype(self.head, weight_dtype, dtype, device)
         round_to_weight_dtype(self.lm_head, weight_dtype, dtype, device)
         cfg = head.config
-        shape = (2, kv_cache.num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        shape = kv_cache_shape(kv_cache.num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv = torch.zeros(shape, dtype=dtype, device=device)
         self.features: weakref.WeakKeyDictionary[Request, _Features] = weakref.WeakKeyDictionary()
         self._warned = False

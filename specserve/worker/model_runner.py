@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.distributed.parallel_state import SINGLE, TensorParallelGroup
-from specserve.model_executor.layers.attention import AttentionMetadata
+from specserve.model_executor.layers.attention import AttentionMetadata, kv_cache_shape
 from specserve.model_executor.layers.fp16_gemm import compute_dtype_for, round_to_weight_dtype
 from specserve.model_executor.models.registry import get_model_class
 
@@ -76,7 +76,7 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         m = self.model
-        shape = (2, num_blocks, self.block_size, m.num_kv_heads_local, m.head_dim)
+        shape = kv_cache_shape(num_blocks, self.block_size, m.num_kv_heads_local, m.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in m.layers]
         self.num_blocks = num_blocks
 

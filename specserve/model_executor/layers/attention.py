@@ -1,8 +1,12 @@
 """Paged attention over a flat batch of requests, in plain PyTorch.
 
-The KV cache of one layer is ``[num_blocks, block_size, num_kv_heads, head_dim]``
-for K and the same for V; token t of a request lives in slot
-``block_table[t // block_size] * block_size + t % block_size``.
+The KV cache of one layer is ``[2, num_kv_heads, num_blocks, block_size, head_dim]``
+(K, then V); token t of a request lives in slot
+``block_table[t // block_size] * block_size + t % block_size`` of every head.
+Heads come first so that gathering a request's blocks yields keys already laid
+out ``[heads, requests, positions, head_dim]``, the layout SDPA reads without a
+copy (with blocks first, the gathered keys need a transpose that SDPA makes
+contiguous internally: ~1.5x slower attention on CPU, docs/benchmarks.md).
 
 A step's tokens come flat (``[T, ...]``): prefill chunks, single decode tokens
 and [last token, draft 1..k] verification runs, in any mix. Attention gathers
@@ -59,6 +63,11 @@ def split_by_context_length(context_lens: list[int], block_size: int, group_cost
     return groups[::-1]
 
 
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    """One layer's paged KV cache: K and V, heads first (see the module docstring)."""
+    return (2, num_kv_heads, num_blocks, block_size, head_dim)
+
+
 @dataclass
 class ContextGroup:
     """Requests attended in one SDPA call, padded to the group's longest context."""
@@ -72,10 +81,10 @@ class ContextGroup:
     _grouped_masks: dict = field(default_factory=dict, repr=False)
 
     def grouped_mask(self, group: int) -> torch.Tensor:
-        """[B_g, 1, group * max_q, S]: ``attn_mask`` with its query rows repeated for
-        ``group`` query heads per KV head (see ``paged_attention``); built once per step."""
+        """[1, B_g, group * max_q, S]: ``attn_mask`` with its query rows repeated for
+        ``group`` query heads per KV head (see ``_attend_group``); built once per step."""
         if group not in self._grouped_masks:
-            self._grouped_masks[group] = self.attn_mask.repeat(1, 1, group, 1)
+            self._grouped_masks[group] = self.attn_mask.repeat(1, 1, group, 1).transpose(0, 1)
         return self._grouped_masks[group]
 
     @classmethod
@@ -148,44 +157,41 @@ class AttentionMetadata:
 
 
 def paged_attention(
-    q: torch.Tensor,        # [T, Hq, hd]
-    k: torch.Tensor,        # [T, Hk, hd]
-    v: torch.Tensor,        # [T, Hk, hd]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, Hk, hd]
-    v_cache: torch.Tensor,
+    q: torch.Tensor,         # [T, Hq, hd]
+    k: torch.Tensor,         # [T, Hk, hd]
+    v: torch.Tensor,         # [T, Hk, hd]
+    kv_cache: torch.Tensor,  # [2, Hk, num_blocks, block_size, hd]
     meta: AttentionMetadata,
     scale: float,
-) -> torch.Tensor:          # [T, Hq, hd]
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+) -> torch.Tensor:           # [T, Hq, hd]
+    num_kv_heads, head_dim = kv_cache.shape[1], kv_cache.shape[4]
     # Write the new tokens' K/V, then read every request's whole context.
-    k_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = k
-    v_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = v
+    slots = kv_cache.view(2, num_kv_heads, -1, head_dim)   # [2, Hk, num_blocks * block_size, hd]
+    slots[0].index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+    slots[1].index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
     if len(meta.groups) == 1:
-        return _attend_group(q, k_cache, v_cache, meta.groups[0], scale)
+        return _attend_group(q, kv_cache, meta.groups[0], scale)
     out = torch.empty_like(q)
     for g in meta.groups:
-        out.index_copy_(0, g.token_index, _attend_group(q.index_select(0, g.token_index), k_cache, v_cache, g, scale))
+        out.index_copy_(0, g.token_index, _attend_group(q.index_select(0, g.token_index), kv_cache, g, scale))
     return out
 
 
 def _attend_group(
-    q: torch.Tensor,        # [T_g, Hq, hd] the group's query rows
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    q: torch.Tensor,         # [T_g, Hq, hd] the group's query rows
+    kv_cache: torch.Tensor,  # [2, Hk, num_blocks, block_size, hd]
     g: ContextGroup,
     scale: float,
-) -> torch.Tensor:          # [T_g, Hq, hd]
+) -> torch.Tensor:           # [T_g, Hq, hd]
     """Grouped-query attention runs as plain attention per KV head: the ``group``
     query heads that share a KV head are stacked as extra query rows
-    ([B, Hk, group * max_q, hd]), so no K/V is repeated per query head. On CPU
+    ([Hk, B, group * max_q, hd]), so no K/V is repeated per query head. On CPU
     this is ~2x faster than SDPA's ``enable_gqa`` for verification steps."""
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    num_kv_heads, head_dim = kv_cache.shape[1], kv_cache.shape[4]
     num_reqs, max_blocks = g.block_tables.shape
-    flat_table = g.block_tables.view(-1)
-    # index_select, not k_cache[block_tables]: the same gather, ~6x faster on CPU.
-    keys = k_cache.index_select(0, flat_table).view(num_reqs, -1, num_kv_heads, head_dim).transpose(1, 2)
-    values = v_cache.index_select(0, flat_table).view(num_reqs, -1, num_kv_heads, head_dim).transpose(1, 2)
-    # keys/values: [B, Hk, S, hd]
+    # One gather for K and V: [2, Hk, B * max_blocks, block_size, hd] -> [2, Hk, B, S, hd].
+    # (index_select, not kv_cache[:, :, table]: the same gather, several times faster on CPU.)
+    context = kv_cache.index_select(2, g.block_tables.view(-1)).view(2, num_kv_heads, num_reqs, -1, head_dim)
     num_heads = q.shape[1]
     group = num_heads // num_kv_heads
     max_q = g.max_query_len
@@ -194,12 +200,11 @@ def _attend_group(
     else:
         q_pad = q.new_zeros(num_reqs * max_q, num_heads, head_dim)
         q_pad[g.token_to_padded] = q
-    # [B * max_q, Hq, hd] -> [B, Hk, group * max_q, hd]; query head h uses KV head h // group.
+    # [B * max_q, Hq, hd] -> [Hk, B, group * max_q, hd]; query head h uses KV head h // group.
     q_rows = (q_pad.view(num_reqs, max_q, num_kv_heads, group, head_dim)
-              .permute(0, 2, 3, 1, 4).reshape(num_reqs, num_kv_heads, group * max_q, head_dim))
-    mask = g.grouped_mask(group) if group > 1 else g.attn_mask
-    out = F.scaled_dot_product_attention(q_rows, keys, values, attn_mask=mask, scale=scale)
-    # [B, Hk, group * max_q, hd] -> [B * max_q, Hq, hd]
-    out = (out.view(num_reqs, num_kv_heads, group, max_q, head_dim)
-           .permute(0, 3, 1, 2, 4).reshape(num_reqs * max_q, num_heads, head_dim))
+              .permute(2, 0, 3, 1, 4).reshape(num_kv_heads, num_reqs, group * max_q, head_dim))
+    out = F.scaled_dot_product_attention(q_rows, context[0], context[1], attn_mask=g.grouped_mask(group), scale=scale)
+    # [Hk, B, group * max_q, hd] -> [B * max_q, Hq, hd]
+    out = (out.view(num_kv_heads, num_reqs, group, max_q, head_dim)
+           .permute(1, 3, 0, 2, 4).reshape(num_reqs * max_q, num_heads, head_dim))
     return out if g.uniform else out[g.token_to_padded]

@@ -153,7 +153,7 @@ class EagleHead(nn.Module):
         features: torch.Tensor,    # [T, H] target (or the head's own) post-norm hidden states
         token_embeds: torch.Tensor,  # [T, H] embeddings of the tokens that follow them
         positions: torch.Tensor,   # [T]
-        kv_cache: torch.Tensor,    # [2, num_blocks, block_size, Hk, hd]
+        kv_cache: torch.Tensor,    # [2, Hk, num_blocks, block_size, hd]
         meta: AttentionMetadata,
     ) -> torch.Tensor:             # [T, H] predicted next features
         x = self.fc(torch.cat([features, token_embeds], dim=-1))

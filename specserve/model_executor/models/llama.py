@@ -50,7 +50,7 @@ class LlamaAttention(nn.Module):
         qk = apply_rotary(qk.reshape(-1, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(out.shape[0], -1))
 
 
@@ -99,7 +99,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,   # [T]
         positions: torch.Tensor,   # [T]
-        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hk, hd]
+        kv_caches: list[torch.Tensor],  # per layer [2, Hk, num_blocks, block_size, hd]
         meta: AttentionMetadata,
     ) -> torch.Tensor:             # [T, hidden] after the final norm
         x = self.embed_tokens(input_ids)

@@ -6,7 +6,12 @@ import torch
 import torch.nn.functional as F
 
 from specserve.model_executor.layers import attention
-from specserve.model_executor.layers.attention import AttentionMetadata, paged_attention, split_by_context_length
+from specserve.model_executor.layers.attention import (
+    AttentionMetadata,
+    kv_cache_shape,
+    paged_attention,
+    split_by_context_length,
+)
 
 BLOCK = 4
 
@@ -50,8 +55,7 @@ def test_paged_attention_matches_dense_reference(monkeypatch, group_cost):
     # (tokens already cached, new tokens): decode, verification, prefill chunk, long decode
     shapes = [(9, 1), (30, 5), (0, 13), (300, 1), (5, 1), (250, 3)]
     perm = torch.randperm(num_blocks - 1) + 1
-    k_cache = torch.zeros(num_blocks, BLOCK, kv_heads, hd)
-    v_cache = torch.zeros_like(k_cache)
+    kv_cache = torch.zeros(kv_cache_shape(num_blocks, BLOCK, kv_heads, hd))
     tables, full_k, full_v, next_block = [], [], [], 0
     for cached, new in shapes:
         n = -(-(cached + new) // BLOCK)
@@ -62,8 +66,8 @@ def test_paged_attention_matches_dense_reference(monkeypatch, group_cost):
         full_k.append(keys)
         full_v.append(values)
         for p in range(cached):  # what earlier steps wrote
-            k_cache[table[p // BLOCK], p % BLOCK] = keys[p]
-            v_cache[table[p // BLOCK], p % BLOCK] = values[p]
+            kv_cache[0, :, table[p // BLOCK], p % BLOCK] = keys[p]
+            kv_cache[1, :, table[p // BLOCK], p % BLOCK] = values[p]
     meta = AttentionMetadata.build(
         query_lens=[new for _, new in shapes],
         context_lens=[c + n for c, n in shapes],
@@ -78,7 +82,7 @@ def test_paged_attention_matches_dense_reference(monkeypatch, group_cost):
     q = torch.randn(sum(n for _, n in shapes), heads, hd)
     k_new = torch.cat([full_k[i][c:] for i, (c, _) in enumerate(shapes)])
     v_new = torch.cat([full_v[i][c:] for i, (c, _) in enumerate(shapes)])
-    out = paged_attention(q, k_new, v_new, k_cache, v_cache, meta, scale=0.3)
+    out = paged_attention(q, k_new, v_new, kv_cache, meta, scale=0.3)
     row = 0
     for i, (cached, new) in enumerate(shapes):
         expected = reference_attention(q[row:row + new], full_k[i], full_v[i], new, 0.3)
