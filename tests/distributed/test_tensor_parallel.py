@@ -410,10 +410,15 @@ def test_killed_worker_raises_quickly_instead_of_hanging(tiny_model_dir):
 
 _DRIVER_SCRIPT = textwrap.dedent(
     """
-    import json, sys
+    import json, signal, sys
     from specserve import LLM, SamplingParams
 
     if __name__ == "__main__":
+        # Ctrl-C as in a terminal. A process started with SIGINT ignored (pytest run as a
+        # background job of a non-interactive shell, under nohup, by some CI runners) passes
+        # SIG_IGN on to this one, and Python then installs no KeyboardInterrupt handler:
+        # the test's SIGINT would be dropped and the driver would loop until the guard.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         llm = LLM(model=sys.argv[1], dtype="float32", max_model_len=256, kv_cache_memory=1 << 24,
                   tensor_parallel_size=2)
         if sys.argv[2] == "loop":
