@@ -79,6 +79,18 @@ class ContextGroup:
     max_query_len: int
     uniform: bool                     # every request has max_query_len new tokens: no padding needed
     _grouped_masks: dict = field(default_factory=dict, repr=False)
+    _context_buffer: torch.Tensor | None = field(default=None, repr=False)
+
+    def context_buffer(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        """[2, Hk, B_g * max_blocks, block_size, hd]: where every layer gathers this
+        group's K/V. One buffer per step, reused by all layers: a fresh multi-MB
+        tensor per layer costs page faults that made the gather ~2x slower on CPU."""
+        num_reqs, max_blocks = self.block_tables.shape
+        shape = (2, kv_cache.shape[1], num_reqs * max_blocks, kv_cache.shape[3], kv_cache.shape[4])
+        buf = self._context_buffer
+        if buf is None or buf.shape != shape or buf.dtype != kv_cache.dtype:
+            buf = self._context_buffer = kv_cache.new_empty(shape)
+        return buf
 
     def grouped_mask(self, group: int) -> torch.Tensor:
         """[1, B_g, group * max_q, S]: ``attn_mask`` with its query rows repeated for
@@ -191,7 +203,8 @@ def _attend_group(
     num_reqs, max_blocks = g.block_tables.shape
     # One gather for K and V: [2, Hk, B * max_blocks, block_size, hd] -> [2, Hk, B, S, hd].
     # (index_select, not kv_cache[:, :, table]: the same gather, several times faster on CPU.)
-    context = kv_cache.index_select(2, g.block_tables.view(-1)).view(2, num_kv_heads, num_reqs, -1, head_dim)
+    context = torch.index_select(kv_cache, 2, g.block_tables.view(-1), out=g.context_buffer(kv_cache))
+    context = context.view(2, num_kv_heads, num_reqs, -1, head_dim)
     num_heads = q.shape[1]
     group = num_heads // num_kv_heads
     max_q = g.max_query_len
