@@ -3,10 +3,10 @@
 The KV cache of one layer is ``[2, num_kv_heads, num_blocks, block_size, head_dim]``
 (K, then V); token t of a request lives in slot
 ``block_table[t // block_size] * block_size + t % block_size`` of every head.
-Heads come first so that gathering a request's blocks yields keys already laid
-out ``[heads, requests, positions, head_dim]``, the layout SDPA reads without a
-copy (with blocks first, the gathered keys need a transpose that SDPA makes
-contiguous internally: ~1.5x slower attention on CPU, docs/benchmarks.md).
+Heads come first so that one ``index_select`` over the block dimension gathers
+K and V of a group already laid out ``[heads, requests, positions, head_dim]``,
+contiguous as SDPA reads them (blocks first needs two gathers and hands SDPA
+transposed views).
 
 A step's tokens come flat (``[T, ...]``): prefill chunks, single decode tokens
 and [last token, draft 1..k] verification runs, in any mix. Attention gathers
@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from specserve.model_executor.layers import cpu_attention
 
 # One more SDPA call (gathers, padding, launch) costs about as much as reading
 # this many extra padded key positions; measured on CPU, where a padded key
@@ -125,11 +127,38 @@ class ContextGroup:
 
 
 @dataclass
-class AttentionMetadata:
-    """Per-step tensors shared by every layer (built once per step, not per layer)."""
+class KernelInputs:
+    """What the compiled CPU kernel (``cpu_attention``) reads, for the requests it serves."""
 
-    slot_mapping: torch.Tensor      # [T] cache slot where each new token's K/V is written
-    groups: list[ContextGroup]      # one SDPA call each; together they cover every token once
+    block_tables: torch.Tensor   # [B_k, max_blocks] int64, 0-padded
+    query_start: torch.Tensor    # [B_k] int64: first row of each request's new tokens in the flat batch
+    query_lens: torch.Tensor     # [B_k] int64
+    context_lens: torch.Tensor   # [B_k] int64
+    covers_all: bool             # every request of the step is served by the kernel
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step tensors shared by every layer (built once per step, not per layer).
+
+    On a CPU in float32, requests with at most ``cpu_attention.MAX_QUERY_LEN``
+    new tokens (decoding, verification) go to the compiled kernel; the rest
+    (prefill chunks), and every request elsewhere, to SDPA in context groups.
+    The groups are built on first use: a step the kernel serves whole never
+    needs them.
+    """
+
+    slot_mapping: torch.Tensor          # [T] cache slot where each new token's K/V is written
+    kernel: KernelInputs | None         # requests served by the compiled CPU kernel, if any
+    _group_args: tuple = field(repr=False)
+    _groups: list[ContextGroup] | None = field(default=None, repr=False)
+
+    @property
+    def groups(self) -> list[ContextGroup]:
+        """One SDPA call each; together they cover every token the kernel does not."""
+        if self._groups is None:
+            self._groups = _build_groups(*self._group_args)
+        return self._groups
 
     @classmethod
     def build(
@@ -142,7 +171,6 @@ class AttentionMetadata:
         dtype: torch.dtype = torch.float32,
     ) -> "AttentionMetadata":
         """query_lens[b] new tokens of request b end at position context_lens[b] - 1."""
-        num_blocks = [-(-c // block_size) for c in context_lens]
         # Slot of every new token (positions ctx - q_len .. ctx - 1 of its request).
         slots: list[int] = []
         token_start: list[int] = []
@@ -150,22 +178,55 @@ class AttentionMetadata:
             token_start.append(len(slots))
             blocks = block_tables[b]
             slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(ctx - q_len, ctx))
-        split = split_by_context_length(context_lens, block_size)
-        groups = []
-        for members in split:
-            table = torch.zeros(len(members), max(num_blocks[b] for b in members), dtype=torch.long)
-            for row, b in enumerate(members):
-                table[row, : num_blocks[b]] = torch.tensor(block_tables[b][: num_blocks[b]], dtype=torch.long)
-            token_index = None
-            if len(split) > 1:
-                token_index = torch.tensor(
-                    [token_start[b] + i for b in members for i in range(query_lens[b])], dtype=torch.long
-                )
-            groups.append(ContextGroup.build(
-                [query_lens[b] for b in members], [context_lens[b] for b in members],
-                table, block_size, token_index, device, dtype,
-            ))
-        return cls(slot_mapping=torch.tensor(slots, dtype=torch.long).to(device), groups=groups)
+        everyone = list(range(len(query_lens)))
+        on_kernel: list[int] = []
+        if cpu_attention.usable(device, dtype):
+            on_kernel = [b for b in everyone if query_lens[b] <= cpu_attention.MAX_QUERY_LEN]
+        kernel = None
+        if on_kernel:
+            num_blocks = [-(-context_lens[b] // block_size) for b in on_kernel]
+            table = torch.zeros(len(on_kernel), max(num_blocks), dtype=torch.long)
+            for row, (b, n) in enumerate(zip(on_kernel, num_blocks)):
+                table[row, :n] = torch.tensor(block_tables[b][:n], dtype=torch.long)
+            kernel = KernelInputs(
+                block_tables=table,
+                query_start=torch.tensor([token_start[b] for b in on_kernel], dtype=torch.long),
+                query_lens=torch.tensor([query_lens[b] for b in on_kernel], dtype=torch.long),
+                context_lens=torch.tensor([context_lens[b] for b in on_kernel], dtype=torch.long),
+                covers_all=len(on_kernel) == len(everyone),
+            )
+        on_sdpa = [b for b in everyone if b not in set(on_kernel)]
+        return cls(
+            slot_mapping=torch.tensor(slots, dtype=torch.long).to(device),
+            kernel=kernel,
+            _group_args=(on_sdpa, len(everyone), query_lens, context_lens, token_start, block_tables,
+                         block_size, device, dtype),
+        )
+
+
+def _build_groups(requests, num_requests, query_lens, context_lens, token_start, block_tables,
+                  block_size, device, dtype) -> list[ContextGroup]:
+    """Context groups over ``requests`` (indices into the step's requests)."""
+    if not requests:
+        return []
+    num_blocks = {b: -(-context_lens[b] // block_size) for b in requests}
+    split = [[requests[i] for i in members]
+             for members in split_by_context_length([context_lens[b] for b in requests], block_size)]
+    groups = []
+    for members in split:
+        table = torch.zeros(len(members), max(num_blocks[b] for b in members), dtype=torch.long)
+        for row, b in enumerate(members):
+            table[row, : num_blocks[b]] = torch.tensor(block_tables[b][: num_blocks[b]], dtype=torch.long)
+        token_index = None  # None: the group is the whole step, rows in order
+        if len(split) > 1 or len(requests) < num_requests:
+            token_index = torch.tensor(
+                [token_start[b] + i for b in members for i in range(query_lens[b])], dtype=torch.long
+            )
+        groups.append(ContextGroup.build(
+            [query_lens[b] for b in members], [context_lens[b] for b in members],
+            table, block_size, token_index, device, dtype,
+        ))
+    return groups
 
 
 def paged_attention(
@@ -181,9 +242,16 @@ def paged_attention(
     slots = kv_cache.view(2, num_kv_heads, -1, head_dim)   # [2, Hk, num_blocks * block_size, hd]
     slots[0].index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
     slots[1].index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
-    if len(meta.groups) == 1:
+    kn = meta.kernel
+    if kn is None and len(meta.groups) == 1:
         return _attend_group(q, kv_cache, meta.groups[0], scale)
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape)
+    if kn is not None:
+        cpu_attention.paged_attention_cpu(
+            q, kv_cache, out, kn.block_tables, kn.query_start, kn.query_lens, kn.context_lens, scale
+        )
+        if kn.covers_all:
+            return out
     for g in meta.groups:
         out.index_copy_(0, g.token_index, _attend_group(q.index_select(0, g.token_index), kv_cache, g, scale))
     return out

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specserve.model_executor.layers import attention
+from specserve.model_executor.layers import attention, cpu_attention
 from specserve.model_executor.layers.attention import (
     AttentionMetadata,
     kv_cache_shape,
@@ -46,14 +46,25 @@ def reference_attention(q, keys, values, q_len, scale):
     return out.transpose(0, 1)
 
 
+KERNEL_BUILDS = cpu_attention.usable("cpu", torch.float32)
+
+
+@pytest.mark.parametrize("path", ["torch", "kernel"])
 @pytest.mark.parametrize("group_cost", [0, 10**9, None])  # many groups, one group, the default rule
-def test_paged_attention_matches_dense_reference(monkeypatch, group_cost):
+@pytest.mark.parametrize("hd", [8, 12])  # the kernel's 8-wide vectors, and a remainder
+def test_paged_attention_matches_dense_reference(monkeypatch, group_cost, path, hd):
+    """Both attention paths against dense attention. With the kernel, requests of at
+    most MAX_QUERY_LEN new tokens take it and the longer prefills take SDPA in the same step."""
+    if path == "kernel" and not KERNEL_BUILDS:
+        pytest.skip("the CPU attention kernel did not build here (no C compiler?)")
+    if path == "torch":
+        monkeypatch.setattr(cpu_attention, "usable", lambda device, dtype: False)
     if group_cost is not None:
         monkeypatch.setattr(attention, "GROUP_COST_IN_KEY_POSITIONS", group_cost)
     torch.manual_seed(0)
-    heads, kv_heads, hd, num_blocks = 6, 2, 8, 200
-    # (tokens already cached, new tokens): decode, verification, prefill chunk, long decode
-    shapes = [(9, 1), (30, 5), (0, 13), (300, 1), (5, 1), (250, 3)]
+    heads, kv_heads, num_blocks = 6, 2, 200
+    # (tokens already cached, new tokens): decode, verification, prefill chunk, long decode, long prefills
+    shapes = [(9, 1), (30, 5), (0, 13), (300, 1), (5, 1), (250, 3), (0, 40), (20, 30)]
     perm = torch.randperm(num_blocks - 1) + 1
     kv_cache = torch.zeros(kv_cache_shape(num_blocks, BLOCK, kv_heads, hd))
     tables, full_k, full_v, next_block = [], [], [], 0
@@ -75,8 +86,10 @@ def test_paged_attention_matches_dense_reference(monkeypatch, group_cost):
         block_size=BLOCK,
         device=torch.device("cpu"),
     )
+    on_sdpa = [i for i, (_, new) in enumerate(shapes) if path == "torch" or new > cpu_attention.MAX_QUERY_LEN]
+    assert (meta.kernel is not None) == (path == "kernel")
     if group_cost == 0:
-        assert len(meta.groups) > 1
+        assert len(meta.groups) == len(on_sdpa)
     if group_cost == 10**9:
         assert len(meta.groups) == 1
     q = torch.randn(sum(n for _, n in shapes), heads, hd)

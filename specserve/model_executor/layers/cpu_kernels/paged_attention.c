@@ -1,0 +1,216 @@
+/* Paged attention for float32 on CPUs, in one pass over each request's K/V.
+ *
+ * Called from specserve/model_executor/layers/cpu_attention.py through ctypes.
+ * The PyTorch path gathers every request's blocks into a padded copy and then
+ * runs SDPA over it, reading the context twice and paying per-(head, request)
+ * set-up inside SDPA; here each (request, KV head) pair reads its keys and
+ * values once, straight from the block table, for all the query rows that
+ * share that KV head (grouped-query attention) and all its new tokens.
+ *
+ * Layouts (all contiguous float32 / int64 unless a stride is given):
+ *   q            [T, Hq, hd]  token stride q_token_stride (q is a view of the fused qkv output)
+ *   k_cache      [Hk, num_blocks, block_size, hd]     (kv_cache[0])
+ *   v_cache      [Hk, num_blocks, block_size, hd]     (kv_cache[1])
+ *   out          [T, Hq, hd]
+ *   block_tables [B, max_blocks]
+ *   query_start  [B]      request b's first new token is row query_start[b] of q and out
+ *   query_lens   [B]      ... and it has query_lens[b] new tokens
+ *   context_lens [B]      tokens in the cache for request b, its new tokens included
+ * New token i of request b sits at position context_len - q_len + i and attends
+ * to positions 0 .. that position (causal at its absolute position).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include <string.h>
+
+/* 8 floats: one AVX register, two SSE/NEON ones; GCC and Clang lower it for any target. */
+typedef float f32x8 __attribute__((vector_size(32)));
+
+static inline f32x8 load8(const float *p) {
+    f32x8 v;
+    memcpy(&v, p, sizeof v);  /* unaligned load */
+    return v;
+}
+
+static float dot(const float *a, const float *b, int n) {
+    /* Four independent accumulators: one would chain every multiply-add on the last. */
+    f32x8 acc0 = {0}, acc1 = {0}, acc2 = {0}, acc3 = {0};
+    int d = 0;
+    for (; d + 32 <= n; d += 32) {
+        acc0 += load8(a + d) * load8(b + d);
+        acc1 += load8(a + d + 8) * load8(b + d + 8);
+        acc2 += load8(a + d + 16) * load8(b + d + 16);
+        acc3 += load8(a + d + 24) * load8(b + d + 24);
+    }
+    for (; d + 8 <= n; d += 8) acc0 += load8(a + d) * load8(b + d);
+    f32x8 acc = (acc0 + acc1) + (acc2 + acc3);
+    float t = 0.0f;
+    for (int u = 0; u < 8; u++) t += acc[u];
+    for (; d < n; d++) t += a[d] * b[d];  /* head_dim not a multiple of 8 */
+    return t;
+}
+
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+
+/* e^x for x <= 0, 8 at a time (Cephes' expf polynomial; ~1 ulp): 2^n * e^r with
+ * n = round(x / ln 2) and |r| <= ln 2 / 2. Underflows to 0 below -87. */
+static inline f32x8 exp8_nonpositive(f32x8 x) {
+    const f32x8 lo = x - x - 87.0f;
+    const i32x8 below = x < lo;                              /* lanes of -1 (true) or 0 */
+    i32x8 xb, lob;
+    memcpy(&xb, &x, sizeof xb);
+    memcpy(&lob, &lo, sizeof lob);
+    xb = (below & lob) | (~below & xb);                      /* x = max(x, -87) */
+    memcpy(&x, &xb, sizeof x);
+    const f32x8 t = x * 1.44269504088896341f - 0.5f;      /* t <= -0.5: truncation rounds x / ln 2 */
+    const i32x8 n = __builtin_convertvector(t, i32x8);
+    const f32x8 nf = __builtin_convertvector(n, f32x8);
+    const f32x8 r = (x - nf * 0.693359375f) - nf * -2.12194440e-4f;
+    f32x8 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const i32x8 bits = (n + 127) << 23;                      /* 2^n as a float */
+    f32x8 scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* s[0..n) <- exp(s - max) / sum, in place. */
+static void softmax_in_place(float *s, int64_t n) {
+    float m = s[0];
+    for (int64_t j = 1; j < n; j++) m = s[j] > m ? s[j] : m;
+    float sum = 0.0f;
+    int64_t j = 0;
+    f32x8 acc = {0};
+    for (; j + 8 <= n; j += 8) {
+        f32x8 e = exp8_nonpositive(load8(s + j) - m);
+        memcpy(s + j, &e, sizeof e);
+        acc += e;
+    }
+    for (; j < n; j++) {
+        s[j] = expf(s[j] - m);
+        sum += s[j];
+    }
+    for (int u = 0; u < 8; u++) sum += acc[u];
+    const float inv = 1.0f / sum;
+    for (j = 0; j < n; j++) s[j] *= inv;
+}
+
+/* Scratch for one (request, KV head) pair, sized for the largest pair of the call. */
+typedef struct {
+    float *scores;        /* [rows, ctx] */
+    const float **q_row;  /* [rows] query vector of each row */
+    float **out_row;      /* [rows] where each row's output goes */
+    int64_t *last_key;    /* [rows] last position each row may attend to */
+} Scratch;
+
+static void attend_one(const float *q, int64_t q_token_stride, const float *k_cache, const float *v_cache,
+                       float *out, const int64_t *table, int64_t q_first, int q_len, int64_t ctx,
+                       int kv_head, int group, int num_heads, int hd, int block_size, int64_t num_blocks,
+                       float scale, Scratch *w) {
+    /* Row r = new token r / group, query head kv_head * group + r % group (the heads sharing this KV head). */
+    const int rows = q_len * group;
+    for (int i = 0, r = 0; i < q_len; i++) {
+        for (int g = 0; g < group; g++, r++) {
+            const int head = kv_head * group + g;
+            w->q_row[r] = q + (q_first + i) * q_token_stride + (int64_t)head * hd;
+            w->out_row[r] = out + ((q_first + i) * num_heads + head) * (int64_t)hd;
+            w->last_key[r] = ctx - q_len + i;
+        }
+    }
+    const int64_t head_offset = (int64_t)kv_head * num_blocks * block_size * hd;
+    const int64_t num_ctx_blocks = (ctx + block_size - 1) / block_size;
+    /* Scores: each key is loaded once and scored against every row. */
+    for (int64_t blk = 0; blk < num_ctx_blocks; blk++) {
+        const float *k = k_cache + head_offset + table[blk] * block_size * hd;
+        const int64_t j0 = blk * block_size;
+        const int64_t n = ctx - j0 < block_size ? ctx - j0 : block_size;
+        for (int64_t o = 0; o < n; o++, k += hd) {
+            const int64_t j = j0 + o;
+            for (int r = 0; r < rows; r++)
+                if (j <= w->last_key[r]) w->scores[r * ctx + j] = dot(w->q_row[r], k, hd) * scale;
+        }
+    }
+    /* Softmax per row, in place. */
+    for (int r = 0; r < rows; r++) {
+        softmax_in_place(w->scores + (int64_t)r * ctx, w->last_key[r] + 1);
+    }
+    /* Weighted values, per row and 32 output dims at a time held in registers. */
+    for (int r = 0; r < rows; r++) {
+        const float *p = w->scores + (int64_t)r * ctx;
+        const int64_t visible = w->last_key[r] + 1;
+        float *dst = w->out_row[r];
+        int d0 = 0;
+        for (; d0 + 32 <= hd; d0 += 32) {
+            f32x8 acc0 = {0}, acc1 = {0}, acc2 = {0}, acc3 = {0};
+            for (int64_t j0 = 0; j0 < visible; j0 += block_size) {
+                const float *v = v_cache + head_offset + table[j0 / block_size] * block_size * hd + d0;
+                const int64_t n = visible - j0 < block_size ? visible - j0 : block_size;
+                for (int64_t o = 0; o < n; o++, v += hd) {
+                    const float pj = p[j0 + o];
+                    acc0 += pj * load8(v);
+                    acc1 += pj * load8(v + 8);
+                    acc2 += pj * load8(v + 16);
+                    acc3 += pj * load8(v + 24);
+                }
+            }
+            memcpy(dst + d0, &acc0, sizeof acc0);
+            memcpy(dst + d0 + 8, &acc1, sizeof acc1);
+            memcpy(dst + d0 + 16, &acc2, sizeof acc2);
+            memcpy(dst + d0 + 24, &acc3, sizeof acc3);
+        }
+        for (; d0 < hd; d0++) {  /* head_dim not a multiple of 32 */
+            float acc = 0.0f;
+            for (int64_t j = 0; j < visible; j++)
+                acc += p[j] * v_cache[head_offset + (table[j / block_size] * block_size + j % block_size) * hd + d0];
+            dst[d0] = acc;
+        }
+    }
+}
+
+/* Attention for the requests listed in `requests` (indices into the per-request arrays).
+ * query_start[b] is the first row of request b in q and out; it has query_lens[b] rows.
+ * Work is the (listed request, KV head) pairs first_pair, first_pair + pair_step, ...: the
+ * caller may split them across threads. Returns 0, or -1 when scratch memory could not be
+ * allocated (out is then incomplete). */
+int specserve_paged_attention_f32(const float *q, int64_t q_token_stride, const float *k_cache,
+                                  const float *v_cache, float *out, const int64_t *block_tables,
+                                  int64_t max_blocks, const int64_t *query_start, const int64_t *query_lens,
+                                  const int64_t *context_lens, int num_reqs, int num_heads, int num_kv_heads,
+                                  int hd, int block_size, int64_t num_blocks, float scale,
+                                  int first_pair, int pair_step) {
+    const int group = num_heads / num_kv_heads;
+    int64_t max_rows = 1, max_scores = 1;
+    for (int b = 0; b < num_reqs; b++) {
+        const int64_t rows = query_lens[b] * group;
+        max_rows = rows > max_rows ? rows : max_rows;
+        max_scores = rows * context_lens[b] > max_scores ? rows * context_lens[b] : max_scores;
+    }
+    Scratch w;
+    w.scores = malloc((size_t)max_scores * sizeof(float));
+    w.q_row = malloc((size_t)max_rows * sizeof(*w.q_row));
+    w.out_row = malloc((size_t)max_rows * sizeof(*w.out_row));
+    w.last_key = malloc((size_t)max_rows * sizeof(*w.last_key));
+    int status = 0;
+    if (!w.scores || !w.q_row || !w.out_row || !w.last_key) {
+        status = -1;
+    } else {
+        for (int pair = first_pair; pair < num_reqs * num_kv_heads; pair += pair_step) {
+            const int b = pair / num_kv_heads, h = pair % num_kv_heads;
+            if (query_lens[b] == 0) continue;
+            attend_one(q, q_token_stride, k_cache, v_cache, out, block_tables + (int64_t)b * max_blocks,
+                       query_start[b], (int)query_lens[b], context_lens[b], h, group, num_heads, hd,
+                       block_size, num_blocks, scale, &w);
+        }
+    }
+    free(w.scores);
+    free(w.q_row);
+    free(w.out_row);
+    free(w.last_key);
+    return status;
+}
