@@ -101,3 +101,28 @@ def test_paged_attention_matches_dense_reference(monkeypatch, group_cost, path, 
         expected = reference_attention(q[row:row + new], full_k[i], full_v[i], new, 0.3)
         torch.testing.assert_close(out[row:row + new], expected, rtol=1e-5, atol=1e-5)
         row += new
+
+
+@pytest.mark.skipif(not KERNEL_BUILDS, reason="the CPU attention kernel did not build here (no C compiler?)")
+@pytest.mark.parametrize("hd", [64, 12])
+def test_kernel_row_does_not_depend_on_the_other_rows_of_its_step(hd):
+    """Verifying [t, d1..d4] and decoding t alone give the same bits for t's row (and
+    each draft's row equals decoding it after the previous ones), so speculative and
+    plain decoding see identical attention outputs."""
+    torch.manual_seed(0)
+    heads, kv_heads, num_blocks, cached, new = 9, 3, 40, 37, 5
+    table = torch.randperm(num_blocks)[:12].tolist()
+    kv_cache = torch.zeros(kv_cache_shape(num_blocks, BLOCK, kv_heads, hd))
+    keys, values = torch.randn(cached + new, kv_heads, hd), torch.randn(cached + new, kv_heads, hd)
+    q = torch.randn(new, heads, hd)
+    for p in range(cached):
+        kv_cache[0, :, table[p // BLOCK], p % BLOCK] = keys[p]
+        kv_cache[1, :, table[p // BLOCK], p % BLOCK] = values[p]
+    cpu = torch.device("cpu")
+    meta = AttentionMetadata.build([new], [cached + new], [table], BLOCK, cpu)
+    together = paged_attention(q, keys[cached:], values[cached:], kv_cache.clone(), meta, scale=0.125)
+    for i in range(new):
+        ctx = cached + i + 1
+        one = AttentionMetadata.build([1], [ctx], [table], BLOCK, cpu)
+        alone = paged_attention(q[i:i + 1], keys[ctx - 1:ctx], values[ctx - 1:ctx], kv_cache, one, scale=0.125)
+        assert torch.equal(alone[0], together[i]), f"row {i}"

@@ -34,22 +34,42 @@ static inline f32x8 load8(const float *p) {
     return v;
 }
 
-static float dot(const float *a, const float *b, int n) {
-    /* Four independent accumulators: one would chain every multiply-add on the last. */
-    f32x8 acc0 = {0}, acc1 = {0}, acc2 = {0}, acc3 = {0};
+static inline float hsum(f32x8 v) {
+    /* A tree, not a chain of 7 dependent adds. */
+    return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
+}
+
+/* q . k for one key. Every score, whichever function computes it, sums in this order
+ * (8-wide chunks in sequence, then the lanes, then the tail), so a row's scores are the
+ * same bits whether its step decodes one token or verifies several. */
+static float dot(const float *q, const float *k, int n) {
+    f32x8 acc = {0};
     int d = 0;
-    for (; d + 32 <= n; d += 32) {
-        acc0 += load8(a + d) * load8(b + d);
-        acc1 += load8(a + d + 8) * load8(b + d + 8);
-        acc2 += load8(a + d + 16) * load8(b + d + 16);
-        acc3 += load8(a + d + 24) * load8(b + d + 24);
-    }
-    for (; d + 8 <= n; d += 8) acc0 += load8(a + d) * load8(b + d);
-    f32x8 acc = (acc0 + acc1) + (acc2 + acc3);
-    float t = 0.0f;
-    for (int u = 0; u < 8; u++) t += acc[u];
-    for (; d < n; d++) t += a[d] * b[d];  /* head_dim not a multiple of 8 */
+    for (; d + 8 <= n; d += 8) acc += load8(q + d) * load8(k + d);
+    float t = hsum(acc);
+    for (; d < n; d++) t += q[d] * k[d];
     return t;
+}
+
+/* q . k for four keys k, k + stride, k + 2 stride, k + 3 stride: four independent chains. */
+static void dot4(const float *q, const float *k, int64_t stride, int n, float *out) {
+    f32x8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    int d = 0;
+    for (; d + 8 <= n; d += 8) {
+        const f32x8 qv = load8(q + d);
+        a0 += qv * load8(k + d);
+        a1 += qv * load8(k + stride + d);
+        a2 += qv * load8(k + 2 * stride + d);
+        a3 += qv * load8(k + 3 * stride + d);
+    }
+    float t0 = hsum(a0), t1 = hsum(a1), t2 = hsum(a2), t3 = hsum(a3);
+    for (; d < n; d++) {
+        t0 += q[d] * k[d];
+        t1 += q[d] * k[stride + d];
+        t2 += q[d] * k[2 * stride + d];
+        t3 += q[d] * k[3 * stride + d];
+    }
+    out[0] = t0, out[1] = t1, out[2] = t2, out[3] = t3;
 }
 
 typedef int32_t i32x8 __attribute__((vector_size(32)));
@@ -124,51 +144,68 @@ static void attend_one(const float *q, int64_t q_token_stride, const float *k_ca
         }
     }
     const int64_t head_offset = (int64_t)kv_head * num_blocks * block_size * hd;
-    const int64_t num_ctx_blocks = (ctx + block_size - 1) / block_size;
-    /* Scores: each key is loaded once and scored against every row. */
-    for (int64_t blk = 0; blk < num_ctx_blocks; blk++) {
-        const float *k = k_cache + head_offset + table[blk] * block_size * hd;
-        const int64_t j0 = blk * block_size;
-        const int64_t n = ctx - j0 < block_size ? ctx - j0 : block_size;
-        for (int64_t o = 0; o < n; o++, k += hd) {
-            const int64_t j = j0 + o;
-            for (int r = 0; r < rows; r++)
-                if (j <= w->last_key[r]) w->scores[r * ctx + j] = dot(w->q_row[r], k, hd) * scale;
-        }
-    }
-    /* Softmax per row, in place. */
+    /* Scores, row by row (a context's keys stay in cache across its rows), 4 keys at a time. */
     for (int r = 0; r < rows; r++) {
-        softmax_in_place(w->scores + (int64_t)r * ctx, w->last_key[r] + 1);
-    }
-    /* Weighted values, per row and 32 output dims at a time held in registers. */
-    for (int r = 0; r < rows; r++) {
-        const float *p = w->scores + (int64_t)r * ctx;
+        float *score = w->scores + (int64_t)r * ctx;
         const int64_t visible = w->last_key[r] + 1;
-        float *dst = w->out_row[r];
+        for (int64_t j0 = 0; j0 < visible; j0 += block_size) {
+            const float *k = k_cache + head_offset + table[j0 / block_size] * block_size * hd;
+            const int64_t n = visible - j0 < block_size ? visible - j0 : block_size;
+            int64_t o = 0;
+            for (; o + 4 <= n; o += 4) dot4(w->q_row[r], k + o * hd, hd, hd, score + j0 + o);
+            for (; o < n; o++) score[j0 + o] = dot(w->q_row[r], k + o * hd, hd);
+        }
+        for (int64_t j = 0; j < visible; j++) score[j] *= scale;
+    }
+    /* Softmax per row, in place; keys a row may not see get weight 0. */
+    for (int r = 0; r < rows; r++) {
+        float *score = w->scores + (int64_t)r * ctx;
+        const int64_t visible = w->last_key[r] + 1;
+        softmax_in_place(score, visible);
+        memset(score + visible, 0, (size_t)(ctx - visible) * sizeof(float));
+    }
+    /* Weighted values, two rows and 32 output dims at a time held in registers: each value
+     * vector loaded feeds both rows. A row's sums run over keys in order, the same with or
+     * without a partner row (a partner's invisible keys have weight 0 and add exact zeros). */
+    for (int r = 0; r < rows; r += 2) {
+        const int pair = r + 1 < rows;
+        const float *p0 = w->scores + (int64_t)r * ctx;
+        const float *p1 = pair ? p0 + ctx : p0;
+        const int64_t visible = w->last_key[pair ? r + 1 : r] + 1;  /* rows are in position order */
+        float *dst0 = w->out_row[r], *dst1 = w->out_row[pair ? r + 1 : r];
         int d0 = 0;
         for (; d0 + 32 <= hd; d0 += 32) {
-            f32x8 acc0 = {0}, acc1 = {0}, acc2 = {0}, acc3 = {0};
+            f32x8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
             for (int64_t j0 = 0; j0 < visible; j0 += block_size) {
                 const float *v = v_cache + head_offset + table[j0 / block_size] * block_size * hd + d0;
                 const int64_t n = visible - j0 < block_size ? visible - j0 : block_size;
                 for (int64_t o = 0; o < n; o++, v += hd) {
-                    const float pj = p[j0 + o];
-                    acc0 += pj * load8(v);
-                    acc1 += pj * load8(v + 8);
-                    acc2 += pj * load8(v + 16);
-                    acc3 += pj * load8(v + 24);
+                    const f32x8 v0 = load8(v), v1 = load8(v + 8), v2 = load8(v + 16), v3 = load8(v + 24);
+                    const float x = p0[j0 + o], y = p1[j0 + o];
+                    a0 += x * v0, a1 += x * v1, a2 += x * v2, a3 += x * v3;
+                    b0 += y * v0, b1 += y * v1, b2 += y * v2, b3 += y * v3;
                 }
             }
-            memcpy(dst + d0, &acc0, sizeof acc0);
-            memcpy(dst + d0 + 8, &acc1, sizeof acc1);
-            memcpy(dst + d0 + 16, &acc2, sizeof acc2);
-            memcpy(dst + d0 + 24, &acc3, sizeof acc3);
+            memcpy(dst0 + d0, &a0, sizeof a0);
+            memcpy(dst0 + d0 + 8, &a1, sizeof a1);
+            memcpy(dst0 + d0 + 16, &a2, sizeof a2);
+            memcpy(dst0 + d0 + 24, &a3, sizeof a3);
+            if (pair) {
+                memcpy(dst1 + d0, &b0, sizeof b0);
+                memcpy(dst1 + d0 + 8, &b1, sizeof b1);
+                memcpy(dst1 + d0 + 16, &b2, sizeof b2);
+                memcpy(dst1 + d0 + 24, &b3, sizeof b3);
+            }
         }
         for (; d0 < hd; d0++) {  /* head_dim not a multiple of 32 */
-            float acc = 0.0f;
-            for (int64_t j = 0; j < visible; j++)
-                acc += p[j] * v_cache[head_offset + (table[j / block_size] * block_size + j % block_size) * hd + d0];
-            dst[d0] = acc;
+            for (int u = 0; u <= pair; u++) {
+                const float *pu = u ? p1 : p0;
+                const int64_t vis = w->last_key[r + u] + 1;
+                float acc = 0.0f;
+                for (int64_t j = 0; j < vis; j++)
+                    acc += pu[j] * v_cache[head_offset + (table[j / block_size] * block_size + j % block_size) * hd + d0];
+                (u ? dst1 : dst0)[d0] = acc;
+            }
         }
     }
 }
