@@ -9,11 +9,13 @@ request's K/V once through its block table instead.
 The C file is compiled on first use with the system C compiler (``cc``, or
 ``$CC``) into ``~/.cache/specserve/kernels`` (``$SPECSERVE_CACHE_DIR``), keyed
 by the source and the CPU's flags (it is built with ``-march=native``), and
-called through ctypes, which releases the GIL: with N torch threads the
-(request, KV head) pairs are split across N Python threads. Without a
-compiler, when the build fails, or with ``SPECSERVE_CPU_ATTENTION=torch``,
-specserve uses the PyTorch path; results agree to float32 rounding
-(tests/model_executor/layers/test_attention.py runs both).
+called through ctypes on the calling thread. (Splitting the (request, KV
+head) pairs over two Python threads measured no faster inside a real forward
+at batch 16: torch's OpenMP workers still spin on the other core after each
+matmul.) Without a compiler, when the build fails, or with
+``SPECSERVE_CPU_ATTENTION=torch``, specserve uses the PyTorch path; results
+agree to float32 rounding (tests/model_executor/layers/test_attention.py runs
+both).
 """
 from __future__ import annotations
 
@@ -25,7 +27,6 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -37,12 +38,10 @@ SOURCE = Path(__file__).with_name("cpu_kernels") / "paged_attention.c"
 # Requests with more new tokens than this (prefill chunks) take the PyTorch path, whose
 # SDPA runs them as matrix products; decoding and verification (k + 1 tokens) take the kernel.
 MAX_QUERY_LEN = 16
-MIN_REQUESTS_PER_THREAD = 2
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _load_attempted = False
-_pool: ThreadPoolExecutor | None = None
 
 
 def _cpu_flags() -> str:
@@ -103,13 +102,6 @@ def usable(device: torch.device | str, dtype: torch.dtype) -> bool:
     return _load() is not None
 
 
-def _workers() -> ThreadPoolExecutor:
-    global _pool
-    if _pool is None:
-        _pool = ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads()), thread_name_prefix="specserve-attn")
-    return _pool
-
-
 def paged_attention_cpu(
     q: torch.Tensor,             # [T, Hq, hd] float32; rows may be strided (a view of the fused qkv output)
     kv_cache: torch.Tensor,      # [2, Hk, num_blocks, block_size, hd]
@@ -127,16 +119,9 @@ def paged_attention_cpu(
     assert kv_cache.is_contiguous() and out.is_contiguous() and q.dtype == kv_cache.dtype == torch.float32
     _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
     num_reqs, num_heads = block_tables.shape[0], q.shape[1]
-    pairs = num_reqs * num_kv_heads
-    # A thread hand-off costs tens of microseconds: split only steps with several requests.
-    threads = min(torch.get_num_threads(), pairs) if num_reqs >= MIN_REQUESTS_PER_THREAD * 2 else 1
     args = (q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), out.data_ptr(),
             block_tables.data_ptr(), block_tables.shape[1], query_start.data_ptr(), query_lens.data_ptr(),
             context_lens.data_ptr(), num_reqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale)
-    fn = lib.specserve_paged_attention_f32
-    if threads <= 1:
-        status = [fn(*args, 0, 1)]
-    else:  # ctypes releases the GIL: thread t takes (request, KV head) pairs t, t + threads, ...
-        status = list(_workers().map(lambda first: fn(*args, first, threads), range(threads)))
-    if any(status):
+    status = lib.specserve_paged_attention_f32(*args, 0, 1)  # every (request, KV head) pair, one thread
+    if status:
         raise MemoryError("paged attention kernel: scratch allocation failed")
