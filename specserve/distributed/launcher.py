@@ -266,6 +266,14 @@ def _close(state: _State) -> None:
             pass
     if state.listener is not None:
         state.listener.close()
+    if state.pg is not None:
+        # Stop the group's communication threads now, while the interpreter is whole; left to
+        # interpreter teardown, a gloo group whose peer has exited can end the process in
+        # std::terminate ("terminate called without an active exception", seen once under load).
+        try:
+            state.pg.shutdown()
+        except Exception:
+            pass
     state.pg = state.store = state.listener = None
     if state.saved_num_threads is not None:
         torch.set_num_threads(state.saved_num_threads)
