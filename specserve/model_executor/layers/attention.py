@@ -184,18 +184,15 @@ class AttentionMetadata:
             on_kernel = [b for b in everyone if query_lens[b] <= cpu_attention.MAX_QUERY_LEN]
         kernel = None
         if on_kernel:
-            num_blocks = [-(-context_lens[b] // block_size) for b in on_kernel]
-            table = torch.zeros(len(on_kernel), max(num_blocks), dtype=torch.long)
-            for row, (b, n) in enumerate(zip(on_kernel, num_blocks)):
-                table[row, :n] = torch.tensor(block_tables[b][:n], dtype=torch.long)
             kernel = KernelInputs(
-                block_tables=table,
+                block_tables=_padded_block_table(block_tables, on_kernel, context_lens, block_size),
                 query_start=torch.tensor([token_start[b] for b in on_kernel], dtype=torch.long),
                 query_lens=torch.tensor([query_lens[b] for b in on_kernel], dtype=torch.long),
                 context_lens=torch.tensor([context_lens[b] for b in on_kernel], dtype=torch.long),
                 covers_all=len(on_kernel) == len(everyone),
             )
-        on_sdpa = [b for b in everyone if b not in set(on_kernel)]
+        served = set(on_kernel)
+        on_sdpa = [b for b in everyone if b not in served]
         return cls(
             slot_mapping=torch.tensor(slots, dtype=torch.long).to(device),
             kernel=kernel,
@@ -204,19 +201,26 @@ class AttentionMetadata:
         )
 
 
+def _padded_block_table(block_tables: list[list[int]], members: list[int], context_lens: list[int],
+                        block_size: int) -> torch.Tensor:
+    """[len(members), max blocks] the blocks covering each member's context, 0-padded."""
+    num_blocks = [-(-context_lens[b] // block_size) for b in members]
+    table = torch.zeros(len(members), max(num_blocks), dtype=torch.long)
+    for row, (b, n) in enumerate(zip(members, num_blocks)):
+        table[row, :n] = torch.tensor(block_tables[b][:n], dtype=torch.long)
+    return table
+
+
 def _build_groups(requests, num_requests, query_lens, context_lens, token_start, block_tables,
                   block_size, device, dtype) -> list[ContextGroup]:
     """Context groups over ``requests`` (indices into the step's requests)."""
     if not requests:
         return []
-    num_blocks = {b: -(-context_lens[b] // block_size) for b in requests}
     split = [[requests[i] for i in members]
              for members in split_by_context_length([context_lens[b] for b in requests], block_size)]
     groups = []
     for members in split:
-        table = torch.zeros(len(members), max(num_blocks[b] for b in members), dtype=torch.long)
-        for row, b in enumerate(members):
-            table[row, : num_blocks[b]] = torch.tensor(block_tables[b][: num_blocks[b]], dtype=torch.long)
+        table = _padded_block_table(block_tables, members, context_lens, block_size)
         token_index = None  # None: the group is the whole step, rows in order
         if len(split) > 1 or len(requests) < num_requests:
             token_index = torch.tensor(

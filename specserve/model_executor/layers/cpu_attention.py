@@ -76,7 +76,7 @@ def _build() -> ctypes.CDLL:
     fn = lib.specserve_paged_attention_f32
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                   ctypes.c_int, ctypes.c_int, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+                   ctypes.c_int, ctypes.c_int, i64, ctypes.c_float]
     fn.restype = ctypes.c_int
     return lib
 
@@ -122,6 +122,6 @@ def paged_attention_cpu(
     args = (q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), out.data_ptr(),
             block_tables.data_ptr(), block_tables.shape[1], query_start.data_ptr(), query_lens.data_ptr(),
             context_lens.data_ptr(), num_reqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale)
-    status = lib.specserve_paged_attention_f32(*args, 0, 1)  # every (request, KV head) pair, one thread
+    status = lib.specserve_paged_attention_f32(*args)
     if status:
         raise MemoryError("paged attention kernel: scratch allocation failed")

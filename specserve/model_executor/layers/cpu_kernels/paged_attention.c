@@ -22,7 +22,6 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
-
 #include <string.h>
 
 /* 8 floats: one AVX register, two SSE/NEON ones; GCC and Clang lower it for any target. */
@@ -210,17 +209,14 @@ static void attend_one(const float *q, int64_t q_token_stride, const float *k_ca
     }
 }
 
-/* Attention for the requests listed in `requests` (indices into the per-request arrays).
+/* Attention for num_reqs requests, each (request, KV head) pair in turn.
  * query_start[b] is the first row of request b in q and out; it has query_lens[b] rows.
- * Work is the (listed request, KV head) pairs first_pair, first_pair + pair_step, ...: the
- * caller may split them across threads. Returns 0, or -1 when scratch memory could not be
- * allocated (out is then incomplete). */
+ * Returns 0, or -1 when scratch memory could not be allocated (out is then incomplete). */
 int specserve_paged_attention_f32(const float *q, int64_t q_token_stride, const float *k_cache,
                                   const float *v_cache, float *out, const int64_t *block_tables,
                                   int64_t max_blocks, const int64_t *query_start, const int64_t *query_lens,
                                   const int64_t *context_lens, int num_reqs, int num_heads, int num_kv_heads,
-                                  int hd, int block_size, int64_t num_blocks, float scale,
-                                  int first_pair, int pair_step) {
+                                  int hd, int block_size, int64_t num_blocks, float scale) {
     const int group = num_heads / num_kv_heads;
     int64_t max_rows = 1, max_scores = 1;
     for (int b = 0; b < num_reqs; b++) {
@@ -237,12 +233,12 @@ int specserve_paged_attention_f32(const float *q, int64_t q_token_stride, const 
     if (!w.scores || !w.q_row || !w.out_row || !w.last_key) {
         status = -1;
     } else {
-        for (int pair = first_pair; pair < num_reqs * num_kv_heads; pair += pair_step) {
-            const int b = pair / num_kv_heads, h = pair % num_kv_heads;
+        for (int b = 0; b < num_reqs; b++) {
             if (query_lens[b] == 0) continue;
-            attend_one(q, q_token_stride, k_cache, v_cache, out, block_tables + (int64_t)b * max_blocks,
-                       query_start[b], (int)query_lens[b], context_lens[b], h, group, num_heads, hd,
-                       block_size, num_blocks, scale, &w);
+            for (int h = 0; h < num_kv_heads; h++)
+                attend_one(q, q_token_stride, k_cache, v_cache, out, block_tables + (int64_t)b * max_blocks,
+                           query_start[b], (int)query_lens[b], context_lens[b], h, group, num_heads, hd,
+                           block_size, num_blocks, scale, &w);
         }
     }
     free(w.scores);
