@@ -209,14 +209,18 @@ static void attend_one(const float *q, int64_t q_token_stride, const float *k_ca
     }
 }
 
-/* Attention for num_reqs requests, each (request, KV head) pair in turn.
+/* Attention for num_reqs requests: the (request, KV head) pairs are shared out over
+ * num_threads OpenMP threads, each pair computed whole by one thread with its own scratch,
+ * so a row's result never depends on the thread count or on the other requests.
+ * Built with -fopenmp, the library's libgomp.so.1 is the one torch already loaded, so these
+ * are torch's own worker threads (still spinning from the last matmul), not a second pool.
  * query_start[b] is the first row of request b in q and out; it has query_lens[b] rows.
  * Returns 0, or -1 when scratch memory could not be allocated (out is then incomplete). */
 int specserve_paged_attention_f32(const float *q, int64_t q_token_stride, const float *k_cache,
                                   const float *v_cache, float *out, const int64_t *block_tables,
                                   int64_t max_blocks, const int64_t *query_start, const int64_t *query_lens,
                                   const int64_t *context_lens, int num_reqs, int num_heads, int num_kv_heads,
-                                  int hd, int block_size, int64_t num_blocks, float scale) {
+                                  int hd, int block_size, int64_t num_blocks, float scale, int num_threads) {
     const int group = num_heads / num_kv_heads;
     int64_t max_rows = 1, max_scores = 1;
     for (int b = 0; b < num_reqs; b++) {
@@ -224,26 +228,31 @@ int specserve_paged_attention_f32(const float *q, int64_t q_token_stride, const 
         max_rows = rows > max_rows ? rows : max_rows;
         max_scores = rows * context_lens[b] > max_scores ? rows * context_lens[b] : max_scores;
     }
-    Scratch w;
-    w.scores = malloc((size_t)max_scores * sizeof(float));
-    w.q_row = malloc((size_t)max_rows * sizeof(*w.q_row));
-    w.out_row = malloc((size_t)max_rows * sizeof(*w.out_row));
-    w.last_key = malloc((size_t)max_rows * sizeof(*w.last_key));
+    const int num_pairs = num_reqs * num_kv_heads;
+    if (num_threads > num_pairs) num_threads = num_pairs;
+    if (num_threads < 1) num_threads = 1;
     int status = 0;
-    if (!w.scores || !w.q_row || !w.out_row || !w.last_key) {
-        status = -1;
-    } else {
-        for (int b = 0; b < num_reqs; b++) {
-            if (query_lens[b] == 0) continue;
-            for (int h = 0; h < num_kv_heads; h++)
-                attend_one(q, q_token_stride, k_cache, v_cache, out, block_tables + (int64_t)b * max_blocks,
-                           query_start[b], (int)query_lens[b], context_lens[b], h, group, num_heads, hd,
-                           block_size, num_blocks, scale, &w);
+#pragma omp parallel num_threads(num_threads) reduction(| : status)
+    {
+        Scratch w;
+        w.scores = malloc((size_t)max_scores * sizeof(float));
+        w.q_row = malloc((size_t)max_rows * sizeof(*w.q_row));
+        w.out_row = malloc((size_t)max_rows * sizeof(*w.out_row));
+        w.last_key = malloc((size_t)max_rows * sizeof(*w.last_key));
+        const int ok = w.scores && w.q_row && w.out_row && w.last_key;
+        if (!ok) status = -1;
+#pragma omp for schedule(dynamic, 1)
+        for (int pair = 0; pair < num_pairs; pair++) {
+            const int b = pair / num_kv_heads, h = pair % num_kv_heads;
+            if (!ok || query_lens[b] == 0) continue;
+            attend_one(q, q_token_stride, k_cache, v_cache, out, block_tables + (int64_t)b * max_blocks,
+                       query_start[b], (int)query_lens[b], context_lens[b], h, group, num_heads, hd,
+                       block_size, num_blocks, scale, &w);
         }
+        free(w.scores);
+        free(w.q_row);
+        free(w.out_row);
+        free(w.last_key);
     }
-    free(w.scores);
-    free(w.q_row);
-    free(w.out_row);
-    free(w.last_key);
     return status;
 }
