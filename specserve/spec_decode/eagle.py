@@ -30,7 +30,7 @@ import torch
 from specserve.engine.kv_cache_manager import KVCacheManager
 from specserve.engine.request import Request
 from specserve.engine.scheduler import ScheduledRequest
-from specserve.model_executor.layers.attention import AttentionMetadata, kv_cache_shape
+from specserve.model_executor.layers.attention import AttentionMetadata, kv_cache_dtype_for, kv_cache_shape
 from specserve.model_executor.layers.fp16_gemm import compute_dtype_for, round_to_weight_dtype
 from specserve.model_executor.layers.linear import ColumnParallelLinear
 from specserve.model_executor.models.eagle import EagleHead
@@ -100,7 +100,7 @@ class EagleProposer(Proposer):
         round_to_weight_dtype(self.lm_head, weight_dtype, dtype, device)
         cfg = head.config
         shape = kv_cache_shape(kv_cache.num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv = torch.zeros(shape, dtype=kv_cache_dtype_for(weight_dtype, dtype, device), device=device)
         self.features: weakref.WeakKeyDictionary[Request, _Features] = weakref.WeakKeyDictionary()
         self._warned = False
 
@@ -118,7 +118,8 @@ class EagleProposer(Proposer):
 
     # --------------------------------------------------------------- drafting
     def _forward(self, features, token_ids, positions, query_lens, context_lens, block_tables) -> torch.Tensor:
-        meta = AttentionMetadata.build(query_lens, context_lens, block_tables, self.block_size, self.device, self.dtype)
+        meta = AttentionMetadata.build(query_lens, context_lens, block_tables, self.block_size, self.device, self.dtype,
+                                       self.kv.dtype)
         ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
         embeds = self.embed_tokens(ids).to(self.dtype)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.distributed.parallel_state import SINGLE, TensorParallelGroup
-from specserve.model_executor.layers.attention import AttentionMetadata, kv_cache_shape
+from specserve.model_executor.layers.attention import AttentionMetadata, kv_cache_dtype_for, kv_cache_shape
 from specserve.model_executor.layers.fp16_gemm import compute_dtype_for, round_to_weight_dtype
 from specserve.model_executor.models.registry import get_model_class
 
@@ -44,11 +44,13 @@ class ModelRunner:
         block_size: int,
         tp: TensorParallelGroup = SINGLE,
     ):
-        """``dtype`` is the weights' dtype; activations and the KV cache use
-        ``self.dtype`` (float32 for float16 weights on a CPU, see fp16_gemm)."""
+        """``dtype`` is the weights' dtype; activations use ``self.dtype`` (float32 for
+        float16 weights on a CPU, see fp16_gemm) and the KV cache ``self.kv_cache_dtype``
+        (see ``kv_cache_dtype_for``)."""
         self.config = config
         self.weight_dtype = dtype
         self.dtype = compute_dtype_for(dtype, device)
+        self.kv_cache_dtype = kv_cache_dtype_for(dtype, self.dtype, device)
         self.device = device
         self.block_size = block_size
         model_cls = get_model_class(config)
@@ -71,13 +73,13 @@ class ModelRunner:
     @property
     def bytes_per_block(self) -> int:
         m = self.model
-        per_layer = 2 * self.block_size * m.num_kv_heads_local * m.head_dim * torch.finfo(self.dtype).bits // 8
+        per_layer = 2 * self.block_size * m.num_kv_heads_local * m.head_dim * torch.finfo(self.kv_cache_dtype).bits // 8
         return per_layer * len(m.layers)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         m = self.model
         shape = kv_cache_shape(num_blocks, self.block_size, m.num_kv_heads_local, m.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in m.layers]
+        self.kv_caches = [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device) for _ in m.layers]
         self.num_blocks = num_blocks
 
     @torch.inference_mode()
@@ -98,6 +100,7 @@ class ModelRunner:
             block_size=self.block_size,
             device=self.device,
             dtype=self.dtype,
+            cache_dtype=self.kv_cache_dtype,
         )
         ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)

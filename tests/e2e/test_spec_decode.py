@@ -29,6 +29,7 @@ import torch
 from specserve import LLM, SamplingParams
 from specserve.engine import llm_engine
 from specserve.model_executor import loader
+from specserve.model_executor.layers import cpu_attention
 from specserve.outputs import SpecDecodeStats
 from specserve.spec_decode import factory
 
@@ -239,6 +240,8 @@ def test_greedy_equals_plain_in_default_dtype(prompts):
     accepted, so drafting, verification and bonus tokens all run in that dtype)."""
     kw = dict(ENGINE_KW, dtype="auto")
     plain_auto = LLM(**kw)
+    if plain_auto.engine.runner.weight_dtype == torch.float16 and cpu_attention.reads_float16_cache():
+        assert plain_auto.engine.runner.kv_cache_dtype == torch.float16  # so float16 K/V are covered too
     want = [o.outputs[0].token_ids for o in plain_auto.generate(prompts, GREEDY)]
     del plain_auto
     for config in ({"method": "ngram", "num_speculative_tokens": 3},

@@ -70,6 +70,23 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim
     return (2, num_kv_heads, num_blocks, block_size, head_dim)
 
 
+def kv_cache_dtype_for(weight_dtype: torch.dtype, compute_dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
+    """The KV cache's dtype: the weights' dtype where attention can read it.
+
+    float16 weights on a CPU compute in float32 (see fp16_gemm); their K/V are
+    stored in float16 when the compiled kernel reads float16 directly (F16C):
+    half the bytes, and at batch 16 decoding reads every request's context
+    from memory in every layer, so attention takes about half the time. K/V
+    are rounded to float16 once, as on a GPU running the same model in float16;
+    the PyTorch path (prefill) converts the gathered context back to float32.
+    Everywhere else the cache is in the compute dtype.
+    """
+    if (weight_dtype == torch.float16 and compute_dtype == torch.float32 and torch.device(device).type == "cpu"
+            and cpu_attention.reads_float16_cache()):
+        return torch.float16
+    return compute_dtype
+
+
 @dataclass
 class ContextGroup:
     """Requests attended in one SDPA call, padded to the group's longest context."""
@@ -141,8 +158,9 @@ class KernelInputs:
 class AttentionMetadata:
     """Per-step tensors shared by every layer (built once per step, not per layer).
 
-    On a CPU in float32, requests with at most ``cpu_attention.MAX_QUERY_LEN``
-    new tokens (decoding, verification) go to the compiled kernel; the rest
+    On a CPU with float32 queries (and a float32 or float16 cache), requests with at
+    most ``cpu_attention.MAX_QUERY_LEN`` new tokens (decoding, verification) go to
+    the compiled kernel; the rest
     (prefill chunks), and every request elsewhere, to SDPA in context groups.
     The groups are built on first use: a step the kernel serves whole never
     needs them.
@@ -169,8 +187,10 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device,
         dtype: torch.dtype = torch.float32,
+        cache_dtype: torch.dtype | None = None,
     ) -> "AttentionMetadata":
-        """query_lens[b] new tokens of request b end at position context_lens[b] - 1."""
+        """query_lens[b] new tokens of request b end at position context_lens[b] - 1.
+        ``dtype`` is the queries' dtype, ``cache_dtype`` the KV cache's (default: the same)."""
         # Slot of every new token (positions ctx - q_len .. ctx - 1 of its request).
         slots: list[int] = []
         token_start: list[int] = []
@@ -180,7 +200,7 @@ class AttentionMetadata:
             slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(ctx - q_len, ctx))
         everyone = list(range(len(query_lens)))
         on_kernel: list[int] = []
-        if cpu_attention.usable(device, dtype):
+        if cpu_attention.usable(device, dtype, cache_dtype):
             on_kernel = [b for b in everyone if query_lens[b] <= cpu_attention.MAX_QUERY_LEN]
         kernel = None
         if on_kernel:
@@ -237,15 +257,15 @@ def paged_attention(
     q: torch.Tensor,         # [T, Hq, hd]
     k: torch.Tensor,         # [T, Hk, hd]
     v: torch.Tensor,         # [T, Hk, hd]
-    kv_cache: torch.Tensor,  # [2, Hk, num_blocks, block_size, hd]
+    kv_cache: torch.Tensor,  # [2, Hk, num_blocks, block_size, hd], q's dtype or (CPU) float16
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:           # [T, Hq, hd]
     num_kv_heads, head_dim = kv_cache.shape[1], kv_cache.shape[4]
     # Write the new tokens' K/V, then read every request's whole context.
     slots = kv_cache.view(2, num_kv_heads, -1, head_dim)   # [2, Hk, num_blocks * block_size, hd]
-    slots[0].index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-    slots[1].index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+    slots[0].index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(kv_cache.dtype))
+    slots[1].index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(kv_cache.dtype))
     kn = meta.kernel
     if kn is None and len(meta.groups) == 1:
         return _attend_group(q, kv_cache, meta.groups[0], scale)
@@ -276,7 +296,7 @@ def _attend_group(
     # One gather for K and V: [2, Hk, B * max_blocks, block_size, hd] -> [2, Hk, B, S, hd].
     # (index_select, not kv_cache[:, :, table]: the same gather, several times faster on CPU.)
     context = torch.index_select(kv_cache, 2, g.block_tables.view(-1), out=g.context_buffer(kv_cache))
-    context = context.view(2, num_kv_heads, num_reqs, -1, head_dim)
+    context = context.view(2, num_kv_heads, num_reqs, -1, head_dim).to(q.dtype)  # a float16 cache -> float32
     num_heads = q.shape[1]
     group = num_heads // num_kv_heads
     max_q = g.max_query_len

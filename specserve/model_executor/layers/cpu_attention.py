@@ -81,11 +81,12 @@ def _build() -> ctypes.CDLL:
                 raise RuntimeError(f"{' '.join(base)} failed:\n{result.stderr[-2000:]}")
             os.replace(built, target)  # atomic: concurrent processes never load a half-written file
     lib = ctypes.CDLL(str(target))
-    fn = lib.specserve_paged_attention_f32
+    fn = lib.specserve_paged_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                   ctypes.c_int, ctypes.c_int, i64, ctypes.c_float, ctypes.c_int]
+                   ctypes.c_int, ctypes.c_int, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
     fn.restype = ctypes.c_int
+    lib.specserve_paged_attention_has_f16.restype = ctypes.c_int
     return lib
 
 
@@ -103,16 +104,26 @@ def _load() -> ctypes.CDLL | None:
         return _library
 
 
-def usable(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """True where the kernel applies: CPU, float32, and it built."""
+def usable(device: torch.device | str, dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> bool:
+    """True where the kernel applies: CPU, float32 queries, a float32 or (with F16C)
+    float16 KV cache (``cache_dtype``, default ``dtype``), and it built."""
+    cache_dtype = dtype if cache_dtype is None else cache_dtype
     if torch.device(device).type != "cpu" or dtype != torch.float32:
         return False
-    return _load() is not None
+    if cache_dtype == torch.float16:
+        return reads_float16_cache()
+    return cache_dtype == torch.float32 and _load() is not None
+
+
+def reads_float16_cache() -> bool:
+    """True when the kernel built with F16C, so it reads a float16 KV cache directly."""
+    lib = _load()
+    return lib is not None and bool(lib.specserve_paged_attention_has_f16())
 
 
 def paged_attention_cpu(
     q: torch.Tensor,             # [T, Hq, hd] float32; rows may be strided (a view of the fused qkv output)
-    kv_cache: torch.Tensor,      # [2, Hk, num_blocks, block_size, hd]
+    kv_cache: torch.Tensor,      # [2, Hk, num_blocks, block_size, hd] float32 or float16
     out: torch.Tensor,           # [T, Hq, hd] contiguous: the listed requests' rows are written
     block_tables: torch.Tensor,  # [B, max_blocks] int64, one row per listed request
     query_start: torch.Tensor,   # [B] int64: first row of each listed request in q and out
@@ -124,13 +135,15 @@ def paged_attention_cpu(
     assert lib is not None, "call usable() first"
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
         q = q.contiguous()
-    assert kv_cache.is_contiguous() and out.is_contiguous() and q.dtype == kv_cache.dtype == torch.float32
+    assert kv_cache.is_contiguous() and out.is_contiguous() and q.dtype == out.dtype == torch.float32
+    assert kv_cache.dtype in (torch.float32, torch.float16)
     _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
     num_reqs, num_heads = block_tables.shape[0], q.shape[1]
     args = (q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), out.data_ptr(),
             block_tables.data_ptr(), block_tables.shape[1], query_start.data_ptr(), query_lens.data_ptr(),
-            context_lens.data_ptr(), num_reqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale,
-            torch.get_num_threads())
-    status = lib.specserve_paged_attention_f32(*args)
+            context_lens.data_ptr(), num_reqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale)
+    status = lib.specserve_paged_attention(*args, torch.get_num_threads(), kv_cache.dtype == torch.float16)
+    if status == -2:
+        raise RuntimeError("this build of the paged attention kernel cannot read a float16 cache (no F16C)")
     if status:
         raise MemoryError("paged attention kernel: scratch allocation failed")

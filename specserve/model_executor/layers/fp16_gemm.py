@@ -9,8 +9,9 @@ GEMM keeps the weights in float16 (half the bytes to stream), converts them to
 fp32 on the fly and accumulates in fp32: 0.13 ms for one row, 0.13 ms for two,
 0.21 ms for five (docs/benchmarks.md, "Matmul kernels").
 
-Activations, norms, attention, the KV cache and the logits stay float32; only
-the weights are rounded to float16 (11-bit mantissa, 8x finer than bfloat16).
+Activations, norms, attention and the logits stay float32; the weights are
+rounded to float16 (11-bit mantissa, 8x finer than bfloat16), and so is the KV
+cache where the attention kernel reads float16 (``attention.kv_cache_dtype_for``).
 This is the CPU meaning of ``dtype="float16"``. On accelerators float16 is
 the ordinary dtype and none of this is used.
 """

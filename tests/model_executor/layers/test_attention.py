@@ -47,18 +47,21 @@ def reference_attention(q, keys, values, q_len, scale):
 
 
 KERNEL_BUILDS = cpu_attention.usable("cpu", torch.float32)
+KERNEL_READS_FP16 = cpu_attention.usable("cpu", torch.float32, torch.float16)
 
 
 @pytest.mark.parametrize("path", ["torch", "kernel"])
 @pytest.mark.parametrize("group_cost", [0, 10**9, None])  # many groups, one group, the default rule
 @pytest.mark.parametrize("hd", [8, 12])  # the kernel's 8-wide vectors, and a remainder
-def test_paged_attention_matches_dense_reference(monkeypatch, group_cost, path, hd):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_paged_attention_matches_dense_reference(monkeypatch, group_cost, path, hd, cache_dtype):
     """Both attention paths against dense attention. With the kernel, requests of at
-    most MAX_QUERY_LEN new tokens take it and the longer prefills take SDPA in the same step."""
-    if path == "kernel" and not KERNEL_BUILDS:
-        pytest.skip("the CPU attention kernel did not build here (no C compiler?)")
+    most MAX_QUERY_LEN new tokens take it and the longer prefills take SDPA in the same step.
+    A float16 cache holds K/V rounded to float16; the queries and the output stay float32."""
+    if path == "kernel" and not (KERNEL_BUILDS if cache_dtype == torch.float32 else KERNEL_READS_FP16):
+        pytest.skip("the CPU attention kernel did not build here (no C compiler, or no F16C for float16)")
     if path == "torch":
-        monkeypatch.setattr(cpu_attention, "usable", lambda device, dtype: False)
+        monkeypatch.setattr(cpu_attention, "usable", lambda *args: False)
     if group_cost is not None:
         monkeypatch.setattr(attention, "GROUP_COST_IN_KEY_POSITIONS", group_cost)
     torch.manual_seed(0)
@@ -66,7 +69,7 @@ def test_paged_attention_matches_dense_reference(monkeypatch, group_cost, path, 
     # (tokens already cached, new tokens): decode, verification, prefill chunk, long decode, long prefills
     shapes = [(9, 1), (30, 5), (0, 13), (300, 1), (5, 1), (250, 3), (0, 40), (20, 30)]
     perm = torch.randperm(num_blocks - 1) + 1
-    kv_cache = torch.zeros(kv_cache_shape(num_blocks, BLOCK, kv_heads, hd))
+    kv_cache = torch.zeros(kv_cache_shape(num_blocks, BLOCK, kv_heads, hd), dtype=cache_dtype)
     tables, full_k, full_v, next_block = [], [], [], 0
     for cached, new in shapes:
         n = -(-(cached + new) // BLOCK)
@@ -74,6 +77,7 @@ def test_paged_attention_matches_dense_reference(monkeypatch, group_cost, path, 
         next_block += n
         tables.append(table)
         keys, values = torch.randn(cached + new, kv_heads, hd), torch.randn(cached + new, kv_heads, hd)
+        keys, values = keys.to(cache_dtype).float(), values.to(cache_dtype).float()  # what the cache can hold
         full_k.append(keys)
         full_v.append(values)
         for p in range(cached):  # what earlier steps wrote
@@ -85,6 +89,7 @@ def test_paged_attention_matches_dense_reference(monkeypatch, group_cost, path, 
         block_tables=tables,
         block_size=BLOCK,
         device=torch.device("cpu"),
+        cache_dtype=cache_dtype,
     )
     on_sdpa = [i for i, (_, new) in enumerate(shapes) if path == "torch" or new > cpu_attention.MAX_QUERY_LEN]
     assert (meta.kernel is not None) == (path == "kernel")
@@ -105,24 +110,37 @@ def test_paged_attention_matches_dense_reference(monkeypatch, group_cost, path, 
 
 @pytest.mark.skipif(not KERNEL_BUILDS, reason="the CPU attention kernel did not build here (no C compiler?)")
 @pytest.mark.parametrize("hd", [64, 12])
-def test_kernel_row_does_not_depend_on_the_other_rows_of_its_step(hd):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_kernel_row_does_not_depend_on_the_other_rows_of_its_step(hd, cache_dtype):
     """Verifying [t, d1..d4] and decoding t alone give the same bits for t's row (and
     each draft's row equals decoding it after the previous ones), so speculative and
     plain decoding see identical attention outputs."""
     torch.manual_seed(0)
     heads, kv_heads, num_blocks, cached, new = 9, 3, 40, 37, 5
     table = torch.randperm(num_blocks)[:12].tolist()
-    kv_cache = torch.zeros(kv_cache_shape(num_blocks, BLOCK, kv_heads, hd))
+    if cache_dtype == torch.float16 and not KERNEL_READS_FP16:
+        pytest.skip("this kernel build does not read float16 caches (no F16C)")
+    kv_cache = torch.zeros(kv_cache_shape(num_blocks, BLOCK, kv_heads, hd), dtype=cache_dtype)
     keys, values = torch.randn(cached + new, kv_heads, hd), torch.randn(cached + new, kv_heads, hd)
     q = torch.randn(new, heads, hd)
     for p in range(cached):
         kv_cache[0, :, table[p // BLOCK], p % BLOCK] = keys[p]
         kv_cache[1, :, table[p // BLOCK], p % BLOCK] = values[p]
     cpu = torch.device("cpu")
-    meta = AttentionMetadata.build([new], [cached + new], [table], BLOCK, cpu)
+    meta = AttentionMetadata.build([new], [cached + new], [table], BLOCK, cpu, cache_dtype=cache_dtype)
+    assert meta.kernel is not None
     together = paged_attention(q, keys[cached:], values[cached:], kv_cache.clone(), meta, scale=0.125)
     for i in range(new):
         ctx = cached + i + 1
-        one = AttentionMetadata.build([1], [ctx], [table], BLOCK, cpu)
+        one = AttentionMetadata.build([1], [ctx], [table], BLOCK, cpu, cache_dtype=cache_dtype)
         alone = paged_attention(q[i:i + 1], keys[ctx - 1:ctx], values[ctx - 1:ctx], kv_cache, one, scale=0.125)
         assert torch.equal(alone[0], together[i]), f"row {i}"
+
+
+def test_kv_cache_dtype_follows_the_weights_where_attention_reads_it():
+    cpu = torch.device("cpu")
+    half_on_cpu = attention.kv_cache_dtype_for(torch.float16, torch.float32, cpu)
+    assert half_on_cpu == (torch.float16 if KERNEL_READS_FP16 else torch.float32)
+    assert attention.kv_cache_dtype_for(torch.float32, torch.float32, cpu) == torch.float32
+    assert attention.kv_cache_dtype_for(torch.bfloat16, torch.bfloat16, cpu) == torch.bfloat16
+    assert attention.kv_cache_dtype_for(torch.float16, torch.float16, torch.device("meta")) == torch.float16

@@ -34,6 +34,7 @@ def test_builds_into_the_cache_and_only_serves_cpu_float32(fresh_loader):
         pytest.skip("no C compiler here")
     assert len(list(fresh_loader.rglob("paged_attention-*.so"))) == 1
     assert not cpu_attention.usable("cpu", torch.bfloat16)
+    assert not cpu_attention.usable("cpu", torch.float32, torch.bfloat16)
     assert not cpu_attention.usable("meta", torch.float32)
 
 
@@ -52,11 +53,13 @@ def _random_step(num_reqs: int, kv_heads: int = 3, heads: int = 9, hd: int = 64,
     return q, kv_cache, block_tables, query_start, query_lens, context_lens
 
 
-def test_kernel_results_do_not_depend_on_the_thread_count():
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_kernel_results_do_not_depend_on_the_thread_count(cache_dtype):
     """Each (request, KV head) pair is computed whole by one OpenMP thread."""
-    if not cpu_attention.usable("cpu", torch.float32):
-        pytest.skip("no C compiler here")
+    if not cpu_attention.usable("cpu", torch.float32, cache_dtype):
+        pytest.skip("no C compiler here (or no F16C for a float16 cache)")
     q, kv_cache, tables, starts, lens, ctx = _random_step(num_reqs=7)
+    kv_cache = kv_cache.to(cache_dtype)
     outputs = []
     previous = torch.get_num_threads()
     try:

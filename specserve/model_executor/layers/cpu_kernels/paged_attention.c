@@ -1,4 +1,4 @@
-/* Paged attention for float32 on CPUs, in one pass over each request's K/V.
+/* Paged attention for float32 queries on CPUs, in one pass over each request's K/V.
  *
  * Called from specserve/model_executor/layers/cpu_attention.py through ctypes.
  * The PyTorch path gathers every request's blocks into a padded copy and then
@@ -9,8 +9,8 @@
  *
  * Layouts (all contiguous float32 / int64 unless a stride is given):
  *   q            [T, Hq, hd]  token stride q_token_stride (q is a view of the fused qkv output)
- *   k_cache      [Hk, num_blocks, block_size, hd]     (kv_cache[0])
- *   v_cache      [Hk, num_blocks, block_size, hd]     (kv_cache[1])
+ *   k_cache      [Hk, num_blocks, block_size, hd]     (kv_cache[0]) float32, or float16 (cache_half)
+ *   v_cache      [Hk, num_blocks, block_size, hd]     (kv_cache[1]) the same dtype
  *   out          [T, Hq, hd]
  *   block_tables [B, max_blocks]
  *   query_start  [B]      request b's first new token is row query_start[b] of q and out
@@ -23,6 +23,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 /* 8 floats: one AVX register, two SSE/NEON ones; GCC and Clang lower it for any target. */
 typedef float f32x8 __attribute__((vector_size(32)));
@@ -33,40 +36,76 @@ static inline f32x8 load8(const float *p) {
     return v;
 }
 
+/* A float16 cache is read through F16C's conversion (exact), so the arithmetic is the
+ * float32 kernel's on the stored values. Without F16C the half variant is not built:
+ * specserve_paged_attention_has_f16() says which. */
+#if defined(__F16C__)
+static inline f32x8 half8(const uint16_t *p) {
+    const __m256 f = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    f32x8 v;
+    memcpy(&v, &f, sizeof v);
+    return v;
+}
+static inline float half1(uint16_t h) { return _cvtsh_ss(h); }
+#else
+static inline f32x8 half8(const uint16_t *p) { (void)p; __builtin_unreachable(); }
+static inline float half1(uint16_t h) { (void)h; __builtin_unreachable(); }
+#endif
+
+int specserve_paged_attention_has_f16(void) {
+#if defined(__F16C__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Element i of a cache (float32, or float16 when half): 8 at a time, or one. The
+ * callers pass half as a constant and are inlined, so each variant is its own code. */
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+ALWAYS_INLINE f32x8 kv8(const void *base, int64_t i, const int half) {
+    return half ? half8((const uint16_t *)base + i) : load8((const float *)base + i);
+}
+ALWAYS_INLINE float kv1(const void *base, int64_t i, const int half) {
+    return half ? half1(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
 static inline float hsum(f32x8 v) {
     /* A tree, not a chain of 7 dependent adds. */
     return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
 }
 
-/* q . k for one key. Every score, whichever function computes it, sums in this order
+/* q . k for the key at element offset k of the cache kc. Every score, whichever function computes it, sums in this order
  * (8-wide chunks in sequence, then the lanes, then the tail), so a row's scores are the
  * same bits whether its step decodes one token or verifies several. */
-static float dot(const float *q, const float *k, int n) {
+ALWAYS_INLINE float dot(const float *q, const void *kc, int64_t k, int n, const int half) {
     f32x8 acc = {0};
     int d = 0;
-    for (; d + 8 <= n; d += 8) acc += load8(q + d) * load8(k + d);
+    for (; d + 8 <= n; d += 8) acc += load8(q + d) * kv8(kc, k + d, half);
     float t = hsum(acc);
-    for (; d < n; d++) t += q[d] * k[d];
+    for (; d < n; d++) t += q[d] * kv1(kc, k + d, half);
     return t;
 }
 
-/* q . k for four keys k, k + stride, k + 2 stride, k + 3 stride: four independent chains. */
-static void dot4(const float *q, const float *k, int64_t stride, int n, float *out) {
+/* q . k for four keys at element offsets k, k + stride, k + 2 stride, k + 3 stride of
+ * the cache kc: four independent chains. */
+ALWAYS_INLINE void dot4(const float *q, const void *kc, int64_t k, int64_t stride, int n, float *out,
+                        const int half) {
     f32x8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
     int d = 0;
     for (; d + 8 <= n; d += 8) {
         const f32x8 qv = load8(q + d);
-        a0 += qv * load8(k + d);
-        a1 += qv * load8(k + stride + d);
-        a2 += qv * load8(k + 2 * stride + d);
-        a3 += qv * load8(k + 3 * stride + d);
+        a0 += qv * kv8(kc, k + d, half);
+        a1 += qv * kv8(kc, k + stride + d, half);
+        a2 += qv * kv8(kc, k + 2 * stride + d, half);
+        a3 += qv * kv8(kc, k + 3 * stride + d, half);
     }
     float t0 = hsum(a0), t1 = hsum(a1), t2 = hsum(a2), t3 = hsum(a3);
     for (; d < n; d++) {
-        t0 += q[d] * k[d];
-        t1 += q[d] * k[stride + d];
-        t2 += q[d] * k[2 * stride + d];
-        t3 += q[d] * k[3 * stride + d];
+        t0 += q[d] * kv1(kc, k + d, half);
+        t1 += q[d] * kv1(kc, k + stride + d, half);
+        t2 += q[d] * kv1(kc, k + 2 * stride + d, half);
+        t3 += q[d] * kv1(kc, k + 3 * stride + d, half);
     }
     out[0] = t0, out[1] = t1, out[2] = t2, out[3] = t3;
 }
@@ -128,10 +167,10 @@ typedef struct {
     int64_t *last_key;    /* [rows] last position each row may attend to */
 } Scratch;
 
-static void attend_one(const float *q, int64_t q_token_stride, const float *k_cache, const float *v_cache,
-                       float *out, const int64_t *table, int64_t q_first, int q_len, int64_t ctx,
-                       int kv_head, int group, int num_heads, int hd, int block_size, int64_t num_blocks,
-                       float scale, Scratch *w) {
+ALWAYS_INLINE void attend_one(const float *q, int64_t q_token_stride, const void *k_cache, const void *v_cache,
+                              float *out, const int64_t *table, int64_t q_first, int q_len, int64_t ctx,
+                              int kv_head, int group, int num_heads, int hd, int block_size, int64_t num_blocks,
+                              float scale, Scratch *w, const int half) {
     /* Row r = new token r / group, query head kv_head * group + r % group (the heads sharing this KV head). */
     const int rows = q_len * group;
     for (int i = 0, r = 0; i < q_len; i++) {
@@ -148,11 +187,11 @@ static void attend_one(const float *q, int64_t q_token_stride, const float *k_ca
         float *score = w->scores + (int64_t)r * ctx;
         const int64_t visible = w->last_key[r] + 1;
         for (int64_t j0 = 0; j0 < visible; j0 += block_size) {
-            const float *k = k_cache + head_offset + table[j0 / block_size] * block_size * hd;
+            const int64_t k = head_offset + table[j0 / block_size] * block_size * hd;
             const int64_t n = visible - j0 < block_size ? visible - j0 : block_size;
             int64_t o = 0;
-            for (; o + 4 <= n; o += 4) dot4(w->q_row[r], k + o * hd, hd, hd, score + j0 + o);
-            for (; o < n; o++) score[j0 + o] = dot(w->q_row[r], k + o * hd, hd);
+            for (; o + 4 <= n; o += 4) dot4(w->q_row[r], k_cache, k + o * hd, hd, hd, score + j0 + o, half);
+            for (; o < n; o++) score[j0 + o] = dot(w->q_row[r], k_cache, k + o * hd, hd, half);
         }
         for (int64_t j = 0; j < visible; j++) score[j] *= scale;
     }
@@ -176,10 +215,11 @@ static void attend_one(const float *q, int64_t q_token_stride, const float *k_ca
         for (; d0 + 32 <= hd; d0 += 32) {
             f32x8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
             for (int64_t j0 = 0; j0 < visible; j0 += block_size) {
-                const float *v = v_cache + head_offset + table[j0 / block_size] * block_size * hd + d0;
+                int64_t v = head_offset + table[j0 / block_size] * block_size * hd + d0;
                 const int64_t n = visible - j0 < block_size ? visible - j0 : block_size;
                 for (int64_t o = 0; o < n; o++, v += hd) {
-                    const f32x8 v0 = load8(v), v1 = load8(v + 8), v2 = load8(v + 16), v3 = load8(v + 24);
+                    const f32x8 v0 = kv8(v_cache, v, half), v1 = kv8(v_cache, v + 8, half);
+                    const f32x8 v2 = kv8(v_cache, v + 16, half), v3 = kv8(v_cache, v + 24, half);
                     const float x = p0[j0 + o], y = p1[j0 + o];
                     a0 += x * v0, a1 += x * v1, a2 += x * v2, a3 += x * v3;
                     b0 += y * v0, b1 += y * v1, b2 += y * v2, b3 += y * v3;
@@ -202,7 +242,7 @@ static void attend_one(const float *q, int64_t q_token_stride, const float *k_ca
                 const int64_t vis = w->last_key[r + u] + 1;
                 float acc = 0.0f;
                 for (int64_t j = 0; j < vis; j++)
-                    acc += pu[j] * v_cache[head_offset + (table[j / block_size] * block_size + j % block_size) * hd + d0];
+                    acc += pu[j] * kv1(v_cache, head_offset + (table[j / block_size] * block_size + j % block_size) * hd + d0, half);
                 (u ? dst1 : dst0)[d0] = acc;
             }
         }
@@ -215,12 +255,15 @@ static void attend_one(const float *q, int64_t q_token_stride, const float *k_ca
  * Built with -fopenmp, the library's libgomp.so.1 is the one torch already loaded, so these
  * are torch's own worker threads (still spinning from the last matmul), not a second pool.
  * query_start[b] is the first row of request b in q and out; it has query_lens[b] rows.
- * Returns 0, or -1 when scratch memory could not be allocated (out is then incomplete). */
-int specserve_paged_attention_f32(const float *q, int64_t q_token_stride, const float *k_cache,
-                                  const float *v_cache, float *out, const int64_t *block_tables,
-                                  int64_t max_blocks, const int64_t *query_start, const int64_t *query_lens,
-                                  const int64_t *context_lens, int num_reqs, int num_heads, int num_kv_heads,
-                                  int hd, int block_size, int64_t num_blocks, float scale, int num_threads) {
+ * Returns 0; -1 when scratch memory could not be allocated (out is then incomplete); -2 when
+ * cache_half is asked of a build without F16C. */
+int specserve_paged_attention(const float *q, int64_t q_token_stride, const void *k_cache,
+                              const void *v_cache, float *out, const int64_t *block_tables,
+                              int64_t max_blocks, const int64_t *query_start, const int64_t *query_lens,
+                              const int64_t *context_lens, int num_reqs, int num_heads, int num_kv_heads,
+                              int hd, int block_size, int64_t num_blocks, float scale, int num_threads,
+                              int cache_half) {
+    if (cache_half && !specserve_paged_attention_has_f16()) return -2;
     const int group = num_heads / num_kv_heads;
     int64_t max_rows = 1, max_scores = 1;
     for (int b = 0; b < num_reqs; b++) {
@@ -245,9 +288,13 @@ int specserve_paged_attention_f32(const float *q, int64_t q_token_stride, const 
         for (int pair = 0; pair < num_pairs; pair++) {
             const int b = pair / num_kv_heads, h = pair % num_kv_heads;
             if (!ok || query_lens[b] == 0) continue;
-            attend_one(q, q_token_stride, k_cache, v_cache, out, block_tables + (int64_t)b * max_blocks,
-                       query_start[b], (int)query_lens[b], context_lens[b], h, group, num_heads, hd,
-                       block_size, num_blocks, scale, &w);
+            const int64_t *table = block_tables + (int64_t)b * max_blocks;
+            if (cache_half)
+                attend_one(q, q_token_stride, k_cache, v_cache, out, table, query_start[b], (int)query_lens[b],
+                           context_lens[b], h, group, num_heads, hd, block_size, num_blocks, scale, &w, 1);
+            else
+                attend_one(q, q_token_stride, k_cache, v_cache, out, table, query_start[b], (int)query_lens[b],
+                           context_lens[b], h, group, num_heads, hd, block_size, num_blocks, scale, &w, 0);
         }
         free(w.scores);
         free(w.q_row);
