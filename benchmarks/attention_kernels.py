@@ -1,11 +1,20 @@
 """Paged attention on a CPU: the compiled kernel against the PyTorch path, side by side.
 
-Both paths run the same steps in one process, alternated call by call, on the
+The variants run the same steps in one process, alternated call by call, on the
 default model's attention shapes (9 query heads, 3 KV heads, head_dim 64,
-16-token blocks), float32. A step is B requests with q new tokens each:
-decoding (q = 1), verification of 5 drafts (q = 6) and a prefill (q = 100,
-which both paths hand to SDPA). Contexts are 60-260 tokens (decode and
-verify). Reports the median and minimum microseconds per layer call.
+16-token blocks), float32 queries:
+
+- the PyTorch path (gather + SDPA) over a float32 cache;
+- the kernel over a float32 cache on one thread;
+- the kernel over a float32 cache on torch's threads (``--threads``);
+- the kernel over a float16 cache on torch's threads (what ``dtype="auto"`` runs).
+
+A step is B requests with q new tokens each: decoding (q = 1), verification of
+5 drafts (q = 6) and a prefill (q = 100, which every variant hands to SDPA).
+Contexts are 60-260 tokens (decode and verify). Each call uses the next of
+``--layers`` caches, as a forward does, and each variant has its own, so K/V
+are read from memory rather than from the CPU's caches. Reports the median and minimum microseconds
+per layer call.
 
     python benchmarks/attention_kernels.py --threads 2
 """
@@ -24,47 +33,60 @@ from specserve.model_executor.layers.attention import AttentionMetadata, kv_cach
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
 
-def make_step(batch: int, q_len: int, rng: random.Random, kernel: bool):
+def make_step(batch: int, q_len: int, rng: random.Random, kernel: bool, cache_dtype: torch.dtype):
     contexts = [rng.randint(60, 260) if q_len < 40 else q_len for _ in range(batch)]
     tables = [list(range(i * 20, i * 20 + 20)) for i in range(batch)]
     usable = cpu_attention.usable
     if not kernel:
         cpu_attention.usable = lambda *args: False
     try:
-        meta = AttentionMetadata.build([q_len] * batch, contexts, tables, BLOCK, torch.device("cpu"))
+        meta = AttentionMetadata.build([q_len] * batch, contexts, tables, BLOCK, torch.device("cpu"),
+                                       cache_dtype=cache_dtype)
     finally:
         cpu_attention.usable = usable
     return meta
+
+
+VARIANTS = ["PyTorch path", "kernel, 1 thread", "kernel", "kernel, float16 cache"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--layers", type=int, default=30, help="caches cycled through, one per call")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not cpu_attention.usable("cpu", torch.float32):
         raise SystemExit("the CPU attention kernel did not build here; nothing to compare")
-    kv_cache = torch.randn(kv_cache_shape(400, BLOCK, KV_HEADS, HEAD_DIM))
+    variants = VARIANTS if cpu_attention.reads_float16_cache() else VARIANTS[:-1]
+    # Each variant its own caches: one variant must not find another's K/V in the CPU's caches.
+    shape = kv_cache_shape(400, BLOCK, KV_HEADS, HEAD_DIM)
+    dtype_of = {v: torch.float16 if "float16" in v else torch.float32 for v in variants}
+    caches = {v: [torch.randn(shape).to(dtype_of[v]) for _ in range(args.layers)] for v in variants}
     print(f"torch threads {args.threads}; median / min microseconds per layer call")
-    print("| batch | new tokens per request | PyTorch path (SDPA) | compiled kernel | speedup |")
-    print("|---|---|---|---|---|")
+    print("| batch | new tokens per request | " + " | ".join(variants) + " | PyTorch path / last |")
+    print("|---|---|" + "---|" * len(variants) + "---|")
     for batch, q_len in [(1, 1), (1, 6), (16, 1), (16, 6), (16, 100)]:
-        metas = {kernel: make_step(batch, q_len, random.Random(0), kernel) for kernel in (False, True)}
+        metas = {v: make_step(batch, q_len, random.Random(0), kernel=v != "PyTorch path",
+                              cache_dtype=caches[v][0].dtype) for v in variants}
         tokens = batch * q_len
         q = torch.randn(tokens, HEADS, HEAD_DIM)
-        k, v = torch.randn(tokens, KV_HEADS, HEAD_DIM), torch.randn(tokens, KV_HEADS, HEAD_DIM)
-        times: dict[bool, list[float]] = {False: [], True: []}
+        k, v_new = torch.randn(tokens, KV_HEADS, HEAD_DIM), torch.randn(tokens, KV_HEADS, HEAD_DIM)
+        times: dict[str, list[float]] = {v: [] for v in variants}
         repeats = max(5, args.repeats // (1 if batch == 1 else 4 if q_len < 40 else 20))
         with torch.inference_mode():
-            for _ in range(repeats):
-                for kernel in (False, True):
+            for i in range(repeats):
+                for v in variants:
+                    cache = caches[v][i % args.layers]
+                    torch.set_num_threads(1 if v == "kernel, 1 thread" else args.threads)
                     start = time.perf_counter()
-                    paged_attention(q, k, v, kv_cache, metas[kernel], HEAD_DIM**-0.5)
-                    times[kernel].append((time.perf_counter() - start) * 1e6)
-        torch_med, kernel_med = statistics.median(times[False]), statistics.median(times[True])
-        print(f"| {batch} | {q_len} | {torch_med:.0f} / {min(times[False]):.0f} | "
-              f"{kernel_med:.0f} / {min(times[True]):.0f} | {torch_med / kernel_med:.2f}x |")
+                    paged_attention(q, k, v_new, cache, metas[v], HEAD_DIM**-0.5)
+                    times[v].append((time.perf_counter() - start) * 1e6)
+        torch.set_num_threads(args.threads)
+        medians = {v: statistics.median(t) for v, t in times.items()}
+        cells = " | ".join(f"{medians[v]:.0f} / {min(times[v]):.0f}" for v in variants)
+        print(f"| {batch} | {q_len} | {cells} | {medians[variants[0]] / medians[variants[-1]]:.2f}x |")
 
 
 if __name__ == "__main__":
