@@ -219,7 +219,10 @@ def _recv_tensor(conn: Connection, shape, dtype: torch.dtype) -> torch.Tensor:
 
 
 class _ShardRunner(ModelRunner):
-    """A worker's ModelRunner: its weights arrive already sharded from the driver."""
+    """A worker's ModelRunner: its weights arrive already sharded from the driver, in the
+    weights' dtype (half the bytes to send for float16), and are put in the compute dtype
+    here as ``ModelRunner.load_weights`` does on the driver (float32 for float16 weights on
+    a CPU; the linear layers then pack them back to float16, see fp16_gemm)."""
 
     def load_weights(self, model, state_dict: dict[str, torch.Tensor]) -> None:
         params = dict(model.named_parameters())
@@ -229,7 +232,7 @@ class _ShardRunner(ModelRunner):
         for name, p in params.items():
             if state_dict[name].shape != p.shape:
                 raise ValueError(f"{name}: shard of shape {tuple(state_dict[name].shape)}, expected {tuple(p.shape)}")
-            p.data = state_dict[name]
+            p.data = state_dict[name].to(self.dtype)
 
 
 # --------------------------------------------------------------------------- worker loop

@@ -350,6 +350,25 @@ def test_tp_greedy_equals_tp1_and_leaves_no_process(case, reference, truncated_d
     assert wait_gone(pids) == []
 
 
+@pytest.mark.slow
+def test_tp_in_the_default_dtype_equals_tp1():
+    """dtype="auto" (float16 weights, float32 compute and a float16 KV cache on x86 CPUs):
+    the shards travel in float16 and each worker puts them in the compute dtype as the
+    driver does (once, a worker kept float16 norms and embeddings and the first
+    all-reduce failed on mismatched sizes)."""
+    auto = dict(ENGINE, dtype="auto")
+    with one_thread():
+        single = LLM(**auto)
+        want = token_ids(single.generate(PROMPTS, GREEDY))
+    del single
+    llm = LLM(tensor_parallel_size=TP, **auto)
+    pids = llm.engine.runner.worker_pids
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == want
+    del llm
+    gc.collect()
+    assert wait_gone(pids) == []
+
+
 def test_more_ranks_than_kv_heads_is_a_clear_error():
     with pytest.raises(ValueError, match=r"tensor_parallel_size=4 .*num_key_value_heads=3.*Sizes that work for it: 1 to 3"):
         LLM(tensor_parallel_size=4, **ENGINE)
