@@ -75,9 +75,10 @@ static inline float hsum(f32x8 v) {
     return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
 }
 
-/* q . k for the key at element offset k of the cache kc. Every score, whichever function computes it, sums in this order
- * (8-wide chunks in sequence, then the lanes, then the tail), so a row's scores are the
- * same bits whether its step decodes one token or verifies several. */
+/* q . k for the key at element offset k of the cache kc. Every score, whichever function
+ * computes it, sums in this order (8-wide chunks in sequence, then the lanes, then the
+ * tail), so a row's scores are the same bits whether its step decodes one token or
+ * verifies several. */
 ALWAYS_INLINE float dot(const float *q, const void *kc, int64_t k, int n, const int half) {
     f32x8 acc = {0};
     int d = 0;
@@ -85,6 +86,20 @@ ALWAYS_INLINE float dot(const float *q, const void *kc, int64_t k, int n, const 
     float t = hsum(acc);
     for (; d < n; d++) t += q[d] * kv1(kc, k + d, half);
     return t;
+}
+
+/* The end of four chains of q . k (keys at offsets k + u stride, u < 4): their lanes,
+ * then the tail dims d .. n - 1, into out[0..3]. dot4 and dot4x2 both finish here. */
+ALWAYS_INLINE void finish4(const float *q, const void *kc, int64_t k, int64_t stride, int d, int n,
+                           f32x8 a0, f32x8 a1, f32x8 a2, f32x8 a3, float *out, const int half) {
+    float t0 = hsum(a0), t1 = hsum(a1), t2 = hsum(a2), t3 = hsum(a3);
+    for (; d < n; d++) {
+        t0 += q[d] * kv1(kc, k + d, half);
+        t1 += q[d] * kv1(kc, k + stride + d, half);
+        t2 += q[d] * kv1(kc, k + 2 * stride + d, half);
+        t3 += q[d] * kv1(kc, k + 3 * stride + d, half);
+    }
+    out[0] = t0, out[1] = t1, out[2] = t2, out[3] = t3;
 }
 
 /* q . k for four keys at element offsets k, k + stride, k + 2 stride, k + 3 stride of
@@ -100,14 +115,41 @@ ALWAYS_INLINE void dot4(const float *q, const void *kc, int64_t k, int64_t strid
         a2 += qv * kv8(kc, k + 2 * stride + d, half);
         a3 += qv * kv8(kc, k + 3 * stride + d, half);
     }
-    float t0 = hsum(a0), t1 = hsum(a1), t2 = hsum(a2), t3 = hsum(a3);
-    for (; d < n; d++) {
-        t0 += q[d] * kv1(kc, k + d, half);
-        t1 += q[d] * kv1(kc, k + stride + d, half);
-        t2 += q[d] * kv1(kc, k + 2 * stride + d, half);
-        t3 += q[d] * kv1(kc, k + 3 * stride + d, half);
+    finish4(q, kc, k, stride, d, n, a0, a1, a2, a3, out, half);
+}
+
+/* Two query rows against four keys: eight chains, each summed exactly as dot4 (and dot)
+ * sums it, so a score has the same bits whichever function computed it. Each key vector
+ * loaded (and, from a float16 cache, converted) serves both rows. */
+ALWAYS_INLINE void dot4x2(const float *q0, const float *q1, const void *kc, int64_t k, int64_t stride, int n,
+                          float *out0, float *out1, const int half) {
+    f32x8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+    int d = 0;
+    for (; d + 8 <= n; d += 8) {
+        const f32x8 k0 = kv8(kc, k + d, half), k1 = kv8(kc, k + stride + d, half);
+        const f32x8 k2 = kv8(kc, k + 2 * stride + d, half), k3 = kv8(kc, k + 3 * stride + d, half);
+        const f32x8 x = load8(q0 + d), y = load8(q1 + d);
+        a0 += x * k0, a1 += x * k1, a2 += x * k2, a3 += x * k3;
+        b0 += y * k0, b1 += y * k1, b2 += y * k2, b3 += y * k3;
     }
-    out[0] = t0, out[1] = t1, out[2] = t2, out[3] = t3;
+    finish4(q0, kc, k, stride, d, n, a0, a1, a2, a3, out0, half);
+    finish4(q1, kc, k, stride, d, n, b0, b1, b2, b3, out1, half);
+}
+
+/* score[j] = q . key j for j in [from, to), keys found through the block table. */
+ALWAYS_INLINE void score_range(const float *qr, float *score, const void *k_cache, int64_t head_offset,
+                               const int64_t *table, int64_t from, int64_t to, int hd, int block_size,
+                               const int half) {
+    int64_t j = from;
+    while (j < to) {
+        const int64_t in_block = j % block_size;
+        const int64_t n = to - j < block_size - in_block ? to - j : block_size - in_block;
+        const int64_t k = head_offset + (table[j / block_size] * block_size + in_block) * hd;
+        int64_t o = 0;
+        for (; o + 4 <= n; o += 4) dot4(qr, k_cache, k + o * hd, hd, hd, score + j + o, half);
+        for (; o < n; o++) score[j + o] = dot(qr, k_cache, k + o * hd, hd, half);
+        j += n;
+    }
 }
 
 typedef int32_t i32x8 __attribute__((vector_size(32)));
@@ -182,18 +224,32 @@ ALWAYS_INLINE void attend_one(const float *q, int64_t q_token_stride, const void
         }
     }
     const int64_t head_offset = (int64_t)kv_head * num_blocks * block_size * hd;
-    /* Scores, row by row (a context's keys stay in cache across its rows), 4 keys at a time. */
-    for (int r = 0; r < rows; r++) {
-        float *score = w->scores + (int64_t)r * ctx;
-        const int64_t visible = w->last_key[r] + 1;
-        for (int64_t j0 = 0; j0 < visible; j0 += block_size) {
+    /* Scores, two rows at a time over the keys both see (4 keys at a time), then the
+     * second row's extra keys alone (rows are in position order, so it sees at least as
+     * many). Every score sums as dot() does: the grouping changes no bits. */
+    int r = 0;
+    for (; r + 1 < rows; r += 2) {
+        float *s0 = w->scores + (int64_t)r * ctx, *s1 = s0 + ctx;
+        const int64_t both = w->last_key[r] + 1, visible1 = w->last_key[r + 1] + 1;
+        for (int64_t j0 = 0; j0 < both; j0 += block_size) {
             const int64_t k = head_offset + table[j0 / block_size] * block_size * hd;
-            const int64_t n = visible - j0 < block_size ? visible - j0 : block_size;
+            const int64_t n = both - j0 < block_size ? both - j0 : block_size;
             int64_t o = 0;
-            for (; o + 4 <= n; o += 4) dot4(w->q_row[r], k_cache, k + o * hd, hd, hd, score + j0 + o, half);
-            for (; o < n; o++) score[j0 + o] = dot(w->q_row[r], k_cache, k + o * hd, hd, half);
+            for (; o + 4 <= n; o += 4)
+                dot4x2(w->q_row[r], w->q_row[r + 1], k_cache, k + o * hd, hd, hd, s0 + j0 + o, s1 + j0 + o, half);
+            for (; o < n; o++) {
+                s0[j0 + o] = dot(w->q_row[r], k_cache, k + o * hd, hd, half);
+                s1[j0 + o] = dot(w->q_row[r + 1], k_cache, k + o * hd, hd, half);
+            }
         }
-        for (int64_t j = 0; j < visible; j++) score[j] *= scale;
+        score_range(w->q_row[r + 1], s1, k_cache, head_offset, table, both, visible1, hd, block_size, half);
+    }
+    if (r < rows)
+        score_range(w->q_row[r], w->scores + (int64_t)r * ctx, k_cache, head_offset, table, 0,
+                    w->last_key[r] + 1, hd, block_size, half);
+    for (r = 0; r < rows; r++) {
+        float *score = w->scores + (int64_t)r * ctx;
+        for (int64_t j = 0; j <= w->last_key[r]; j++) score[j] *= scale;
     }
     /* Softmax per row, in place; keys a row may not see get weight 0. */
     for (int r = 0; r < rows; r++) {
