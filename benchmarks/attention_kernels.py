@@ -16,6 +16,10 @@ Contexts are 60-260 tokens (decode and verify). Each call uses the next of
 are read from memory rather than from the CPU's caches. Reports the median and minimum microseconds
 per layer call.
 
+Then, for whole prompts with nothing cached (one request, T tokens), SDPA with
+the additive causal mask against SDPA's own causal mode (what specserve runs for
+such a group since it skips the masked blocks), alternated call by call.
+
     python benchmarks/attention_kernels.py --threads 2
 """
 from __future__ import annotations
@@ -35,7 +39,8 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
 def make_step(batch: int, q_len: int, rng: random.Random, kernel: bool, cache_dtype: torch.dtype):
     contexts = [rng.randint(60, 260) if q_len < 40 else q_len for _ in range(batch)]
-    tables = [list(range(i * 20, i * 20 + 20)) for i in range(batch)]
+    per_req = -(-max(contexts) // BLOCK)  # blocks per request
+    tables = [list(range(i * per_req, (i + 1) * per_req)) for i in range(batch)]
     usable = cpu_attention.usable
     if not kernel:
         cpu_attention.usable = lambda *args: False
@@ -87,6 +92,33 @@ def main() -> None:
         medians = {v: statistics.median(t) for v, t in times.items()}
         cells = " | ".join(f"{medians[v]:.0f} / {min(times[v]):.0f}" for v in variants)
         print(f"| {batch} | {q_len} | {cells} | {medians[variants[0]] / medians[variants[-1]]:.2f}x |")
+
+    fresh_prompts(args)
+
+
+def fresh_prompts(args) -> None:
+    """Masked SDPA against causal-mode SDPA for one fresh prompt of T tokens."""
+    print("\n| prompt tokens | masked SDPA | causal SDPA | masked / causal |")
+    print("|---|---|---|---|")
+    for length in (100, 400, 780):
+        blocks = -(-length // BLOCK)
+        metas = {}
+        for mode in ("masked", "causal"):
+            metas[mode] = make_step(1, length, random.Random(0), kernel=False, cache_dtype=torch.float32)
+            metas[mode].groups[0].fresh = mode == "causal"
+        cache = torch.randn(kv_cache_shape(blocks + 1, BLOCK, KV_HEADS, HEAD_DIM))
+        q = torch.randn(length, HEADS, HEAD_DIM)
+        k, v_new = torch.randn(length, KV_HEADS, HEAD_DIM), torch.randn(length, KV_HEADS, HEAD_DIM)
+        times: dict[str, list[float]] = {"masked": [], "causal": []}
+        with torch.inference_mode():
+            for _ in range(max(5, args.repeats // 20)):
+                for mode, meta in metas.items():
+                    start = time.perf_counter()
+                    paged_attention(q, k, v_new, cache, meta, HEAD_DIM**-0.5)
+                    times[mode].append((time.perf_counter() - start) * 1e6)
+        med = {m: statistics.median(t) for m, t in times.items()}
+        print(f"| {length} | {med['masked']:.0f} / {min(times['masked']):.0f} | "
+              f"{med['causal']:.0f} / {min(times['causal']):.0f} | {med['masked'] / med['causal']:.2f}x |")
 
 
 if __name__ == "__main__":

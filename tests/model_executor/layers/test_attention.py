@@ -144,3 +144,23 @@ def test_kv_cache_dtype_follows_the_weights_where_attention_reads_it():
     assert attention.kv_cache_dtype_for(torch.float32, torch.float32, cpu) == torch.float32
     assert attention.kv_cache_dtype_for(torch.bfloat16, torch.bfloat16, cpu) == torch.bfloat16
     assert attention.kv_cache_dtype_for(torch.float16, torch.float16, torch.device("meta")) == torch.float16
+
+
+@pytest.mark.parametrize("num_reqs,length", [(1, 37), (3, 18)])
+def test_fresh_prompts_take_the_causal_path_and_match_the_reference(num_reqs, length):
+    """Whole prompts with nothing cached (one group, equal lengths, the last block part
+    padding) run SDPA in causal mode without a mask."""
+    torch.manual_seed(1)
+    heads, kv_heads, hd, num_blocks = 6, 2, 8, 64
+    kv_cache = torch.zeros(kv_cache_shape(num_blocks, BLOCK, kv_heads, hd))
+    per_req = -(-length // BLOCK)
+    tables = [list(range(1 + i * per_req, 1 + (i + 1) * per_req)) for i in range(num_reqs)]
+    meta = AttentionMetadata.build([length] * num_reqs, [length] * num_reqs, tables, BLOCK, torch.device("cpu"))
+    assert meta.kernel is None and len(meta.groups) == 1 and meta.groups[0].fresh
+    q = torch.randn(num_reqs * length, heads, hd)
+    k, v = torch.randn(num_reqs * length, kv_heads, hd), torch.randn(num_reqs * length, kv_heads, hd)
+    out = paged_attention(q, k, v, kv_cache, meta, scale=0.3)
+    for i in range(num_reqs):
+        rows = slice(i * length, (i + 1) * length)
+        expected = reference_attention(q[rows], k[rows], v[rows], length, 0.3)
+        torch.testing.assert_close(out[rows], expected, rtol=1e-5, atol=1e-5)
