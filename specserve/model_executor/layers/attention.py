@@ -94,29 +94,42 @@ class ContextGroup:
     token_index: torch.Tensor | None  # [T_g] rows of the flat batch in this group; None = all rows, in order
     block_tables: torch.Tensor        # [B_g, max_blocks] block ids of each request (0-padded)
     token_to_padded: torch.Tensor     # [T_g] index of token t in the [B_g * max_q] padded query layout
-    attn_mask: torch.Tensor           # [B_g, 1, max_q, max_blocks * block_size] additive: 0 = may attend, -inf = not
+    query_positions: torch.Tensor     # [B_g, max_q] absolute position of each (padded) query row
+    context_lens: torch.Tensor        # [B_g]
+    block_size: int
     max_query_len: int
     uniform: bool                     # every request has max_query_len new tokens: no padding needed
     fresh: bool                       # ... and nothing cached before them: plain causal attention
+    mask_dtype: torch.dtype
     _grouped_masks: dict = field(default_factory=dict, repr=False)
-    _context_buffer: torch.Tensor | None = field(default=None, repr=False)
+    _context_buffers: dict = field(default_factory=dict, repr=False)
 
-    def context_buffer(self, kv_cache: torch.Tensor) -> torch.Tensor:
-        """[2, Hk, B_g * max_blocks, block_size, hd]: where every layer gathers this
-        group's K/V. One buffer per step, reused by all layers: a fresh multi-MB
+    def context_buffer(self, kv_cache: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """[2, Hk, B_g * max_blocks, block_size, hd] in ``dtype`` (default the cache's):
+        where every layer gathers this group's K/V (and, from a float16 cache, converts
+        them). One buffer per dtype and step, reused by all layers: a fresh multi-MB
         tensor per layer costs page faults that made the gather ~2x slower on CPU."""
+        dtype = kv_cache.dtype if dtype is None else dtype
         num_reqs, max_blocks = self.block_tables.shape
         shape = (2, kv_cache.shape[1], num_reqs * max_blocks, kv_cache.shape[3], kv_cache.shape[4])
-        buf = self._context_buffer
-        if buf is None or buf.shape != shape or buf.dtype != kv_cache.dtype:
-            buf = self._context_buffer = kv_cache.new_empty(shape)
+        buf = self._context_buffers.get(dtype)
+        if buf is None or buf.shape != shape:
+            buf = self._context_buffers[dtype] = kv_cache.new_empty(shape, dtype=dtype)
         return buf
 
     def grouped_mask(self, group: int) -> torch.Tensor:
-        """[1, B_g, group * max_q, S]: ``attn_mask`` with its query rows repeated for
-        ``group`` query heads per KV head (see ``_attend_group``); built once per step."""
+        """[1, B_g, group * max_q, S] additive (0 = may attend, -inf = not), causal at each
+        query's absolute position, its query rows repeated for ``group`` query heads per KV
+        head (see ``_attend_group``); built on first use, once per step (a group of fresh
+        prompts never needs it). Additive, in the model dtype: SDPA would otherwise convert
+        a boolean mask in every layer."""
         if group not in self._grouped_masks:
-            self._grouped_masks[group] = self.attn_mask.repeat(1, 1, group, 1).transpose(0, 1)
+            k_pos = torch.arange(self.block_tables.shape[1] * self.block_size)   # [S]
+            allowed = ((k_pos[None, None, :] <= self.query_positions[:, :, None])
+                       & (k_pos[None, None, :] < self.context_lens[:, None, None]))       # [B_g, max_q, S]
+            mask = torch.zeros(allowed.shape, dtype=self.mask_dtype).masked_fill_(~allowed, float("-inf"))
+            self._grouped_masks[group] = mask.unsqueeze(1).repeat(1, 1, group, 1).transpose(0, 1).to(
+                self.block_tables.device)
         return self._grouped_masks[group]
 
     @classmethod
@@ -127,9 +140,6 @@ class ContextGroup:
         max_q = max(query_lens)
         q_lens = torch.tensor(query_lens, dtype=torch.long)
         ctx_lens = torch.tensor(context_lens, dtype=torch.long)
-        q_pos = (ctx_lens - q_lens)[:, None] + torch.arange(max_q)[None, :]   # [B_g, max_q]
-        k_pos = torch.arange(table.shape[1] * block_size)                      # [S]
-        mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < ctx_lens[:, None, None])
         req_of_token = torch.repeat_interleave(torch.arange(num_reqs), q_lens)  # [T_g]
         first_token = torch.cumsum(q_lens, 0) - q_lens
         offset_in_req = torch.arange(int(q_lens.sum())) - first_token[req_of_token]
@@ -137,11 +147,13 @@ class ContextGroup:
             token_index=None if token_index is None else token_index.to(device),
             block_tables=table.to(device),
             token_to_padded=(req_of_token * max_q + offset_in_req).to(device),
-            # Additive, in the model dtype: SDPA would otherwise convert a boolean mask in every layer.
-            attn_mask=torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf")).unsqueeze(1).to(device),
+            query_positions=(ctx_lens - q_lens)[:, None] + torch.arange(max_q)[None, :],
+            context_lens=ctx_lens,
+            block_size=block_size,
             max_query_len=max_q,
             uniform=all(n == max_q for n in query_lens),
             fresh=all(n == max_q == c for n, c in zip(query_lens, context_lens)),
+            mask_dtype=dtype,
         )
 
 
@@ -298,7 +310,9 @@ def _attend_group(
     # One gather for K and V: [2, Hk, B * max_blocks, block_size, hd] -> [2, Hk, B, S, hd].
     # (index_select, not kv_cache[:, :, table]: the same gather, several times faster on CPU.)
     context = torch.index_select(kv_cache, 2, g.block_tables.view(-1), out=g.context_buffer(kv_cache))
-    context = context.view(2, num_kv_heads, num_reqs, -1, head_dim).to(q.dtype)  # a float16 cache -> float32
+    if context.dtype != q.dtype:  # a float16 cache read by float32 queries
+        context = g.context_buffer(kv_cache, q.dtype).copy_(context)
+    context = context.view(2, num_kv_heads, num_reqs, -1, head_dim)
     num_heads = q.shape[1]
     group = num_heads // num_kv_heads
     max_q = g.max_query_len
