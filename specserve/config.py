@@ -40,6 +40,9 @@ class SpeculativeConfig:
     # one-token match is a weak hint and a long one a strong one; on CPUs each
     # extra verified position costs ~5% of a step (docs/speculative_decoding.md).
     prompt_lookup_adaptive: bool = True
+    # ngram: propose the continuations of several earlier occurrences as a tree of at
+    # most k tokens (always adaptive), verified in one pass (docs/speculative_decoding.md).
+    prompt_lookup_tree: bool = False
     draft_dtype: str | None = None   # defaults to the target's dtype
     # Skip drafting in steps with at least this many decoding requests: a large
     # batch already uses the hardware well, and verifying k+1 positions per

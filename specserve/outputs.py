@@ -21,7 +21,9 @@ class SpecDecodeStats:
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
 
-    def record(self, num_draft: int, num_accepted: int, num_emitted: int) -> None:
+    def record(self, num_draft: int, num_accepted: int, num_emitted: int, depth: int | None = None) -> None:
+        """One decode step; ``depth``: a tree of ``num_draft`` tokens reaches that many
+        positions (default: a chain, ``num_draft``)."""
         self.num_steps += 1
         self.num_emitted_tokens += num_emitted
         if num_draft == 0:
@@ -29,10 +31,11 @@ class SpecDecodeStats:
         self.num_drafts += 1
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += num_accepted
-        while len(self.drafted_per_position) < num_draft:
+        depth = num_draft if depth is None else depth
+        while len(self.drafted_per_position) < depth:
             self.drafted_per_position.append(0)
             self.accepted_per_position.append(0)
-        for pos in range(num_draft):
+        for pos in range(depth):
             self.drafted_per_position[pos] += 1
             if pos < num_accepted:
                 self.accepted_per_position[pos] += 1

@@ -4,7 +4,10 @@ One step: the scheduler picks requests and token counts (with lookahead slots
 for draft tokens), the proposer drafts, the target runs ONE forward over every
 request's new tokens, the rejection sampler accepts/recovers/adds a bonus, and
 the tokens are appended with stop checks. ``num_computed_tokens`` is lowered by
-the number of rejected draft tokens; no KV block is freed or copied.
+the number of rejected draft tokens; no KV block is freed. (A tree of drafts is
+walked by ``sample.tree_sampler`` instead, and the accepted branch's K/V, when
+it was not the first branch laid out, is copied down to the slots its positions
+use.)
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from specserve.model_executor.loader import load_model, resolve_dtype
 from specserve.outputs import RequestOutput, SpecDecodeStats
 from specserve.sample.rejection_sampler import rejection_sample
 from specserve.sample.sampler import SamplingTensors, processed_probs
+from specserve.sample.tree_sampler import target_choices, walk_tree
 from specserve.sampling_params import SamplingParams
 from specserve.spec_decode.factory import build_proposer, resolve_speculative_config
 from specserve.spec_decode.proposer import kept_hidden_states
@@ -162,7 +166,9 @@ class LLMEngine:
             req.num_computed_tokens += s.num_new_tokens + len(req.draft_token_ids)
             if not s.will_sample:
                 continue
-            tokens, num_accepted, logprobs = emitted[req.request_id]
+            tokens, num_accepted, logprobs, tree_path = emitted[req.request_id]
+            if tree_path is not None:
+                self._keep_tree_branch(req, tree_path)
             req.num_computed_tokens -= len(req.draft_token_ids) - num_accepted
             req.proposer_num_computed_tokens = min(req.proposer_num_computed_tokens, req.num_computed_tokens)
             status, appended = None, 0
@@ -174,9 +180,11 @@ class LLMEngine:
                 if status is not None:
                     break
             if s.num_new_tokens == 1:  # a decoding (verification) step, drafts or not
-                req.spec_stats.record(len(req.draft_token_ids), num_accepted, appended)
-                self.spec_stats.record(len(req.draft_token_ids), num_accepted, appended)
+                depth = None if req.draft_parents is None else _tree_depth(req.draft_parents)
+                req.spec_stats.record(len(req.draft_token_ids), num_accepted, appended, depth)
+                self.spec_stats.record(len(req.draft_token_ids), num_accepted, appended, depth)
             req.draft_token_ids = []
+            req.draft_parents = None
             if status is not None:
                 self._finish(req, status)
             outputs.append(self.output_processor.make_output(req))
@@ -200,38 +208,87 @@ class LLMEngine:
         if not decoding:
             return
         proposal = self.proposer.propose(decoding)
-        for s, tokens, probs in zip(decoding, proposal.token_ids, proposal.probs):
+        parents = proposal.parents or [None] * len(decoding)
+        for s, tokens, probs, tree in zip(decoding, proposal.token_ids, proposal.probs, parents):
             s.request.draft_token_ids = list(tokens[: s.num_lookahead])
             s.request.draft_probs = probs
+            # Parents come before children, so the first num_lookahead nodes are still a tree.
+            s.request.draft_parents = None if tree is None else list(tree[: s.num_lookahead])
+            if tree is not None and (probs is not None or self.proposer.needs_target_hidden):
+                raise ValueError("trees of drafts are verified for one-hot proposers without hidden states only")
 
     def _forward_input(self, s: ScheduledRequest) -> ForwardInput:
         req = s.request
         start = req.num_computed_tokens
-        tokens = req.all_token_ids[start : start + s.num_new_tokens] + req.draft_token_ids
+        n = s.num_new_tokens
+        tokens = req.all_token_ids[start : start + n] + req.draft_token_ids
+        tree_parents = None
+        if req.draft_parents is not None:  # new tokens in a chain, then drafts under the last one
+            tree_parents = list(range(-1, n - 1)) + [p + n if p >= 0 else n - 1 for p in req.draft_parents]
         return ForwardInput(
             token_ids=tokens,
             start_position=start,
             block_table=self.kv_cache.block_table(req.request_id),
             num_logits=len(req.draft_token_ids) + 1 if s.will_sample else 0,
+            tree_parents=tree_parents,
         )
+
+    def _keep_tree_branch(self, req: Request, path: list[int]) -> None:
+        """Copy the K/V of the accepted branch's drafts down to the slots of their positions.
+
+        Draft i was computed in slot last + 1 + i (``last``: the position of the request's
+        last token); the token accepted at depth d belongs at last + d. Drafts that
+        already sit there (the first branch, as laid out) are not copied.
+        """
+        last = req.num_computed_tokens - len(req.draft_token_ids) - 1   # already advanced by the step
+        moves = [(last + 1 + node, last + depth) for depth, node in enumerate(path, 1) if node != depth - 1]
+        if not moves:
+            return
+        table, bs = self.kv_cache.block_table(req.request_id), self.config.block_size
+        slot = lambda p: table[p // bs] * bs + p % bs  # noqa: E731
+        self.runner.copy_kv_slots([slot(src) for src, _ in moves], [slot(dst) for _, dst in moves])
 
     def _verify(self, sampling: list[ScheduledRequest], logits: torch.Tensor):
         """logits [sum (n_i + 1), V] -> {request_id: (tokens, num_accepted, logprobs)}."""
         reqs = [s.request for s in sampling]
         counts = [len(r.draft_token_ids) for r in reqs]
         params = [r.sampling_params for r in reqs]
-        rows_per_req = [n + 1 for n in counts]
-        if all(p.greedy for p in params):
+        paths: list[list[int] | None] = [None] * len(reqs)
+        if any(r.draft_parents is not None for r in reqs):
+            token_ids, num_accepted, paths = self._tree_tokens(reqs, logits)
+        elif all(p.greedy for p in params):
             token_ids, num_accepted = self._greedy_tokens(reqs, logits)
         else:
             token_ids, num_accepted = self._sampled_tokens(reqs, counts, params, logits)
-        logprobs = self._logprobs(reqs, logits, rows_per_req, token_ids, num_accepted)
+        # Row (within the request's logits) of each emitted token's distribution.
+        rows_of_emitted = [list(range(num_accepted[b] + 1)) if paths[b] is None else [0] + [1 + i for i in paths[b]]
+                           for b in range(len(reqs))]
+        logprobs = self._logprobs(reqs, logits, [n + 1 for n in counts], rows_of_emitted, token_ids)
         result = {}
         for b, r in enumerate(reqs):
             emitted = token_ids[b][: num_accepted[b] + 1]
-            result[r.request_id] = (emitted, num_accepted[b], logprobs[b])
+            result[r.request_id] = (emitted, num_accepted[b], logprobs[b], paths[b])
             r.draft_probs = None
         return result
+
+    def _tree_tokens(self, reqs, logits: torch.Tensor):
+        """Trees of one-hot drafts (chains count as trees): the target's choice at every node,
+        then a walk down each tree (``tree_sampler``) -> (token_ids, num_accepted, paths)."""
+        row_params, row_generators = [], []
+        for r in reqs:
+            row_params += [r.sampling_params] * (len(r.draft_token_ids) + 1)
+            row_generators += [r.generator] * (len(r.draft_token_ids) + 1)
+        choices = target_choices(logits, row_params, row_generators)    # the one host sync of the step
+        token_ids, num_accepted, paths, row = [], [], [], 0
+        for r in reqs:
+            n = len(r.draft_token_ids)
+            parents = r.draft_parents if r.draft_parents is not None else list(range(-1, n - 1))
+            emitted, path = walk_tree(r.draft_token_ids, parents, choices[row : row + n + 1])
+            token_ids.append(emitted)
+            num_accepted.append(len(path))
+            paths.append(path)
+            row += n + 1
+        return token_ids, num_accepted, paths
 
     def _sampled_tokens(self, reqs, counts, params, logits: torch.Tensor):
         """The rejection sampler over processed probabilities -> (token_ids [B][K+1], num_accepted [B])."""
@@ -291,15 +348,16 @@ class LLMEngine:
             row += n + 1
         return token_ids, num_accepted
 
-    def _logprobs(self, reqs, logits, rows_per_req, token_ids, num_accepted):
+    def _logprobs(self, reqs, logits, rows_per_req, rows_of_emitted, token_ids):
         """Log-probabilities (of the raw target distribution) of emitted tokens and top n."""
         out: list[list | None] = [None] * len(reqs)
         row = 0
         for b, r in enumerate(reqs):
             n_top = r.sampling_params.logprobs
             if n_top is not None:
-                emitted = token_ids[b][: num_accepted[b] + 1]
-                lps = torch.log_softmax(logits[row : row + len(emitted)], dim=-1)
+                emitted = token_ids[b][: len(rows_of_emitted[b])]
+                rows = torch.tensor([row + i for i in rows_of_emitted[b]], device=logits.device)
+                lps = torch.log_softmax(logits.index_select(0, rows), dim=-1)
                 chosen = lps.gather(1, torch.tensor(emitted, device=lps.device).unsqueeze(1)).squeeze(1).tolist()
                 top_lps, top_ids = lps.topk(max(n_top, 1), dim=-1) if n_top else (lps[:, :0], lps[:, :0].long())
                 out[b] = [
@@ -312,3 +370,11 @@ class LLMEngine:
     # ------------------------------------------------------------------ helpers
     def get_spec_decode_stats(self) -> SpecDecodeStats:
         return self.spec_stats
+
+
+def _tree_depth(parents: list[int]) -> int:
+    """Positions a tree of drafts reaches (its longest branch)."""
+    depths: list[int] = []
+    for p in parents:
+        depths.append(depths[p] + 1 if p >= 0 else 1)
+    return max(depths, default=0)

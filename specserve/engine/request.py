@@ -55,6 +55,7 @@ class Request:
         # request's tokens the proposer's own KV cache holds (draft model / EAGLE).
         self.draft_token_ids: list[int] = []
         self.draft_probs: torch.Tensor | None = None   # [n, V] processed draft probs, None = one-hot
+        self.draft_parents: list[int] | None = None    # a tree of drafts: parent of each (-1 = last token)
         self.proposer_num_computed_tokens = 0
         self.spec_stats = SpecDecodeStats()
         # Output bookkeeping.

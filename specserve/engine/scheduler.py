@@ -115,6 +115,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.proposer_num_computed_tokens = 0
         req.draft_token_ids = []
+        req.draft_parents = None
         req.num_preemptions += 1
         self.waiting.appendleft(req)
         out.preempted.append(req)

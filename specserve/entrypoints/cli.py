@@ -23,6 +23,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-lookup-min", type=int, default=None, help="ngram: shortest suffix to match")
     p.add_argument("--prompt-lookup-adaptive", action=argparse.BooleanOptionalAction, default=None,
                    help="ngram: propose min(k, match length) tokens (default) rather than always k")
+    p.add_argument("--prompt-lookup-tree", action=argparse.BooleanOptionalAction, default=None,
+                   help="ngram: propose several earlier continuations as a tree of at most k tokens")
     p.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
                    help="skip drafting in steps with at least this many decoding requests")
     p.add_argument("--draft-tensor-parallel-size", type=int, default=None)
@@ -36,6 +38,7 @@ def speculative_config_from_args(args) -> dict | None:
         "prompt_lookup_max": args.prompt_lookup_max,
         "prompt_lookup_min": args.prompt_lookup_min,
         "prompt_lookup_adaptive": args.prompt_lookup_adaptive,
+        "prompt_lookup_tree": args.prompt_lookup_tree,
         "draft_tensor_parallel_size": args.draft_tensor_parallel_size,
         "disable_by_batch_size": args.speculative_disable_by_batch_size,
     }

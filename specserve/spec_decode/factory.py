@@ -49,7 +49,8 @@ def resolve_speculative_config(spec: SpeculativeConfig, target_model: str | None
 def build_proposer(spec: SpeculativeConfig, engine, target_vocab: int) -> Proposer:
     """``spec`` as returned by ``resolve_speculative_config``."""
     if spec.method == "ngram":
-        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.prompt_lookup_adaptive)
+        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.prompt_lookup_adaptive,
+                             spec.prompt_lookup_tree)
     if spec.method == "eagle":
         from specserve.spec_decode.eagle import build_eagle_proposer
 

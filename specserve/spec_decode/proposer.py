@@ -4,7 +4,9 @@ Per engine step, for the requests that are decoding:
 
 1. ``propose(scheduled)`` returns up to ``s.num_lookahead`` draft tokens per
    request (and the draft's processed probabilities for sampled requests; ``None``
-   means one-hot, i.e. the tokens were chosen deterministically).
+   means one-hot, i.e. the tokens were chosen deterministically). One-hot
+   proposers may return a tree instead of a chain (``Proposal.parents``): every
+   branch is verified in the same forward and the longest accepted one kept.
 2. The target verifies them in its one forward pass.
 3. Only for proposers with ``needs_target_hidden = True`` (EAGLE):
    ``observe(states)`` receives the target's final hidden states at every
@@ -37,6 +39,10 @@ class Proposal:
 
     token_ids: list[list[int]]            # per request, 0..num_lookahead tokens
     probs: list[torch.Tensor | None]      # per request [n_i, V] processed draft probs; None = one-hot
+    # Trees of drafts (one-hot proposers only): per request, the parent of each draft token
+    # (an index into its token_ids, parents first; -1 = the request's last token), or None
+    # for a chain (draft i follows draft i - 1). The target verifies every branch at once.
+    parents: list[list[int] | None] | None = None
 
 
 @dataclass

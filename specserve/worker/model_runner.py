@@ -11,7 +11,12 @@ from dataclasses import dataclass
 import torch
 
 from specserve.distributed.parallel_state import SINGLE, TensorParallelGroup
-from specserve.model_executor.layers.attention import AttentionMetadata, kv_cache_dtype_for, kv_cache_shape
+from specserve.model_executor.layers.attention import (
+    AttentionMetadata,
+    kv_cache_dtype_for,
+    kv_cache_shape,
+    tree_layout,
+)
 from specserve.model_executor.layers.fp16_gemm import compute_dtype_for, round_to_weight_dtype
 from specserve.model_executor.models.registry import get_model_class
 
@@ -24,6 +29,10 @@ class ForwardInput:
     start_position: int        # position of token_ids[0] (= tokens already in the cache)
     block_table: list[int]
     num_logits: int            # logits wanted at the last num_logits new tokens (0 = none)
+    # A tree of drafts: tree_parents[i] is the index in token_ids of token i's parent (-1: the
+    # last cached token). Token i's K/V still fills slot start_position + i, but it sits at
+    # position start_position + depth and attends to its ancestors only. None = a chain.
+    tree_parents: list[int] | None = None
 
 
 @dataclass
@@ -83,15 +92,36 @@ class ModelRunner:
         self.num_blocks = num_blocks
 
     @torch.inference_mode()
+    def copy_kv_slots(self, src: list[int], dst: list[int]) -> None:
+        """K/V of cache slot src[i] -> slot dst[i], in every layer (all sources read first).
+
+        After a tree of drafts is verified, the accepted branch's tokens may sit in
+        slots further along than their positions; this moves them where the next step
+        expects them (a chain never needs it).
+        """
+        src_t = torch.tensor(src, dtype=torch.long, device=self.device)
+        dst_t = torch.tensor(dst, dtype=torch.long, device=self.device)
+        for cache in self.kv_caches:
+            slots = cache.view(2, cache.shape[1], -1, cache.shape[4])   # [2, Hk, num_blocks * block_size, hd]
+            slots.index_copy_(2, dst_t, slots.index_select(2, src_t))
+
+    @torch.inference_mode()
     def execute(self, inputs: list[ForwardInput], return_all_hidden: bool = False) -> ForwardOutput:
         token_ids: list[int] = []
         positions: list[int] = []
         logit_indices: list[int] = []
-        for inp in inputs:
+        tree_masks: list[list[int] | None] | None = None
+        for b, inp in enumerate(inputs):
             first = len(token_ids)
             n = len(inp.token_ids)
             token_ids.extend(inp.token_ids)
-            positions.extend(range(inp.start_position, inp.start_position + n))
+            if inp.tree_parents is None:
+                positions.extend(range(inp.start_position, inp.start_position + n))
+            else:
+                depths, masks = tree_layout(inp.tree_parents)
+                positions.extend(inp.start_position + d for d in depths)
+                tree_masks = tree_masks or [None] * len(inputs)
+                tree_masks[b] = masks
             logit_indices.extend(range(first + n - inp.num_logits, first + n))
         meta = AttentionMetadata.build(
             query_lens=[len(i.token_ids) for i in inputs],
@@ -101,6 +131,7 @@ class ModelRunner:
             device=self.device,
             dtype=self.dtype,
             cache_dtype=self.kv_cache_dtype,
+            tree_masks=tree_masks,
         )
         ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)

@@ -160,17 +160,17 @@ class BlockTableDeltas:
                         if a != b:
                             break
                         keep += 1
-            rows.append((inp.token_ids, inp.start_position, inp.num_logits, first, keep, table[keep:]))
+            rows.append((inp.token_ids, inp.start_position, inp.num_logits, first, keep, table[keep:], inp.tree_parents))
             seen[first] = list(table)
         self.tables = seen
         return rows
 
     def decode(self, rows: list[tuple]) -> list[ForwardInput]:
         inputs, seen = [], {}
-        for token_ids, start, num_logits, first, keep, tail in rows:
+        for token_ids, start, num_logits, first, keep, tail, tree_parents in rows:
             table = self.tables[first][:keep] + list(tail) if keep else list(tail)
             seen[first] = table
-            inputs.append(ForwardInput(list(token_ids), start, table, num_logits))
+            inputs.append(ForwardInput(list(token_ids), start, table, num_logits, tree_parents))
         self.tables = seen
         return inputs
 
@@ -248,6 +248,9 @@ def serve(conn: Connection, tp: TensorParallelGroup, device: torch.device) -> No
         if kind == "execute":
             _, key, rows = msg
             runners[key].execute(tables[key].decode(rows))  # logits stay on rank 0
+        elif kind == "copy_kv_slots":
+            _, key, src, dst = msg
+            runners[key].copy_kv_slots(src, dst)
         elif kind == "build":
             _, key, config, dtype, max_model_len, block_size, specs = msg
             shard = {name: _recv_tensor(conn, shape, dt) for name, shape, dt in specs}
@@ -381,6 +384,12 @@ class TensorParallelExecutor:
         except BaseException as e:  # Ctrl-C mid-step: the workers cannot be resynchronized
             group.fail(f"{type(e).__name__} in the middle of a tensor-parallel step")
             raise
+
+    def copy_kv_slots(self, src: list[int], dst: list[int]) -> None:
+        """Every rank moves the same slots of its own KV heads (see ``ModelRunner.copy_kv_slots``)."""
+        self.group.check()
+        self.group.send_all(pickle.dumps(("copy_kv_slots", self.key, src, dst)))
+        self.local.copy_kv_slots(src, dst)
 
     def shutdown(self) -> None:
         """Stop the workers now (also happens when the engine is garbage collected or at exit)."""

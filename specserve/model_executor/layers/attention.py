@@ -14,6 +14,12 @@ each request's blocks through its block table and runs scaled-dot-product
 attention with queries padded to the longest query run and a mask that is
 causal at each query's absolute position.
 
+A verification run may also be a *tree* of drafts (several continuations
+sharing prefixes, verified at once): its new tokens come with their parents
+(``tree_parents``) and each attends to the cached context, its ancestors and
+itself only; ``tree_layout`` turns parents into depths (for positions) and
+ancestor masks.
+
 Gathering pads every request's context to the longest one in its SDPA call, so
 a batch that mixes short and long contexts would read mostly padding. Requests
 are therefore split into *context groups* of similar length (sorted, then cut
@@ -87,6 +93,25 @@ def kv_cache_dtype_for(weight_dtype: torch.dtype, compute_dtype: torch.dtype, de
     return compute_dtype
 
 
+def tree_layout(parents: list[int]) -> tuple[list[int], list[int]]:
+    """Depths and ancestor bitmasks of a request's new tokens laid out as a tree.
+
+    ``parents[i]`` is the index (among the new tokens) of token i's parent, or -1
+    when its parent is the last cached token; parents come before children. Token i
+    sits at position start + depth[i] and may attend to new token j iff bit j of
+    mask[i] is set (its ancestors and itself). A chain [-1, 0, 1, ...] gives depths
+    0, 1, 2, ... and the causal masks 1, 3, 7, ...
+    """
+    depths: list[int] = []
+    masks: list[int] = []
+    for i, parent in enumerate(parents):
+        if not -1 <= parent < i:
+            raise ValueError(f"tree token {i} has parent {parent}: parents must come before their children")
+        depths.append(depths[parent] + 1 if parent >= 0 else 0)
+        masks.append((masks[parent] if parent >= 0 else 0) | (1 << i))
+    return depths, masks
+
+
 @dataclass
 class ContextGroup:
     """Requests attended in one SDPA call, padded to the group's longest context."""
@@ -101,6 +126,7 @@ class ContextGroup:
     uniform: bool                     # every request has max_query_len new tokens: no padding needed
     fresh: bool                       # ... and nothing cached before them: plain causal attention
     mask_dtype: torch.dtype
+    tree_allowed: torch.Tensor | None = None  # [B_g, max_q, max_q] bool: row i may see new token j
     _grouped_masks: dict = field(default_factory=dict, repr=False)
     _context_buffers: dict = field(default_factory=dict, repr=False)
 
@@ -127,6 +153,12 @@ class ContextGroup:
             k_pos = torch.arange(self.block_tables.shape[1] * self.block_size)   # [S]
             allowed = ((k_pos[None, None, :] <= self.query_positions[:, :, None])
                        & (k_pos[None, None, :] < self.context_lens[:, None, None]))       # [B_g, max_q, S]
+            if self.tree_allowed is not None:
+                max_q = self.max_query_len
+                rel = k_pos[None, :] - self.query_positions[:, :1]                      # [B_g, S] slot - first new slot
+                is_new = (rel >= 0) & (rel < max_q)
+                seen = self.tree_allowed.gather(2, rel.clamp(0, max_q - 1)[:, None, :].expand(-1, max_q, -1))
+                allowed &= ~is_new[:, None, :] | seen                                   # [B_g, max_q, S]
             mask = torch.zeros(allowed.shape, dtype=self.mask_dtype).masked_fill_(~allowed, float("-inf"))
             self._grouped_masks[group] = mask.unsqueeze(1).repeat(1, 1, group, 1).transpose(0, 1).to(
                 self.block_tables.device)
@@ -134,10 +166,19 @@ class ContextGroup:
 
     @classmethod
     def build(cls, query_lens: list[int], context_lens: list[int], table: torch.Tensor, block_size: int,
-              token_index: torch.Tensor | None, device: torch.device, dtype: torch.dtype) -> "ContextGroup":
-        """table: [B_g, max_blocks] block ids covering each request's context."""
+              token_index: torch.Tensor | None, device: torch.device, dtype: torch.dtype,
+              tree_masks: list[list[int] | None] | None = None) -> "ContextGroup":
+        """table: [B_g, max_blocks] block ids covering each request's context; tree_masks:
+        per request the ancestor bitmasks of its new tokens (``tree_layout``), None = causal."""
         num_reqs = len(query_lens)
         max_q = max(query_lens)
+        tree_allowed = None
+        if tree_masks is not None and any(m is not None for m in tree_masks):
+            bits = torch.arange(max_q)
+            tree_allowed = torch.ones(num_reqs, max_q, max_q, dtype=torch.bool).tril_()
+            for b, masks in enumerate(tree_masks):
+                if masks is not None:
+                    tree_allowed[b, : len(masks)] = (torch.tensor(masks)[:, None] >> bits[None, :]) & 1 == 1
         q_lens = torch.tensor(query_lens, dtype=torch.long)
         ctx_lens = torch.tensor(context_lens, dtype=torch.long)
         req_of_token = torch.repeat_interleave(torch.arange(num_reqs), q_lens)  # [T_g]
@@ -152,8 +193,9 @@ class ContextGroup:
             block_size=block_size,
             max_query_len=max_q,
             uniform=all(n == max_q for n in query_lens),
-            fresh=all(n == max_q == c for n, c in zip(query_lens, context_lens)),
+            fresh=tree_allowed is None and all(n == max_q == c for n, c in zip(query_lens, context_lens)),
             mask_dtype=dtype,
+            tree_allowed=tree_allowed,
         )
 
 
@@ -166,6 +208,7 @@ class KernelInputs:
     query_lens: torch.Tensor     # [B_k] int64
     context_lens: torch.Tensor   # [B_k] int64
     covers_all: bool             # every request of the step is served by the kernel
+    tree_masks: torch.Tensor | None = None  # [T] int32 ancestor bitmask per row (trees in the step), else None
 
 
 @dataclass
@@ -202,9 +245,14 @@ class AttentionMetadata:
         device: torch.device,
         dtype: torch.dtype = torch.float32,
         cache_dtype: torch.dtype | None = None,
+        tree_masks: list[list[int] | None] | None = None,
     ) -> "AttentionMetadata":
-        """query_lens[b] new tokens of request b end at position context_lens[b] - 1.
-        ``dtype`` is the queries' dtype, ``cache_dtype`` the KV cache's (default: the same)."""
+        """query_lens[b] new tokens of request b fill slots context_lens[b] - query_lens[b] ..
+        context_lens[b] - 1. ``dtype`` is the queries' dtype, ``cache_dtype`` the KV cache's
+        (default: the same). ``tree_masks[b]``: request b's new tokens form a tree with these
+        ancestor bitmasks (``tree_layout``); None (or a None entry) = causal."""
+        if tree_masks is not None and all(m is None for m in tree_masks):
+            tree_masks = None
         # Slot of every new token (positions ctx - q_len .. ctx - 1 of its request).
         slots: list[int] = []
         token_start: list[int] = []
@@ -224,6 +272,7 @@ class AttentionMetadata:
                 query_lens=torch.tensor([query_lens[b] for b in on_kernel], dtype=torch.long),
                 context_lens=torch.tensor([context_lens[b] for b in on_kernel], dtype=torch.long),
                 covers_all=len(on_kernel) == len(everyone),
+                tree_masks=None if tree_masks is None else _row_masks(tree_masks, query_lens),
             )
         served = set(on_kernel)
         on_sdpa = [b for b in everyone if b not in served]
@@ -231,8 +280,17 @@ class AttentionMetadata:
             slot_mapping=torch.tensor(slots, dtype=torch.long).to(device),
             kernel=kernel,
             _group_args=(on_sdpa, len(everyone), query_lens, context_lens, token_start, block_tables,
-                         block_size, device, dtype),
+                         block_size, device, dtype, tree_masks),
         )
+
+
+def _row_masks(tree_masks: list[list[int] | None], query_lens: list[int]) -> torch.Tensor:
+    """[T] int32: each new token's ancestor bitmask; rows of causal requests see all bits
+    (the kernel's causal limit already stops them at themselves)."""
+    rows: list[int] = []
+    for masks, q_len in zip(tree_masks, query_lens):
+        rows.extend(masks if masks is not None else [-1] * q_len)
+    return torch.tensor([m - (1 << 32) if m >= 1 << 31 else m for m in rows], dtype=torch.int32)
 
 
 def _padded_block_table(block_tables: list[list[int]], members: list[int], context_lens: list[int],
@@ -246,7 +304,7 @@ def _padded_block_table(block_tables: list[list[int]], members: list[int], conte
 
 
 def _build_groups(requests, num_requests, query_lens, context_lens, token_start, block_tables,
-                  block_size, device, dtype) -> list[ContextGroup]:
+                  block_size, device, dtype, tree_masks) -> list[ContextGroup]:
     """Context groups over ``requests`` (indices into the step's requests)."""
     if not requests:
         return []
@@ -263,6 +321,7 @@ def _build_groups(requests, num_requests, query_lens, context_lens, token_start,
         groups.append(ContextGroup.build(
             [query_lens[b] for b in members], [context_lens[b] for b in members],
             table, block_size, token_index, device, dtype,
+            None if tree_masks is None else [tree_masks[b] for b in members],
         ))
     return groups
 
@@ -286,7 +345,7 @@ def paged_attention(
     out = q.new_empty(q.shape)
     if kn is not None:
         cpu_attention.paged_attention_cpu(
-            q, kv_cache, out, kn.block_tables, kn.query_start, kn.query_lens, kn.context_lens, scale
+            q, kv_cache, out, kn.block_tables, kn.query_start, kn.query_lens, kn.context_lens, scale, kn.tree_masks
         )
         if kn.covers_all:
             return out

@@ -43,6 +43,14 @@ SOURCE = Path(__file__).with_name("cpu_kernels") / "paged_attention.c"
 # SDPA runs them as matrix products; decoding and verification (k + 1 tokens) take the kernel.
 MAX_QUERY_LEN = 16
 
+# Part of the cache key: a build with other flags is another file. -ffp-contract=off: the
+# kernel's bitwise promises (a row's bits do not depend on the other rows of its step, nor a
+# tree node's on the other branches) rest on every score being summed exactly as written;
+# with contraction GCC fused some multiply-adds into FMAs and not others, and a key's score
+# differed in the last bit depending on which function computed it (the row-independence
+# test at contexts 38 and 40 fails without the flag).
+COMPILE_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off"]
+
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _load_attempted = False
@@ -63,14 +71,14 @@ def _build() -> ctypes.CDLL:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler found (set CC)")
-    key = hashlib.sha256(source + _cpu_flags().encode() + compiler.encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + _cpu_flags().encode() + compiler.encode() + " ".join(COMPILE_FLAGS).encode())
     cache = Path(os.environ.get("SPECSERVE_CACHE_DIR", Path.home() / ".cache" / "specserve")) / "kernels"
-    target = cache / f"paged_attention-{key}.so"
+    target = cache / f"paged_attention-{key.hexdigest()[:16]}.so"
     if not target.exists():
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
             built = Path(tmp) / target.name
-            base = [compiler, "-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC", str(SOURCE), "-o", str(built)]
+            base = [compiler, *COMPILE_FLAGS, "-shared", "-fPIC", str(SOURCE), "-o", str(built)]
             # With OpenMP the pairs run on torch's worker threads; a compiler without it builds
             # the same kernel single-threaded (the pragmas are then ignored).
             result = subprocess.run(base + ["-fopenmp", "-lm"], capture_output=True, text=True)
@@ -84,7 +92,7 @@ def _build() -> ctypes.CDLL:
     fn = lib.specserve_paged_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                   ctypes.c_int, ctypes.c_int, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+                   ctypes.c_int, ctypes.c_int, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int, ptr]
     fn.restype = ctypes.c_int
     lib.specserve_paged_attention_has_f16.restype = ctypes.c_int
     return lib
@@ -130,6 +138,7 @@ def paged_attention_cpu(
     query_lens: torch.Tensor,    # [B] int64
     context_lens: torch.Tensor,  # [B] int64 (new tokens included)
     scale: float,
+    tree_masks: torch.Tensor | None = None,  # [T] int32: bit j = row may see new token j of its request
 ) -> None:
     lib = _load()
     assert lib is not None, "call usable() first"
@@ -142,7 +151,11 @@ def paged_attention_cpu(
     args = (q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), out.data_ptr(),
             block_tables.data_ptr(), block_tables.shape[1], query_start.data_ptr(), query_lens.data_ptr(),
             context_lens.data_ptr(), num_reqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale)
-    status = lib.specserve_paged_attention(*args, torch.get_num_threads(), kv_cache.dtype == torch.float16)
+    masks = None
+    if tree_masks is not None:
+        assert tree_masks.dtype == torch.int32 and tree_masks.is_contiguous() and tree_masks.shape[0] == q.shape[0]
+        masks = tree_masks.data_ptr()
+    status = lib.specserve_paged_attention(*args, torch.get_num_threads(), kv_cache.dtype == torch.float16, masks)
     if status == -2:
         raise RuntimeError("this build of the paged attention kernel cannot read a float16 cache (no F16C)")
     if status:

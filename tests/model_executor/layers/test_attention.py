@@ -111,12 +111,15 @@ def test_paged_attention_matches_dense_reference(monkeypatch, group_cost, path, 
 @pytest.mark.skipif(not KERNEL_BUILDS, reason="the CPU attention kernel did not build here (no C compiler?)")
 @pytest.mark.parametrize("hd", [64, 12])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
-def test_kernel_row_does_not_depend_on_the_other_rows_of_its_step(hd, cache_dtype):
+@pytest.mark.parametrize("cached", [37, 38, 39, 40])  # every alignment of the context to 4-key groups
+def test_kernel_row_does_not_depend_on_the_other_rows_of_its_step(hd, cache_dtype, cached):
     """Verifying [t, d1..d4] and decoding t alone give the same bits for t's row (and
     each draft's row equals decoding it after the previous ones), so speculative and
-    plain decoding see identical attention outputs."""
+    plain decoding see identical attention outputs. (A key's score is summed by one of
+    three functions depending on the layout; built with FMA contraction, they rounded
+    differently for some alignments.)"""
     torch.manual_seed(0)
-    heads, kv_heads, num_blocks, cached, new = 9, 3, 40, 37, 5
+    heads, kv_heads, num_blocks, new = 9, 3, 40, 5
     table = torch.randperm(num_blocks)[:12].tolist()
     if cache_dtype == torch.float16 and not KERNEL_READS_FP16:
         pytest.skip("this kernel build does not read float16 caches (no F16C)")
@@ -164,3 +167,108 @@ def test_fresh_prompts_take_the_causal_path_and_match_the_reference(num_reqs, le
         rows = slice(i * length, (i + 1) * length)
         expected = reference_attention(q[rows], k[rows], v[rows], length, 0.3)
         torch.testing.assert_close(out[rows], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_tree_layout_depths_and_ancestor_masks():
+    #        root(0)
+    #       /      \
+    #     1          2
+    #    / \          \
+    #   3   4          5
+    depths, masks = attention.tree_layout([-1, 0, 0, 1, 1, 2])
+    assert depths == [0, 1, 1, 2, 2, 2]
+    assert masks == [0b1, 0b11, 0b101, 0b1011, 0b10011, 0b100101]
+    assert attention.tree_layout([-1, 0, 1, 2]) == ([0, 1, 2, 3], [1, 3, 7, 15])  # a chain is causal
+    with pytest.raises(ValueError, match="parents must come before"):
+        attention.tree_layout([-1, 2, 0])
+
+
+# A root and 7 drafts in three branches; and a tree whose nodes 5.. see masked keys in
+# the middle of their rows (other branches laid out between their ancestors).
+TREE = [-1, 0, 1, 0, 3, 1, 5, 2]
+
+
+def _tree_reference(q, keys, values, cached, masks, scale):
+    """Dense attention of one tree request: row i sees the cached keys and its ancestors."""
+    new = len(masks)
+    group = q.shape[1] // keys.shape[1]
+    k = keys.repeat_interleave(group, dim=1).transpose(0, 1)   # [Hq, ctx, hd]
+    v = values.repeat_interleave(group, dim=1).transpose(0, 1)
+    allowed = torch.ones(new, cached + new, dtype=torch.bool)
+    for i, m in enumerate(masks):
+        allowed[i, cached:] = torch.tensor([bool(m >> j & 1) for j in range(new)])
+    return F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=allowed, scale=scale).transpose(0, 1)
+
+
+@pytest.mark.parametrize("path", ["torch", "kernel"])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_tree_attention_matches_dense_reference(monkeypatch, path, cache_dtype):
+    """A step with a tree of drafts, a chain verification and a prefill: the tree's rows see
+    only their ancestors (and the cached context); the others are unaffected."""
+    if path == "kernel" and not (KERNEL_BUILDS if cache_dtype == torch.float32 else KERNEL_READS_FP16):
+        pytest.skip("the CPU attention kernel did not build here (no C compiler, or no F16C for float16)")
+    if path == "torch":
+        monkeypatch.setattr(cpu_attention, "usable", lambda *args: False)
+    torch.manual_seed(3)
+    heads, kv_heads, hd, num_blocks = 6, 2, 12, 100
+    _, tree_masks = attention.tree_layout(TREE)
+    shapes = [(21, len(TREE)), (30, 4), (0, 23)]  # (cached, new)
+    masks_per_req = [tree_masks, None, None]
+    kv_cache = torch.zeros(kv_cache_shape(num_blocks, BLOCK, kv_heads, hd), dtype=cache_dtype)
+    perm = (torch.randperm(num_blocks - 1) + 1).tolist()
+    tables, keys, values = [], [], []
+    for cached, new in shapes:
+        tables.append([perm.pop() for _ in range(-(-(cached + new) // BLOCK))])
+        k = torch.randn(cached + new, kv_heads, hd).to(cache_dtype).float()
+        v = torch.randn(cached + new, kv_heads, hd).to(cache_dtype).float()
+        keys.append(k)
+        values.append(v)
+        for p in range(cached):
+            kv_cache[0, :, tables[-1][p // BLOCK], p % BLOCK] = k[p]
+            kv_cache[1, :, tables[-1][p // BLOCK], p % BLOCK] = v[p]
+    meta = AttentionMetadata.build([n for _, n in shapes], [c + n for c, n in shapes], tables, BLOCK,
+                                   torch.device("cpu"), cache_dtype=cache_dtype, tree_masks=masks_per_req)
+    assert (meta.kernel is not None) == (path == "kernel")
+    q = torch.randn(sum(n for _, n in shapes), heads, hd)
+    out = paged_attention(q, torch.cat([k[c:] for k, (c, _) in zip(keys, shapes)]),
+                          torch.cat([v[c:] for v, (c, _) in zip(values, shapes)]), kv_cache, meta, scale=0.3)
+    row = 0
+    for i, ((cached, new), masks) in enumerate(zip(shapes, masks_per_req)):
+        if masks is None:
+            expected = reference_attention(q[row:row + new], keys[i], values[i], new, 0.3)
+        else:
+            expected = _tree_reference(q[row:row + new], keys[i], values[i], cached, masks, 0.3)
+        torch.testing.assert_close(out[row:row + new], expected, rtol=1e-5, atol=1e-5)
+        row += new
+
+
+@pytest.mark.skipif(not KERNEL_BUILDS, reason="the CPU attention kernel did not build here (no C compiler?)")
+@pytest.mark.parametrize("cached", [37, 44])  # the branch's keys land in a vector chunk / in the tail
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_kernel_tree_row_equals_its_branch_verified_as_a_chain(cached, cache_dtype):
+    """Every node of a tree gets the same bits as the same branch verified as a chain,
+    so greedy verification of any branch agrees with plain decoding token for token."""
+    if cache_dtype == torch.float16 and not KERNEL_READS_FP16:
+        pytest.skip("this kernel build does not read float16 caches (no F16C)")
+    torch.manual_seed(4)
+    heads, kv_heads, hd, num_blocks = 9, 3, 64, 64
+    new = len(TREE)
+    depths, masks = attention.tree_layout(TREE)
+    table = torch.randperm(num_blocks)[: -(-(cached + new) // BLOCK)].tolist()
+    kv_cache = torch.zeros(kv_cache_shape(num_blocks, BLOCK, kv_heads, hd), dtype=cache_dtype)
+    keys, values = torch.randn(cached + new, kv_heads, hd), torch.randn(cached + new, kv_heads, hd)
+    for p in range(cached):
+        kv_cache[0, :, table[p // BLOCK], p % BLOCK] = keys[p]
+        kv_cache[1, :, table[p // BLOCK], p % BLOCK] = values[p]
+    q = torch.randn(new, heads, hd)
+    cpu = torch.device("cpu")
+    meta = AttentionMetadata.build([new], [cached + new], [table], BLOCK, cpu, cache_dtype=cache_dtype,
+                                   tree_masks=[masks])
+    tree_out = paged_attention(q, keys[cached:], values[cached:], kv_cache.clone(), meta, scale=0.125)
+    for node in range(new):
+        branch = [j for j in range(new) if masks[node] >> j & 1]   # root .. node, in order
+        chain_meta = AttentionMetadata.build([len(branch)], [cached + len(branch)], [table], BLOCK, cpu,
+                                             cache_dtype=cache_dtype)
+        chain_out = paged_attention(q[branch], keys[cached:][branch], values[cached:][branch], kv_cache.clone(),
+                                    chain_meta, scale=0.125)
+        assert torch.equal(chain_out[-1], tree_out[node]), f"node {node} (depth {depths[node]})"

@@ -16,8 +16,11 @@
  *   query_start  [B]      request b's first new token is row query_start[b] of q and out
  *   query_lens   [B]      ... and it has query_lens[b] new tokens
  *   context_lens [B]      tokens in the cache for request b, its new tokens included
- * New token i of request b sits at position context_len - q_len + i and attends
- * to positions 0 .. that position (causal at its absolute position).
+ *   tree_masks   [T] uint32, or NULL: row t may attend new token j of its request iff bit j
+ *                is set (a tree of drafts: a node sees its ancestors and itself)
+ * New token i of request b sits in slot context_len - q_len + i and attends to slots
+ * 0 .. that slot (causal), except that with tree_masks it sees only the new tokens
+ * its mask allows (every cached token before the new ones is always visible).
  */
 #include <math.h>
 #include <stdint.h>
@@ -201,18 +204,45 @@ static void softmax_in_place(float *s, int64_t n) {
     for (j = 0; j < n; j++) s[j] *= inv;
 }
 
+/* Bit (j - new_start) of allowed says whether key j >= new_start may be seen. */
+static inline int key_allowed(int64_t j, int64_t new_start, uint32_t allowed) {
+    return j < new_start || ((allowed >> (j - new_start)) & 1u);
+}
+
+/* softmax_in_place for a node of a tree of drafts: keys j >= new_start that `allowed`
+ * leaves out (other branches) get weight 0. The allowed keys are packed into `packed`
+ * (room for n floats) and go through softmax_in_place itself, so they get exactly the bits
+ * of the same branch verified as a chain; the value sums that follow add the zeros
+ * exactly, so the whole row equals the chain's. */
+static void softmax_in_place_masked(float *s, int64_t n, int64_t new_start, uint32_t allowed, float *packed) {
+    const int64_t span = n - new_start;
+    const uint32_t all = span >= 32 ? 0xffffffffu : (1u << span) - 1u;
+    if (span <= 0 || (allowed & all) == all) {
+        softmax_in_place(s, n);
+        return;
+    }
+    int64_t kept = 0;
+    for (int64_t j = 0; j < n; j++)
+        if (key_allowed(j, new_start, allowed)) packed[kept++] = s[j];
+    softmax_in_place(packed, kept);
+    for (int64_t j = n - 1; j >= 0; j--)
+        s[j] = key_allowed(j, new_start, allowed) ? packed[--kept] : 0.0f;
+}
+
 /* Scratch for one (request, KV head) pair, sized for the largest pair of the call. */
 typedef struct {
     float *scores;        /* [rows, ctx] */
     const float **q_row;  /* [rows] query vector of each row */
     float **out_row;      /* [rows] where each row's output goes */
-    int64_t *last_key;    /* [rows] last position each row may attend to */
+    int64_t *last_key;    /* [rows] last slot each row may attend to */
+    uint32_t *allowed;    /* [rows] the new tokens each row may attend to (tree_masks), or all */
+    float *packed;        /* [ctx] a tree row's allowed scores, packed (softmax_in_place_masked) */
 } Scratch;
 
 ALWAYS_INLINE void attend_one(const float *q, int64_t q_token_stride, const void *k_cache, const void *v_cache,
                               float *out, const int64_t *table, int64_t q_first, int q_len, int64_t ctx,
                               int kv_head, int group, int num_heads, int hd, int block_size, int64_t num_blocks,
-                              float scale, Scratch *w, const int half) {
+                              float scale, const uint32_t *tree_masks, Scratch *w, const int half) {
     /* Row r = new token r / group, query head kv_head * group + r % group (the heads sharing this KV head). */
     const int rows = q_len * group;
     for (int i = 0, r = 0; i < q_len; i++) {
@@ -221,6 +251,7 @@ ALWAYS_INLINE void attend_one(const float *q, int64_t q_token_stride, const void
             w->q_row[r] = q + (q_first + i) * q_token_stride + (int64_t)head * hd;
             w->out_row[r] = out + ((q_first + i) * num_heads + head) * (int64_t)hd;
             w->last_key[r] = ctx - q_len + i;
+            w->allowed[r] = tree_masks ? tree_masks[q_first + i] : 0xffffffffu;
         }
     }
     const int64_t head_offset = (int64_t)kv_head * num_blocks * block_size * hd;
@@ -255,7 +286,10 @@ ALWAYS_INLINE void attend_one(const float *q, int64_t q_token_stride, const void
     for (int r = 0; r < rows; r++) {
         float *score = w->scores + (int64_t)r * ctx;
         const int64_t visible = w->last_key[r] + 1;
-        softmax_in_place(score, visible);
+        if (tree_masks)
+            softmax_in_place_masked(score, visible, ctx - q_len, w->allowed[r], w->packed);
+        else
+            softmax_in_place(score, visible);
         memset(score + visible, 0, (size_t)(ctx - visible) * sizeof(float));
     }
     /* Weighted values, two rows and 32 output dims at a time held in registers: each value
@@ -318,11 +352,12 @@ int specserve_paged_attention(const float *q, int64_t q_token_stride, const void
                               int64_t max_blocks, const int64_t *query_start, const int64_t *query_lens,
                               const int64_t *context_lens, int num_reqs, int num_heads, int num_kv_heads,
                               int hd, int block_size, int64_t num_blocks, float scale, int num_threads,
-                              int cache_half) {
+                              int cache_half, const uint32_t *tree_masks) {
     if (cache_half && !specserve_paged_attention_has_f16()) return -2;
     const int group = num_heads / num_kv_heads;
-    int64_t max_rows = 1, max_scores = 1;
+    int64_t max_rows = 1, max_scores = 1, max_ctx = 1;
     for (int b = 0; b < num_reqs; b++) {
+        max_ctx = context_lens[b] > max_ctx ? context_lens[b] : max_ctx;
         const int64_t rows = query_lens[b] * group;
         max_rows = rows > max_rows ? rows : max_rows;
         max_scores = rows * context_lens[b] > max_scores ? rows * context_lens[b] : max_scores;
@@ -338,7 +373,9 @@ int specserve_paged_attention(const float *q, int64_t q_token_stride, const void
         w.q_row = malloc((size_t)max_rows * sizeof(*w.q_row));
         w.out_row = malloc((size_t)max_rows * sizeof(*w.out_row));
         w.last_key = malloc((size_t)max_rows * sizeof(*w.last_key));
-        const int ok = w.scores && w.q_row && w.out_row && w.last_key;
+        w.allowed = malloc((size_t)max_rows * sizeof(*w.allowed));
+        w.packed = tree_masks ? malloc((size_t)max_ctx * sizeof(float)) : NULL;
+        const int ok = w.scores && w.q_row && w.out_row && w.last_key && w.allowed && (w.packed || !tree_masks);
         if (!ok) status = -1;
 #pragma omp for schedule(dynamic, 1)
         for (int pair = 0; pair < num_pairs; pair++) {
@@ -347,15 +384,17 @@ int specserve_paged_attention(const float *q, int64_t q_token_stride, const void
             const int64_t *table = block_tables + (int64_t)b * max_blocks;
             if (cache_half)
                 attend_one(q, q_token_stride, k_cache, v_cache, out, table, query_start[b], (int)query_lens[b],
-                           context_lens[b], h, group, num_heads, hd, block_size, num_blocks, scale, &w, 1);
+                           context_lens[b], h, group, num_heads, hd, block_size, num_blocks, scale, tree_masks, &w, 1);
             else
                 attend_one(q, q_token_stride, k_cache, v_cache, out, table, query_start[b], (int)query_lens[b],
-                           context_lens[b], h, group, num_heads, hd, block_size, num_blocks, scale, &w, 0);
+                           context_lens[b], h, group, num_heads, hd, block_size, num_blocks, scale, tree_masks, &w, 0);
         }
         free(w.scores);
         free(w.q_row);
         free(w.out_row);
         free(w.last_key);
+        free(w.allowed);
+        free(w.packed);
     }
     return status;
 }
