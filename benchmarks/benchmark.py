@@ -210,6 +210,8 @@ def parse_args(argv=None):
     ap.add_argument("--prompt-lookup-min", type=int, default=None)
     ap.add_argument("--prompt-lookup-adaptive", action=argparse.BooleanOptionalAction, default=None,
                     help="ngram: min(k, match length) draft tokens (specserve's default) or always k")
+    ap.add_argument("--prompt-lookup-tree", action=argparse.BooleanOptionalAction, default=None,
+                    help="ngram: propose several earlier continuations as a tree of drafts")
     ap.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
                     help="no drafting in steps with at least this many decoding requests")
     ap.add_argument("--baseline", choices=["transformers", "none"], default="none")
@@ -241,6 +243,8 @@ def speculative_config_from(args) -> dict | None:
         spec["prompt_lookup_min"] = args.prompt_lookup_min
     if args.prompt_lookup_adaptive is not None:
         spec["prompt_lookup_adaptive"] = args.prompt_lookup_adaptive
+    if args.prompt_lookup_tree is not None:
+        spec["prompt_lookup_tree"] = args.prompt_lookup_tree
     if args.speculative_disable_by_batch_size is not None:
         spec["disable_by_batch_size"] = args.speculative_disable_by_batch_size
     return spec or None
