@@ -21,9 +21,10 @@ class SpecDecodeStats:
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
 
-    def record(self, num_draft: int, num_accepted: int, num_emitted: int, depth: int | None = None) -> None:
-        """One decode step; ``depth``: a tree of ``num_draft`` tokens reaches that many
-        positions (default: a chain, ``num_draft``)."""
+    def record(self, num_draft: int, num_accepted: int, num_emitted: int,
+               drafts_per_depth: list[int] | None = None) -> None:
+        """One decode step. ``drafts_per_depth[p]``: draft tokens at position p + 1 after
+        the last token (a tree of drafts may hold several); default a chain, one each."""
         self.num_steps += 1
         self.num_emitted_tokens += num_emitted
         if num_draft == 0:
@@ -31,12 +32,12 @@ class SpecDecodeStats:
         self.num_drafts += 1
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += num_accepted
-        depth = num_draft if depth is None else depth
-        while len(self.drafted_per_position) < depth:
+        per_depth = [1] * num_draft if drafts_per_depth is None else drafts_per_depth
+        while len(self.drafted_per_position) < len(per_depth):
             self.drafted_per_position.append(0)
             self.accepted_per_position.append(0)
-        for pos in range(depth):
-            self.drafted_per_position[pos] += 1
+        for pos, count in enumerate(per_depth):
+            self.drafted_per_position[pos] += count
             if pos < num_accepted:
                 self.accepted_per_position[pos] += 1
 

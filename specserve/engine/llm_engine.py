@@ -180,9 +180,9 @@ class LLMEngine:
                 if status is not None:
                     break
             if s.num_new_tokens == 1:  # a decoding (verification) step, drafts or not
-                depth = None if req.draft_parents is None else _tree_depth(req.draft_parents)
-                req.spec_stats.record(len(req.draft_token_ids), num_accepted, appended, depth)
-                self.spec_stats.record(len(req.draft_token_ids), num_accepted, appended, depth)
+                per_depth = None if req.draft_parents is None else _drafts_per_depth(req.draft_parents)
+                req.spec_stats.record(len(req.draft_token_ids), num_accepted, appended, per_depth)
+                self.spec_stats.record(len(req.draft_token_ids), num_accepted, appended, per_depth)
             req.draft_token_ids = []
             req.draft_parents = None
             if status is not None:
@@ -372,9 +372,12 @@ class LLMEngine:
         return self.spec_stats
 
 
-def _tree_depth(parents: list[int]) -> int:
-    """Positions a tree of drafts reaches (its longest branch)."""
+def _drafts_per_depth(parents: list[int]) -> list[int]:
+    """[number of draft tokens at position 1, 2, ...] of a tree of drafts."""
     depths: list[int] = []
     for p in parents:
         depths.append(depths[p] + 1 if p >= 0 else 1)
-    return max(depths, default=0)
+    counts = [0] * max(depths, default=0)
+    for d in depths:
+        counts[d - 1] += 1
+    return counts

@@ -318,6 +318,7 @@ def reference():
 SPEC_CASES = {
     "plain": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 3},
+    "ngram_tree": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_tree": True},
     "draft_tp1": {"num_speculative_tokens": 3, "draft_tensor_parallel_size": 1},
     "draft_tpN": {"num_speculative_tokens": 3, "draft_tensor_parallel_size": TP},
 }

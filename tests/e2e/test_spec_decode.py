@@ -5,6 +5,8 @@ output, for every proposer, batch size and k, and under preemption; sampled
 output has the target's distribution. Proposers:
 
 - ``ngram``: prompt lookup (one-hot proposals);
+- ``ngram_tree``: prompt lookup proposing trees of earlier continuations (several
+  branches verified at once; an accepted later branch has its K/V copied down);
 - ``draft_model`` with ``truncated_draft_dir`` (the default model cut to 4 layers):
   it rarely agrees with the target (~1-10% acceptance), so it mostly exercises
   rejection and recovered tokens;
@@ -77,7 +79,7 @@ class Engines:
     KEEP = {("ngram", 3), ("draft4", 3)}
 
     def __init__(self, draft_dir: str):
-        self.drafts = {"ngram": None, "draft4": draft_dir, "self": loader.default_model_path()}
+        self.drafts = {"ngram": None, "ngram_tree": None, "draft4": draft_dir, "self": loader.default_model_path()}
         self.llms: dict[tuple[str, int], LLM] = {}
 
     def get(self, draft: str, k: int) -> LLM:
@@ -93,6 +95,8 @@ class Engines:
 def spec_config(draft: str, k: int, path: str | None) -> dict:
     if draft == "ngram":
         return {"method": "ngram", "num_speculative_tokens": k}
+    if draft == "ngram_tree":
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_tree": True}
     return {"method": "draft_model", "model": path, "num_speculative_tokens": k}
 
 
@@ -159,8 +163,9 @@ def stats_delta(after: SpecDecodeStats, before: SpecDecodeStats) -> SpecDecodeSt
     )
 
 
-def check_stats(s: SpecDecodeStats, k: int) -> None:
-    """Internal consistency of one SpecDecodeStats (a request's or the engine's)."""
+def check_stats(s: SpecDecodeStats, k: int, tree: bool = False) -> None:
+    """Internal consistency of one SpecDecodeStats (a request's or the engine's). A tree
+    may hold more drafts at position i + 1 than at i; acceptance is still a prefix."""
     assert 0.0 <= s.acceptance_rate <= 1.0
     assert s.num_steps == 0 or s.mean_acceptance_length >= 1.0
     assert len(s.drafted_per_position) <= k and len(s.accepted_per_position) == len(s.drafted_per_position)
@@ -168,7 +173,7 @@ def check_stats(s: SpecDecodeStats, k: int) -> None:
     assert sum(s.accepted_per_position) == s.num_accepted_tokens
     assert s.num_drafts <= s.num_steps and s.num_draft_tokens <= k * s.num_drafts
     # Position i+1 is drafted (accepted) only where position i was.
-    for seq in (s.drafted_per_position, s.accepted_per_position):
+    for seq in (s.accepted_per_position,) if tree else (s.drafted_per_position, s.accepted_per_position):
         assert all(a >= b for a, b in zip(seq, seq[1:])), seq
     assert all(0.0 <= r <= 1.0 for r in s.acceptance_by_position)
     assert s.num_emitted_tokens <= s.num_accepted_tokens + s.num_steps
@@ -186,10 +191,11 @@ def run_and_check(llm: LLM, prompts, params, k: int):
     outs = llm.generate(prompts, params)
     delta = stats_delta(llm.get_spec_decode_stats(), before)
     total = SpecDecodeStats()
+    tree = llm.engine.spec_config.prompt_lookup_tree
     for o in outs:
-        check_stats(o.spec_decode_stats, k)
+        check_stats(o.spec_decode_stats, k, tree)
         total.merge(o.spec_decode_stats)
-    check_stats(delta, k)
+    check_stats(delta, k, tree)
     assert total.as_dict() == delta.as_dict()
     return outs, delta
 
@@ -199,21 +205,24 @@ def run_and_check(llm: LLM, prompts, params, k: int):
 # covered for both proposers by test_mixed_batch_and_seeded_determinism (its greedy
 # half, on the same engines), which saves two slow runs.
 GREEDY_CASES = [
-    ("ngram", 1, 8), ("ngram", 3, 1), ("ngram", 5, 8),
+    ("ngram", 1, 8), ("ngram", 3, 1), ("ngram", 5, 8), ("ngram_tree", 3, 1), ("ngram_tree", 6, 8),
     ("draft4", 1, 8), ("draft4", 5, 8), ("self", 3, 8), ("draft4", 3, 1),
 ]
 
 
 @pytest.mark.parametrize("draft,k,batch", GREEDY_CASES, ids=[f"{d}-k{k}-b{b}" for d, k, b in GREEDY_CASES])
-def test_greedy_equals_plain(engines, prompts, ref, draft, k, batch):
+def test_greedy_equals_plain(engines, prompts, ref, draft, k, batch, monkeypatch):
     llm = engines.get(draft, k)
+    copies = []
+    real_copy = llm.engine.runner.copy_kv_slots
+    monkeypatch.setattr(llm.engine.runner, "copy_kv_slots", lambda src, dst: (copies.append(len(src)), real_copy(src, dst)))
     if batch == 8:
         outs, delta = run_and_check(llm, prompts, GREEDY, k)
         got = [o.outputs[0].token_ids for o in outs]
         assert got == ref
     else:
         delta = SpecDecodeStats()
-        for i in (2, 3) if draft == "ngram" else (3,):  # the code prompt and/or the "repeat this" chat, alone
+        for i in (2, 3) if draft.startswith("ngram") else (3,):  # the code prompt and/or the "repeat this" chat, alone
             outs, d = run_and_check(llm, [prompts[i]], GREEDY, k)
             assert outs[0].outputs[0].token_ids == ref[i]
             delta.merge(d)
@@ -221,12 +230,16 @@ def test_greedy_equals_plain(engines, prompts, ref, draft, k, batch):
     assert delta.num_draft_tokens > 0  # the proposer really proposed
     # Every emitted token after a request's first came from a verification step
     # (all prompts are > 1 token and nothing was preempted or chunked).
-    alone = (2, 3) if draft == "ngram" else (3,)
+    alone = (2, 3) if draft.startswith("ngram") else (3,)
     num_requests = batch if batch == 8 else len(alone)
     num_tokens = sum(len(r) for r in ref) if batch == 8 else sum(len(ref[i]) for i in alone)
     assert delta.num_emitted_tokens == num_tokens - num_requests
-    if draft == "ngram" and batch == 8:
+    if draft.startswith("ngram") and batch == 8:
         assert delta.num_accepted_tokens > 0  # the prompts that quote themselves
+    if draft == "ngram_tree" and batch == 8:
+        assert copies, "no branch but the first was ever accepted: the K/V copy went untested"
+    if draft != "ngram_tree":
+        assert not copies
     if draft == "self":
         # The target drafting for itself: everything accepted, bonus tokens every step.
         assert delta.acceptance_rate > 0.9 and delta.mean_acceptance_length > 2.5
@@ -255,7 +268,7 @@ def test_greedy_equals_plain_in_default_dtype(prompts):
 
 
 # ------------------------------------------------------------------ sampling
-@pytest.mark.parametrize("draft", ["draft4", "ngram"])
+@pytest.mark.parametrize("draft", ["draft4", "ngram", "ngram_tree"])
 def test_mixed_batch_and_seeded_determinism(engines, prompts, ref, draft):
     """Greedy and seeded sampled requests in one batch: greedy ones equal plain output,
     sampled ones are reproducible (same seed -> same output) mixed with greedy ones,
@@ -263,7 +276,7 @@ def test_mixed_batch_and_seeded_determinism(engines, prompts, ref, draft):
     llm = engines.get(draft, 3)
     # ngram rows use top-p; draft-model rows use min-p (top-p/top-k sort whole rows, slow
     # on this CPU for every draft step), so both filters meet speculation.
-    filt = dict(top_p=0.9) if draft == "ngram" else dict(min_p=0.05)
+    filt = dict(top_p=0.9) if draft.startswith("ngram") else dict(min_p=0.05)
     sampled = lambda i: SamplingParams(temperature=0.8, seed=7 + i, max_tokens=12, **filt)  # noqa: E731
     params = [GREEDY if i % 2 == 0 else sampled(i) for i in range(len(prompts))]
     mixed = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
@@ -272,7 +285,7 @@ def test_mixed_batch_and_seeded_determinism(engines, prompts, ref, draft):
     odd = [1, 3]
     only_sampled = [o.outputs[0].token_ids for o in llm.generate([prompts[i] for i in odd], [params[i] for i in odd])]
     assert only_sampled == [mixed[i] for i in odd]
-    if draft == "ngram":
+    if draft.startswith("ngram"):
         assert llm.generate(prompts[odd[0]], params[odd[0]])[0].outputs[0].token_ids == mixed[odd[0]]
     assert any(mixed[i] != ref[i][:12] for i in range(1, len(prompts), 2))  # the sampled ones really sampled
 
@@ -347,13 +360,15 @@ def test_near_max_tokens_gets_fewer_drafts(engines, prompts, ref):
             assert stats.num_drafts == 0
 
 
-def test_greedy_equals_plain_under_preemption(prompts, ref, truncated_draft_dir):
+@pytest.mark.parametrize("draft", ["draft4", "ngram_tree"])
+def test_greedy_equals_plain_under_preemption(prompts, ref, truncated_draft_dir, draft):
     # 12 blocks of 16 tokens: one request of max_model_len=128 (+3 lookahead slots)
     # fits, the 8 prompts (3-100 tokens, +16 new) do not: preemption and recompute,
     # for the target's and the draft's cache alike. (The draft model is the harder
-    # case: its own KV and proposer_num_computed_tokens must be rebuilt too.)
+    # case: its own KV and proposer_num_computed_tokens must be rebuilt too; a tree's
+    # pending branch must never outlive a preemption.)
     llm = LLM(dtype="float32", max_model_len=128, kv_cache_memory=12 * BYTES_PER_BLOCK_FP32,
-              speculative_config=spec_config("draft4", 3, truncated_draft_dir))
+              speculative_config=spec_config(draft, 3, truncated_draft_dir))
     assert llm.engine.kv_cache.num_blocks == 12
     outs = llm.generate(prompts, GREEDY)
     assert sum(o.metrics["num_preemptions"] for o in outs) > 0

@@ -1,4 +1,4 @@
-"""N-gram prompt lookup: longest match, most recent occurrence, k, min/max n."""
+"""N-gram prompt lookup: longest match, most recent occurrence, k, min/max n; trees of continuations."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,7 +7,7 @@ import pytest
 from specserve.engine.request import Request
 from specserve.engine.scheduler import ScheduledRequest
 from specserve.sampling_params import SamplingParams
-from specserve.spec_decode.ngram import NgramProposer, ngram_lookup
+from specserve.spec_decode.ngram import TREE_EXTRA_TOKENS, NgramProposer, ngram_lookup, ngram_tree
 
 
 def test_longest_match_wins():
@@ -97,3 +97,64 @@ def test_proposer_respects_each_requests_num_lookahead():
     assert proposal.probs == [None] * 5
     for s, drafts in zip(scheduled, proposal.token_ids):
         assert len(drafts) <= s.num_lookahead
+
+
+# ------------------------------------------------------------------ trees
+def _branches(drafts, parents):
+    """Every root-to-leaf token sequence of a tree."""
+    kids = {i: [j for j, p in enumerate(parents) if p == i] for i in range(-1, len(drafts))}
+
+    def walk(node, prefix):
+        if not kids[node]:
+            return [prefix]
+        return [b for c in kids[node] for b in walk(c, prefix + [drafts[c]])]
+    return walk(-1, [])
+
+
+def test_tree_first_branch_is_the_adaptive_chain_and_others_are_earlier_continuations():
+    # "7 8" occurs three times before the end, followed by 1 2, then 3 4, then 5 6.
+    tokens = [7, 8, 5, 6, 11, 7, 8, 3, 4, 12, 7, 8, 1, 2, 13, 7, 8]
+    drafts, parents = ngram_tree(tokens, 1, 4, k=6)
+    assert all(-1 <= p < i for i, p in enumerate(parents))           # parents first
+    chain = ngram_lookup(tokens, 1, 4, 6, adaptive=True)
+    assert chain == [1, 2]
+    branches = _branches(drafts, parents)
+    assert branches[0] == chain
+    # The 2-token suffix "7 8": earlier occurrences, most recent first, 2 tokens each, until
+    # the tree holds min(k, 2 + TREE_EXTRA_TOKENS) tokens.
+    assert branches == [[1, 2], [3, 4]] and len(drafts) == 2 + TREE_EXTRA_TOKENS
+
+
+def test_tree_size_is_bounded_by_k_and_by_the_match():
+    tokens = [7, 8, 5, 6, 11, 7, 8, 3, 4, 12, 7, 8, 1, 2, 13, 7, 8]
+    for k in range(1, 8):
+        drafts, parents = ngram_tree(tokens, 1, 4, k)
+        assert len(drafts) == len(parents) == min(k, 2 + TREE_EXTRA_TOKENS)   # longest match: 2 tokens
+        # Shared prefixes are merged: no two siblings carry the same token.
+        siblings = list(zip(parents, drafts))
+        assert len(set(siblings)) == len(siblings)
+
+
+def test_tree_merges_shared_prefixes_and_adds_shorter_matches():
+    # "1 2" is followed by 3 4 and by 3 9: one node 3 with two children. The 1-token suffix
+    # "2" also occurs before 5, a third branch from a shorter match.
+    tokens = [2, 5, 20, 1, 2, 3, 9, 21, 1, 2, 3, 4, 22, 1, 2]
+    drafts, parents = ngram_tree(tokens, 1, 4, k=8)
+    branches = _branches(drafts, parents)
+    assert branches[0] == [3, 4]
+    assert [3, 9] in branches and [5] in branches
+    assert drafts.count(3) == 1
+
+
+def test_tree_no_match():
+    assert ngram_tree([1, 2, 3, 4], 1, 4, 5) == ([], [])
+    assert ngram_tree([1, 2, 3, 1], 2, 4, 5) == ([], [])
+
+
+def test_tree_proposer_returns_parents():
+    tokens = [7, 8, 5, 6, 11, 7, 8, 3, 4, 12, 7, 8, 1, 2, 13, 7, 8]
+    scheduled = [_scheduled(tokens, 3, "a"), _scheduled([9, 8, 7], 4, "none")]
+    proposal = NgramProposer(min_n=1, max_n=4, tree=True).propose(scheduled)
+    assert proposal.token_ids == [[1, 2, 3], []]
+    assert proposal.parents == [[-1, 0, -1], []]
+    assert proposal.probs == [None, None]
