@@ -14,7 +14,9 @@ Engines compared in one run:
   (default auto: float16 weights with float32 activations on x86 CPUs), so
   the comparison is each engine in the dtype it is run in;
 - ``specserve``: plain decoding;
-- ``spec`` (when a ``--speculative-*`` option is given): specserve with speculation.
+- ``spec`` (when a ``--speculative-*`` option is given): specserve with speculation;
+- ``spec_chain`` (with ``--prompt-lookup-tree --compare-chain``): the same n-gram
+  speculation proposing chains, to measure what trees of drafts add.
 
 At batch 1 prompts run one at a time; at batch B they run in groups of exactly B
 (the last group is filled up with prompts from the start of the list, so every
@@ -212,6 +214,8 @@ def parse_args(argv=None):
                     help="ngram: min(k, match length) draft tokens (specserve's default) or always k")
     ap.add_argument("--prompt-lookup-tree", action=argparse.BooleanOptionalAction, default=None,
                     help="ngram: propose several earlier continuations as a tree of drafts")
+    ap.add_argument("--compare-chain", action="store_true",
+                    help="with --prompt-lookup-tree: also run the same n-gram speculation with chains (spec_chain)")
     ap.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
                     help="no drafting in steps with at least this many decoding requests")
     ap.add_argument("--baseline", choices=["transformers", "none"], default="none")
@@ -278,6 +282,10 @@ def main(argv=None) -> dict:
     engines.append(SpecserveEngine("specserve", args, None))
     if spec_cfg:
         engines.append(SpecserveEngine("spec", args, spec_cfg))
+    if args.compare_chain:
+        if not (spec_cfg or {}).get("prompt_lookup_tree"):
+            raise SystemExit("--compare-chain needs --speculative-method ngram --prompt-lookup-tree")
+        engines.append(SpecserveEngine("spec_chain", args, {**spec_cfg, "prompt_lookup_tree": False}))
     names = [e.name for e in engines]
 
     tok = engines[-1].tokenizer()
@@ -426,6 +434,8 @@ def render_markdown(report: dict, categories: list[str]) -> str:
         if "spec" in names:
             header += ["spec / specserve", "decode tok/s specserve → spec", "decode speedup",
                        "acceptance rate", "tau"]
+        if "spec_chain" in names:
+            header += ["spec_chain / specserve", "spec_chain decode speedup", "spec_chain tau"]
         lines.append("| " + " | ".join(header) + " |")
         lines.append("|" + "---|" * len(header))
         for b, row in res["rows"].items():
@@ -441,6 +451,13 @@ def render_markdown(report: dict, categories: list[str]) -> str:
                 cells.append(fmt(db / da, 2) + "x" if da and db else "—")
                 sd = row["spec"].get("spec_decode")
                 cells += [fmt(sd["acceptance_rate"], 2), fmt(sd["mean_acceptance_length"], 2)] if sd else ["—", "—"]
+            if "spec_chain" in names:
+                chain, base = row["spec_chain"], row["specserve"]
+                cells.append(fmt(chain["tok_s"] / base["tok_s"], 2) + "x" if base["tok_s"] else "—")
+                da, db = base.get("decode_tok_s"), chain.get("decode_tok_s")
+                cells.append(fmt(db / da, 2) + "x" if da and db else "—")
+                sd = chain.get("spec_decode")
+                cells.append(fmt(sd["mean_acceptance_length"], 2) if sd else "—")
             lines.append("| " + " | ".join(cells) + " |")
         if bs > 1 and "acceptance_by_category" in res:
             lines.append("")

@@ -45,10 +45,10 @@ MAX_QUERY_LEN = 16
 
 # Part of the cache key: a build with other flags is another file. -ffp-contract=off: the
 # kernel's bitwise promises (a row's bits do not depend on the other rows of its step, nor a
-# tree node's on the other branches) rest on every score being summed exactly as written;
-# with contraction GCC fused some multiply-adds into FMAs and not others, and a key's score
+# tree node's on the other branches) rest on every sum being computed exactly as written.
+# With contraction GCC fused some multiply-adds into FMAs and not others, and a key's score
 # differed in the last bit depending on which function computed it (the row-independence
-# test at contexts 38 and 40 fails without the flag).
+# test at contexts 38 and 40 fails that way); the kernel now fuses its vector sums itself.
 COMPILE_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off"]
 
 _lock = threading.Lock()

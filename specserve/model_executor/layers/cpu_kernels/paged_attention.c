@@ -26,7 +26,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__FMA__)
 #include <immintrin.h>
 #endif
 
@@ -38,6 +38,26 @@ static inline f32x8 load8(const float *p) {
     memcpy(&v, p, sizeof v);  /* unaligned load */
     return v;
 }
+
+/* acc + a * b. Built with -ffp-contract=off the compiler fuses nothing on its own (it used
+ * to fuse some multiply-adds and not others, so one key's score depended in the last bit
+ * on which function summed it); the vector sums fuse here, explicitly and everywhere alike,
+ * with one rounding where the CPU has FMA, and scalar tails always round twice. */
+static inline f32x8 fma8(f32x8 a, f32x8 b, f32x8 acc) {
+#if defined(__FMA__)
+    __m256 x, y, z;
+    memcpy(&x, &a, sizeof x);
+    memcpy(&y, &b, sizeof y);
+    memcpy(&z, &acc, sizeof z);
+    z = _mm256_fmadd_ps(x, y, z);
+    memcpy(&acc, &z, sizeof acc);
+    return acc;
+#else
+    return acc + a * b;
+#endif
+}
+
+static inline f32x8 splat8(float x) { return (f32x8){x, x, x, x, x, x, x, x}; }
 
 /* A float16 cache is read through F16C's conversion (exact), so the arithmetic is the
  * float32 kernel's on the stored values. Without F16C the half variant is not built:
@@ -85,7 +105,7 @@ static inline float hsum(f32x8 v) {
 ALWAYS_INLINE float dot(const float *q, const void *kc, int64_t k, int n, const int half) {
     f32x8 acc = {0};
     int d = 0;
-    for (; d + 8 <= n; d += 8) acc += load8(q + d) * kv8(kc, k + d, half);
+    for (; d + 8 <= n; d += 8) acc = fma8(load8(q + d), kv8(kc, k + d, half), acc);
     float t = hsum(acc);
     for (; d < n; d++) t += q[d] * kv1(kc, k + d, half);
     return t;
@@ -113,10 +133,10 @@ ALWAYS_INLINE void dot4(const float *q, const void *kc, int64_t k, int64_t strid
     int d = 0;
     for (; d + 8 <= n; d += 8) {
         const f32x8 qv = load8(q + d);
-        a0 += qv * kv8(kc, k + d, half);
-        a1 += qv * kv8(kc, k + stride + d, half);
-        a2 += qv * kv8(kc, k + 2 * stride + d, half);
-        a3 += qv * kv8(kc, k + 3 * stride + d, half);
+        a0 = fma8(qv, kv8(kc, k + d, half), a0);
+        a1 = fma8(qv, kv8(kc, k + stride + d, half), a1);
+        a2 = fma8(qv, kv8(kc, k + 2 * stride + d, half), a2);
+        a3 = fma8(qv, kv8(kc, k + 3 * stride + d, half), a3);
     }
     finish4(q, kc, k, stride, d, n, a0, a1, a2, a3, out, half);
 }
@@ -132,8 +152,8 @@ ALWAYS_INLINE void dot4x2(const float *q0, const float *q1, const void *kc, int6
         const f32x8 k0 = kv8(kc, k + d, half), k1 = kv8(kc, k + stride + d, half);
         const f32x8 k2 = kv8(kc, k + 2 * stride + d, half), k3 = kv8(kc, k + 3 * stride + d, half);
         const f32x8 x = load8(q0 + d), y = load8(q1 + d);
-        a0 += x * k0, a1 += x * k1, a2 += x * k2, a3 += x * k3;
-        b0 += y * k0, b1 += y * k1, b2 += y * k2, b3 += y * k3;
+        a0 = fma8(x, k0, a0), a1 = fma8(x, k1, a1), a2 = fma8(x, k2, a2), a3 = fma8(x, k3, a3);
+        b0 = fma8(y, k0, b0), b1 = fma8(y, k1, b1), b2 = fma8(y, k2, b2), b3 = fma8(y, k3, b3);
     }
     finish4(q0, kc, k, stride, d, n, a0, a1, a2, a3, out0, half);
     finish4(q1, kc, k, stride, d, n, b0, b1, b2, b3, out1, half);
@@ -167,16 +187,16 @@ static inline f32x8 exp8_nonpositive(f32x8 x) {
     memcpy(&lob, &lo, sizeof lob);
     xb = (below & lob) | (~below & xb);                      /* x = max(x, -87) */
     memcpy(&x, &xb, sizeof x);
-    const f32x8 t = x * 1.44269504088896341f - 0.5f;      /* t <= -0.5: truncation rounds x / ln 2 */
+    const f32x8 t = fma8(x, splat8(1.44269504088896341f), splat8(-0.5f));  /* t <= -0.5: truncation rounds x / ln 2 */
     const i32x8 n = __builtin_convertvector(t, i32x8);
     const f32x8 nf = __builtin_convertvector(n, f32x8);
-    const f32x8 r = (x - nf * 0.693359375f) - nf * -2.12194440e-4f;
-    f32x8 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
+    const f32x8 r = fma8(nf, splat8(2.12194440e-4f), fma8(nf, splat8(-0.693359375f), x));
+    f32x8 p = fma8(r, splat8(1.9875691500e-4f), splat8(1.3981999507e-3f));
+    p = fma8(p, r, splat8(8.3334519073e-3f));
+    p = fma8(p, r, splat8(4.1665795894e-2f));
+    p = fma8(p, r, splat8(1.6666665459e-1f));
+    p = fma8(p, r, splat8(5.0000001201e-1f));
+    p = fma8(p * r, r, r) + 1.0f;
     const i32x8 bits = (n + 127) << 23;                      /* 2^n as a float */
     f32x8 scale;
     memcpy(&scale, &bits, sizeof scale);
@@ -310,9 +330,9 @@ ALWAYS_INLINE void attend_one(const float *q, int64_t q_token_stride, const void
                 for (int64_t o = 0; o < n; o++, v += hd) {
                     const f32x8 v0 = kv8(v_cache, v, half), v1 = kv8(v_cache, v + 8, half);
                     const f32x8 v2 = kv8(v_cache, v + 16, half), v3 = kv8(v_cache, v + 24, half);
-                    const float x = p0[j0 + o], y = p1[j0 + o];
-                    a0 += x * v0, a1 += x * v1, a2 += x * v2, a3 += x * v3;
-                    b0 += y * v0, b1 += y * v1, b2 += y * v2, b3 += y * v3;
+                    const f32x8 x = splat8(p0[j0 + o]), y = splat8(p1[j0 + o]);
+                    a0 = fma8(x, v0, a0), a1 = fma8(x, v1, a1), a2 = fma8(x, v2, a2), a3 = fma8(x, v3, a3);
+                    b0 = fma8(y, v0, b0), b1 = fma8(y, v1, b1), b2 = fma8(y, v2, b2), b3 = fma8(y, v3, b3);
                 }
             }
             memcpy(dst0 + d0, &a0, sizeof a0);
