@@ -33,7 +33,8 @@ sys.path.insert(0, HERE)
 from benchmark import DEFAULT_PROMPTS, load_prompts  # noqa: E402
 
 from specserve import LLM, SamplingParams  # noqa: E402
-from specserve.spec_decode.ngram import ngram_lookup  # noqa: E402
+from specserve.sample.tree_sampler import walk_tree  # noqa: E402
+from specserve.spec_decode.ngram import ngram_lookup, ngram_tree  # noqa: E402
 from specserve.worker.model_runner import ForwardInput  # noqa: E402
 
 # (name, min_n, max_n, k, adaptive)
@@ -45,6 +46,13 @@ RULES = [
     ("min(k, n), k=5, n 1..5", 1, 5, 5, True),
     ("min(k, n), k=6, n 1..6", 1, 6, 6, True),
     ("min(k, n), k=8, n 1..8", 1, 8, 8, True),
+    # Trees of earlier continuations (prompt_lookup_tree) of at most min(k, n + extra) tokens.
+    ("tree, k=5, n 1..5, extra 0", 1, 5, 5, "tree", 0),
+    ("tree, k=5, n 1..5, extra 1", 1, 5, 5, "tree", 1),
+    ("tree, k=5, n 1..5, extra 2 (the shipped tree)", 1, 5, 5, "tree", 2),
+    ("tree, k=5, n 1..5, extra 3", 1, 5, 5, "tree", 3),
+    ("tree, k=4, n 1..4, extra 2", 1, 4, 4, "tree", 2),
+    ("tree, k=6, n 1..6, extra 2", 1, 6, 6, "tree", 2),
 ]
 
 
@@ -72,15 +80,25 @@ def step_costs(llm: LLM, max_rows: int, context: int = 250, rounds: int = 15) ->
 
 def replay(prompt: list[int], answer: list[int], rule, cost: list[float]) -> tuple[int, float, int]:
     """(tokens after the first, summed step cost, steps) of speculative decoding with ``rule``."""
-    _, min_n, max_n, k, adaptive = rule
+    _, min_n, max_n, k, adaptive, *extra = rule
     tokens = np.asarray(prompt + answer, dtype=np.int64)
     i, total_cost, steps = 1, 0.0, 0   # the first answer token comes from the prefill
     while i < len(answer):
         remaining = len(answer) - i - 1
-        drafts = ngram_lookup(tokens[: len(prompt) + i], min_n, max_n, min(k, remaining), adaptive)
-        accepted = 0
-        while accepted < len(drafts) and drafts[accepted] == answer[i + accepted]:
-            accepted += 1
+        if adaptive == "tree":
+            drafts, parents = ngram_tree(tokens[: len(prompt) + i], min_n, max_n, min(k, remaining), *extra)
+            # The target's greedy choice after the accepted prefix is the answer's next token.
+            depth = [0] * len(drafts)
+            for j, p in enumerate(parents):
+                depth[j] = depth[p] + 1 if p >= 0 else 1
+            choices = [answer[i]] + [answer[i + depth[j]] if i + depth[j] < len(answer) else -1
+                                     for j in range(len(drafts))]
+            accepted = len(walk_tree(drafts, parents, choices)[1])
+        else:
+            drafts = ngram_lookup(tokens[: len(prompt) + i], min_n, max_n, min(k, remaining), adaptive)
+            accepted = 0
+            while accepted < len(drafts) and drafts[accepted] == answer[i + accepted]:
+                accepted += 1
         total_cost += cost[len(drafts) + 1]
         steps += 1
         i += accepted + 1

@@ -66,14 +66,15 @@ def ngram_lookup(tokens: list[int] | np.ndarray, min_n: int, max_n: int, k: int,
 TREE_EXTRA_TOKENS = 2
 
 
-def ngram_tree(tokens: list[int] | np.ndarray, min_n: int, max_n: int, k: int) -> tuple[list[int], list[int]]:
+def ngram_tree(tokens: list[int] | np.ndarray, min_n: int, max_n: int, k: int,
+               extra: int = TREE_EXTRA_TOKENS) -> tuple[list[int], list[int]]:
     """Draft tokens as a tree: the continuations of several earlier occurrences.
 
     Occurrences of the longest matching suffix come first, then of shorter ones;
     within a length, the most recent first. Each offers the min(k, n) tokens that
     followed it (n: its suffix length, as the adaptive chain); they are merged into
-    a prefix tree, node by node, until it holds min(k, n_max + TREE_EXTRA_TOKENS)
-    tokens (n_max: the longest match). The first branch is the chain
+    a prefix tree, node by node, until it holds min(k, n_max + extra) tokens
+    (n_max: the longest match). The first branch is the chain
     ``ngram_lookup(..., adaptive=True)`` proposes, so a tree only adds alternatives.
     -> (tokens, parents): parents[i] is the index of token i's parent, -1 for the
     request's last token.
@@ -81,7 +82,7 @@ def ngram_tree(tokens: list[int] | np.ndarray, min_n: int, max_n: int, k: int) -
     tokens = np.asarray(tokens, dtype=np.int64)
     levels = suffix_matches(tokens, min_n, max_n) if k > 0 else []
     if levels:
-        k = min(k, levels[-1][0] + TREE_EXTRA_TOKENS)
+        k = min(k, levels[-1][0] + extra)
     drafts: list[int] = []
     parents: list[int] = []
     node_of: dict[tuple[int, int], int] = {}   # (parent, token) -> node
