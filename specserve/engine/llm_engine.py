@@ -22,6 +22,7 @@ from specserve.engine.kv_cache_manager import KVCacheManager
 from specserve.engine.output_processor import OutputProcessor, logprob_entries
 from specserve.engine.request import Request, RequestStatus
 from specserve.engine.scheduler import ScheduledRequest, Scheduler
+from specserve.model_executor.layers.attention import tree_layout
 from specserve.model_executor.loader import load_model, resolve_dtype
 from specserve.outputs import RequestOutput, SpecDecodeStats
 from specserve.sample.rejection_sampler import rejection_sample
@@ -374,10 +375,8 @@ class LLMEngine:
 
 def _drafts_per_depth(parents: list[int]) -> list[int]:
     """[number of draft tokens at position 1, 2, ...] of a tree of drafts."""
-    depths: list[int] = []
-    for p in parents:
-        depths.append(depths[p] + 1 if p >= 0 else 1)
-    counts = [0] * max(depths, default=0)
+    depths, _ = tree_layout(parents)       # 0 for the last token's children
+    counts = [0] * (max(depths, default=-1) + 1)
     for d in depths:
-        counts[d - 1] += 1
+        counts[d] += 1
     return counts
