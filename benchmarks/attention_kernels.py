@@ -20,6 +20,9 @@ Then, for whole prompts with nothing cached (one request, T tokens), SDPA with
 the additive causal mask against SDPA's own causal mode (what specserve runs for
 such a group since it skips the masked blocks), alternated call by call.
 
+Last, with a float16 cache, the kernel writing the step's new K/V itself against
+torch writing them first (``index_copy_``) and the kernel attending.
+
     python benchmarks/attention_kernels.py --threads 2
 """
 from __future__ import annotations
@@ -94,6 +97,45 @@ def main() -> None:
         print(f"| {batch} | {q_len} | {cells} | {medians[variants[0]] / medians[variants[-1]]:.2f}x |")
 
     fresh_prompts(args)
+    kv_writes(args)
+
+
+def kv_writes(args) -> None:
+    """The whole attention call with a float16 cache: the kernel writing the new K/V
+    itself (what specserve runs when it serves the whole step) against torch writing them
+    first (two index_copy_ of converted, transposed views) and the kernel attending."""
+    if not cpu_attention.reads_float16_cache():
+        return
+    print("\n| batch | new tokens per request | kernel writes K/V | torch writes K/V, then kernel | torch / kernel |")
+    print("|---|---|---|---|---|")
+    shape = kv_cache_shape(400, BLOCK, KV_HEADS, HEAD_DIM)
+    modes = ("kernel writes", "torch writes")
+    caches = {m: [torch.randn(shape).half() for _ in range(args.layers)] for m in modes}
+    for batch, q_len in [(1, 1), (1, 6), (16, 1)]:
+        meta = make_step(batch, q_len, random.Random(0), kernel=True, cache_dtype=torch.float16)
+        kn = meta.kernel
+        tokens = batch * q_len
+        q = torch.randn(tokens, HEADS, HEAD_DIM)
+        k, v_new = torch.randn(tokens, KV_HEADS, HEAD_DIM), torch.randn(tokens, KV_HEADS, HEAD_DIM)
+        times: dict[str, list[float]] = {m: [] for m in modes}
+        with torch.inference_mode():
+            for i in range(args.repeats if batch == 1 else args.repeats // 4):
+                for m in modes:
+                    cache = caches[m][i % args.layers]
+                    start = time.perf_counter()
+                    if m == "kernel writes":
+                        paged_attention(q, k, v_new, cache, meta, HEAD_DIM**-0.5)
+                    else:
+                        slots = cache.view(2, KV_HEADS, -1, HEAD_DIM)
+                        slots[0].index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(cache.dtype))
+                        slots[1].index_copy_(1, meta.slot_mapping, v_new.transpose(0, 1).to(cache.dtype))
+                        cpu_attention.paged_attention_cpu(q, cache, q.new_empty(q.shape), kn.block_tables,
+                                                          kn.query_start, kn.query_lens, kn.context_lens,
+                                                          HEAD_DIM**-0.5)
+                    times[m].append((time.perf_counter() - start) * 1e6)
+        med = {m: statistics.median(t) for m, t in times.items()}
+        print(f"| {batch} | {q_len} | {med[modes[0]]:.0f} / {min(times[modes[0]]):.0f} | "
+              f"{med[modes[1]]:.0f} / {min(times[modes[1]]):.0f} | {med[modes[1]] / med[modes[0]]:.2f}x |")
 
 
 def fresh_prompts(args) -> None:

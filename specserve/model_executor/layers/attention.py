@@ -335,11 +335,17 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:           # [T, Hq, hd]
     num_kv_heads, head_dim = kv_cache.shape[1], kv_cache.shape[4]
+    kn = meta.kernel
+    if kn is not None and kn.covers_all:
+        # The kernel writes the new tokens' K/V itself, then attends.
+        out = q.new_empty(q.shape)
+        cpu_attention.paged_attention_cpu(q, kv_cache, out, kn.block_tables, kn.query_start, kn.query_lens,
+                                          kn.context_lens, scale, kn.tree_masks, (k, v, meta.slot_mapping))
+        return out
     # Write the new tokens' K/V, then read every request's whole context.
     slots = kv_cache.view(2, num_kv_heads, -1, head_dim)   # [2, Hk, num_blocks * block_size, hd]
     slots[0].index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(kv_cache.dtype))
     slots[1].index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(kv_cache.dtype))
-    kn = meta.kernel
     if kn is None and len(meta.groups) == 1:
         return _attend_group(q, kv_cache, meta.groups[0], scale)
     out = q.new_empty(q.shape)
@@ -347,8 +353,6 @@ def paged_attention(
         cpu_attention.paged_attention_cpu(
             q, kv_cache, out, kn.block_tables, kn.query_start, kn.query_lens, kn.context_lens, scale, kn.tree_masks
         )
-        if kn.covers_all:
-            return out
     for g in meta.groups:
         out.index_copy_(0, g.token_index, _attend_group(q.index_select(0, g.token_index), kv_cache, g, scale))
     return out

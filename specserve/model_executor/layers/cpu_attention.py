@@ -16,6 +16,10 @@ torch's own workers, still spinning after the last matmul. (Two Python threads
 measured no faster inside a real forward at batch 16: torch's workers spun on
 the second core while the kernel ran.) At batch 16 this took a decode forward
 from 142 to 116 ms (median; min 103 to 95) against one thread.
+When it serves every request of a step (decoding and verification steps), the
+kernel also writes the step's new K/V into the cache itself, each (request, KV
+head) pair its own, instead of torch's two ``index_copy_`` of converted views:
+77 against 128 us per layer call at batch 1 (``benchmarks/attention_kernels.py``).
 Without a compiler, when the build fails, or with
 ``SPECSERVE_CPU_ATTENTION=torch``, specserve uses the PyTorch path; results
 agree to float32 rounding (tests/model_executor/layers/test_attention.py runs
@@ -92,7 +96,8 @@ def _build() -> ctypes.CDLL:
     fn = lib.specserve_paged_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                   ctypes.c_int, ctypes.c_int, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int, ptr]
+                   ctypes.c_int, ctypes.c_int, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int, ptr,
+                   ptr, i64, ptr, i64, ptr]
     fn.restype = ctypes.c_int
     lib.specserve_paged_attention_has_f16.restype = ctypes.c_int
     return lib
@@ -139,7 +144,11 @@ def paged_attention_cpu(
     context_lens: torch.Tensor,  # [B] int64 (new tokens included)
     scale: float,
     tree_masks: torch.Tensor | None = None,  # [T] int32: bit j = row may see new token j of its request
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
+    """Attention of the listed requests' new rows. ``new_kv`` = (k [T, Hk, hd], v, slot_mapping [T])
+    float32: the kernel first writes every listed request's new K/V into the cache (then q's rows
+    must be exactly the listed requests' new tokens, in order)."""
     lib = _load()
     assert lib is not None, "call usable() first"
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
@@ -155,7 +164,15 @@ def paged_attention_cpu(
     if tree_masks is not None:
         assert tree_masks.dtype == torch.int32 and tree_masks.is_contiguous() and tree_masks.shape[0] == q.shape[0]
         masks = tree_masks.data_ptr()
-    status = lib.specserve_paged_attention(*args, torch.get_num_threads(), kv_cache.dtype == torch.float16, masks)
+    write = (None, 0, None, 0, None)
+    if new_kv is not None:
+        k, v, slot_mapping = new_kv
+        assert k.dtype == v.dtype == torch.float32 and k.shape[0] == v.shape[0] == q.shape[0]
+        k = k if k.stride(2) == 1 and k.stride(1) == head_dim else k.contiguous()
+        v = v if v.stride(2) == 1 and v.stride(1) == head_dim else v.contiguous()
+        write = (k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slot_mapping.data_ptr())
+    status = lib.specserve_paged_attention(*args, torch.get_num_threads(), kv_cache.dtype == torch.float16, masks,
+                                           *write)
     if status == -2:
         raise RuntimeError("this build of the paged attention kernel cannot read a float16 cache (no F16C)")
     if status:

@@ -272,3 +272,47 @@ def test_kernel_tree_row_equals_its_branch_verified_as_a_chain(cached, cache_dty
         chain_out = paged_attention(q[branch], keys[cached:][branch], values[cached:][branch], kv_cache.clone(),
                                     chain_meta, scale=0.125)
         assert torch.equal(chain_out[-1], tree_out[node]), f"node {node} (depth {depths[node]})"
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_kernel_writes_the_new_kv_as_torch_would(cache_dtype):
+    """When the kernel serves every request of the step it writes their new K/V itself:
+    the cache then holds exactly what torch's ``index_copy_`` of ``.to(cache dtype)``
+    writes (float16: rounded to nearest even), and the output matches dense attention."""
+    if not (KERNEL_BUILDS if cache_dtype == torch.float32 else KERNEL_READS_FP16):
+        pytest.skip("the CPU attention kernel did not build here (no C compiler, or no F16C for float16)")
+    torch.manual_seed(5)
+    heads, kv_heads, hd, num_blocks = 6, 2, 12, 64
+    shapes = [(9, 1), (30, 5), (0, 7), (44, 16)]   # all served by the kernel
+    kv_cache = torch.zeros(kv_cache_shape(num_blocks, BLOCK, kv_heads, hd), dtype=cache_dtype)
+    perm = (torch.randperm(num_blocks - 1) + 1).tolist()
+    tables, keys, values = [], [], []
+    for cached, new in shapes:
+        tables.append([perm.pop() for _ in range(-(-(cached + new) // BLOCK))])
+        keys.append(torch.randn(cached + new, kv_heads, hd) * 3)
+        values.append(torch.randn(cached + new, kv_heads, hd) * 3)
+        for p in range(cached):
+            kv_cache[0, :, tables[-1][p // BLOCK], p % BLOCK] = keys[-1][p]
+            kv_cache[1, :, tables[-1][p // BLOCK], p % BLOCK] = values[-1][p]
+    meta = AttentionMetadata.build([n for _, n in shapes], [c + n for c, n in shapes], tables, BLOCK,
+                                   torch.device("cpu"), cache_dtype=cache_dtype)
+    assert meta.kernel is not None and meta.kernel.covers_all
+    # K and V as strided views of one fused projection output, as the model passes them.
+    total = sum(n for _, n in shapes)
+    fused = torch.cat([torch.cat([k[c:] for k, (c, _) in zip(keys, shapes)]).reshape(total, -1),
+                       torch.cat([v[c:] for v, (c, _) in zip(values, shapes)]).reshape(total, -1)], dim=1)
+    k_new, v_new = fused.split(kv_heads * hd, dim=1)
+    k_new, v_new = k_new.reshape(total, kv_heads, hd).contiguous(), v_new.reshape(total, kv_heads, hd)  # strides differ
+    expected_cache = kv_cache.clone()
+    slots = expected_cache.view(2, kv_heads, -1, hd)
+    slots[0].index_copy_(1, meta.slot_mapping, k_new.transpose(0, 1).to(cache_dtype))
+    slots[1].index_copy_(1, meta.slot_mapping, v_new.transpose(0, 1).to(cache_dtype))
+    q = torch.randn(total, heads, hd)
+    out = paged_attention(q, k_new, v_new, kv_cache, meta, scale=0.3)
+    assert torch.equal(kv_cache, expected_cache)
+    row = 0
+    for i, (cached, new) in enumerate(shapes):
+        ref = reference_attention(q[row:row + new], keys[i].to(cache_dtype).float(), values[i].to(cache_dtype).float(),
+                                  new, 0.3)
+        torch.testing.assert_close(out[row:row + new], ref, rtol=1e-5, atol=1e-5)
+        row += new

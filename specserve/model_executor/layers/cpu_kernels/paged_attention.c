@@ -83,6 +83,22 @@ int specserve_paged_attention_has_f16(void) {
 #endif
 }
 
+/* Store x (n floats) at element i of a cache, rounded to float16 (to nearest even, as
+ * torch's .to(torch.float16)) when half. */
+static void store_kv(void *base, int64_t i, const float *x, int n, const int half) {
+    if (!half) {
+        memcpy((float *)base + i, x, (size_t)n * sizeof(float));
+        return;
+    }
+#if defined(__F16C__)
+    uint16_t *dst = (uint16_t *)base + i;
+    int d = 0;
+    for (; d + 8 <= n; d += 8)
+        _mm_storeu_si128((__m128i *)(dst + d), _mm256_cvtps_ph(_mm256_loadu_ps(x + d), _MM_FROUND_TO_NEAREST_INT));
+    for (; d < n; d++) dst[d] = _cvtss_sh(x[d], _MM_FROUND_TO_NEAREST_INT);
+#endif
+}
+
 /* Element i of a cache (float32, or float16 when half): 8 at a time, or one. The
  * callers pass half as a constant and are inlined, so each variant is its own code. */
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -365,14 +381,19 @@ ALWAYS_INLINE void attend_one(const float *q, int64_t q_token_stride, const void
  * Built with -fopenmp, the library's libgomp.so.1 is the one torch already loaded, so these
  * are torch's own worker threads (still spinning from the last matmul), not a second pool.
  * query_start[b] is the first row of request b in q and out; it has query_lens[b] rows.
- * Returns 0; -1 when scratch memory could not be allocated (out is then incomplete); -2 when
- * cache_half is asked of a build without F16C. */
+ * With k_new / v_new ([T, Hk, hd] float32, token strides k_token_stride / v_token_stride), each pair first
+ * writes its request's new K/V of its head into the cache at slot_mapping[t] (saves the
+ * caller two scatters and a conversion per layer). Returns 0; -1 when scratch memory could
+ * not be allocated (out is then incomplete); -2 when cache_half is asked of a build without
+ * F16C. */
 int specserve_paged_attention(const float *q, int64_t q_token_stride, const void *k_cache,
                               const void *v_cache, float *out, const int64_t *block_tables,
                               int64_t max_blocks, const int64_t *query_start, const int64_t *query_lens,
                               const int64_t *context_lens, int num_reqs, int num_heads, int num_kv_heads,
                               int hd, int block_size, int64_t num_blocks, float scale, int num_threads,
-                              int cache_half, const uint32_t *tree_masks) {
+                              int cache_half, const uint32_t *tree_masks, const float *k_new,
+                              int64_t k_token_stride, const float *v_new, int64_t v_token_stride,
+                              const int64_t *slot_mapping) {
     if (cache_half && !specserve_paged_attention_has_f16()) return -2;
     const int group = num_heads / num_kv_heads;
     int64_t max_rows = 1, max_scores = 1, max_ctx = 1;
@@ -402,6 +423,15 @@ int specserve_paged_attention(const float *q, int64_t q_token_stride, const void
             const int b = pair / num_kv_heads, h = pair % num_kv_heads;
             if (!ok || query_lens[b] == 0) continue;
             const int64_t *table = block_tables + (int64_t)b * max_blocks;
+            if (k_new) {
+                /* This pair's new K/V first: only this pair reads its request's slots of head h. */
+                const int64_t head_offset = (int64_t)h * num_blocks * block_size * hd;
+                for (int64_t t = query_start[b]; t < query_start[b] + query_lens[b]; t++) {
+                    const int64_t dst = head_offset + slot_mapping[t] * hd;
+                    store_kv((void *)k_cache, dst, k_new + t * k_token_stride + (int64_t)h * hd, hd, cache_half);
+                    store_kv((void *)v_cache, dst, v_new + t * v_token_stride + (int64_t)h * hd, hd, cache_half);
+                }
+            }
             if (cache_half)
                 attend_one(q, q_token_stride, k_cache, v_cache, out, table, query_start[b], (int)query_lens[b],
                            context_lens[b], h, group, num_heads, hd, block_size, num_blocks, scale, tree_masks, &w, 1);
