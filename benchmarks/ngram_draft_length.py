@@ -33,6 +33,7 @@ sys.path.insert(0, HERE)
 from benchmark import DEFAULT_PROMPTS, load_prompts  # noqa: E402
 
 from specserve import LLM, SamplingParams  # noqa: E402
+from specserve.model_executor.layers.attention import tree_layout  # noqa: E402
 from specserve.sample.tree_sampler import walk_tree  # noqa: E402
 from specserve.spec_decode.ngram import ngram_lookup, ngram_tree  # noqa: E402
 from specserve.worker.model_runner import ForwardInput  # noqa: E402
@@ -88,9 +89,7 @@ def replay(prompt: list[int], answer: list[int], rule, cost: list[float]) -> tup
         if adaptive == "tree":
             drafts, parents = ngram_tree(tokens[: len(prompt) + i], min_n, max_n, min(k, remaining), *extra)
             # The target's greedy choice after the accepted prefix is the answer's next token.
-            depth = [0] * len(drafts)
-            for j, p in enumerate(parents):
-                depth[j] = depth[p] + 1 if p >= 0 else 1
+            depth = [d + 1 for d in tree_layout(parents)[0]]   # position of each draft after the last token
             choices = [answer[i]] + [answer[i + depth[j]] if i + depth[j] < len(answer) else -1
                                      for j in range(len(drafts))]
             accepted = len(walk_tree(drafts, parents, choices)[1])

@@ -22,7 +22,7 @@ from specserve.engine.kv_cache_manager import KVCacheManager
 from specserve.engine.output_processor import OutputProcessor, logprob_entries
 from specserve.engine.request import Request, RequestStatus
 from specserve.engine.scheduler import ScheduledRequest, Scheduler
-from specserve.model_executor.layers.attention import tree_layout
+from specserve.model_executor.layers.attention import cache_slot, tree_layout
 from specserve.model_executor.loader import load_model, resolve_dtype
 from specserve.outputs import RequestOutput, SpecDecodeStats
 from specserve.sample.rejection_sampler import rejection_sample
@@ -246,11 +246,12 @@ class LLMEngine:
         if not moves:
             return
         table, bs = self.kv_cache.block_table(req.request_id), self.config.block_size
-        slot = lambda p: table[p // bs] * bs + p % bs  # noqa: E731
-        self.runner.copy_kv_slots([slot(src) for src, _ in moves], [slot(dst) for _, dst in moves])
+        self.runner.copy_kv_slots([cache_slot(table, src, bs) for src, _ in moves],
+                                  [cache_slot(table, dst, bs) for _, dst in moves])
 
     def _verify(self, sampling: list[ScheduledRequest], logits: torch.Tensor):
-        """logits [sum (n_i + 1), V] -> {request_id: (tokens, num_accepted, logprobs)}."""
+        """logits [sum (n_i + 1), V] -> {request_id: (tokens, num_accepted, logprobs, tree path)};
+        the tree path (accepted draft indices) is None for chains."""
         reqs = [s.request for s in sampling]
         counts = [len(r.draft_token_ids) for r in reqs]
         params = [r.sampling_params for r in reqs]

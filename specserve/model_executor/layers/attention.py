@@ -93,6 +93,11 @@ def kv_cache_dtype_for(weight_dtype: torch.dtype, compute_dtype: torch.dtype, de
     return compute_dtype
 
 
+def cache_slot(block_table: list[int], position: int, block_size: int) -> int:
+    """The cache slot (in every head) of a request's token at ``position``."""
+    return block_table[position // block_size] * block_size + position % block_size
+
+
 def tree_layout(parents: list[int]) -> tuple[list[int], list[int]]:
     """Depths and ancestor bitmasks of a request's new tokens laid out as a tree.
 
@@ -258,8 +263,7 @@ class AttentionMetadata:
         token_start: list[int] = []
         for b, (q_len, ctx) in enumerate(zip(query_lens, context_lens)):
             token_start.append(len(slots))
-            blocks = block_tables[b]
-            slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(ctx - q_len, ctx))
+            slots.extend(cache_slot(block_tables[b], p, block_size) for p in range(ctx - q_len, ctx))
         everyone = list(range(len(query_lens)))
         on_kernel: list[int] = []
         if cpu_attention.usable(device, dtype, cache_dtype):
