@@ -67,6 +67,9 @@ class SpeculativeConfig:
         d = self.draft_tensor_parallel_size
         if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 1):
             raise ValueError(f"draft_tensor_parallel_size must be a positive integer, got {d!r}")
+        if self.prompt_lookup_tree and self.method != "ngram":
+            raise ValueError(f"prompt_lookup_tree is an ngram option (trees of drafts are verified for "
+                             f"proposers without probabilities), not for method {self.method!r}")
         if self.method == "ngram":
             if self.model is not None:
                 raise ValueError("the ngram method takes no speculative model")

@@ -158,3 +158,12 @@ def test_tree_proposer_returns_parents():
     assert proposal.token_ids == [[1, 2, 3], []]
     assert proposal.parents == [[-1, 0, -1], []]
     assert proposal.probs == [None, None]
+
+
+def test_tree_is_an_ngram_option_only():
+    from specserve.config import SpeculativeConfig
+
+    assert SpeculativeConfig(method="ngram", prompt_lookup_tree=True).prompt_lookup_tree
+    for method in ("draft_model", "eagle"):
+        with pytest.raises(ValueError, match="prompt_lookup_tree is an ngram option"):
+            SpeculativeConfig(method=method, model="/some/draft", prompt_lookup_tree=True)
