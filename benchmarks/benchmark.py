@@ -3,7 +3,9 @@
 Prompts are JSONL in Spec-Bench's format (``question_id``, ``category``, ``turns``);
 the first turn is sent as one chat message. Every engine runs the SAME prompts
 with the same number of new tokens (greedy, ``ignore_eos`` / ``min_new_tokens``),
-and the engines are interleaved group by group (alternating their order), so a
+or, with ``--stop-at-eos``, Spec-Bench's protocol: each answer ends at the
+end-of-sequence token or ``--max-tokens`` (greedy speculative output equals plain
+output, so both specserve engines still do the same work), and the engines are interleaved group by group (alternating their order), so a
 noisy machine slows all of them alike and the ratios stay meaningful.
 
 Engines compared in one run:
@@ -97,6 +99,7 @@ class SpecserveEngine:
         from specserve import LLM
 
         self.name = name
+        self.stop_at_eos = args.stop_at_eos
         kv = int(args.kv_cache_gb * (1 << 30))
         self.llm = LLM(
             model=args.model,
@@ -115,7 +118,7 @@ class SpecserveEngine:
         from specserve import SamplingParams
 
         params = [
-            SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True,
+            SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=not self.stop_at_eos,
                            seed=None if temperature == 0 else 1000 + i)
             for i in range(len(prompts))
         ]
@@ -147,6 +150,7 @@ class TransformersEngine:
         self.tok = loaded.tokenizer
         pad = self.tok.pad_token_id
         self.pad_id = pad if pad is not None else self.tok.eos_token_id
+        self.stop_at_eos = args.stop_at_eos
 
     @torch.inference_mode()
     def run(self, prompts: list[Prompt], max_tokens: int, temperature: float) -> RunResult:
@@ -157,13 +161,19 @@ class TransformersEngine:
             n = len(p.token_ids)
             ids[i, width - n:] = torch.tensor(p.token_ids)
             mask[i, width - n:] = 1
-        kwargs = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, pad_token_id=self.pad_id)
+        kwargs = dict(max_new_tokens=max_tokens, pad_token_id=self.pad_id)
+        if not self.stop_at_eos:
+            kwargs.update(min_new_tokens=max_tokens)
         if temperature == 0:
             kwargs.update(do_sample=False)
         else:
             kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
         out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs)
-        return RunResult([row[width:].tolist() for row in out], [None] * len(prompts))
+        rows = [row[width:].tolist() for row in out]
+        if self.stop_at_eos:  # a batch row that ended early is padded: keep up to its end-of-sequence token
+            eos = self.tok.eos_token_id
+            rows = [r[: r.index(eos) + 1] if eos in r else r for r in rows]
+        return RunResult(rows, [None] * len(prompts))
 
 
 # --------------------------------------------------------------------------- stats
@@ -200,6 +210,9 @@ def parse_args(argv=None):
     ap.add_argument("--categories", default=None, help="comma-separated categories to keep")
     ap.add_argument("--limit-per-category", type=int, default=None)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--stop-at-eos", action="store_true",
+                    help="answers end at the end-of-sequence token (Spec-Bench's protocol) instead of "
+                         "always running --max-tokens tokens")
     ap.add_argument("--batch-sizes", default="1,16")
     ap.add_argument("--dtype", default="auto", help="specserve's dtype")
     ap.add_argument("--baseline-dtypes", default="bfloat16",

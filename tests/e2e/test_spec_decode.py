@@ -13,9 +13,10 @@ output has the target's distribution. Proposers:
 - ``draft_model`` with the target itself as the draft ("self"): every draft token
   is accepted, so it exercises long accepted runs and bonus tokens.
 
-float32 throughout: in bfloat16 a verification forward over k+1 query tokens
-rounds differently from a one-token decode step, so a near-tie can flip a greedy
-token without any bug. Engines are built lazily and reused (``engines``),
+float32 throughout, except the default-dtype tests: only the default CPU dtype
+pads its matmuls to row-invariant kernels (docs/architecture.md, "Numerics"), so
+float32 equality holds on these prompts but a near-tie elsewhere could flip a
+greedy token; float32 keeps the logits close to transformers' for the other tests. Engines are built lazily and reused (``engines``),
 with the weights loaded once per module (``shared_weights``).
 """
 from __future__ import annotations
@@ -265,6 +266,29 @@ def test_greedy_equals_plain_in_default_dtype(prompts):
         assert delta.num_accepted_tokens > 0
         del llm
         gc.collect()
+
+
+NEAR_TIE_QUESTION = ("Consider a satellite that is in a circular orbit around the Earth. The speed of the "
+                     "satellite decreases. What will happen to the satellite's orbital radius and period of "
+                     "revolution? Please justify your answer using principles of physics.")
+
+
+def test_greedy_equals_plain_through_a_near_tie():
+    """Spec-Bench question 142 in the default dtype: at token 225 the model's top two logits
+    are 0.0016 apart, and before matmuls were padded to row-invariant kernels
+    (``fp16_gemm.exact_row_count``) n-gram speculation emitted the other token there
+    (it fails with SPECSERVE_EXACT_GEMM=0)."""
+    params = SamplingParams(temperature=0, max_tokens=232)
+    messages = [{"role": "user", "content": NEAR_TIE_QUESTION}]
+    kw = dict(max_model_len=512, kv_cache_memory=1 << 26)
+    plain = LLM(**kw)
+    want = plain.chat(messages, params)[0].outputs[0].token_ids
+    del plain
+    spec = LLM(**kw, speculative_config={"method": "ngram", "num_speculative_tokens": 5,
+                                         "prompt_lookup_min": 1, "prompt_lookup_max": 5})
+    got = spec.chat(messages, params)[0].outputs[0].token_ids
+    assert len(want) == 232
+    assert got == want
 
 
 # ------------------------------------------------------------------ sampling

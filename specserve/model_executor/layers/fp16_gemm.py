@@ -14,10 +14,32 @@ rounded to float16 (11-bit mantissa, 8x finer than bfloat16), and so is the KV
 cache where the attention kernel reads float16 (``attention.kv_cache_dtype_for``).
 This is the CPU meaning of ``dtype="float16"``. On accelerators float16 is
 the ordinary dtype and none of this is used.
+
+Row invariance. fbgemm computes a call's rows in chunks of 1 to 6 rows, and its
+1- and 2-row kernels sum in another order than the 3- to 6-row ones, so a row's
+last bits depended on how many rows shared its call: a one-token decode step and
+the same token verified with drafts differed by ~1e-6, and a near-tie could flip
+a greedy token (1 of 52 Spec-Bench answers, 256 tokens each). Each call is
+therefore padded with zero rows to the nearest row count whose chunks all have 3
+rows or more (``exact_row_count``; a decode step at batch 1 runs 3 rows, which
+made it ~20% slower here, docs/benchmarks.md), so every row gets the bits of the 3-6-row kernels
+whatever the batch. Which counts qualify is measured once per process
+(``_probe_exact_row_counts``), not assumed. ``SPECSERVE_EXACT_GEMM=0`` turns the
+padding off: faster one-row steps, but greedy speculative output may then differ
+from plain output at near-ties.
 """
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
+
+EXACT_GEMM = os.environ.get("SPECSERVE_EXACT_GEMM", "1") != "0"
+
+# Row counts up to this are padded to an exact count; larger calls (long prefill
+# chunks) run as they are: plain and speculative engines chunk a prompt alike.
+EXACT_ROWS_LIMIT = 512
 
 
 def cpu_fp16_gemm_available(device: torch.device | str) -> bool:
@@ -57,6 +79,32 @@ def round_to_weight_dtype(
             module.weight.data = module.weight.data.to(weight_dtype).to(compute_dtype)
 
 
+@functools.lru_cache(maxsize=None)
+def _probe_exact_row_counts(limit: int = EXACT_ROWS_LIMIT) -> tuple[bool, ...]:
+    """exact[m]: an m-row call gives every row the bits of that row in a 3-row call.
+
+    Measured on a small random weight: fbgemm's split of m rows into kernels does not
+    depend on the weight's shape or the thread count (checked against the default
+    model's shapes at 1 and 2 threads).
+    """
+    gen = torch.Generator().manual_seed(0)
+    in_features = 256
+    packed = torch.ops.quantized.linear_prepack_fp16(torch.randn(32, in_features, generator=gen), None)
+    x = torch.randn(limit, in_features, generator=gen)           # [limit, in]
+    gemm = torch.ops.quantized.linear_dynamic_fp16.default
+    pad = x.new_zeros(2, in_features)
+    reference = torch.cat([gemm(torch.cat([x[j : j + 1], pad]), packed)[:1] for j in range(limit)])  # [limit, 32]
+    return (False,) + tuple(torch.equal(gemm(x[:m], packed), reference[:m]) for m in range(1, limit + 1))
+
+
+def exact_row_count(rows: int) -> int:
+    """The row count to run a ``rows``-row call at so that each row's bits do not depend on ``rows``."""
+    if rows > EXACT_ROWS_LIMIT or not EXACT_GEMM:
+        return rows
+    exact = _probe_exact_row_counts()
+    return next((m for m in range(rows, EXACT_ROWS_LIMIT + 1) if exact[m]), rows)
+
+
 class PackedFp16Weight:
     """A weight [out, in] (and optional bias [out]) prepacked for fbgemm's fp16 GEMM."""
 
@@ -66,6 +114,11 @@ class PackedFp16Weight:
         )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] fp32 -> [T, out] fp32
+        rows = x.shape[0]
+        padded = exact_row_count(rows)
+        if padded != rows:   # zero rows up to an exact count (module docstring)
+            x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])   # [padded, in]
         # The overload itself: the packet's Python-side dispatch checks cost ~10 us a call.
-        return torch.ops.quantized.linear_dynamic_fp16.default(x, self._packed)
+        out = torch.ops.quantized.linear_dynamic_fp16.default(x, self._packed)   # [padded, out]
+        return out if padded == rows else out[:rows]
 

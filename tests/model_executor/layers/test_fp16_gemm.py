@@ -74,3 +74,28 @@ def test_compute_dtype():
     assert compute_dtype_for(torch.float16, "cuda") == torch.float16
     assert compute_dtype_for(torch.bfloat16, "cpu") == torch.bfloat16
     assert compute_dtype_for(torch.float32, "cpu") == torch.float32
+
+
+@needs_fbgemm
+@pytest.mark.skipif(not fp16_gemm.EXACT_GEMM, reason="SPECSERVE_EXACT_GEMM=0")
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (1000, 576)])
+def test_a_rows_bits_do_not_depend_on_the_rows_sharing_its_call(shape):
+    """Greedy verification equals plain decoding only if a row computed with drafts (or other
+    requests) gets the bits it gets alone. Unpadded, fbgemm's 1- and 2-row kernels differ in
+    the last bits from its 3-6-row ones, so rows failed this at 1, 2, 7, 14, 31, 32, ... rows."""
+    out_features, in_features = shape
+    torch.manual_seed(0)
+    packed = PackedFp16Weight(torch.randn(out_features, in_features) * 0.05)
+    x = torch.randn(140, in_features)                                         # [140, in]
+    alone = torch.cat([packed(x[j : j + 1]) for j in range(len(x))])          # each row in its own call
+    for rows in range(1, len(x) + 1):
+        assert torch.equal(packed(x[:rows]), alone[:rows]), f"{rows} rows"
+
+
+@needs_fbgemm
+@pytest.mark.skipif(not fp16_gemm.EXACT_GEMM, reason="SPECSERVE_EXACT_GEMM=0")
+def test_exact_row_count_pads_only_what_it_must():
+    counts = [fp16_gemm.exact_row_count(m) for m in range(1, 9)]
+    assert counts[0] >= 1 and all(c >= m for c, m in zip(counts, range(1, 9)))
+    assert counts[2:6] == [3, 4, 5, 6]                    # 3-6 rows run as they are
+    assert fp16_gemm.exact_row_count(fp16_gemm.EXACT_ROWS_LIMIT + 5) == fp16_gemm.EXACT_ROWS_LIMIT + 5
