@@ -31,7 +31,7 @@ from specserve.engine.kv_cache_manager import KVCacheManager
 from specserve.engine.request import Request
 from specserve.engine.scheduler import ScheduledRequest
 from specserve.model_executor.layers.attention import AttentionMetadata, kv_cache_dtype_for, kv_cache_shape
-from specserve.model_executor.layers.fp16_gemm import compute_dtype_for, round_to_weight_dtype
+from specserve.model_executor.layers.fp16_gemm import compute_dtype_for, round_to_weight_dtype, skip_row_padding
 from specserve.model_executor.layers.linear import ColumnParallelLinear
 from specserve.model_executor.models.eagle import EagleHead
 from specserve.sample.sampler import SamplingTensors, processed_probs, sample_from_probs
@@ -98,6 +98,8 @@ class EagleProposer(Proposer):
         self.lm_head.to(device)
         round_to_weight_dtype(self.head, weight_dtype, dtype, device)
         round_to_weight_dtype(self.lm_head, weight_dtype, dtype, device)
+        skip_row_padding(self.head)
+        skip_row_padding(self.lm_head)
         cfg = head.config
         shape = kv_cache_shape(kv_cache.num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv = torch.zeros(shape, dtype=kv_cache_dtype_for(weight_dtype, dtype, device), device=device)

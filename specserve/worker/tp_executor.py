@@ -40,6 +40,7 @@ from specserve.distributed.launcher import (
     startup_timeout_s,
 )
 from specserve.distributed.parallel_state import TensorParallelGroup
+from specserve.model_executor.layers.fp16_gemm import skip_row_padding
 from specserve.model_executor.models.registry import get_model_class
 from specserve.worker.model_runner import ForwardInput, ForwardOutput, ModelRunner
 
@@ -122,9 +123,11 @@ def build_draft_runner(spec, engine, loaded, dtype: torch.dtype):
     tp = engine.config.tensor_parallel_size
     draft_tp = spec.draft_tensor_parallel_size or 1
     if draft_tp == 1 or tp == 1:
-        return ModelRunner(
+        runner = ModelRunner(
             loaded.config, loaded.state_dict, dtype, engine.device, engine.max_model_len, engine.config.block_size
         )
+        skip_row_padding(runner.model)
+        return runner
     check_tp_splittable(loaded.config, tp, "the draft", loaded.name)
     return engine.runner.add_model(DRAFT, loaded.config, loaded.state_dict, dtype, engine.max_model_len)
 

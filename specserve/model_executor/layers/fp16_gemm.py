@@ -105,8 +105,19 @@ def exact_row_count(rows: int) -> int:
     return next((m for m in range(rows, EXACT_ROWS_LIMIT + 1) if exact[m]), rows)
 
 
+def skip_row_padding(model: torch.nn.Module) -> None:
+    """A draft's matmuls need not be row-invariant (its tokens are only proposals, checked by
+    the target): run them unpadded, which keeps its one-row steps cheaper."""
+    for module in model.modules():
+        packed = getattr(module, "packed", None)
+        if isinstance(packed, PackedFp16Weight):
+            packed.exact_rows = False
+
+
 class PackedFp16Weight:
     """A weight [out, in] (and optional bias [out]) prepacked for fbgemm's fp16 GEMM."""
+
+    exact_rows = True   # pad calls to row-invariant row counts (module docstring)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self._packed = torch.ops.quantized.linear_prepack_fp16(
@@ -115,7 +126,7 @@ class PackedFp16Weight:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] fp32 -> [T, out] fp32
         rows = x.shape[0]
-        padded = exact_row_count(rows)
+        padded = exact_row_count(rows) if self.exact_rows else rows
         if padded != rows:   # zero rows up to an exact count (module docstring)
             x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])   # [padded, in]
         # The overload itself: the packet's Python-side dispatch checks cost ~10 us a call.
