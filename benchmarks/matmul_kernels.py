@@ -1,12 +1,18 @@
-"""Skinny matmuls on this CPU: why specserve stores weights in float16 here.
+"""Skinny matmuls on this CPU: why specserve stores weights in float16 here, and
+whose fp16-weight kernel it runs.
 
 A decode step multiplies a few rows of activations (1 per request, k+1 when
-verifying drafts) by every weight matrix. This times ``F.linear`` in float32 and
-bfloat16 against fbgemm's fp16-weight GEMM (what specserve uses on CPUs for
-``dtype="float16"``/``"auto"``) for the default model's weight shapes, at the
-row counts a step has, in one run:
+verifying drafts) by every weight matrix. Two tables, in one run:
 
-    python benchmarks/matmul_kernels.py --threads 1
+1. Each weight shape of the default model alone (so small ones sit in cache):
+   ``F.linear`` in float32 and bfloat16, fbgemm's fp16-weight GEMM, and
+   specserve's row-invariant fp16-weight kernel (``cpu_gemm``, what
+   ``dtype="auto"`` runs on CPUs where it builds).
+2. A whole model's matmuls as a forward runs them: 30 layers of distinct random
+   weights and the LM head, streamed from memory, fbgemm and specserve's kernel
+   interleaved pass by pass (min ms per pass).
+
+    python benchmarks/matmul_kernels.py --threads 2
 """
 from __future__ import annotations
 
@@ -16,10 +22,12 @@ import time
 import torch
 import torch.nn.functional as F
 
-from specserve.model_executor.layers.fp16_gemm import PackedFp16Weight, cpu_fp16_gemm_available
+from specserve.model_executor.layers import cpu_gemm
+from specserve.model_executor.layers.fp16_gemm import fbgemm_available
 
 # SmolLM2-135M: fused q/k/v, o, fused gate/up, down, LM head ([out, in]).
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
+LAYER_SHAPES = [shape for name, shape in SHAPES.items() if name != "lm_head"]
 
 
 def time_ms(fn, min_seconds: float = 0.3) -> float:
@@ -32,40 +40,63 @@ def time_ms(fn, min_seconds: float = 0.3) -> float:
     return (time.perf_counter() - start) / n * 1e3
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--rows", default="1,2,5,16")
-    args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if not cpu_fp16_gemm_available("cpu"):
-        raise SystemExit("this PyTorch build has no fbgemm (not x86-64?)")
-    rows = [int(r) for r in args.rows.split(",")]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}")
-    print("| weight [out, in] | rows | fp32 ms | bf16 ms | fp16-weight (fbgemm) ms | fp32 / fp16-weight |")
+def fbgemm_fn(weight: torch.Tensor):
+    packed = torch.ops.quantized.linear_prepack_fp16(weight.float(), None)
+    return lambda x: torch.ops.quantized.linear_dynamic_fp16.default(x, packed)
+
+
+def specserve_fn(weight: torch.Tensor):
+    half = weight.half().contiguous()
+    return lambda x: cpu_gemm.fp16_weight_matmul(x, half, None)
+
+
+def per_shape_table(rows: list[int]) -> None:
+    print("| weight [out, in] | rows | fp32 ms | bf16 ms | fbgemm fp16-weight ms | specserve fp16-weight ms |")
     print("|---|---|---|---|---|---|")
-    totals = {m: [0.0, 0.0, 0.0] for m in rows}
     for name, (out_f, in_f) in SHAPES.items():
         w = torch.randn(out_f, in_f)
         w_bf16 = w.bfloat16()
-        packed = PackedFp16Weight(w)
+        fbgemm, ours = fbgemm_fn(w), specserve_fn(w)
         for m in rows:
             x = torch.randn(m, in_f)
             x_bf16 = x.bfloat16()
             t32 = time_ms(lambda: F.linear(x, w))
             tbf = time_ms(lambda: F.linear(x_bf16, w_bf16))
-            t16 = time_ms(lambda: packed(x))
-            for i, t in enumerate((t32, tbf, t16)):
-                totals[m][i] += t * (30 if name != "lm_head" else 1)
-            print(f"| {name} {list((out_f, in_f))} | {m} | {t32:.3f} | {tbf:.3f} | {t16:.3f} | {t32 / t16:.1f}x |")
-    print()
-    print("Whole model (30 layers + LM head), ms of matmul per forward:\n")
-    print("| rows | fp32 | bf16 | fp16-weight | cost vs 1 row (fp16-weight) |")
-    print("|---|---|---|---|---|")
+            t_fb, t_ours = time_ms(lambda: fbgemm(x)), time_ms(lambda: ours(x))
+            print(f"| {name} {[out_f, in_f]} | {m} | {t32:.3f} | {tbf:.3f} | {t_fb:.3f} | {t_ours:.3f} |")
+
+
+def whole_model_table(rows: list[int], passes: int) -> None:
+    weights = [torch.randn(o, i) for _ in range(30) for (o, i) in LAYER_SHAPES] + [torch.randn(*SHAPES["lm_head"])]
+    kernels = {"fbgemm": [fbgemm_fn(w) for w in weights], "specserve": [specserve_fn(w) for w in weights]}
+    print("\n| rows | fbgemm ms per forward | specserve ms per forward | specserve / fbgemm |")
+    print("|---|---|---|---|")
     for m in rows:
-        t32, tbf, t16 = totals[m]
-        print(f"| {m} | {t32:.1f} | {tbf:.1f} | {t16:.1f} | {t16 / totals[rows[0]][2]:.2f}x |")
+        inputs = [torch.randn(m, w.shape[1]) for w in weights]
+        best = {name: float("inf") for name in kernels}
+        for _ in range(passes):   # interleaved, so both see the same machine
+            for name, fns in kernels.items():
+                start = time.perf_counter()
+                for fn, x in zip(fns, inputs):
+                    fn(x)
+                best[name] = min(best[name], (time.perf_counter() - start) * 1e3)
+        print(f"| {m} | {best['fbgemm']:.1f} | {best['specserve']:.1f} | {best['specserve'] / best['fbgemm']:.2f} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--rows", default="1,2,6,16")
+    ap.add_argument("--model-rows", default="1,2,3,6,16,64,512", help="row counts of the whole-model table")
+    ap.add_argument("--passes", type=int, default=5)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not fbgemm_available() or not cpu_gemm.available():
+        raise SystemExit("needs both fbgemm (x86-64 PyTorch) and specserve's kernel (a C compiler, F16C)")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}")
+    per_shape_table([int(r) for r in args.rows.split(",")])
+    whole_model_table([int(r) for r in args.model_rows.split(",")], args.passes)
 
 
 if __name__ == "__main__":

@@ -79,7 +79,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     """Map a dtype name to the dtype the weights are stored in.
 
     "auto" is bfloat16 on accelerators. On a CPU it is float16 weights with
-    float32 activations where fbgemm's fp16-weight GEMM exists (x86-64; 2.1x
+    float32 activations where an fp16-weight matmul exists (fp16_gemm; x86-64; 2.1x
     faster decoding than float32 and greedy outputs identical on the default
     prompts, see docs/benchmarks.md), else float32. Not bfloat16 on CPUs: the
     default model's 4-bit GGUF weights lose visible quality when rounded to

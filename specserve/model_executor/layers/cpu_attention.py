@@ -6,9 +6,7 @@ twice and SDPA pays a set-up cost per (head, request). At batch 16 that made
 attention a third of a decode step. ``cpu_kernels/paged_attention.c`` reads each
 request's K/V once through its block table instead.
 
-The C file is compiled on first use with the system C compiler (``cc``, or
-``$CC``) into ``~/.cache/specserve/kernels`` (``$SPECSERVE_CACHE_DIR``), keyed
-by the source and the CPU's flags (it is built with ``-march=native``), and
+The C file is compiled on first use (``kernel_build.build_library``) and
 called through ctypes. It shares the (request, KV head) pairs out over
 ``torch.get_num_threads()`` OpenMP threads. Built with ``-fopenmp``, it links
 ``libgomp.so.1``, which resolves to the copy torch already loaded, so those are
@@ -28,20 +26,15 @@ both).
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
-import tempfile
 import threading
-from pathlib import Path
 
 import torch
 
-logger = logging.getLogger(__name__)
+from specserve.model_executor.layers.kernel_build import build_library
 
-SOURCE = Path(__file__).with_name("cpu_kernels") / "paged_attention.c"
+logger = logging.getLogger(__name__)
 
 # Requests with more new tokens than this (prefill chunks) take the PyTorch path, whose
 # SDPA runs them as matrix products; decoding and verification (k + 1 tokens) take the kernel.
@@ -60,39 +53,8 @@ _library: ctypes.CDLL | None = None
 _load_attempted = False
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return os.uname().machine
-
-
 def _build() -> ctypes.CDLL:
-    source = SOURCE.read_bytes()
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError("no C compiler found (set CC)")
-    key = hashlib.sha256(source + _cpu_flags().encode() + compiler.encode() + " ".join(COMPILE_FLAGS).encode())
-    cache = Path(os.environ.get("SPECSERVE_CACHE_DIR", Path.home() / ".cache" / "specserve")) / "kernels"
-    target = cache / f"paged_attention-{key.hexdigest()[:16]}.so"
-    if not target.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            built = Path(tmp) / target.name
-            base = [compiler, *COMPILE_FLAGS, "-shared", "-fPIC", str(SOURCE), "-o", str(built)]
-            # With OpenMP the pairs run on torch's worker threads; a compiler without it builds
-            # the same kernel single-threaded (the pragmas are then ignored).
-            result = subprocess.run(base + ["-fopenmp", "-lm"], capture_output=True, text=True)
-            if result.returncode != 0:
-                logger.info("building the CPU attention kernel without OpenMP: %s", result.stderr[-500:])
-                result = subprocess.run(base + ["-lm"], capture_output=True, text=True)
-            if result.returncode != 0:
-                raise RuntimeError(f"{' '.join(base)} failed:\n{result.stderr[-2000:]}")
-            os.replace(built, target)  # atomic: concurrent processes never load a half-written file
-    lib = ctypes.CDLL(str(target))
+    lib = build_library("paged_attention.c", COMPILE_FLAGS)
     fn = lib.specserve_paged_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int, ctypes.c_int,

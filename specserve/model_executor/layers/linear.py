@@ -39,9 +39,9 @@ class ColumnParallelLinear(nn.Module):
         self.packed: PackedFp16Weight | None = None  # set by pack_fp16 (CPU, dtype float16)
 
     def pack_fp16(self) -> None:
-        """Use fbgemm's fp16-weight GEMM from now on; ``weight`` keeps the fp16 values it uses."""
+        """Use the CPU fp16-weight matmul from now on (fp16_gemm); ``weight`` becomes its float16 tensor."""
         self.packed = PackedFp16Weight(self.weight, self.bias)
-        self.weight.data = self.weight.data.half()
+        self.weight.data = self.packed.weight   # the same float16 tensor
 
     def load(self, parts: list[torch.Tensor], bias_parts: list[torch.Tensor] | None = None) -> None:
         """parts: full [out_i, in] tensors, one per fused output."""
@@ -81,9 +81,9 @@ class RowParallelLinear(nn.Module):
         self.packed: PackedFp16Weight | None = None  # set by pack_fp16 (CPU, dtype float16)
 
     def pack_fp16(self) -> None:
-        """Use fbgemm's fp16-weight GEMM from now on (the bias is added after the all-reduce)."""
+        """Use the CPU fp16-weight matmul from now on (the bias is added after the all-reduce)."""
         self.packed = PackedFp16Weight(self.weight)
-        self.weight.data = self.weight.data.half()
+        self.weight.data = self.packed.weight   # the same float16 tensor
 
     def load(self, full: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         start, length = self.tp.shard(full.shape[1], "input features", self.num_units)

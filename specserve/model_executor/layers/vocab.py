@@ -45,9 +45,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     packed: PackedFp16Weight | None = None  # set by pack_fp16 (CPU, dtype float16)
 
     def pack_fp16(self) -> None:
-        """Use fbgemm's fp16-weight GEMM for the logits; ``weight`` keeps the fp16 values it uses."""
+        """Use the CPU fp16-weight matmul for the logits; ``weight`` becomes its float16 tensor."""
         self.packed = PackedFp16Weight(self.weight)
-        self.weight.data = self.weight.data.half()
+        self.weight.data = self.packed.weight   # the same float16 tensor
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [N, hidden] -> [N, vocab] fp32
         if self.packed is not None:

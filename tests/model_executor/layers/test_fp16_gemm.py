@@ -1,11 +1,12 @@
-"""The CPU fp16-weight GEMM: same numbers as a float32 matmul over float16-rounded weights."""
+"""The CPU fp16-weight matmuls (specserve's kernel and the fbgemm fallback): the numbers of a
+float32 matmul over float16-rounded weights, and a row's bits independent of its call."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from specserve.model_executor.layers import fp16_gemm
+from specserve.model_executor.layers import cpu_gemm, fp16_gemm
 from specserve.model_executor.layers.fp16_gemm import (PackedFp16Weight, compute_dtype_for, cpu_fp16_gemm_available,
                                                       round_to_weight_dtype)
 from specserve.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -18,12 +19,25 @@ def rounded(w: torch.Tensor) -> torch.Tensor:
     return w.half().float()
 
 
-@needs_fbgemm
+@pytest.fixture(params=["kernel", "fbgemm"])
+def gemm_path(request, monkeypatch):
+    """PackedFp16Weight on specserve's kernel, or on fbgemm (where the kernel does not serve)."""
+    if request.param == "kernel" and not cpu_gemm.available():
+        pytest.skip("specserve's kernel did not build here")
+    if request.param == "fbgemm":
+        if not cpu_fp16_gemm_available("cpu") or not fp16_gemm.fbgemm_available():
+            pytest.skip("PyTorch built without fbgemm")
+        monkeypatch.setattr(cpu_gemm, "serves", lambda in_features: False)
+    return request.param
+
+
 @pytest.mark.parametrize("rows", [1, 2, 5, 16])
-def test_packed_weight_matches_fp32_matmul_of_rounded_weights(rows):
+def test_packed_weight_matches_fp32_matmul_of_rounded_weights(rows, gemm_path):
     torch.manual_seed(rows)
     w, b, x = torch.randn(96, 64), torch.randn(96), torch.randn(rows, 64)
-    got = PackedFp16Weight(w, b)(x)                                            # [rows, 96]
+    packed = PackedFp16Weight(w, b)
+    assert (packed._packed is None) == (gemm_path == "kernel")   # fbgemm's copy only when it is used
+    got = packed(x)                                                            # [rows, 96]
     want = F.linear(x, rounded(w), b)  # fbgemm keeps the bias in float32
     # fp32 accumulation in another order: ~1e-6 relative; rounding the weights alone is ~1e-3.
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
@@ -76,13 +90,14 @@ def test_compute_dtype():
     assert compute_dtype_for(torch.float32, "cpu") == torch.float32
 
 
-@needs_fbgemm
-@pytest.mark.skipif(not fp16_gemm.EXACT_GEMM, reason="SPECSERVE_EXACT_GEMM=0")
 @pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (1000, 576)])
-def test_a_rows_bits_do_not_depend_on_the_rows_sharing_its_call(shape):
+def test_a_rows_bits_do_not_depend_on_the_rows_sharing_its_call(shape, gemm_path):
     """Greedy verification equals plain decoding only if a row computed with drafts (or other
     requests) gets the bits it gets alone. Unpadded, fbgemm's 1- and 2-row kernels differ in
-    the last bits from its 3-6-row ones, so rows failed this at 1, 2, 7, 14, 31, 32, ... rows."""
+    the last bits from its 3-6-row ones, so rows failed this at 1, 2, 7, 14, 31, 32, ... rows;
+    specserve's kernel sums every row alike by construction."""
+    if gemm_path == "fbgemm" and not fp16_gemm.EXACT_GEMM:
+        pytest.skip("SPECSERVE_EXACT_GEMM=0 turns the fbgemm path's padding off")
     out_features, in_features = shape
     torch.manual_seed(0)
     packed = PackedFp16Weight(torch.randn(out_features, in_features) * 0.05)

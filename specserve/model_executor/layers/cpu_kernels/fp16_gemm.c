@@ -1,0 +1,208 @@
+/* Row-invariant matmul of float32 activations with float16 weights, for CPUs with F16C.
+ *
+ * Called from specserve/model_executor/layers/fp16_gemm.py through ctypes:
+ *     out[r, j] = sum_k x[r, k] * w[j, k]   (+ bias[j])
+ *   x    [rows, in]  float32, row stride ldx (the last dimension contiguous)
+ *   w    [out, in]   float16 bits, contiguous (the layer's weight as stored)
+ *   bias [out]       float32, or NULL
+ *   out  [rows, out] float32, row stride ldo
+ *
+ * Why not fbgemm: fbgemm runs a call's rows through 1-, 2- and 3-6-row kernels that
+ * sum in different orders, so a row's last bits depended on how many rows shared its
+ * call, and greedy speculative output could differ from plain output at a near-tie.
+ * Here every out[r, j] is the same sequence of operations whatever the row count,
+ * the thread count or the block a row lands in: VEC float32 lanes accumulate
+ * x[r, k:k+VEC] * w[j, k:k+VEC] over k in order, one FMA each, then the lanes are
+ * added in a fixed tree, then the bias. The blocks below only decide how many such
+ * sums run at once (a weight vector converted once for up to R_MAX rows, an activation
+ * vector loaded once for 4 outputs); they never change a sum. Built with
+ * -ffp-contract=off so the compiler fuses nothing on its own.
+ *
+ * Speed: a decode step is bound by streaming the weights from memory, so the weights
+ * are prefetched a few cache lines ahead. Calls with more rows than one block convert
+ * each 4-output weight block to float32 once (exact) and reuse it for every row.
+ *
+ * VEC is 16 with AVX-512, else 8: the sums, and so the bits, are those of this build on
+ * this CPU. in must be a multiple of VEC (specserve_fp16_gemm_vector_width); the Python
+ * side falls back to fbgemm otherwise.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__)
+#define VEC 16
+#define R_MAX 6 /* 4 x 6 accumulators + 4 weight vectors fit AVX-512's 32 registers */
+#else
+#define VEC 8
+#define R_MAX 3 /* 4 x 3 + 4 fit AVX2's 16 */
+#endif
+#define PREFETCH_AHEAD 1024 /* weights, in float16 elements (2 KB) */
+
+typedef float vecf __attribute__((vector_size(VEC * 4)));
+
+int specserve_fp16_gemm_vector_width(void) {
+#if defined(__F16C__)
+    return VEC;
+#else
+    return 0; /* not built: the Python side uses fbgemm */
+#endif
+}
+
+#if defined(__F16C__)
+
+static inline vecf load_f32(const float *p) {
+    vecf v;
+    memcpy(&v, p, sizeof v); /* unaligned load */
+    return v;
+}
+
+static inline vecf load_f16(const uint16_t *p) { /* float16 -> float32, exact */
+#if VEC == 16
+    const __m512 f = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#else
+    const __m256 f = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#endif
+    vecf v;
+    memcpy(&v, &f, sizeof v);
+    return v;
+}
+
+static inline vecf fma_vec(vecf a, vecf b, vecf acc) { /* acc + a * b, one rounding where the CPU has FMA */
+#if VEC == 16
+    __m512 x, y, z;
+    memcpy(&x, &a, sizeof x), memcpy(&y, &b, sizeof y), memcpy(&z, &acc, sizeof z);
+    z = _mm512_fmadd_ps(x, y, z);
+    memcpy(&acc, &z, sizeof acc);
+    return acc;
+#elif defined(__FMA__)
+    __m256 x, y, z;
+    memcpy(&x, &a, sizeof x), memcpy(&y, &b, sizeof y), memcpy(&z, &acc, sizeof z);
+    z = _mm256_fmadd_ps(x, y, z);
+    memcpy(&acc, &z, sizeof acc);
+    return acc;
+#else
+    return acc + a * b;
+#endif
+}
+
+static inline float lanes_sum(vecf v) { /* the fixed tree every output uses */
+    float t[8];
+#if VEC == 16
+    for (int i = 0; i < 8; i++) t[i] = v[i] + v[i + 8];
+#else
+    for (int i = 0; i < 8; i++) t[i] = v[i];
+#endif
+    const float s0 = t[0] + t[4], s1 = t[1] + t[5], s2 = t[2] + t[6], s3 = t[3] + t[7];
+    return (s0 + s2) + (s1 + s3);
+}
+
+/* J outputs x R rows (J, R, HALF compile-time constants after inlining). The weights are
+ * float16 bits (wh, HALF = 1) or their float32 copy (wf, HALF = 0): the same values. */
+static inline __attribute__((always_inline)) void gemm_block(const float *x, int64_t ldx, const uint16_t *wh,
+                                                             const float *wf, int64_t in, const float *bias,
+                                                             float *out, int64_t ldo, const int J, const int R,
+                                                             const int HALF) {
+    vecf acc[R_MAX][4];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < J; j++) acc[r][j] = (vecf){0};
+    for (int64_t k = 0; k < in; k += VEC) {
+        vecf wv[4];
+        for (int j = 0; j < J; j++) {
+            if (HALF) {
+                _mm_prefetch((const char *)(wh + j * in + k + PREFETCH_AHEAD), _MM_HINT_T0);
+                wv[j] = load_f16(wh + j * in + k);
+            } else {
+                wv[j] = load_f32(wf + j * in + k);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const vecf xv = load_f32(x + r * ldx + k);
+            for (int j = 0; j < J; j++) acc[r][j] = fma_vec(xv, wv[j], acc[r][j]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < J; j++) {
+            const float s = lanes_sum(acc[r][j]);
+            out[r * ldo + j] = bias ? s + bias[j] : s;
+        }
+}
+
+/* Rows [row0, row1) against J outputs, R_MAX rows at a time. */
+static inline __attribute__((always_inline)) void gemm_rows(const float *x, int64_t ldx, int64_t row0,
+                                                            int64_t row1, const uint16_t *wh, const float *wf,
+                                                            int64_t in, const float *bias, float *out,
+                                                            int64_t ldo, const int J, const int HALF) {
+    int64_t r = row0;
+    for (; r + R_MAX <= row1; r += R_MAX) gemm_block(x + r * ldx, ldx, wh, wf, in, bias, out + r * ldo, ldo, J, R_MAX, HALF);
+    switch (row1 - r) {
+#if R_MAX > 5
+    case 5: gemm_block(x + r * ldx, ldx, wh, wf, in, bias, out + r * ldo, ldo, J, 5, HALF); break;
+    case 4: gemm_block(x + r * ldx, ldx, wh, wf, in, bias, out + r * ldo, ldo, J, 4, HALF); break;
+    case 3: gemm_block(x + r * ldx, ldx, wh, wf, in, bias, out + r * ldo, ldo, J, 3, HALF); break;
+#endif
+    case 2: gemm_block(x + r * ldx, ldx, wh, wf, in, bias, out + r * ldo, ldo, J, 2, HALF); break;
+    case 1: gemm_block(x + r * ldx, ldx, wh, wf, in, bias, out + r * ldo, ldo, J, 1, HALF); break;
+    default: break;
+    }
+}
+
+/* Rows are taken ROW_TILE at a time so a tile's activations stay in cache while every
+ * weight block passes over them; within a tile the 4-output blocks are shared out over
+ * the threads, each output computed whole by one thread. Returns 0; -1 when in is not a
+ * multiple of VEC; -3 when scratch memory could not be allocated (out is then incomplete). */
+#define ROW_TILE 48
+
+int specserve_fp16_gemm(const float *x, int64_t ldx, int64_t rows, const uint16_t *w, int64_t out_features,
+                        int64_t in, const float *bias, float *out, int64_t ldo, int num_threads) {
+    if (in % VEC != 0) return -1;
+    const int64_t blocks = (out_features + 3) / 4;
+    if (num_threads > blocks) num_threads = (int)blocks;
+    if (num_threads < 1) num_threads = 1;
+    const int convert = rows > R_MAX; /* several row blocks share each weight block */
+    int status = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : status)
+    {
+        float *wf = convert ? malloc((size_t)(4 * in) * sizeof(float)) : NULL;
+        const int ok = !convert || wf != NULL;
+        if (!ok) status = -3;
+        for (int64_t row0 = 0; row0 < rows; row0 += ROW_TILE) {
+            const int64_t row1 = row0 + ROW_TILE < rows ? row0 + ROW_TILE : rows;
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < blocks; b++) {
+                const int64_t j = b * 4;
+                const uint16_t *wj = w + j * in;
+                const float *bj = bias ? bias + j : NULL;
+                if (!ok) continue;
+                if (j + 4 > out_features) { /* the last outputs, one at a time */
+                    for (int64_t jj = j; jj < out_features; jj++)
+                        gemm_rows(x, ldx, row0, row1, w + jj * in, NULL, in, bias ? bias + jj : NULL, out + jj, ldo, 1, 1);
+                } else if (convert) {
+                    for (int64_t i = 0; i < 4 * in; i += VEC) {
+                        const vecf v = load_f16(wj + i);
+                        memcpy(wf + i, &v, sizeof v);
+                    }
+                    gemm_rows(x, ldx, row0, row1, NULL, wf, in, bj, out + j, ldo, 4, 0);
+                } else {
+                    gemm_rows(x, ldx, row0, row1, wj, NULL, in, bj, out + j, ldo, 4, 1);
+                }
+            }
+        }
+        free(wf);
+    }
+    return status;
+}
+
+#else /* no F16C */
+
+int specserve_fp16_gemm(const float *x, int64_t ldx, int64_t rows, const uint16_t *w, int64_t out_features,
+                        int64_t in, const float *bias, float *out, int64_t ldo, int num_threads) {
+    (void)x, (void)ldx, (void)rows, (void)w, (void)out_features, (void)in, (void)bias, (void)out, (void)ldo,
+        (void)num_threads;
+    return -2;
+}
+
+#endif

@@ -1,0 +1,83 @@
+"""specserve's row-invariant fp16-weight matmul kernel: values, bitwise row and thread
+invariance, building and falling back."""
+import logging
+
+import pytest
+import torch
+
+from specserve.model_executor.layers import cpu_gemm
+
+needs_kernel = pytest.mark.skipif(not cpu_gemm.available(), reason="no C compiler or no F16C here")
+
+
+@pytest.fixture
+def fresh_loader(monkeypatch, tmp_path):
+    """A loader that has not tried to build yet, caching into an empty directory."""
+    monkeypatch.setattr(cpu_gemm, "_library", None)
+    monkeypatch.setattr(cpu_gemm, "_load_attempted", False)
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def _problem(out_features: int, in_features: int, rows: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).half()   # [out, in]
+    bias = torch.randn(out_features, generator=gen)                                  # [out]
+    x = torch.randn(rows, in_features, generator=gen)                                # [rows, in]
+    return x, weight, bias
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(960, 576), (37, 64), (13, 1536)])   # out not a multiple of 4 included
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_matches_a_float64_matmul_of_the_float16_weights(shape, with_bias):
+    x, weight, bias = _problem(*shape, rows=53)
+    bias = bias if with_bias else None
+    got = cpu_gemm.fp16_weight_matmul(x, weight, bias)                               # [53, out]
+    want = x.double() @ weight.double().T + (bias.double() if with_bias else 0)
+    # float32 accumulation of in_features products: ~1e-6 relative to the terms' size
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-5 * shape[1] ** 0.5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(960, 576), (37, 64), (13, 1536)])
+def test_a_rows_bits_do_not_depend_on_its_call_or_the_thread_count(shape, monkeypatch):
+    """Greedy verification equals plain decoding only if a row computed with drafts (or other
+    requests) gets the bits it gets alone; row counts cross the kernel's row blocks (3 or 6)
+    and row tiles (48), where its code path changes but its sums must not."""
+    x, weight, bias = _problem(*shape, rows=110)
+    alone = torch.cat([cpu_gemm.fp16_weight_matmul(x[j : j + 1], weight, bias) for j in range(len(x))])
+    for rows in [2, 3, 4, 5, 6, 7, 12, 13, 47, 48, 49, 97, 110]:
+        assert torch.equal(cpu_gemm.fp16_weight_matmul(x[:rows], weight, bias), alone[:rows]), f"{rows} rows"
+    for threads in (1, 3):
+        monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+        assert torch.equal(cpu_gemm.fp16_weight_matmul(x, weight, bias), alone), f"{threads} threads"
+
+
+@needs_kernel
+def test_strided_rows_and_empty_calls():
+    x, weight, bias = _problem(64, 128, rows=9)
+    fused = torch.cat([x, torch.randn(9, 32)], dim=1)[:, :128]         # a view with row stride 160
+    assert torch.equal(cpu_gemm.fp16_weight_matmul(fused, weight, bias), cpu_gemm.fp16_weight_matmul(x, weight, bias))
+    assert cpu_gemm.fp16_weight_matmul(x[:0], weight, bias).shape == (0, 64)
+
+
+def test_without_a_compiler_fbgemm_is_used(fresh_loader, monkeypatch, caplog):
+    monkeypatch.setenv("CC", str(fresh_loader / "no-such-compiler"))
+    with caplog.at_level(logging.WARNING, logger=cpu_gemm.__name__):
+        assert not cpu_gemm.available() and not cpu_gemm.serves(576)
+    assert "using fbgemm" in caplog.text
+
+
+def test_the_environment_can_turn_the_kernel_off(fresh_loader, monkeypatch):
+    monkeypatch.setenv("SPECSERVE_CPU_GEMM", "fbgemm")
+    assert not cpu_gemm.available()
+    assert not list(fresh_loader.rglob("*.so"))
+
+
+def test_builds_into_the_cache_and_serves_widths_of_its_vector(fresh_loader):
+    if not cpu_gemm.available():
+        pytest.skip("no C compiler or no F16C here")
+    assert len(list(fresh_loader.rglob("fp16_gemm-*.so"))) == 1
+    assert cpu_gemm.serves(576) and cpu_gemm.serves(64)
+    assert not cpu_gemm.serves(36)   # not a multiple of 8 (or 16): fbgemm takes it
