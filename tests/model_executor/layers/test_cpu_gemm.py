@@ -81,3 +81,14 @@ def test_builds_into_the_cache_and_serves_widths_of_its_vector(fresh_loader):
     assert len(list(fresh_loader.rglob("fp16_gemm-*.so"))) == 1
     assert cpu_gemm.serves(576) and cpu_gemm.serves(64)
     assert not cpu_gemm.serves(36)   # not a multiple of 8 (or 16): fbgemm takes it
+
+
+@needs_kernel
+def test_an_outputs_bits_do_not_depend_on_its_neighbours():
+    """Outputs are reduced four at a time (lanes_sum4) or, at the end of the weight, one at a
+    time (lanes_sum): the same additions, so an output's bits do not depend on where it sits,
+    e.g. how tensor parallelism shards the weight."""
+    x, weight, bias = _problem(37, 576, rows=7)
+    whole = cpu_gemm.fp16_weight_matmul(x, weight, bias)                 # output 36 reduced alone
+    shifted = cpu_gemm.fp16_weight_matmul(x, weight[33:], bias[33:])     # output 36 in a block of 4
+    assert torch.equal(whole[:, 33:], shifted)
