@@ -26,15 +26,10 @@ both).
 from __future__ import annotations
 
 import ctypes
-import logging
-import os
-import threading
 
 import torch
 
-from specserve.model_executor.layers.kernel_build import build_library
-
-logger = logging.getLogger(__name__)
+from specserve.model_executor.layers.kernel_build import LazyLibrary
 
 # Requests with more new tokens than this (prefill chunks) take the PyTorch path, whose
 # SDPA runs them as matrix products; decoding and verification (k + 1 tokens) take the kernel.
@@ -48,13 +43,8 @@ MAX_QUERY_LEN = 16
 # test at contexts 38 and 40 fails that way); the kernel now fuses its vector sums itself.
 COMPILE_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off"]
 
-_lock = threading.Lock()
-_library: ctypes.CDLL | None = None
-_load_attempted = False
 
-
-def _build() -> ctypes.CDLL:
-    lib = build_library("paged_attention.c", COMPILE_FLAGS)
+def _setup(lib: ctypes.CDLL) -> None:
     fn = lib.specserve_paged_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int, ctypes.c_int,
@@ -62,21 +52,10 @@ def _build() -> ctypes.CDLL:
                    ptr, i64, ptr, i64, ptr]
     fn.restype = ctypes.c_int
     lib.specserve_paged_attention_has_f16.restype = ctypes.c_int
-    return lib
 
 
-def _load() -> ctypes.CDLL | None:
-    global _library, _load_attempted
-    with _lock:
-        if not _load_attempted:
-            _load_attempted = True
-            if os.environ.get("SPECSERVE_CPU_ATTENTION", "kernel") == "torch":
-                return None
-            try:
-                _library = _build()
-            except Exception as exc:  # a missing compiler must not stop the engine
-                logger.warning("compiled CPU attention unavailable, using the PyTorch path: %s", exc)
-        return _library
+LIBRARY = LazyLibrary("paged_attention.c", COMPILE_FLAGS, _setup, "SPECSERVE_CPU_ATTENTION", "torch", "the PyTorch path")
+_load = LIBRARY.get
 
 
 def usable(device: torch.device | str, dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> bool:

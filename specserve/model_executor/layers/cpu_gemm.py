@@ -16,48 +16,26 @@ build fails, or with ``SPECSERVE_CPU_GEMM=fbgemm``.
 from __future__ import annotations
 
 import ctypes
-import logging
-import os
-import threading
-
 import torch
 
-from specserve.model_executor.layers.kernel_build import build_library
-
-logger = logging.getLogger(__name__)
+from specserve.model_executor.layers.kernel_build import LazyLibrary
 
 # -ffp-contract=off: the compiler fuses no multiply-add on its own; the kernel's sums are
 # exactly as written, so every output element is the same sequence of operations.
 COMPILE_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off"]
 
-_lock = threading.Lock()
-_library: ctypes.CDLL | None = None
-_load_attempted = False
 
-
-def _build() -> ctypes.CDLL:
-    lib = build_library("fp16_gemm.c", COMPILE_FLAGS)
+def _setup(lib: ctypes.CDLL) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.specserve_fp16_gemm.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, ctypes.c_int]
     lib.specserve_fp16_gemm.restype = ctypes.c_int
     lib.specserve_fp16_gemm_vector_width.restype = ctypes.c_int
     if lib.specserve_fp16_gemm_vector_width() == 0:
         raise RuntimeError("this CPU has no F16C (float16 conversion instructions)")
-    return lib
 
 
-def _load() -> ctypes.CDLL | None:
-    global _library, _load_attempted
-    with _lock:
-        if not _load_attempted:
-            _load_attempted = True
-            if os.environ.get("SPECSERVE_CPU_GEMM", "kernel") == "fbgemm":
-                return None
-            try:
-                _library = _build()
-            except Exception as exc:  # a missing compiler must not stop the engine
-                logger.warning("row-invariant CPU matmul unavailable, using fbgemm: %s", exc)
-        return _library
+LIBRARY = LazyLibrary("fp16_gemm.c", COMPILE_FLAGS, _setup, "SPECSERVE_CPU_GEMM", "fbgemm", "fbgemm")
+_load = LIBRARY.get
 
 
 def available() -> bool:

@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -57,3 +58,33 @@ def build_library(source_name: str, flags: list[str]) -> ctypes.CDLL:
                 raise RuntimeError(f"{' '.join(base)} failed:\n{result.stderr[-2000:]}")
             os.replace(built, target)  # atomic: concurrent processes never load a half-written file
     return ctypes.CDLL(str(target))
+
+
+class LazyLibrary:
+    """A kernel library built on first use, once per process (thread-safe).
+
+    ``get()`` returns the loaded library, or None when it is turned off
+    (``$<env_var>`` set to ``off_value``) or cannot be built; a build failure is
+    logged once as a warning naming what runs instead.
+    """
+
+    def __init__(self, source_name: str, flags: list[str], setup, env_var: str, off_value: str, instead: str):
+        self.source_name, self.flags, self.setup = source_name, flags, setup   # setup(lib): argtypes, checks
+        self.env_var, self.off_value, self.instead = env_var, off_value, instead
+        self.library: ctypes.CDLL | None = None
+        self.attempted = False
+        self._lock = threading.Lock()
+
+    def get(self) -> ctypes.CDLL | None:
+        with self._lock:
+            if not self.attempted:
+                self.attempted = True
+                if os.environ.get(self.env_var) == self.off_value:
+                    return None
+                try:
+                    lib = build_library(self.source_name, self.flags)
+                    self.setup(lib)
+                    self.library = lib
+                except Exception as exc:  # a missing compiler must not stop the engine
+                    logger.warning("%s unavailable, using %s: %s", self.source_name, self.instead, exc)
+            return self.library

@@ -4,21 +4,21 @@ import logging
 import pytest
 import torch
 
-from specserve.model_executor.layers import cpu_attention
+from specserve.model_executor.layers import cpu_attention, kernel_build
 
 
 @pytest.fixture
 def fresh_loader(monkeypatch, tmp_path):
     """A loader that has not tried to build yet, caching into an empty directory."""
-    monkeypatch.setattr(cpu_attention, "_library", None)
-    monkeypatch.setattr(cpu_attention, "_load_attempted", False)
+    monkeypatch.setattr(cpu_attention.LIBRARY, "library", None)
+    monkeypatch.setattr(cpu_attention.LIBRARY, "attempted", False)
     monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
     return tmp_path
 
 
 def test_without_a_compiler_the_pytorch_path_is_used(fresh_loader, monkeypatch, caplog):
     monkeypatch.setenv("CC", str(fresh_loader / "no-such-compiler"))
-    with caplog.at_level(logging.WARNING, logger=cpu_attention.__name__):
+    with caplog.at_level(logging.WARNING, logger=kernel_build.__name__):
         assert not cpu_attention.usable("cpu", torch.float32)
     assert "using the PyTorch path" in caplog.text
 

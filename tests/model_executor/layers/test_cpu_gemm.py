@@ -5,7 +5,7 @@ import logging
 import pytest
 import torch
 
-from specserve.model_executor.layers import cpu_gemm
+from specserve.model_executor.layers import cpu_gemm, kernel_build
 
 needs_kernel = pytest.mark.skipif(not cpu_gemm.available(), reason="no C compiler or no F16C here")
 
@@ -13,8 +13,8 @@ needs_kernel = pytest.mark.skipif(not cpu_gemm.available(), reason="no C compile
 @pytest.fixture
 def fresh_loader(monkeypatch, tmp_path):
     """A loader that has not tried to build yet, caching into an empty directory."""
-    monkeypatch.setattr(cpu_gemm, "_library", None)
-    monkeypatch.setattr(cpu_gemm, "_load_attempted", False)
+    monkeypatch.setattr(cpu_gemm.LIBRARY, "library", None)
+    monkeypatch.setattr(cpu_gemm.LIBRARY, "attempted", False)
     monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
     return tmp_path
 
@@ -64,7 +64,7 @@ def test_strided_rows_and_empty_calls():
 
 def test_without_a_compiler_fbgemm_is_used(fresh_loader, monkeypatch, caplog):
     monkeypatch.setenv("CC", str(fresh_loader / "no-such-compiler"))
-    with caplog.at_level(logging.WARNING, logger=cpu_gemm.__name__):
+    with caplog.at_level(logging.WARNING, logger=kernel_build.__name__):
         assert not cpu_gemm.available() and not cpu_gemm.serves(576)
     assert "using fbgemm" in caplog.text
 
