@@ -8,12 +8,8 @@ from specserve.model_executor.layers import cpu_attention, kernel_build
 
 
 @pytest.fixture
-def fresh_loader(monkeypatch, tmp_path):
-    """A loader that has not tried to build yet, caching into an empty directory."""
-    monkeypatch.setattr(cpu_attention.LIBRARY, "library", None)
-    monkeypatch.setattr(cpu_attention.LIBRARY, "attempted", False)
-    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
-    return tmp_path
+def fresh_loader(unbuilt_library):
+    return unbuilt_library(cpu_attention)
 
 
 def test_without_a_compiler_the_pytorch_path_is_used(fresh_loader, monkeypatch, caplog):

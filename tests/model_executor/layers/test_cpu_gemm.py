@@ -11,12 +11,8 @@ needs_kernel = pytest.mark.skipif(not cpu_gemm.available(), reason="no C compile
 
 
 @pytest.fixture
-def fresh_loader(monkeypatch, tmp_path):
-    """A loader that has not tried to build yet, caching into an empty directory."""
-    monkeypatch.setattr(cpu_gemm.LIBRARY, "library", None)
-    monkeypatch.setattr(cpu_gemm.LIBRARY, "attempted", False)
-    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
-    return tmp_path
+def fresh_loader(unbuilt_library):
+    return unbuilt_library(cpu_gemm)
 
 
 def _problem(out_features: int, in_features: int, rows: int, seed: int = 0):
