@@ -195,6 +195,7 @@ def _join_and_serve(
         )
         pg.set_timeout(timedelta(seconds=init["timeout_s"]))
         serve(conn, TensorParallelGroup(rank, world_size, pg), device)
+        _shutdown_group(pg)   # before closing conn: the driver waits for that (see _close)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         os._exit(1)  # the driver is gone: nobody to report to
     except BaseException:
@@ -204,6 +205,16 @@ def _join_and_serve(
             pass
         os._exit(1)
     conn.close()
+
+
+def _shutdown_group(pg) -> None:
+    """Stop a process group's communication threads now, while the interpreter is whole. Left to
+    interpreter teardown, a gloo group whose peer is tearing down too can end the process in
+    std::terminate ("terminate called without an active exception", seen under load)."""
+    try:
+        pg.shutdown()
+    except Exception:
+        pass
 
 
 # --------------------------------------------------------------------------- driver side
@@ -250,7 +261,8 @@ def _close(state: _State) -> None:
     deadline = time.monotonic() + (5.0 if graceful else 0.0)
     for w in state.workers:
         p = w.process
-        if p is None:
+        if p is None:   # env mode: no process to join; wait until the worker has closed its end
+            _wait_for_close(w.conn, deadline)
             continue
         p.join(max(0.0, deadline - time.monotonic()))
         if p.is_alive():
@@ -266,17 +278,20 @@ def _close(state: _State) -> None:
             pass
     if state.listener is not None:
         state.listener.close()
-    if state.pg is not None:
-        # Stop the group's communication threads now, while the interpreter is whole; left to
-        # interpreter teardown, a gloo group whose peer has exited can end the process in
-        # std::terminate ("terminate called without an active exception", seen once under load).
-        try:
-            state.pg.shutdown()
-        except Exception:
-            pass
+    if state.pg is not None:   # the workers' groups are down by now (joined, or closed their end)
+        _shutdown_group(state.pg)
     state.pg = state.store = state.listener = None
     if state.saved_num_threads is not None:
         torch.set_num_threads(state.saved_num_threads)
+
+
+def _wait_for_close(conn: Connection, deadline: float) -> None:
+    """Until the worker closes its end of ``conn`` (it shuts its process group down first) or the deadline."""
+    try:
+        while wait_for_connections([conn], timeout=max(0.0, deadline - time.monotonic())):
+            conn.recv_bytes()   # anything still in flight; EOFError once the worker has closed
+    except (EOFError, OSError):
+        pass
 
 
 class WorkerGroup:
