@@ -6,16 +6,18 @@ one fixed order whatever the number of rows in the call and the thread count, so
 a token's logits have the same bits whether it is decoded alone, verified with
 drafts or batched with other requests: the property greedy speculative decoding
 needs to equal plain decoding token for token (fp16_gemm's docstring says why
-fbgemm lacks it). It is also as fast as fbgemm or faster for the few-row calls of
-decoding and verification (docs/benchmarks.md, "Matmul kernels").
+fbgemm lacks it). It is also faster than fbgemm for the few-row calls of decoding
+and verification: 1.6-2x per forward's matmuls at 1-6 rows on the development
+machine (docs/benchmarks.md, "Matmul kernels").
 
-Compiled on first use (``kernel_build.build_library``). Unavailable (the Python
+Compiled on first use (``kernel_build.LazyLibrary``). Unavailable (the Python
 side then uses fbgemm) without a C compiler, on CPUs without F16C, when the
 build fails, or with ``SPECSERVE_CPU_GEMM=fbgemm``.
 """
 from __future__ import annotations
 
 import ctypes
+
 import torch
 
 from specserve.model_executor.layers.kernel_build import LazyLibrary
