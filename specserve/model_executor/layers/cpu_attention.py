@@ -6,7 +6,7 @@ twice and SDPA pays a set-up cost per (head, request). At batch 16 that made
 attention a third of a decode step. ``cpu_kernels/paged_attention.c`` reads each
 request's K/V once through its block table instead.
 
-The C file is compiled on first use (``kernel_build.build_library``) and
+The C file is compiled on first use (``kernel_build.LazyLibrary``) and
 called through ctypes. It shares the (request, KV head) pairs out over
 ``torch.get_num_threads()`` OpenMP threads. Built with ``-fopenmp``, it links
 ``libgomp.so.1``, which resolves to the copy torch already loaded, so those are

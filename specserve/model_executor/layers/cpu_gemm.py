@@ -52,20 +52,21 @@ def serves(in_features: int) -> bool:
 
 
 def fp16_weight_matmul(
-    x: torch.Tensor,            # [rows, in] float32 on the CPU; rows may be strided
+    x: torch.Tensor,            # [..., in] float32 on the CPU; rows may be strided
     weight: torch.Tensor,       # [out, in] float16, contiguous
     bias: torch.Tensor | None,  # [out] float32, contiguous
-) -> torch.Tensor:              # [rows, out] float32
+) -> torch.Tensor:              # [..., out] float32
     lib = _load()
     assert lib is not None, "call serves() first"
     assert x.dtype == torch.float32 and weight.dtype == torch.float16 and weight.is_contiguous()
+    leading = x.shape[:-1]
     if x.dim() != 2 or x.stride(1) != 1:
         x = x.reshape(-1, x.shape[-1]).contiguous()
     rows, (out_features, in_features) = x.shape[0], weight.shape
     assert x.shape[1] == in_features and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
     out = torch.empty(rows, out_features, dtype=torch.float32)
     if rows == 0:
-        return out
+        return out.view(*leading, out_features)
     status = lib.specserve_fp16_gemm(x.data_ptr(), x.stride(0), rows, weight.data_ptr(), out_features, in_features,
                                      None if bias is None else bias.data_ptr(), out.data_ptr(), out_features,
                                      torch.get_num_threads())
@@ -73,4 +74,4 @@ def fp16_weight_matmul(
         raise MemoryError("fp16 matmul kernel: scratch allocation failed")
     if status:
         raise RuntimeError(f"fp16 matmul kernel failed ({status}) for weight {tuple(weight.shape)}")
-    return out
+    return out.view(*leading, out_features)

@@ -56,7 +56,7 @@ def fbgemm_available() -> bool:
 
 
 def cpu_fp16_gemm_available(device: torch.device | str) -> bool:
-    """True on CPUs with an fp16-weight matmul: specserve's kernel (any width it serves) or fbgemm."""
+    """True on CPUs with an fp16-weight matmul: specserve's kernel or fbgemm."""
     return torch.device(device).type == "cpu" and (fbgemm_available() or cpu_gemm.available())
 
 

@@ -76,15 +76,17 @@ class LazyLibrary:
         self._lock = threading.Lock()
 
     def get(self) -> ctypes.CDLL | None:
+        if self.attempted:   # the hot path (every matmul and attention call): no lock once settled
+            return self.library
         with self._lock:
             if not self.attempted:
-                self.attempted = True
-                if os.environ.get(self.env_var) == self.off_value:
-                    return None
                 try:
-                    lib = build_library(self.source_name, self.flags)
-                    self.setup(lib)
-                    self.library = lib
+                    if os.environ.get(self.env_var) != self.off_value:
+                        lib = build_library(self.source_name, self.flags)
+                        self.setup(lib)
+                        self.library = lib
                 except Exception as exc:  # a missing compiler must not stop the engine
                     logger.warning("%s unavailable, using %s: %s", self.source_name, self.instead, exc)
+                # Only now: a caller that sees attempted also sees the library (or None for good).
+                self.attempted = True
             return self.library

@@ -56,6 +56,8 @@ def test_strided_rows_and_empty_calls():
     fused = torch.cat([x, torch.randn(9, 32)], dim=1)[:, :128]         # a view with row stride 160
     assert torch.equal(cpu_gemm.fp16_weight_matmul(fused, weight, bias), cpu_gemm.fp16_weight_matmul(x, weight, bias))
     assert cpu_gemm.fp16_weight_matmul(x[:0], weight, bias).shape == (0, 64)
+    batched = cpu_gemm.fp16_weight_matmul(x[:8].view(2, 4, 128), weight, bias)   # leading dims kept, as F.linear
+    assert torch.equal(batched, cpu_gemm.fp16_weight_matmul(x[:8], weight, bias).view(2, 4, 64))
 
 
 def test_without_a_compiler_fbgemm_is_used(fresh_loader, monkeypatch, caplog):
