@@ -275,9 +275,11 @@ NEAR_TIE_QUESTION = ("Consider a satellite that is in a circular orbit around th
 
 def test_greedy_equals_plain_through_a_near_tie():
     """Spec-Bench question 142 in the default dtype: at token 225 the model's top two logits
-    are 0.0016 apart, and before matmuls were padded to row-invariant kernels
-    (``fp16_gemm.exact_row_count``) n-gram speculation emitted the other token there
-    (it fails with SPECSERVE_EXACT_GEMM=0)."""
+    are 0.0016 apart, and with fbgemm's unpadded matmuls on an AVX2 CPU n-gram speculation
+    emitted the other token there (it fails with SPECSERVE_CPU_GEMM=fbgemm
+    SPECSERVE_EXACT_GEMM=0 on such a CPU). This near-tie is specific to fbgemm's bits; the
+    bitwise property itself is tested at every step by test_llama's
+    ``test_default_dtype_verified_rows_have_the_bits_of_decoding_alone``."""
     params = SamplingParams(temperature=0, max_tokens=232)
     messages = [{"role": "user", "content": NEAR_TIE_QUESTION}]
     kw = dict(max_model_len=512, kv_cache_memory=1 << 26)

@@ -22,6 +22,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from specserve.model_executor.layers import cpu_attention
 from specserve.model_executor.loader import load_model
 from specserve.worker.model_runner import ForwardInput, ModelRunner
 
@@ -203,3 +204,37 @@ def test_default_model_chunked_and_batched(default_pair):
     ]).logits
     assert (batch[:n] - one_pass).abs().max() < REAL_ATOL
     assert (batch[n:] - alone_other).abs().max() < REAL_ATOL
+
+
+def test_default_dtype_verified_rows_have_the_bits_of_decoding_alone():
+    """Lossless greedy speculation rests on this, near-tie or not: in the CPU default dtype
+    (float16 weights) a token verified together with drafts, in a step shared with another
+    request, gets exactly the logits it gets when decoded alone, through the whole forward
+    (matmuls, attention, norms, LM head)."""
+    if not cpu_attention.usable("cpu", torch.float32):
+        pytest.skip("the compiled attention kernel (what promises row-independent attention) did not build")
+    loaded = load_model(None, torch.float16)
+    runner = ModelRunner(loaded.config, loaded.state_dict, torch.float16, torch.device("cpu"), 256, BLOCK_SIZE)
+    runner.allocate_kv_cache(16)
+    tok = loaded.tokenizer
+    prompt_ids = tok.encode("The three primary colors are", add_special_tokens=False)
+    other_ids = tok.encode("Once upon a time", add_special_tokens=False)
+    n = len(prompt_ids)
+
+    # Plain decoding: one 1-row step per token.
+    logits = runner.execute([ForwardInput(prompt_ids, 0, [0, 1], num_logits=1)]).logits   # [1, V]
+    generated, alone = [], []
+    for i in range(6):
+        generated.append(int(logits[-1].argmax()))
+        logits = runner.execute([ForwardInput(generated[-1:], n + i, [0, 1], num_logits=1)]).logits
+        alone.append(logits[0])
+    alone = torch.stack(alone)                                                               # [6, V]
+
+    # The same tokens verified in one step (as a draft chain would be), batched with another
+    # request's prefill, on a second copy of the prompt's cache.
+    runner.execute([ForwardInput(prompt_ids, 0, [2, 3], num_logits=0)])
+    verified = runner.execute([
+        ForwardInput(other_ids, 0, [4, 5], num_logits=1),
+        ForwardInput(generated, n, [2, 3], num_logits=6),
+    ]).logits[1:]                                                                            # [6, V]
+    assert torch.equal(verified, alone)
