@@ -11,8 +11,11 @@ verifying drafts) by every weight matrix. Two tables, in one run:
 2. A whole model's matmuls as a forward runs them: 30 layers of distinct random
    weights and the LM head, streamed from memory, fbgemm and specserve's kernel
    interleaved pass by pass (min ms per pass).
+3. With ``--end-to-end N``: the default model generating greedily at batch 1 on the
+   first N default prompts, two engines in one process (one on specserve's kernel,
+   one on fbgemm), interleaved prompt by prompt, plain or with n-gram speculation.
 
-    python benchmarks/matmul_kernels.py --threads 2
+    python benchmarks/matmul_kernels.py --threads 2 [--end-to-end 8 [--ngram]]
 """
 from __future__ import annotations
 
@@ -83,12 +86,53 @@ def whole_model_table(rows: list[int], passes: int) -> None:
         print(f"| {m} | {best['fbgemm']:.1f} | {best['specserve']:.1f} | {best['specserve'] / best['fbgemm']:.2f} |")
 
 
+def end_to_end(num_prompts: int, max_tokens: int, ngram: bool) -> None:
+    import json
+    from pathlib import Path
+
+    from specserve import LLM, SamplingParams
+
+    spec = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1, "prompt_lookup_max": 5}
+    engines = {"specserve": LLM(speculative_config=spec if ngram else None)}
+    serves = cpu_gemm.serves
+    cpu_gemm.serves = lambda in_features: False   # the second engine's layers pack for fbgemm
+    try:
+        engines["fbgemm"] = LLM(speculative_config=spec if ngram else None)
+    finally:
+        cpu_gemm.serves = serves
+    path = Path(__file__).with_name("prompts") / "default.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()][:num_prompts]
+    tok = engines["specserve"].get_tokenizer()
+    texts = [tok.apply_chat_template([{"role": "user", "content": r["turns"][0]}], tokenize=False,
+                                     add_generation_prompt=True) for r in rows]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for llm in engines.values():
+        llm.generate(texts[:1], params, use_tqdm=False)   # warm-up
+    seconds = {name: 0.0 for name in engines}
+    tokens, same = 0, 0
+    for i, text in enumerate(texts):
+        outputs = {}
+        for name in (list(engines) if i % 2 == 0 else list(engines)[::-1]):
+            start = time.perf_counter()
+            outputs[name] = engines[name].generate([text], params, use_tqdm=False)[0].outputs[0].token_ids
+            seconds[name] += time.perf_counter() - start
+        tokens += len(outputs["specserve"])
+        same += outputs["specserve"] == outputs["fbgemm"]
+    rate = {name: tokens / s for name, s in seconds.items()}
+    print(f"\n{'n-gram k=5' if ngram else 'plain decoding'}, {len(texts)} prompts x {max_tokens} tokens, batch 1: "
+          f"specserve kernel {rate['specserve']:.1f} tok/s, fbgemm {rate['fbgemm']:.1f} tok/s, "
+          f"{rate['specserve'] / rate['fbgemm']:.2f}x; greedy outputs identical on {same}/{len(texts)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--rows", default="1,2,6,16")
     ap.add_argument("--model-rows", default="1,2,3,6,16,64,512", help="row counts of the whole-model table")
     ap.add_argument("--passes", type=int, default=5)
+    ap.add_argument("--end-to-end", type=int, default=0, metavar="N", help="also generate with N default prompts")
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--ngram", action="store_true", help="end to end with n-gram speculation (k = 5)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -97,6 +141,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}")
     per_shape_table([int(r) for r in args.rows.split(",")])
     whole_model_table([int(r) for r in args.model_rows.split(",")], args.passes)
+    if args.end_to_end:
+        end_to_end(args.end_to_end, args.max_tokens, args.ngram)
 
 
 if __name__ == "__main__":
