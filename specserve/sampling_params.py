@@ -1,20 +1,42 @@
-"""Per-request sampling parameters (the vLLM names, so users feel at home)."""
+"""Per-request sampling parameters (the vLLM names, so users feel at home).
+
+Every field is checked on construction against what the tensors it becomes can
+hold, so a bad value is a ValueError here, never an engine step that fails for
+the whole batch: floats must be finite, integers must be real ``int`` (not
+``bool``), ``top_k`` and token ids fit the sampler's int64 tensors, and a seed
+is what ``torch.Generator.manual_seed`` takes, [0, 2^64).
+"""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
-# Larger than any real vocabulary's useful top-k; -1 or 0 means "no top-k".
 _MAX_LOGPROBS = 20
+# Temperatures below this are greedy (argmax), exactly like temperature 0: dividing
+# logits by 1e-50 overflows float32 and the softmax becomes NaN. vLLM uses the same 1e-5.
+GREEDY_TEMPERATURE = 1e-5
+MAX_TOP_K = 2**31 - 1         # top_k above the vocabulary size keeps every token
+MAX_TOKEN_ID = 2**31 - 1
+MAX_SEED = 2**64 - 1          # torch.Generator.manual_seed's range, [0, 2^64)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 @dataclass
 class SamplingParams:
     """How to pick tokens for one request.
 
-    temperature 0 means greedy (argmax); top_k <= 0 (or -1) disables top-k;
-    top_p 1.0 and min_p 0.0 disable those filters. ``seed`` makes a request's
-    random choices reproducible alone or in any batch. ``logprobs=n`` returns the
-    chosen token's log-probability and the top n alternatives (0 = chosen only).
+    temperature 0 (or below ``GREEDY_TEMPERATURE``, 1e-5) means greedy (argmax);
+    top_k <= 0 (or -1) disables top-k; top_p 1.0 and min_p 0.0 disable those
+    filters. ``seed`` makes a request's random choices reproducible alone or in
+    any batch. ``logprobs=n`` returns the chosen token's log-probability and
+    the top n alternatives (0 = chosen only).
     """
 
     n: int = 1
@@ -33,7 +55,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.stop is not None and not isinstance(self.stop, (list, tuple)):
+            raise ValueError(f"invalid SamplingParams: stop must be a string or a list of strings, got {self.stop!r}")
         self.stop = list(self.stop or [])
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(f"invalid SamplingParams: stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._validate()
 
@@ -41,25 +67,30 @@ class SamplingParams:
         def bad(msg: str) -> ValueError:
             return ValueError(f"invalid SamplingParams: {msg}")
 
-        if self.n != 1:
-            raise bad(f"n must be 1 (got {self.n}); send the prompt several times instead")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if not _is_int(self.n) or self.n != 1:
+            raise bad(f"n must be 1 (got {self.n!r}); send the prompt several times instead")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise bad(f"temperature must be >= 0, got {self.temperature!r}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise bad(f"top_k must be -1 (disabled), 0 (disabled) or a positive integer, got {self.top_k!r}")
-        if not (0.0 <= self.min_p <= 1.0):
-            raise bad(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad(f"seed must be an integer, got {self.seed!r}")
-        if self.logprobs is not None and not (0 <= self.logprobs <= _MAX_LOGPROBS):
-            raise bad(f"logprobs must be in [0, {_MAX_LOGPROBS}], got {self.logprobs!r}")
+        if not _is_real(self.temperature) or self.temperature < 0:
+            raise bad(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise bad(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or not (-1 <= self.top_k <= MAX_TOP_K):
+            raise bad(f"top_k must be -1 (disabled), 0 (disabled) or a positive integer up to {MAX_TOP_K}, got {self.top_k!r}")
+        if not _is_real(self.min_p) or not (0.0 <= self.min_p <= 1.0):
+            raise bad(f"min_p must be a number in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not (0 <= self.seed <= MAX_SEED)):
+            raise bad(f"seed must be an integer in [0, 2^64), got {self.seed!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not (0 <= self.logprobs <= _MAX_LOGPROBS)):
+            raise bad(f"logprobs must be an integer in [0, {_MAX_LOGPROBS}] (or None), got {self.logprobs!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad(f"stop must be non-empty strings, got {self.stop!r}")
+        if any(not _is_int(t) or not (0 <= t <= MAX_TOKEN_ID) for t in self.stop_token_ids):
+            raise bad(f"stop_token_ids must be token ids (integers >= 0), got {self.stop_token_ids!r}")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(f"{name} must be True or False, got {getattr(self, name)!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE

@@ -3,8 +3,14 @@
 "Processed" means temperature, top-k, top-p and min-p applied, in that order
 (the order vLLM and transformers use). Both the target's and a draft's
 distributions go through ``processed_probs`` so rejection sampling compares
-like with like. Greedy rows (temperature 0) are processed at temperature 1;
-their tokens come from the argmax, never from these probabilities.
+like with like. Greedy rows (temperature 0, or below
+``GREEDY_TEMPERATURE`` = 1e-5) are processed at temperature 1; their tokens
+come from the argmax, never from these probabilities.
+
+Numerics that cannot produce garbage: the most likely token always survives
+top-k (k >= 1) and top-p (rank 0 is never masked, even when ``top_p`` rounds
+to 0 in float32), and min-p keeps the maximum, so every row keeps at least one
+finite logit and its softmax is a distribution, never NaN.
 """
 from __future__ import annotations
 
@@ -28,8 +34,8 @@ class SamplingTensors:
 
     @classmethod
     def build(cls, params: list[SamplingParams], vocab_size: int, device: torch.device) -> "SamplingTensors":
-        temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
-        top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+        temps = [1.0 if p.greedy else p.temperature for p in params]
+        top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
         top_p = [p.top_p for p in params]
         min_p = [p.min_p for p in params]
         return cls(
@@ -50,9 +56,11 @@ def processed_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         ranks = torch.arange(logits.shape[-1], device=logits.device)
         sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= st.top_k[:, None], float("-inf"))
         sorted_probs = sorted_logits.softmax(dim=-1)
-        # Drop a token when the tokens ranked above it already cover top_p (keeps >= 1).
+        # Drop a token when the tokens ranked above it already cover top_p; never the
+        # first one (a top_p of 1e-300 is 0.0 in float32, and 0 >= 0).
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        sorted_logits = sorted_logits.masked_fill(mass_before >= st.top_p[:, None], float("-inf"))
+        drop = (mass_before >= st.top_p[:, None]) & (ranks[None, :] > 0)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     probs = logits.softmax(dim=-1)
     if st.need_min_p:
@@ -66,12 +74,14 @@ def exponential_noise(num_rows: int, vocab_size: int, generators: list[torch.Gen
     """[num_rows, V] Exp(1) noise; row i drawn from generators[i] (None: global RNG).
 
     ``argmax(p / E)`` with E ~ Exp(1) is a sample from p (the exponential race),
-    which needs no cumulative sum and no host sync.
+    which needs no cumulative sum and no host sync. The noise is clamped away
+    from 0: a zero would make ``0 / 0`` a NaN, which argmax picks, so a
+    zero-probability token could win.
     """
     noise = torch.empty(num_rows, vocab_size, device=device)
     for i, gen in enumerate(generators):
         noise[i].exponential_(generator=gen)
-    return noise
+    return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
 
 
 def sample_from_probs(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
