@@ -1,4 +1,4 @@
-"""The ``specserve`` command line: ``specserve generate`` and ``specserve serve``."""
+"""The ``specserve`` command line: ``specserve generate | serve | train-draft | models``."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +10,7 @@ from specserve.training.cli import add_train_draft_parser
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """Options shared by every subcommand that builds an engine."""
-    p.add_argument("--model", default=None, help="a .gguf file, a Hugging Face folder or a cached hub id (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, help="a .gguf file, a Hugging Face folder, a catalog name (`specserve models`) or a cached hub id (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", help="auto (float16 weights with float32 activations on x86 CPUs, else float32; bfloat16 on GPU), bfloat16, float16 or float32")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes of KV cache")
@@ -148,7 +148,43 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a name clients use in 'model' (repeatable; default: the model's own name)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     serve.set_defaults(func=cmd_serve)
+
+    models = sub.add_parser("models", help="list the catalog: models PyPI packages ship, usable by name")
+    models.add_argument("--json", action="store_true", help="print the catalog as JSON")
+    models.set_defaults(func=cmd_models)
     return parser
+
+
+def cmd_models(args) -> int:
+    from specserve import catalog
+
+    rows = []
+    for e in catalog.ENTRIES.values():
+        path, missing = catalog.verified_path(e), catalog.missing_packages(e)
+        if path:
+            installed = f"yes ({path})"
+        elif not missing:
+            installed = "packages installed (verified" + (", assembled" if len(e.parts) > 1 else "") + " on first use)"
+        else:
+            installed = f"no ({len(missing)} of {len(e.parts)} packages missing)"
+        rows.append({"name": e.name, "display_name": e.display_name, "size": e.size, "architecture": e.architecture,
+                     "quantization": e.quantization, "vocab_size": e.vocab_size, "drafts": list(e.drafts),
+                     "path": path, "missing_packages": missing, "installed": installed,
+                     "install": e.install_command, "note": e.note})
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    for r in rows:
+        print(f"{r['name']}  ({r['display_name']})")
+        print(f"  size          {r['size'] / 2**30:.2f} GiB ({r['size']:,} bytes), GGUF {r['quantization']}")
+        print(f"  architecture  {r['architecture']}, vocabulary {r['vocab_size']:,}")
+        print(f"  drafts        {', '.join(r['drafts']) or '-'}")
+        print(f"  installed     {r['installed']}")
+        print(f"  install with  {r['install']}")
+        if r["note"]:
+            print(f"  note          {r['note']}")
+        print()
+    return 0
 
 
 def cmd_serve(args) -> int:

