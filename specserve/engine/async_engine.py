@@ -10,10 +10,18 @@ engine thread hands it every ``RequestOutput`` with ``loop.call_soon_threadsafe`
     async for out in async_engine.generate("Hello", SamplingParams(max_tokens=8)):
         print(out.outputs[0].text)          # cumulative text so far
 
-If a step raises, the error is delivered to every request in flight (their
-``generate`` raises ``EngineStepError``), those requests are aborted so their KV
-blocks return to the pool, and the loop carries on with new requests. Only if
-the engine cannot even be cleaned up does it become dead (``EngineDeadError``).
+Failures are isolated (issue 19). A request that fails on its own (its sampling,
+its detokenization: the engine finishes it with finish_reason "error") raises
+``RequestFailedError`` in its ``generate``; the others carry on. A failed target
+forward (``StepFailedError``) fails the requests of that step with
+``EngineStepError`` and aborts them, so their KV blocks return to the pool;
+requests that were not in that step carry on. Any other failure of a step (the
+scheduler's) fails every request in flight. Only if the engine cannot even be
+cleaned up does it become dead (``EngineDeadError``).
+
+Prompts are tokenized on a separate thread (``prepare_prompt``, one worker:
+the tokenizer is shared), never on the engine thread, so a huge prompt does not
+stall the batch.
 """
 from __future__ import annotations
 
@@ -27,7 +35,7 @@ import weakref
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
-from specserve.engine.llm_engine import LLMEngine
+from specserve.engine.llm_engine import LLMEngine, StepFailedError
 from specserve.engine.request import RequestStatus
 from specserve.outputs import RequestOutput
 from specserve.sampling_params import SamplingParams
@@ -37,6 +45,10 @@ logger = logging.getLogger(__name__)
 
 class EngineStepError(RuntimeError):
     """An engine step failed while this request was in flight."""
+
+
+class RequestFailedError(RuntimeError):
+    """This request failed on its own (the engine finished it with finish_reason "error")."""
 
 
 class EngineDeadError(RuntimeError):
@@ -80,6 +92,8 @@ class AsyncLLMEngine:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
+        # Tokenization and chat templating, off the engine thread and off the event loop.
+        self.tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="specserve-tokenize")
         self._stopped = False
         self.dead_error: BaseException | None = None
         self.num_steps = 0
@@ -119,6 +133,7 @@ class AsyncLLMEngine:
         """Stop the engine thread; requests in flight are aborted."""
         self._stopped = True
         self._commands.put(("stop",))
+        self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
@@ -132,18 +147,31 @@ class AsyncLLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> "_Stream":
-        """Queue a request on the engine thread; raises ValueError for bad input."""
+        """Tokenize (on the tokenizer thread), then queue the request on the engine
+        thread; raises ValueError for bad input."""
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine is dead: {self.dead_error!r}")
         if self._stopped:
             raise EngineDeadError("the engine loop was shut down")
         self.start()
+        loop = asyncio.get_running_loop()
+        prepared = await self.run_off_thread(self.engine.prepare_prompt, prompt)
         request_id = request_id if request_id is not None else self.new_request_id()
-        stream = _Stream(request_id, asyncio.get_running_loop())
+        stream = _Stream(request_id, loop)
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(("add", prompt, params or SamplingParams(), request_id, stream, done))
+        self._commands.put(("add", prompt, params or SamplingParams(), request_id, stream, done, prepared))
         await asyncio.wrap_future(done)
         return stream
+
+    async def run_off_thread(self, fn, *args):
+        """``fn(*args)`` on the tokenizer thread (tokenizing, chat templates): neither the
+        engine thread nor the event loop waits for it."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
+        except RuntimeError as e:  # the pool was shut down
+            if self._stopped:
+                raise EngineDeadError("the engine loop was shut down") from None
+            raise e
 
     def abort(self, request_id: str) -> None:
         """Abort a request (thread-safe, non-blocking); its blocks are freed before the next step."""
@@ -202,6 +230,10 @@ class AsyncLLMEngine:
                     continue
                 try:
                     outputs = engine.step()
+                except StepFailedError as e:  # the forward: only that step's requests
+                    logger.error("%s", e, exc_info=e.cause)
+                    self._fail_requests(e.request_ids, EngineStepError(f"engine step failed: {type(e.cause).__name__}: {e.cause}"))
+                    continue
                 except Exception as e:  # noqa: BLE001 - delivered to the waiting requests
                     logger.exception("engine step failed")
                     self._fail_all(EngineStepError(f"engine step failed: {type(e).__name__}: {e}"))
@@ -212,6 +244,11 @@ class AsyncLLMEngine:
                     if stream is None:
                         continue
                     completion = out.outputs[0]
+                    if completion.finish_reason == "error":
+                        error = engine.take_request_error(out.request_id)
+                        del self._streams[out.request_id]
+                        stream.put(RequestFailedError(f"request failed: {type(error).__name__}: {error}"))
+                        continue
                     if completion.logprobs is not None:  # the engine keeps appending to its list
                         out.outputs[0] = replace(completion, logprobs=list(completion.logprobs))
                     stream.put(out)
@@ -243,11 +280,11 @@ class AsyncLLMEngine:
                     self.engine.abort_request(rid)
                 return False
             if kind == "add":
-                _, prompt, params, request_id, stream, done = cmd
+                _, prompt, params, request_id, stream, done, prepared = cmd
                 try:
                     if request_id in self._streams:
                         raise ValueError(f"request id {request_id!r} is already in use")
-                    self.engine.add_request(prompt, params, request_id)
+                    self.engine.add_request(prompt, params, request_id, prepared=prepared)
                 except Exception as e:  # noqa: BLE001 - bad input goes back to the caller
                     done.set_exception(e)
                 else:
@@ -259,6 +296,14 @@ class AsyncLLMEngine:
                 stream = self._streams.pop(rid, None)
                 if stream is not None:
                     stream.put(_Aborted)
+
+    def _fail_requests(self, request_ids: list[str], error: Exception) -> None:
+        """After a failed forward: tell and abort the requests of that step only."""
+        for rid in request_ids:
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream.put(error)
+            self.engine.abort_request(rid)
 
     def _fail_all(self, error: Exception) -> None:
         """After a failed step: tell every waiting request, abort them all to free their blocks."""

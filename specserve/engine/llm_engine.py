@@ -39,6 +39,18 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 8192
 
 
+class StepFailedError(RuntimeError):
+    """The part of a step every scheduled request shares (the target forward) failed.
+
+    ``request_ids`` are the requests of that step; requests not scheduled in it are untouched.
+    """
+
+    def __init__(self, request_ids: list[str], cause: BaseException):
+        super().__init__(f"the engine step over {len(request_ids)} request(s) failed: {type(cause).__name__}: {cause}")
+        self.request_ids = list(request_ids)
+        self.cause = cause
+
+
 def resolve_device(device: str | None) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -86,6 +98,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self.spec_stats = SpecDecodeStats()
+        self.request_errors: dict[str, BaseException] = {}   # finish_reason "error" -> why
         self._ids = itertools.count()
         self._seed_rng = torch.Generator().manual_seed(config.seed)
         self.eos_token_id = self.tokenizer.eos_token_id
@@ -150,54 +163,125 @@ class LLMEngine:
     # ---------------------------------------------------------------------- step
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        """One step. Failures are isolated (issue 19): an exception in one request's
+        sampling or output handling finishes that request alone with finish_reason
+        "error" (its exception: ``take_request_error``); a failed proposer means no
+        drafts this step; only a failed target forward, which every scheduled request
+        shares, raises ``StepFailedError`` naming the requests it hit."""
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return []
-        self._propose(plan.scheduled)
+        self._propose_or_skip(plan.scheduled)
         inputs = [self._forward_input(s) for s in plan.scheduled]
         # EAGLE-style proposers also see the target's hidden state of every kept position.
         want_hidden = self.proposer is not None and self.proposer.needs_target_hidden
         starts = [s.request.num_computed_tokens for s in plan.scheduled]
-        result = self.runner.execute(inputs, return_all_hidden=True) if want_hidden else self.runner.execute(inputs)
+        try:
+            result = self.runner.execute(inputs, return_all_hidden=True) if want_hidden else self.runner.execute(inputs)
+        except Exception as e:
+            raise StepFailedError([s.request.request_id for s in plan.scheduled], e) from e
         sampling = [s for s in plan.scheduled if s.will_sample]
-        emitted = self._verify(sampling, result.logits) if sampling else {}
+        emitted = self._verify_isolated(sampling, result.logits) if sampling else {}
         outputs = []
         for s in plan.scheduled:
-            req = s.request
-            req.num_computed_tokens += s.num_new_tokens + len(req.draft_token_ids)
-            if not s.will_sample:
-                continue
-            tokens, num_accepted, logprobs, tree_path = emitted[req.request_id]
-            if tree_path is not None:
-                self._keep_tree_branch(req, tree_path)
-            req.num_computed_tokens -= len(req.draft_token_ids) - num_accepted
-            req.proposer_num_computed_tokens = min(req.proposer_num_computed_tokens, req.num_computed_tokens)
-            status, appended = None, 0
-            for i, token in enumerate(tokens):
-                if req.logprobs is not None:
-                    req.logprobs.append(logprobs[i])
-                appended += 1
-                status = self.output_processor.append(req, token)
-                if status is not None:
-                    break
-            if s.num_new_tokens == 1:  # a decoding (verification) step, drafts or not
-                per_depth = None if req.draft_parents is None else _drafts_per_depth(req.draft_parents)
-                req.spec_stats.record(len(req.draft_token_ids), num_accepted, appended, per_depth)
-                self.spec_stats.record(len(req.draft_token_ids), num_accepted, appended, per_depth)
-            req.draft_token_ids = []
-            req.draft_parents = None
-            if status is not None:
-                self._finish(req, status)
-            outputs.append(self.output_processor.make_output(req))
+            try:
+                out = self._update(s, emitted)
+            except Exception as e:  # noqa: BLE001 - this request's failure, not the batch's
+                out = self._fail_request(s.request, e)
+            if out is not None:
+                outputs.append(out)
         if want_hidden:
             sizes = [len(i.token_ids) for i in inputs]
-            self.proposer.observe(kept_hidden_states(plan.scheduled, sizes, starts, result.all_hidden))
+            try:
+                self.proposer.observe(kept_hidden_states(plan.scheduled, sizes, starts, result.all_hidden))
+            except Exception:  # noqa: BLE001 - stale proposer state only costs acceptance
+                logger.exception("the proposer failed to observe the target's hidden states")
         return outputs
+
+    def _update(self, s: ScheduledRequest, emitted: dict) -> RequestOutput | None:
+        """Advance one scheduled request by its emitted tokens (stop checks one by one)."""
+        req = s.request
+        req.num_computed_tokens += s.num_new_tokens + len(req.draft_token_ids)
+        if not s.will_sample:
+            return None
+        verified = emitted[req.request_id]
+        if isinstance(verified, BaseException):
+            raise verified
+        tokens, num_accepted, logprobs, tree_path = verified
+        if tree_path is not None:
+            self._keep_tree_branch(req, tree_path)
+        req.num_computed_tokens -= len(req.draft_token_ids) - num_accepted
+        req.proposer_num_computed_tokens = min(req.proposer_num_computed_tokens, req.num_computed_tokens)
+        status, appended = None, 0
+        for i, token in enumerate(tokens):
+            if req.logprobs is not None:
+                req.logprobs.append(logprobs[i])
+            appended += 1
+            status = self.output_processor.append(req, token)
+            if status is not None:
+                break
+        if s.num_new_tokens == 1:  # a decoding (verification) step, drafts or not
+            per_depth = None if req.draft_parents is None else _drafts_per_depth(req.draft_parents)
+            req.spec_stats.record(len(req.draft_token_ids), num_accepted, appended, per_depth)
+            self.spec_stats.record(len(req.draft_token_ids), num_accepted, appended, per_depth)
+        req.draft_token_ids = []
+        req.draft_parents = None
+        if status is not None:
+            self._finish(req, status)
+        return self.output_processor.make_output(req)
+
+    def _fail_request(self, req: Request, error: BaseException) -> RequestOutput:
+        """Finish one request because of its own failure; the rest of the batch carries on."""
+        logger.error("request %s failed: %s: %s", req.request_id, type(error).__name__, error, exc_info=error)
+        self.request_errors[req.request_id] = error
+        if len(self.request_errors) > 1024:  # nobody collects them (the LLM facade): keep the newest
+            self.request_errors.pop(next(iter(self.request_errors)))
+        req.draft_token_ids, req.draft_probs, req.draft_parents = [], None, None
+        if not req.is_finished():
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+        return self.output_processor.make_output(req, error=error)
+
+    def take_request_error(self, request_id: str) -> BaseException | None:
+        """The exception that finished a request with finish_reason "error" (once)."""
+        return self.request_errors.pop(request_id, None)
+
+    def _verify_isolated(self, sampling: list[ScheduledRequest], logits: torch.Tensor) -> dict:
+        """``_verify`` over the batch; if it raises, each request again alone, so the
+        failing one gets its exception and the others their tokens. The generators are
+        rewound first: a seeded request draws the same numbers as if nothing failed."""
+        states = [(s.request.generator, s.request.generator.get_state()) for s in sampling
+                  if s.request.generator is not None and len(sampling) > 1]
+        try:
+            return self._verify(sampling, logits)
+        except Exception as e:  # noqa: BLE001
+            if len(sampling) == 1:
+                return {sampling[0].request.request_id: e}
+        for gen, state in states:
+            gen.set_state(state)
+        result, row = {}, 0
+        for s in sampling:
+            rows = len(s.request.draft_token_ids) + 1
+            try:
+                result.update(self._verify([s], logits[row : row + rows]))
+            except Exception as e:  # noqa: BLE001
+                result[s.request.request_id] = e
+            row += rows
+        return result
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.finish_time = time.monotonic()
         self.scheduler.finish(req, status)
         self.requests.pop(req.request_id, None)
+
+    def _propose_or_skip(self, scheduled: list[ScheduledRequest]) -> None:
+        """Draft, or, if the proposer fails, decode plainly this step (drafts are only
+        proposals: without them every request still gets its exact next token)."""
+        try:
+            self._propose(scheduled)
+        except Exception:  # noqa: BLE001
+            logger.exception("the proposer failed; this step runs without draft tokens")
+            for s in scheduled:
+                s.request.draft_token_ids, s.request.draft_probs, s.request.draft_parents = [], None, None
 
     def _propose(self, scheduled: list[ScheduledRequest]) -> None:
         if self.proposer is None:

@@ -46,10 +46,12 @@ class OutputProcessor:
     def decode(self, req: Request) -> str:
         return self.tokenizer.decode(req.output_token_ids, skip_special_tokens=req.sampling_params.skip_special_tokens)
 
-    def make_output(self, req: Request) -> RequestOutput:
-        if req.stop_reason is None or not isinstance(req.stop_reason, str):
+    def make_output(self, req: Request, error: BaseException | None = None) -> RequestOutput:
+        """The request's cumulative output. With ``error`` (the request failed on its
+        own): finish_reason "error" and the text as last decoded (decoding may be what failed)."""
+        if error is None and (req.stop_reason is None or not isinstance(req.stop_reason, str)):
             req.output_text = self.decode(req)
-        finish = req.status.value if req.is_finished() else None
+        finish = "error" if error is not None else req.status.value if req.is_finished() else None
         completion = CompletionOutput(
             index=0,
             text=req.output_text,
@@ -63,7 +65,7 @@ class OutputProcessor:
             prompt=req.prompt,
             prompt_token_ids=req.prompt_token_ids,
             outputs=[completion],
-            finished=req.is_finished(),
+            finished=req.is_finished() or error is not None,
             spec_decode_stats=req.spec_stats,
             metrics={
                 "arrival_time": req.arrival_time,
