@@ -248,7 +248,6 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": "x", "stream": "yes"}, "stream"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": [1]}, "stop"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "bogus_field": 1}, "bogus_field"),
-    ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, "model"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": -3}, "max_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": -0.5}, "temperature"),
@@ -260,7 +259,6 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
     ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, "messages"),
-    ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "hi"}]}, "model"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": -1}, "temperature"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": TOO_LONG}]}, "messages"),
@@ -279,7 +277,7 @@ def test_bad_input_is_a_400_in_openai_shape(base_url, path, body, param):
 
 
 def test_openai_client_sees_bad_request_and_server_carries_on(client, llm):
-    with pytest.raises(openai.BadRequestError):
+    with pytest.raises(openai.NotFoundError):  # OpenAI's 404 model_not_found
         client.completions.create(model="gpt-4", prompt="x", max_tokens=4)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt=TOO_LONG, max_tokens=4)

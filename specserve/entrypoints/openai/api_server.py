@@ -7,7 +7,9 @@ false; server-sent events ``data: {...}`` ending with ``data: [DONE]``),
 GET /v1/models, GET /health, GET /metrics (Prometheus). Requests run on one
 ``AsyncLLMEngine`` (continuous batching); a client that goes away aborts its
 request, which frees its KV blocks. Errors have OpenAI's shape
-``{"error": {"message", "type", "param", "code"}}``.
+``{"error": {"message", "type", "param", "code"}}``, in bodies and in streams
+alike (``code`` is always a string). What is checked before a request reaches
+the engine, and each limit's status code: ``limits.py`` and docs/serving.md.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineStepError
+from specserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineStepError, RequestFailedError
 from specserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -35,6 +37,7 @@ from specserve.entrypoints.openai.protocol import (
     now,
     random_id,
 )
+from specserve.entrypoints.openai.limits import APIError, ClientGone, ServerLimits, read_json
 from specserve.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -43,12 +46,6 @@ _MIN_LOGPROB = -9999.0   # JSON has no -Infinity
 
 
 # --------------------------------------------------------------------------- errors
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-
 def error_body(message: str, type: str, param: str | None = None, code: str | int | None = None) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
@@ -72,6 +69,16 @@ def _validation_error(e: ValidationError) -> APIError:
     if err.get("type") == "extra_forbidden":
         msg = "unknown field (not part of the API, or not supported)"
     return APIError(400, f"{param}: {msg}" if param else msg, param=param, code=err.get("type"))
+
+
+_PARAM_NAMES = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "stop", "logprobs", "n")
+
+
+def _sampling_error(e: ValueError) -> APIError:
+    """A SamplingParams ValueError as a 400 naming the field its message starts with."""
+    message = str(e).removeprefix("invalid SamplingParams: ")
+    param = next((n for n in _PARAM_NAMES if message.startswith(n + " ")), None)
+    return APIError(400, message, param=param, code="invalid_value")
 
 
 # -------------------------------------------------------------------------- metrics
@@ -279,8 +286,9 @@ class _SSEResponse(StreamingResponse):
 
 # -------------------------------------------------------------------------- serving
 class OpenAIServing:
-    def __init__(self, async_engine: AsyncLLMEngine, served_model_names: list[str]):
+    def __init__(self, async_engine: AsyncLLMEngine, served_model_names: list[str], limits: ServerLimits | None = None):
         self.async_engine = async_engine
+        self.limits = limits or ServerLimits()
         self.engine = async_engine.engine
         self.tokenizer = self.engine.tokenizer
         self.served_model_names = served_model_names
@@ -291,7 +299,7 @@ class OpenAIServing:
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.served_model_names:
             raise APIError(
-                400,
+                404,
                 f"the model {model!r} does not exist; this server serves {self.served_model_names}",
                 param="model",
                 code="model_not_found",
@@ -396,24 +404,38 @@ class OpenAIServing:
                 task.cancel()
 
     # --------------------------------------------------------------- endpoints
-    async def completions(self, request: CompletionRequest, raw: Request) -> Response:
-        self.check_model(request.model)
-        arrival = time.monotonic()
+    def sampling_params(self, request):
+        """The request's SamplingParams, checked against this model (vocabulary-sized fields)."""
         try:
             params = request.to_sampling_params()
         except ValueError as e:
-            raise APIError(400, str(e).removeprefix("invalid SamplingParams: ")) from None
-        streams = await self.start(request.prompts(), params, "prompt")
+            raise _sampling_error(e) from None
+        vocab = self.engine.vocab_size
+        if params.top_k > vocab:
+            raise APIError(400, f"top_k must be at most the vocabulary size {vocab} (or -1/0: off), got {params.top_k}",
+                           param="top_k", code="invalid_value")
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise APIError(400, f"stop_token_ids out of range [0, {vocab}): {bad[:5]}", param="stop_token_ids",
+                           code="invalid_value")
+        return params
+
+    async def completions(self, request: CompletionRequest, raw: Request) -> Response:
+        self.check_model(request.model)
+        arrival = time.monotonic()
+        params = self.sampling_params(request)
+        prompts = request.prompts()
+        if len(prompts) > self.limits.max_prompts:
+            raise APIError(400, f"at most {self.limits.max_prompts} prompts per request, got {len(prompts)}",
+                           param="prompt", code="too_many_prompts")
+        streams = await self.start(prompts, params, "prompt")
         return await self._respond(request, raw, streams, params, arrival, chat=False)
 
     async def chat_completions(self, request: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(request.model)
         arrival = time.monotonic()
-        try:
-            params = request.to_sampling_params()
-        except ValueError as e:
-            raise APIError(400, str(e).removeprefix("invalid SamplingParams: ")) from None
-        prompt = self.chat_prompt(request)
+        params = self.sampling_params(request)
+        prompt = await self.async_engine.run_off_thread(self.chat_prompt, request)
         streams = await self.start([prompt], params, "messages")
         return await self._respond(request, raw, streams, params, arrival, chat=True)
 
@@ -524,15 +546,25 @@ class OpenAIServing:
                     self.record_finish(c)
             if include_usage:
                 yield chunk([], _usage(choices), with_usage=True)
-        except (EngineStepError, EngineDeadError) as e:
-            m.errors.labels(ln, "500").inc()
-            yield _sse(error_body(str(e), "server_error", code=500))
+        except (EngineStepError, EngineDeadError, RequestFailedError) as e:
+            err = _engine_error(e)
+            m.errors.labels(ln, str(err.status)).inc()
+            yield _sse(error_body(err.message, err.type, err.param, err.code))
         finally:
             m.running.labels(ln).dec(len(streams))
             for c in choices:  # left early (client gone): those requests were aborted
                 if c.output is None or not c.output.finished:
                     m.finished.labels(ln, "abort").inc()
         yield "data: [DONE]\n\n"
+
+
+def _engine_error(e: Exception) -> APIError:
+    """The one error shape of an engine failure, in a body or in a stream."""
+    if isinstance(e, EngineDeadError):
+        return APIError(503, str(e), "server_error", code="engine_dead")
+    if isinstance(e, RequestFailedError):
+        return APIError(500, str(e), "server_error", code="request_failed")
+    return APIError(500, str(e), "server_error", code="engine_error")
 
 
 # ------------------------------------------------------------------------------ app
@@ -558,18 +590,21 @@ class _APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(llm_or_engine, served_model_name: str | list[str] | None = None, api_key: str | None = None) -> FastAPI:
+def build_app(llm_or_engine, served_model_name: str | list[str] | None = None, api_key: str | None = None,
+              limits: ServerLimits | None = None) -> FastAPI:
     """The FastAPI app over an ``LLM``, ``LLMEngine`` or ``AsyncLLMEngine``.
 
     Apps built over the same engine share one engine loop (one step at a time).
     ``served_model_name``: the name (or names) requests may use in ``model``;
-    default: the engine's model name.
+    default: the engine's model name. ``limits``: body size, read time, JSON
+    depth, prompts per request (default: ``ServerLimits.from_env()``).
     """
     async_engine = AsyncLLMEngine.from_engine(llm_or_engine)
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
     if not names:
         names = [async_engine.engine.model_name]
-    serving = OpenAIServing(async_engine, names)
+    limits = limits if limits is not None else ServerLimits.from_env()
+    serving = OpenAIServing(async_engine, names, limits)
     m, ln = serving.metrics, serving.model_name
 
     app = FastAPI(title="specserve OpenAI-compatible server", docs_url=None, redoc_url=None, openapi_url=None)
@@ -584,16 +619,11 @@ def build_app(llm_or_engine, served_model_name: str | list[str] | None = None, a
     async def _http_error(request: Request, exc: StarletteHTTPException):
         m.errors.labels(ln, str(exc.status_code)).inc()
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(exc.status_code, str(exc.detail), kind, code=exc.status_code)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, str(exc.status_code))
+        return error_response(exc.status_code, str(exc.detail), kind, code=code)
 
     async def parse(raw: Request, model_cls: type[BaseModel]):
-        body = await raw.body()
-        try:
-            data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
-        if not isinstance(data, dict):
-            raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+        data = await read_json(raw, limits)
         try:
             return model_cls.model_validate(data)
         except ValidationError as e:
@@ -605,10 +635,11 @@ def build_app(llm_or_engine, served_model_name: str | list[str] | None = None, a
             return await endpoint(request, raw)
         except APIError as e:
             return fail(e)
-        except EngineDeadError as e:
-            return fail(APIError(503, str(e), "server_error", code="engine_dead"))
-        except EngineStepError as e:
-            return fail(APIError(500, str(e), "server_error", code="engine_error"))
+        except ClientGone:  # disconnected mid-upload: nobody to answer, nothing to log
+            m.errors.labels(ln, "499").inc()
+            return Response(status_code=499)
+        except (EngineDeadError, EngineStepError, RequestFailedError) as e:
+            return fail(_engine_error(e))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - never crash the server on one request
@@ -658,7 +689,12 @@ def run_server(args) -> int:
     names = list(args.served_model_name or []) or [engine.model_name]
     if args.model and args.model not in names:
         names.append(args.model)
-    app = build_app(llm, names, api_key=api_key)
+    limits = ServerLimits.from_env()
+    for name in ("max_body_bytes", "body_timeout_s", "max_json_depth", "max_prompts"):  # --max-body-bytes, ...
+        if getattr(args, name, None) is not None:
+            setattr(limits, name, getattr(args, name))
+    limits.__post_init__()
+    app = build_app(llm, names, api_key=api_key, limits=limits)
     async_engine = app.state.async_engine
     async_engine.start()
     spec = engine.spec_config

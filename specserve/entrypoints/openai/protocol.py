@@ -1,24 +1,29 @@
 """Request and response shapes of the OpenAI API subset the server speaks.
 
 Requests are strict: unknown fields and wrong types are a 400, not a silent
-default (``"max_tokens": "8"`` is an error). OpenAI fields specserve cannot
+default (``"max_tokens": "8"`` is an error). Every number is bounded by what
+the tensor it becomes can hold (``SamplingParams``' limits: finite floats,
+``top_k`` up to 2^31 - 1, seeds in [0, 2^64), token ids >= 0), so no value
+that passes here can fail an engine step. OpenAI fields specserve cannot
 honour (n > 1, penalties, echo) are accepted only at their neutral value.
 """
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from specserve.sampling_params import SamplingParams
+from specserve.sampling_params import MAX_SEED, MAX_TOKEN_ID, MAX_TOP_K, SamplingParams
+
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 
 MAX_LOGPROBS = 20
 
 
 class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(StrictModel):
@@ -31,11 +36,11 @@ class _SamplingFields(StrictModel):
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Annotated[int, Field(ge=-1, le=MAX_TOP_K)] | None = None
     min_p: float | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=1024)] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     stream: bool | None = False
@@ -64,13 +69,6 @@ class _SamplingFields(StrictModel):
     def _top_p(cls, v):
         if v is not None and not (0.0 < v <= 1.0):
             raise ValueError("must be in (0, 1]")
-        return v
-
-    @field_validator("top_k")
-    @classmethod
-    def _top_k(cls, v):
-        if v is not None and v < -1:
-            raise ValueError("must be -1 (disabled), 0 (disabled) or positive")
         return v
 
     @field_validator("min_p")
@@ -207,7 +205,7 @@ class ContentPart(StrictModel):
 
 class ChatMessage(BaseModel):
     # Extra keys (name, tool_call_id, ...) are passed to the chat template untouched.
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None

@@ -1,0 +1,151 @@
+"""What the server accepts before a request reaches the engine: body size, read
+time, media type, JSON shape (docs/serving.md lists every limit and its status).
+
+``read_json`` turns an HTTP request into a checked JSON object or an ``APIError``:
+415 unless ``Content-Type: application/json`` (a web page cannot then post to a
+keyless server without a CORS preflight), 413 for a body over the size limit
+(from ``Content-Length`` at once, or as soon as a chunked body passes it), 408
+when the body takes too long to arrive, 400 for invalid JSON, ``NaN`` or
+``Infinity`` (JSON has neither; Python's parser accepts them), numbers that
+overflow to infinity, nesting deeper than the limit, and strings with lone
+surrogates (``"\\ud800"``: valid JSON escapes, but no UTF-8 exists for them, so
+the tokenizer and the response encoder would fail on them).
+A client that disconnects mid-upload raises ``ClientGone``: nobody to answer.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+from dataclasses import dataclass
+
+from starlette.requests import ClientDisconnect, Request
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+
+class ClientGone(Exception):
+    """The client went away before its request was read: answer nobody, log nothing."""
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return int(value) if value else default
+
+
+@dataclass
+class ServerLimits:
+    """Per-request limits of the HTTP server (defaults from ``SPECSERVE_*`` variables)."""
+
+    max_body_bytes: int = 4 << 20        # 413 beyond; SPECSERVE_MAX_BODY_BYTES
+    body_timeout_s: float = 30.0         # 408 when the whole body has not arrived by then
+    max_json_depth: int = 32             # 400 beyond (objects and arrays nested)
+    max_prompts: int = 64                # 400: prompts in one /v1/completions batch
+
+    @classmethod
+    def from_env(cls) -> "ServerLimits":
+        return cls(
+            max_body_bytes=_env_int("SPECSERVE_MAX_BODY_BYTES", cls.max_body_bytes),
+            body_timeout_s=float(os.environ.get("SPECSERVE_BODY_TIMEOUT_S") or cls.body_timeout_s),
+            max_json_depth=_env_int("SPECSERVE_MAX_JSON_DEPTH", cls.max_json_depth),
+            max_prompts=_env_int("SPECSERVE_MAX_PROMPTS", cls.max_prompts),
+        )
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_json_depth", "max_prompts"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.body_timeout_s, (int, float)) or not self.body_timeout_s > 0:
+            raise ValueError(f"body_timeout_s must be a positive number, got {self.body_timeout_s!r}")
+
+
+async def read_json(raw: Request, limits: ServerLimits) -> dict:
+    """The request's body as a checked JSON object (see the module docstring)."""
+    media_type = raw.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media_type != "application/json":
+        raise APIError(415, f"the request body must be JSON sent with 'Content-Type: application/json' "
+                            f"(got {media_type or 'no content type'!r})", code="unsupported_media_type")
+    length = raw.headers.get("content-length")
+    if length is not None:
+        if not length.isdigit():
+            raise APIError(400, f"invalid Content-Length {length!r}", code="invalid_request")
+        if int(length) > limits.max_body_bytes:
+            raise _too_large(limits.max_body_bytes)
+    try:
+        body = await asyncio.wait_for(_read_body(raw, limits.max_body_bytes), limits.body_timeout_s)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {limits.body_timeout_s:g} s",
+                       code="request_timeout") from None
+    except ClientDisconnect:
+        raise ClientGone() from None
+    try:
+        data = json.loads(body, parse_constant=_reject_constant)
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, f"the request body nests deeper than {limits.max_json_depth} levels",
+                       code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    check_json(data, limits.max_json_depth)
+    return data
+
+
+async def _read_body(raw: Request, limit: int) -> bytes:
+    chunks, size = [], 0
+    async for chunk in raw.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than the limit of {limit} bytes", code="request_too_large")
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def check_json(data, max_depth: int) -> None:
+    """400 for nesting deeper than ``max_depth``, lone surrogates, non-finite numbers.
+
+    Iterative (an explicit stack), so the check itself cannot hit Python's recursion limit.
+    """
+    stack = [(data, 1, "")]
+    while stack:
+        value, depth, path = stack.pop()
+        if isinstance(value, (dict, list)):
+            if depth > max_depth:
+                raise APIError(400, f"the request body nests deeper than {max_depth} levels",
+                               param=path or None, code="invalid_json")
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, item in items:
+                if isinstance(key, str):
+                    _check_text(key, path)
+                    child = f"{path}.{key}" if path else key
+                else:
+                    child = f"{path}[{key}]"
+                stack.append((item, depth + 1, child))
+        elif isinstance(value, str):
+            _check_text(value, path)
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise APIError(400, f"{path}: numbers must be finite", param=path or None, code="invalid_json")
+
+
+def _check_text(text: str, path: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        where = f"{path}: " if path else ""
+        raise APIError(400, f"{where}the text holds a lone surrogate {text[e.start]!r} at index {e.start}, "
+                            "which is not valid Unicode", param=path or None, code="invalid_unicode") from None
