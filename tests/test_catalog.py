@@ -157,11 +157,27 @@ def test_single_file_entry_is_verified_in_place(fake, cache, monkeypatch):
     blob = (site / part.module / part.file).read_bytes()
     single = CatalogEntry(**{**_fields(entry), "parts": (part,), "size": len(blob),
                              "sha256": hashlib.sha256(blob).hexdigest()})
-    path = catalog.ensure_file(single)
+    with pytest.raises(ChecksumError, match="the file .*part01.bin of the catalog model"):
+        catalog.ensure_file(CatalogEntry(**{**_fields(single), "sha256": "f" * 64}))
+    path = catalog.ensure_file(single)  # the package's file is never deleted
     assert path == str(site / part.module / part.file)
     assert not (cache / "fake-model.gguf").exists()  # not copied
     monkeypatch.setattr(catalog, "_copy_hashing", lambda *a, **k: pytest.fail("hashed twice"))
     assert catalog.ensure_file(single) == path
+
+
+def test_unwritable_cache(fake, tmp_path, monkeypatch):
+    entry, _, site = fake
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(blocker))
+    with pytest.raises(catalog.CatalogError, match=f"cannot assemble .*needs {entry.size:,} bytes free"):
+        catalog.ensure_file(entry)
+    part = entry.parts[0]  # a single-file entry needs no cache: verified, used, just not marked
+    blob = (site / part.module / part.file).read_bytes()
+    single = CatalogEntry(**{**_fields(entry), "parts": (part,), "size": len(blob),
+                             "sha256": hashlib.sha256(blob).hexdigest()})
+    assert catalog.ensure_file(single) == str(site / part.module / part.file)
 
 
 def test_loader_resolves_catalog_names(fake, cache, monkeypatch):
