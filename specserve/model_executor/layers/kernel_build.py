@@ -1,6 +1,6 @@
 """Compiling specserve's C kernels on first use (``cpu_kernels/*.c``).
 
-Each kernel is built with the system C compiler (``cc``, or ``$CC``) into
+Each kernel (with the shared headers ``cpu_kernels/*.h``) is built with the system C compiler (``cc``, or ``$CC``) into
 ``~/.cache/specserve/kernels`` (``$SPECSERVE_CACHE_DIR``), under a name keyed by
 the source, the compiler, the flags and the CPU's feature flags (the kernels are
 built with ``-march=native``), and loaded through ctypes. With ``-fopenmp`` a
@@ -38,7 +38,8 @@ def _cpu_flags() -> str:
 def build_library(source_name: str, flags: list[str]) -> ctypes.CDLL:
     """Compile ``cpu_kernels/<source_name>`` (cached) and load it; raises RuntimeError on failure."""
     source_path = KERNEL_DIR / source_name
-    source = source_path.read_bytes()
+    # The shared headers (gemm_core.h, ...) are part of every kernel's cache key.
+    source = source_path.read_bytes() + b"".join(h.read_bytes() for h in sorted(KERNEL_DIR.glob("*.h")))
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler found (set CC)")
@@ -49,7 +50,7 @@ def build_library(source_name: str, flags: list[str]) -> ctypes.CDLL:
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
             built = Path(tmp) / target.name
-            base = [compiler, *flags, "-shared", "-fPIC", str(source_path), "-o", str(built)]
+            base = [compiler, *flags, "-I", str(KERNEL_DIR), "-shared", "-fPIC", str(source_path), "-o", str(built)]
             result = subprocess.run(base + ["-fopenmp", "-lm"], capture_output=True, text=True)
             if result.returncode != 0:
                 logger.info("building %s without OpenMP: %s", source_name, result.stderr[-500:])

@@ -1,0 +1,114 @@
+"""specserve's matmul over GGUF block-format weights for CPUs (``cpu_kernels/quant_gemm.c``).
+
+``out = x @ dequantize(w).T (+ bias)`` for float32 activations x [rows, in] and a
+weight held as the GGUF file's blocks ([out, row_bytes] uint8, one row of blocks per
+output). The blocks are unpacked inside the kernel, four output rows at a time, to
+exactly the values ggml's dequantization gives, then multiplied by the same
+row-invariant float32 core as the float16 kernel (``cpu_gemm``): a row's result
+never depends on how many rows share the call or on the thread count.
+
+Why: a batch-1 decode step streams every weight once, and GGUF's formats hold
+4.5-8.5 bits per weight where float16 holds 16 (docs/benchmarks.md, "Quantized
+weights"). Formats: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; others are
+dequantized to float16 at load (``supports``).
+
+Compiled on first use (``kernel_build.LazyLibrary``). Unavailable without a C
+compiler, on CPUs without F16C, or with ``SPECSERVE_CPU_QUANT=off``; the loader
+then dequantizes every tensor to float16 at load, as before.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from specserve.model_executor.layers.kernel_build import LazyLibrary
+
+COMPILE_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off"]
+
+
+def _setup(lib: ctypes.CDLL) -> None:
+    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.specserve_quant_gemm.argtypes = [ptr, i64, i64, ptr, c_int, i64, i64, ptr, ptr, i64, c_int]
+    lib.specserve_quant_gemm.restype = c_int
+    lib.specserve_quant_dequantize.argtypes = [ptr, c_int, ptr, i64, i64, ptr, c_int]
+    lib.specserve_quant_dequantize.restype = c_int
+    for name in ("specserve_quant_block_elems", "specserve_quant_block_bytes"):
+        getattr(lib, name).argtypes = [c_int]
+        getattr(lib, name).restype = c_int
+    lib.specserve_quant_vector_width.restype = c_int
+    if lib.specserve_quant_vector_width() == 0:
+        raise RuntimeError("this CPU has no F16C (float16 conversion instructions)")
+
+
+LIBRARY = LazyLibrary("quant_gemm.c", COMPILE_FLAGS, _setup, "SPECSERVE_CPU_QUANT", "off",
+                      "float16 weights dequantized at load")
+_load = LIBRARY.get
+
+
+def available() -> bool:
+    """True when the kernel is built (compiler, F16C, not turned off)."""
+    return _load() is not None
+
+
+def supports(qtype: int) -> bool:
+    """True when the kernel is built and multiplies weights of this ggml type id."""
+    lib = _load()
+    return lib is not None and lib.specserve_quant_block_elems(int(qtype)) > 0
+
+
+def block_geometry(qtype: int) -> tuple[int, int]:
+    """(values, bytes) per block of a supported ggml type id."""
+    lib = _load()
+    assert lib is not None and supports(qtype), f"ggml type {qtype} is not supported"
+    return lib.specserve_quant_block_elems(int(qtype)), lib.specserve_quant_block_bytes(int(qtype))
+
+
+def _check(status: int, what: str) -> None:
+    if status == -3:
+        raise MemoryError(f"quantized matmul kernel: scratch allocation failed ({what})")
+    if status:
+        raise RuntimeError(f"quantized matmul kernel failed ({status}) for {what}")
+
+
+def quant_matmul_into(
+    out: torch.Tensor,          # [rows, out_total] float32; columns [col, col + n) are written
+    col: int,
+    x: torch.Tensor,            # [rows, in] float32, last dimension contiguous
+    data: torch.Tensor,         # [n, row_bytes] uint8, contiguous: the GGUF blocks of n output rows
+    qtype: int,
+    in_features: int,
+    bias: torch.Tensor | None,  # [n] float32, contiguous
+) -> None:
+    lib = _load()
+    assert lib is not None, "call supports() first"
+    assert x.dtype == torch.float32 and x.stride(-1) == 1 and x.shape[1] == in_features
+    assert data.dtype == torch.uint8 and data.is_contiguous() and out.stride(1) == 1
+    assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous() and bias.shape[0] == data.shape[0])
+    rows = x.shape[0]
+    if rows == 0 or data.shape[0] == 0:
+        return
+    status = lib.specserve_quant_gemm(
+        x.data_ptr(), x.stride(0), rows, data.data_ptr(), int(qtype), data.shape[0], in_features,
+        None if bias is None else bias.data_ptr(), out.data_ptr() + col * out.element_size(), out.stride(0),
+        torch.get_num_threads())
+    _check(status, f"ggml type {qtype}, weight [{data.shape[0]}, {in_features}]")
+
+
+def dequantize_rows(
+    data: torch.Tensor,         # [n_rows, row_bytes] uint8, contiguous
+    qtype: int,
+    in_features: int,
+    ids: torch.Tensor,          # [T] int64 row indices
+) -> torch.Tensor:              # [T, in] float32
+    lib = _load()
+    assert lib is not None, "call supports() first"
+    ids = ids.to(torch.int64).contiguous()
+    if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < data.shape[0]):
+        raise IndexError(f"row ids out of range [0, {data.shape[0]})")
+    out = torch.empty(ids.shape[0], in_features, dtype=torch.float32)
+    if ids.shape[0]:
+        status = lib.specserve_quant_dequantize(data.data_ptr(), int(qtype), ids.data_ptr(), ids.shape[0],
+                                                in_features, out.data_ptr(), torch.get_num_threads())
+        _check(status, f"dequantizing ggml type {qtype}")
+    return out

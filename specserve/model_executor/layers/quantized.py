@@ -1,0 +1,153 @@
+"""A weight matrix kept in the GGUF file's block formats (``QuantizedMatrix``).
+
+The loader hands these to the layers instead of float tensors when the model runs
+``dtype="auto"`` on a CPU (``loader.load_model(..., keep_quantized=True)``). A
+layer fuses several of them (q, k, v; gate, up) by stacking rows, and tensor
+parallelism cuts them by rows (column-parallel) or along whole blocks
+(row-parallel). Rows of different formats may share one matrix: Q4_K_M files
+store some v and down projections in Q6_K beside Q4_K q and k, so a matrix is a
+list of *segments*, runs of rows in one format, each multiplied by its own
+kernel call into its own columns of the output.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.model_executor.layers import quant_gemm
+
+
+class BlockAlignmentError(ValueError):
+    """A cut along the input dimension that does not fall on a block boundary."""
+
+
+@dataclass
+class QuantSegment:
+    qtype: int            # ggml's type id (GGML_TYPE_Q4_K = 12, ...)
+    data: torch.Tensor    # [rows, row_bytes] uint8: one row of blocks per output
+
+
+class QuantizedMatrix:
+    """A [out, in] matrix as segments of rows in GGUF block formats (module docstring)."""
+
+    def __init__(self, segments: list[QuantSegment], in_features: int):
+        self.segments = [s for s in segments if s.data.shape[0]]
+        self.in_features = in_features
+
+    @classmethod
+    def from_blocks(cls, data: torch.Tensor, qtype: int, in_features: int) -> "QuantizedMatrix":
+        """data: [out, row_bytes] uint8 as stored in the file (a read-only view is fine)."""
+        elems, nbytes = quant_gemm.block_geometry(qtype)
+        if in_features % elems or data.shape[1] != in_features // elems * nbytes:
+            raise ValueError(f"a ggml type {qtype} row of {in_features} values is not {data.shape[1]} bytes")
+        return cls([QuantSegment(int(qtype), data)], in_features)
+
+    # ----------------------------------------------------------------- shape and bytes
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (sum(s.data.shape[0] for s in self.segments), self.in_features)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.data.numel() for s in self.segments)
+
+    @property
+    def qtypes(self) -> list[int]:
+        return [s.qtype for s in self.segments]
+
+    def to(self, *args, **kwargs) -> "QuantizedMatrix":
+        """The blocks are the file's: no dtype or device conversion applies (CPU only)."""
+        return self
+
+    # ----------------------------------------------------------------- cutting and joining
+    def row_slice(self, start: int, length: int) -> "QuantizedMatrix":
+        """Rows [start, start + length)."""
+        out, first = [], 0
+        for s in self.segments:
+            n = s.data.shape[0]
+            lo, hi = max(start, first), min(start + length, first + n)
+            if lo < hi:
+                out.append(QuantSegment(s.qtype, s.data[lo - first : hi - first]))
+            first += n
+        return QuantizedMatrix(out, self.in_features)
+
+    def col_slice(self, start: int, length: int) -> "QuantizedMatrix":
+        """Input features [start, start + length); both must fall on block boundaries."""
+        out = []
+        for s in self.segments:
+            elems, nbytes = quant_gemm.block_geometry(s.qtype)
+            if start % elems or length % elems:
+                raise BlockAlignmentError(
+                    f"input features [{start}, {start + length}) do not fall on ggml type {s.qtype}'s "
+                    f"{elems}-value blocks")
+            b0, nb = start // elems, length // elems
+            out.append(QuantSegment(s.qtype, s.data[:, b0 * nbytes : (b0 + nb) * nbytes].contiguous()))
+        return QuantizedMatrix(out, length)
+
+    def take_rows(self, index: torch.Tensor) -> "QuantizedMatrix":
+        """Rows ``index`` (e.g. a draft vocabulary's rows of an LM head), one format only."""
+        if len(self.segments) != 1:
+            raise ValueError("take_rows needs a matrix of one format")
+        s = self.segments[0]
+        return QuantizedMatrix([QuantSegment(s.qtype, s.data[index.to(torch.long)])], self.in_features)
+
+    def pad_rows(self, rows: int) -> "QuantizedMatrix":
+        """Append rows that are all zero: zero bytes dequantize to 0.0 in every format."""
+        if rows <= 0:
+            return self
+        last = self.segments[-1]
+        zeros = last.data.new_zeros(rows, last.data.shape[1])
+        return QuantizedMatrix(self.segments + [QuantSegment(last.qtype, zeros)], self.in_features)
+
+    @staticmethod
+    def cat(mats: list["QuantizedMatrix"]) -> "QuantizedMatrix":
+        """Stack rows (fusing q, k, v or gate, up); neighbouring segments of one format merge."""
+        in_features = mats[0].in_features
+        if any(m.in_features != in_features for m in mats):
+            raise ValueError("matrices to stack have different input widths")
+        merged: list[QuantSegment] = []
+        for seg in (s for m in mats for s in m.segments):
+            if merged and merged[-1].qtype == seg.qtype:
+                merged[-1] = QuantSegment(seg.qtype, torch.cat([merged[-1].data, seg.data]))
+            else:
+                merged.append(seg)
+        for i, seg in enumerate(merged):   # the kernel reads contiguous rows it owns
+            if not seg.data.is_contiguous():
+                merged[i] = QuantSegment(seg.qtype, seg.data.contiguous())
+        return QuantizedMatrix(merged, in_features)
+
+    def contiguous(self) -> "QuantizedMatrix":
+        """Every segment in memory of its own (a copy out of a read-only file mapping, say)."""
+        return QuantizedMatrix([QuantSegment(s.qtype, s.data.contiguous()) for s in self.segments],
+                               self.in_features)
+
+    # ----------------------------------------------------------------- compute
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., in] float32 -> x @ W.T (+ bias) [..., out] float32."""
+        leading = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        out = torch.empty(x2.shape[0], self.shape[0], dtype=torch.float32)
+        col = 0
+        for s in self.segments:
+            n = s.data.shape[0]
+            seg_bias = None if bias is None else bias[col : col + n]
+            quant_gemm.quant_matmul_into(out, col, x2, s.data, s.qtype, self.in_features, seg_bias)
+            col += n
+        return out.view(*leading, out.shape[1])
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` [T] dequantized: [T, in] float32 (an embedding lookup)."""
+        if len(self.segments) != 1:
+            raise ValueError("an embedding table must be of one format")
+        s = self.segments[0]
+        return quant_gemm.dequantize_rows(s.data, s.qtype, self.in_features, ids.reshape(-1)).view(
+            *ids.shape, self.in_features)
+
+    def dequantize(self) -> torch.Tensor:
+        """The whole matrix [out, in] float32, exactly the file's values."""
+        parts = [quant_gemm.dequantize_rows(s.data, s.qtype, self.in_features, torch.arange(s.data.shape[0]))
+                 for s in self.segments]
+        return torch.cat(parts) if parts else torch.empty(0, self.in_features)
