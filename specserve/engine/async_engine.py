@@ -19,9 +19,11 @@ requests that were not in that step carry on. Any other failure of a step (the
 scheduler's) fails every request in flight. Only if the engine cannot even be
 cleaned up does it become dead (``EngineDeadError``).
 
-Prompts are tokenized on a separate thread (``prepare_prompt``, one worker:
-the tokenizer is shared), never on the engine thread, so a huge prompt does not
-stall the batch.
+Prompts are tokenized on two tokenizer threads (``prepare_prompt``; chat
+templates too, through ``run_off_thread``), never on the engine thread, so a
+huge prompt does not stall the batch, and one slow prompt does not queue every
+other. A fast tokenizer's encode and decode only read it (no truncation or
+padding is ever set), so threads may share it.
 """
 from __future__ import annotations
 
@@ -93,7 +95,7 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
         # Tokenization and chat templating, off the engine thread and off the event loop.
-        self.tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="specserve-tokenize")
+        self.tokenizer_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="specserve-tokenize")
         self._stopped = False
         self.dead_error: BaseException | None = None
         self.num_steps = 0
