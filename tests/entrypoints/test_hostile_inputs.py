@@ -518,3 +518,33 @@ def test_disconnect_storm_leaves_no_block_in_use_and_greedy_output_unchanged(tin
     finally:
         if spec:
             app.state.async_engine.shutdown()
+
+
+# ------------------------------------------------------------ one request's failure
+def test_a_request_failing_in_the_engine_gets_a_500_and_the_others_carry_on(server, llm, witness_alone, monkeypatch):
+    """Injected fault: detokenizing the request whose prompt starts with POISON raises."""
+    base, _ = server
+    engine = llm.engine
+    real_append = engine.output_processor.append
+
+    def append(req, token):
+        if (req.prompt or "").startswith("POISON") and req.num_output_tokens >= 1:
+            raise RuntimeError("injected fault")
+        return real_append(req, token)
+
+    monkeypatch.setattr(engine.output_processor, "append", append)
+
+    def send_both():
+        r = httpx.post(f"{base}/v1/completions", json=comp(prompt="POISON a", max_tokens=8), timeout=60)
+        with httpx.stream("POST", f"{base}/v1/completions", json=comp(prompt="POISON b", stream=True), timeout=60) as s:
+            events = [json.loads(line[6:]) for line in s.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+        return r, events
+
+    r, events = with_witness(base, witness_alone, send_both)
+    assert r.status_code == 500
+    err = r.json()["error"]
+    assert err["type"] == "server_error" and err["code"] == "request_failed" and "injected fault" in err["message"]
+    stream_err = events[-1]["error"]
+    assert set(stream_err) == {"message", "type", "param", "code"} and stream_err["code"] == "request_failed"
+    assert wait_until(lambda: idle(llm), 10)
