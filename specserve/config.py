@@ -5,6 +5,7 @@ unknown keys when built from a dict, so a typo is an error, not a silent default
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 
 MAX_SPECULATIVE_TOKENS = 16  # beyond this acceptance of the last positions is ~0
@@ -105,11 +106,53 @@ class EngineConfig:
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+        if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
+            raise TypeError(f"model must be a path, a .gguf file or a cached hub id (a string), "
+                            f"got {type(self.model).__name__} {self.model!r}")
+        if isinstance(self.model, os.PathLike):
+            self.model = os.fspath(self.model)
+        if not isinstance(self.dtype, str) and not _is_torch_dtype(self.dtype):
+            raise TypeError(f"dtype must be a string such as 'auto' or 'float32', got {self.dtype!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "kv_cache_memory"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not _is_int(value) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.kv_cache_memory <= 0:
-            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 1):
+            raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
+        if not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        _check_device(self.device)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_torch_dtype(x) -> bool:
+    import torch
+
+    return isinstance(x, torch.dtype)
+
+
+def _check_device(device) -> None:
+    """A device string torch understands and this machine has (no AssertionError from deep in torch)."""
+    if device is None:
+        return
+    import torch
+
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be a string such as 'cpu' or 'cuda', got {device!r}")
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"unknown device {device!r}: {e}") from None
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            why = ("this PyTorch build has no CUDA support" if torch.version.cuda is None
+                   else "no CUDA device is visible (driver, CUDA_VISIBLE_DEVICES)")
+            raise ValueError(f"device={device!r} was asked for, but CUDA is not available: {why}; "
+                             "use device='cpu' or leave device unset")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise ValueError(f"device={device!r}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+    elif parsed.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}: specserve runs on 'cpu' or 'cuda'")

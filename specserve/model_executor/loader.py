@@ -100,9 +100,11 @@ def load_model(model: str | None, dtype: torch.dtype, load_weights: bool = True)
     """Resolve ``model`` and load config, tokenizer and (unless told not to) weights in ``dtype``."""
     path, name = _resolve(model)
     if os.path.isfile(path):
+        check_gguf_file(path)
         config, tokenizer = _gguf_config_and_tokenizer(path)
         state_dict = _gguf_state_dict(path, config, dtype) if load_weights else {}
     else:
+        check_model_folder(path)
         config = AutoConfig.from_pretrained(path)
         _check_architecture(config)
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -114,6 +116,9 @@ def load_model(model: str | None, dtype: torch.dtype, load_weights: bool = True)
 
 def _resolve(model: str | None) -> tuple[str, str]:
     """Return (absolute path, display name) for a model reference."""
+    if model is not None and not isinstance(model, (str, os.PathLike)):
+        raise TypeError(f"model must be a path, a .gguf file or a cached hub id (a string), "
+                        f"got {type(model).__name__} {model!r}")
     if model is None:
         path = default_model_path()
         return path, _gguf_display_name(path)
@@ -289,3 +294,106 @@ def _weight_files(folder: str, index_name: str, pattern: str) -> list[str]:
             names = sorted(set(json.load(fh)["weight_map"].values()))
         return [os.path.join(folder, n) for n in names]
     return sorted(glob.glob(os.path.join(folder, pattern)))
+
+
+# ------------------------------------------------------------- clear load errors
+class InvalidModelFileError(ValueError):
+    """A model file or folder exists but cannot be what it claims (truncated, corrupt, incomplete)."""
+
+
+_GGUF_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUFValueType -> bytes
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def check_gguf_file(path: str) -> None:
+    """Raise ``InvalidModelFileError`` naming ``path`` unless its header, metadata and tensor
+    table parse and every tensor's data lies inside the file.
+
+    Runs before anything reads tensor data, so a truncated download or a corrupt header is
+    one clear sentence instead of ``struct.error``, ``cannot reshape array`` or "not a valid
+    JSON file". Reads the metadata once (string arrays: the vocabulary) through a memory map.
+    """
+    import mmap
+    import struct
+
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    def bad(problem: str) -> InvalidModelFileError:
+        return InvalidModelFileError(f"{path}: not a usable GGUF file: {problem}")
+
+    size = os.path.getsize(path)
+    if size < 24:
+        raise bad(f"only {size} bytes, shorter than a GGUF header")
+    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        if data[:4] != b"GGUF":
+            raise bad(f"it starts with {bytes(data[:4])!r}, not the GGUF magic b'GGUF'")
+        version, n_tensors, n_kv = struct.unpack_from("<IQQ", data, 4)
+        if version not in (2, 3):
+            raise bad(f"GGUF version {version} (specserve reads versions 2 and 3)")
+        pos = 24
+
+        def take(n: int) -> int:
+            nonlocal pos
+            if pos + n > size:
+                raise bad(f"it ends at byte {size} inside its header (truncated?)")
+            start, pos = pos, pos + n
+            return start
+
+        def string() -> bytes:
+            (length,) = struct.unpack_from("<Q", data, take(8))
+            return data[take(length):pos]
+
+        def skip_value(kind: int) -> None:
+            if kind == _GGUF_STRING:
+                string()
+            elif kind == _GGUF_ARRAY:
+                item_kind, count = struct.unpack_from("<IQ", data, take(12))
+                if item_kind in _GGUF_SCALAR_SIZES:
+                    take(_GGUF_SCALAR_SIZES[item_kind] * count)
+                else:
+                    for _ in range(count):
+                        skip_value(item_kind)
+            elif kind in _GGUF_SCALAR_SIZES:
+                take(_GGUF_SCALAR_SIZES[kind])
+            else:
+                raise bad(f"unknown metadata value type {kind} at byte {pos - 4} (corrupt header?)")
+
+        alignment = 32
+        for _ in range(n_kv):
+            key = string()
+            (kind,) = struct.unpack_from("<I", data, take(4))
+            if key == b"general.alignment" and kind == 4:
+                (alignment,) = struct.unpack_from("<I", data, pos)
+            skip_value(kind)
+        tensors = []
+        for _ in range(n_tensors):
+            name = string().decode("utf-8", "replace")
+            (n_dims,) = struct.unpack_from("<I", data, take(4))
+            if n_dims > 8:
+                raise bad(f"tensor {name!r} claims {n_dims} dimensions (corrupt tensor table?)")
+            dims = struct.unpack_from(f"<{n_dims}Q", data, take(8 * n_dims))
+            kind, offset = struct.unpack_from("<IQ", data, take(12))
+            tensors.append((name, dims, kind, offset))
+    data_start = -(-pos // alignment) * alignment
+    for name, dims, kind, offset in tensors:
+        try:
+            block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+        except (ValueError, KeyError):
+            raise bad(f"tensor {name!r} has unknown type {kind}") from None
+        count = 1
+        for d in dims:
+            count *= d
+        end = data_start + offset + count // block * block_bytes
+        if end > size:
+            raise bad(f"tensor {name!r} needs bytes up to {end}, but the file has {size} "
+                      f"(truncated: {end - size} bytes missing at least)")
+
+
+def check_model_folder(path: str) -> None:
+    """Raise ``InvalidModelFileError`` unless a Hugging Face folder has its config.json."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        listing = sorted(os.listdir(path))[:10]
+        raise InvalidModelFileError(
+            f"{path} is a folder but has no config.json, so it is not a Hugging Face model folder "
+            f"(it holds {listing or 'nothing'}); pass a folder with config.json, tokenizer files and "
+            "*.safetensors weights, or a .gguf file")
