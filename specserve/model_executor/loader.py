@@ -12,17 +12,23 @@ import glob
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import re
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass
 
 import torch
 import transformers
 from transformers import AutoConfig, AutoTokenizer
 
+from specserve.model_executor.layers import quant_gemm
 from specserve.model_executor.layers.fp16_gemm import cpu_fp16_gemm_available
+from specserve.model_executor.layers.quantized import QuantizedMatrix
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -96,13 +102,19 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return resolved
 
 
-def load_model(model: str | None, dtype: torch.dtype, load_weights: bool = True) -> LoadedModel:
-    """Resolve ``model`` and load config, tokenizer and (unless told not to) weights in ``dtype``."""
+def load_model(model: str | None, dtype: torch.dtype, load_weights: bool = True,
+               keep_quantized: bool = False) -> LoadedModel:
+    """Resolve ``model`` and load config, tokenizer and (unless told not to) weights in ``dtype``.
+
+    ``keep_quantized``: a GGUF file's 2-D tensors in block formats the CPU kernel multiplies
+    (``quant_gemm.supports``) come back as ``QuantizedMatrix`` views of the file, not
+    dequantized (``keeps_quantized`` says when the engine asks for it).
+    """
     path, name = _resolve(model)
     if os.path.isfile(path):
         check_gguf_file(path)
         config, tokenizer = _gguf_config_and_tokenizer(path)
-        state_dict = _gguf_state_dict(path, config, dtype) if load_weights else {}
+        state_dict = _gguf_state_dict(path, config, dtype, keep_quantized) if load_weights else {}
     else:
         check_model_folder(path)
         config = AutoConfig.from_pretrained(path)
@@ -220,8 +232,16 @@ def _fast_gguf_reader(path: str):
     return _Reader(path)
 
 
-def _gguf_state_dict(path: str, config, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Dequantize every GGUF tensor, rename it to Hugging Face naming and cast it."""
+def keeps_quantized(dtype_name: str | torch.dtype, device: torch.device | str) -> bool:
+    """Whether an engine built with ``dtype_name`` on ``device`` keeps GGUF blocks as they are:
+    ``dtype="auto"`` on a CPU where the quantized matmul kernel builds."""
+    return dtype_name == "auto" and torch.device(device).type == "cpu" and quant_gemm.available()
+
+
+def _gguf_state_dict(path: str, config, dtype: torch.dtype, keep_quantized: bool = False) -> dict:
+    """Every GGUF tensor in Hugging Face naming: dequantized and cast to ``dtype``, or, with
+    ``keep_quantized``, a matrix in a supported block format as a ``QuantizedMatrix`` over the
+    file's bytes (zero-copy: the mapping is shared with the page cache; nothing is written)."""
     import numpy as np
     from gguf.quants import dequantize
 
@@ -232,14 +252,40 @@ def _gguf_state_dict(path: str, config, dtype: torch.dtype) -> dict[str, torch.T
         hf_name = _gguf_to_hf_name(t.name)
         if hf_name is None:
             continue
-        # GGUF lists dims innermost-first; torch wants [out, in].
-        w = np.asarray(dequantize(t.data, t.tensor_type)).reshape(tuple(reversed(t.shape.tolist())))
+        shape = tuple(reversed(t.shape.tolist()))   # GGUF lists dims innermost-first; torch wants [out, in]
+        permuted = arch in _GGUF_PERMUTED_ARCHS and (".q_proj." in hf_name or ".k_proj." in hf_name)
+        n_heads = config.num_attention_heads if ".q_proj." in hf_name else config.num_key_value_heads
+        if keep_quantized and len(shape) == 2 and _is_block_format(t.tensor_type, hf_name):
+            with warnings.catch_warnings():   # a read-only view of the mapping; never written
+                warnings.simplefilter("ignore", UserWarning)
+                blocks = torch.from_numpy(np.asarray(t.data)).view(shape[0], -1)   # [out, row_bytes] uint8
+            if permuted:
+                blocks = _unpermute_rope_rows(blocks, n_heads)
+            state_dict[hf_name] = QuantizedMatrix.from_blocks(blocks, int(t.tensor_type), shape[1])
+            continue
+        w = np.asarray(dequantize(t.data, t.tensor_type)).reshape(shape)
         w = torch.from_numpy(w.copy() if not w.flags.writeable else w)
-        if arch in _GGUF_PERMUTED_ARCHS and (".q_proj." in hf_name or ".k_proj." in hf_name):
-            n_heads = config.num_attention_heads if ".q_proj." in hf_name else config.num_key_value_heads
+        if permuted:
             w = _unpermute_rope_rows(w, n_heads)
         state_dict[hf_name] = w.to(dtype).contiguous()
     return state_dict
+
+
+_UNQUANTIZED = ("F32", "F16", "BF16", "F64")
+_warned_formats: set[str] = set()
+
+
+def _is_block_format(tensor_type, hf_name: str) -> bool:
+    """True for a block format the kernel multiplies; other quantized formats are
+    dequantized to float16 at load with a one-line warning per format."""
+    if quant_gemm.supports(int(tensor_type)):
+        return True
+    name = getattr(tensor_type, "name", str(tensor_type))
+    if name not in _UNQUANTIZED and name not in _warned_formats:
+        _warned_formats.add(name)
+        logger.warning("GGUF format %s (first seen in %s) has no quantized kernel: dequantized to float16 at load",
+                       name, hf_name)
+    return False
 
 
 def _gguf_to_hf_name(name: str) -> str | None:

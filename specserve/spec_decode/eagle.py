@@ -33,6 +33,7 @@ from specserve.engine.scheduler import ScheduledRequest
 from specserve.model_executor.layers.attention import AttentionMetadata, kv_cache_dtype_for, kv_cache_shape
 from specserve.model_executor.layers.fp16_gemm import compute_dtype_for, round_to_weight_dtype, skip_row_padding
 from specserve.model_executor.layers.linear import ColumnParallelLinear
+from specserve.model_executor.layers.quantized import QuantizedMatrix
 from specserve.model_executor.models.eagle import EagleHead
 from specserve.sample.sampler import SamplingTensors, processed_probs, sample_from_probs
 from specserve.spec_decode.proposer import Proposal, Proposer, TargetHidden
@@ -75,7 +76,7 @@ class EagleProposer(Proposer):
         self,
         head: EagleHead,
         embed_tokens: torch.nn.Module,     # the target's embedding (frozen, shared)
-        lm_head_weight: torch.Tensor,      # [V, H] the target's LM head rows (full vocabulary)
+        lm_head_weight,                    # [V, H] the target's LM head rows (a tensor or QuantizedMatrix)
         kv_cache: KVCacheManager,
         vocab_size: int,
         device: torch.device,
@@ -92,7 +93,10 @@ class EagleProposer(Proposer):
         self.block_size = block_size
         vocab = head.draft_vocab
         self.draft_vocab = vocab.to(device) if vocab is not None else None            # [Vd] target ids
-        rows = lm_head_weight[: vocab_size] if vocab is None else lm_head_weight[vocab.to(lm_head_weight.device)]
+        if isinstance(lm_head_weight, QuantizedMatrix):   # the target's GGUF blocks, rows taken as they are
+            rows = lm_head_weight.row_slice(0, vocab_size) if vocab is None else lm_head_weight.take_rows(vocab)
+        else:
+            rows = lm_head_weight[: vocab_size] if vocab is None else lm_head_weight[vocab.to(lm_head_weight.device)]
         self.lm_head = ColumnParallelLinear(rows.shape[1], [rows.shape[0]], bias=False)   # [Vd, H], not sharded
         self.lm_head.load([rows.to(dtype=dtype)])
         self.lm_head.to(device)
@@ -242,7 +246,7 @@ def build_eagle_proposer(spec, engine, target_vocab: int) -> EagleProposer:
     return EagleProposer(
         head,
         target.embed_tokens,
-        target.lm_head.weight,
+        target.lm_head.quantized if target.lm_head.quantized is not None else target.lm_head.weight,
         engine.kv_cache,
         target_vocab,
         engine.device,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 from specserve.config import DEFAULT_SPECULATIVE_TOKENS, SpeculativeConfig
-from specserve.model_executor.loader import load_model, resolve_dtype
+from specserve.model_executor.loader import keeps_quantized, load_model, resolve_dtype
 from specserve.spec_decode.draft_model import DraftModelProposer
 from specserve.spec_decode.ngram import NgramProposer
 from specserve.spec_decode.proposer import Proposer
@@ -75,7 +75,8 @@ def build_proposer(spec: SpeculativeConfig, engine, target_vocab: int) -> Propos
     if spec.method == "draft_model":
         dtype = resolve_dtype(spec.draft_dtype, engine.device) if spec.draft_dtype else engine.dtype
         check_draft_config(spec.model, target_vocab, engine.max_model_len, dtype)
-        loaded = load_model(spec.model, dtype)
+        keep = keeps_quantized(spec.draft_dtype or engine.config.dtype, engine.device)
+        loaded = load_model(spec.model, dtype, keep_quantized=keep)
         # TP 1: in the driver process only; draft_tensor_parallel_size = the target's TP: sharded like it.
         runner = build_draft_runner(spec, engine, loaded, dtype)
         runner.allocate_kv_cache(engine.kv_cache.num_blocks)

@@ -69,6 +69,8 @@ class ModelRunner:
         self.load_weights(model, state_dict)
         self.model = model.to(device).eval()
         round_to_weight_dtype(self.model, self.weight_dtype, self.dtype, device)
+        if torch.device(device).type == "cpu" and hasattr(self.model, "use_cpu_layer_kernels"):
+            self.model.use_cpu_layer_kernels()   # quantized GGUF weights: two compiled calls per layer
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
 

@@ -260,10 +260,10 @@ def shared_weights():
     cache = {}
     real = loader.load_model
 
-    def cached(model, dtype, load_weights=True):
-        key = (model, dtype, load_weights)
+    def cached(model, dtype, load_weights=True, keep_quantized=False):
+        key = (model, dtype, load_weights, keep_quantized)
         if key not in cache:
-            cache[key] = real(model, dtype, load_weights)
+            cache[key] = real(model, dtype, load_weights, keep_quantized)
         return dataclasses.replace(cache[key], state_dict=dict(cache[key].state_dict))
 
     with pytest.MonkeyPatch.context() as mp:

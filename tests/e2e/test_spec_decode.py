@@ -53,11 +53,11 @@ def shared_weights():
     cache = {}
     real = loader.load_model
 
-    def cached(model, dtype, load_weights=True):
+    def cached(model, dtype, load_weights=True, keep_quantized=False):
         cached.calls += 1
-        key = (model or loader.default_model_path(), dtype, load_weights)
+        key = (model or loader.default_model_path(), dtype, load_weights, keep_quantized)
         if key not in cache:
-            cache[key] = real(model, dtype, load_weights)
+            cache[key] = real(model, dtype, load_weights, keep_quantized)
         hit = cache[key]
         return dataclasses.replace(hit, state_dict=dict(hit.state_dict))
 
@@ -251,7 +251,8 @@ def test_greedy_equals_plain(engines, prompts, ref, draft, k, batch, monkeypatch
 def test_greedy_equals_plain_in_default_dtype(prompts):
     """The default dtype ("auto": float16 weights with float32 activations on x86 CPUs,
     bfloat16 on GPUs) keeps the invariant too: ngram and a self-draft (every draft
-    accepted, so drafting, verification and bonus tokens all run in that dtype)."""
+    accepted, so drafting, verification and bonus tokens all run in that dtype) and the
+    shipped EAGLE head. On a CPU the GGUF's own blocks are multiplied (quantized weights)."""
     kw = dict(ENGINE_KW, dtype="auto")
     plain_auto = LLM(**kw)
     if plain_auto.engine.runner.weight_dtype == torch.float16 and cpu_attention.reads_float16_cache():
@@ -259,7 +260,8 @@ def test_greedy_equals_plain_in_default_dtype(prompts):
     want = [o.outputs[0].token_ids for o in plain_auto.generate(prompts, GREEDY)]
     del plain_auto
     for config in ({"method": "ngram", "num_speculative_tokens": 3},
-                   {"method": "draft_model", "model": loader.default_model_path(), "num_speculative_tokens": 3}):
+                   {"method": "draft_model", "model": loader.default_model_path(), "num_speculative_tokens": 3},
+                   {"method": "eagle", "num_speculative_tokens": 3}):
         llm = LLM(**kw, speculative_config=config)
         outs, delta = run_and_check(llm, prompts, GREEDY, 3)
         assert [o.outputs[0].token_ids for o in outs] == want, config["method"]

@@ -3,9 +3,15 @@
 Column-parallel splits the output features across ranks (no communication);
 row-parallel splits the input features and all-reduces the partial sums.
 Each layer's ``load`` takes the FULL checkpoint tensor and keeps only its shard,
-so a rank never holds more than its part after loading.
+so a rank never holds more than its part after loading. A checkpoint tensor may
+also be a ``QuantizedMatrix`` (GGUF blocks kept as they are, CPU only): the layer
+then multiplies through the quantized kernel, and ``weight`` stays an empty
+placeholder. A row-parallel cut that does not fall on the format's blocks is
+dequantized instead (``BlockAlignmentError``), with a warning.
 """
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +19,17 @@ from torch import nn
 
 from specserve.distributed.parallel_state import SINGLE, TensorParallelGroup
 from specserve.model_executor.layers.fp16_gemm import PackedFp16Weight
+from specserve.model_executor.layers.quantized import BlockAlignmentError, QuantizedMatrix
+
+logger = logging.getLogger(__name__)
+
+
+def _quantized_or_dense(parts: list) -> list:
+    """Parts as given when all are QuantizedMatrix or all dense; a mix is made dense (float32)."""
+    if all(isinstance(p, QuantizedMatrix) for p in parts) or not any(isinstance(p, QuantizedMatrix) for p in parts):
+        return parts
+    logger.warning("a fused layer mixes quantized and dense weights: its quantized parts are dequantized")
+    return [p.dequantize() if isinstance(p, QuantizedMatrix) else p for p in parts]
 
 
 class ColumnParallelLinear(nn.Module):
@@ -37,24 +54,36 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_local, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_local), requires_grad=False) if bias else None
         self.packed: PackedFp16Weight | None = None  # set by pack_fp16 (CPU, dtype float16)
+        self.quantized: QuantizedMatrix | None = None  # set by load from QuantizedMatrix parts
 
     def pack_fp16(self) -> None:
         """Use the CPU fp16-weight matmul from now on (fp16_gemm); ``weight`` becomes its float16 tensor."""
+        if self.quantized is not None:   # already in the file's own blocks
+            return
         self.packed = PackedFp16Weight(self.weight, self.bias)
         self.weight.data = self.packed.weight   # the same float16 tensor
 
-    def load(self, parts: list[torch.Tensor], bias_parts: list[torch.Tensor] | None = None) -> None:
-        """parts: full [out_i, in] tensors, one per fused output."""
-        self.weight.data = torch.cat([self._shard_rows(p) for p in parts])
+    def load(self, parts: list, bias_parts: list[torch.Tensor] | None = None) -> None:
+        """parts: full [out_i, in] tensors (or QuantizedMatrix), one per fused output."""
+        parts = _quantized_or_dense(parts)
+        if isinstance(parts[0], QuantizedMatrix):
+            self.quantized = QuantizedMatrix.cat([self._shard_rows(p) for p in parts])
+            self.weight.data = torch.empty(0)
+        else:
+            self.weight.data = torch.cat([self._shard_rows(p) for p in parts])
         if self.bias is not None:
             assert bias_parts is not None, "this layer has a bias but none was loaded"
             self.bias.data = torch.cat([self._shard_rows(b) for b in bias_parts])
 
-    def _shard_rows(self, full: torch.Tensor) -> torch.Tensor:
+    def _shard_rows(self, full):
         start, length = self.tp.shard(full.shape[0], "output features", self.num_units)
+        if isinstance(full, QuantizedMatrix):
+            return full.row_slice(start, length)
         return full[start : start + length]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.quantized.matmul(x, self.bias)
         if self.packed is not None:
             return self.packed(x)
         return F.linear(x, self.weight, self.bias)
@@ -79,19 +108,33 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_local), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.packed: PackedFp16Weight | None = None  # set by pack_fp16 (CPU, dtype float16)
+        self.quantized: QuantizedMatrix | None = None  # set by load from a QuantizedMatrix
 
     def pack_fp16(self) -> None:
         """Use the CPU fp16-weight matmul from now on (the bias is added after the all-reduce)."""
+        if self.quantized is not None:   # already in the file's own blocks
+            return
         self.packed = PackedFp16Weight(self.weight)
         self.weight.data = self.packed.weight   # the same float16 tensor
 
-    def load(self, full: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def load(self, full, bias: torch.Tensor | None = None) -> None:
         start, length = self.tp.shard(full.shape[1], "input features", self.num_units)
-        self.weight.data = full[:, start : start + length].contiguous()
+        if isinstance(full, QuantizedMatrix):
+            try:
+                self.quantized = full.col_slice(start, length)
+                self.weight.data = torch.empty(0)
+            except BlockAlignmentError as exc:
+                logger.warning("row-parallel shard not on whole blocks (%s): dequantized", exc)
+                full = full.dequantize()
+        if self.quantized is None:
+            self.weight.data = full[:, start : start + length].contiguous()
         if self.bias is not None:
             self.bias.data = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = self.packed(x) if self.packed is not None else F.linear(x, self.weight)
+        if self.quantized is not None:
+            partial = self.quantized.matmul(x)
+        else:
+            partial = self.packed(x) if self.packed is not None else F.linear(x, self.weight)
         y = self.tp.all_reduce(partial)
         return y + self.bias if self.bias is not None else y

@@ -7,6 +7,7 @@ from torch import nn
 
 from specserve.distributed.parallel_state import SINGLE, TensorParallelGroup
 from specserve.model_executor.layers.fp16_gemm import PackedFp16Weight
+from specserve.model_executor.layers.quantized import QuantizedMatrix
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -18,19 +19,32 @@ class VocabParallelEmbedding(nn.Module):
         self.padded_vocab = -(-vocab_size // tp.world_size) * tp.world_size
         self.vocab_start, self.vocab_local = tp.shard(self.padded_vocab, "padded vocabulary")
         self.weight = nn.Parameter(torch.empty(self.vocab_local, hidden_size), requires_grad=False)
+        # GGUF blocks kept as they are (CPU only; see linear.py): rows are looked up and
+        # multiplied through the quantized kernel, and ``weight`` is an empty placeholder.
+        self.quantized: QuantizedMatrix | None = None
 
-    def load(self, full: torch.Tensor) -> None:
+    def load(self, full) -> None:
+        if isinstance(full, QuantizedMatrix):
+            rows = full.row_slice(self.vocab_start, self.vocab_local)
+            self.quantized = rows.pad_rows(self.vocab_local - rows.shape[0])   # padded rows are zero
+            self.weight.data = torch.empty(0)
+            return
         local = torch.zeros(self.vocab_local, full.shape[1], dtype=full.dtype)
         rows = full[self.vocab_start : self.vocab_start + self.vocab_local]
         local[: rows.shape[0]] = rows
         self.weight.data = local
 
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.quantized.embedding(ids)
+        return F.embedding(ids, self.weight)
+
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         if self.tp.world_size == 1:
-            return F.embedding(token_ids, self.weight)
+            return self._lookup(token_ids)
         local_ids = token_ids - self.vocab_start
         mine = (local_ids >= 0) & (local_ids < self.vocab_local)
-        out = F.embedding(local_ids.clamp(0, self.vocab_local - 1), self.weight)
+        out = self._lookup(local_ids.clamp(0, self.vocab_local - 1))
         out = out * mine.unsqueeze(-1).to(out.dtype)
         return self.tp.all_reduce(out)
 
@@ -46,11 +60,15 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def pack_fp16(self) -> None:
         """Use the CPU fp16-weight matmul for the logits; ``weight`` becomes its float16 tensor."""
+        if self.quantized is not None:   # already in the file's own blocks
+            return
         self.packed = PackedFp16Weight(self.weight)
         self.weight.data = self.packed.weight   # the same float16 tensor
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [N, hidden] -> [N, vocab] fp32
-        if self.packed is not None:
+        if self.quantized is not None:
+            logits = self.quantized.matmul(hidden)               # [N, padded_vocab / tp]
+        elif self.packed is not None:
             logits = self.packed(hidden)                         # [N, padded_vocab / tp]
         else:
             logits = F.linear(hidden, self.weight)               # [N, padded_vocab / tp]

@@ -2,6 +2,9 @@
 
 Weights arrive in Hugging Face naming through ``load_weights``; q/k/v and
 gate/up are fused into one matmul each (fewer kernel launches per token).
+With GGUF-quantized weights on a CPU, each layer's norms, matmuls, rotary,
+activation and residual adds run as two compiled calls around attention
+(``quant_layer``; ``use_cpu_layer_kernels``).
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from specserve.distributed.parallel_state import SINGLE, TensorParallelGroup
 from specserve.model_executor.layers.attention import AttentionMetadata, paged_attention
 from specserve.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 from specserve.model_executor.layers.norm import RMSNorm
+from specserve.model_executor.layers.quant_layer import QuantizedLayerKernel
 from specserve.model_executor.layers.rotary import RotaryEmbedding, apply_rotary, rope_theta_of
 from specserve.model_executor.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 
@@ -48,10 +52,14 @@ class LlamaAttention(nn.Module):
         qk, v = qkv.split([q_size + kv_size, kv_size], dim=-1)
         # q and k are adjacent in the fused output: rotate both in one go.
         qk = apply_rotary(qk.reshape(-1, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+        out = self.attend(qk, v, kv_cache, meta)
+        return self.o_proj(out.reshape(out.shape[0], -1))
+
+    def attend(self, qk: torch.Tensor, v: torch.Tensor, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """qk [T, Hq + Hk, hd] rotated, v [T, Hk * hd] -> attention output [T, Hq, hd] (K/V cached)."""
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(out.shape[0], -1))
+        return paged_attention(q, k, v, kv_cache, meta, self.scale)
 
 
 class LlamaMLP(nn.Module):
@@ -94,6 +102,15 @@ class LlamaForCausalLM(nn.Module):
         self.num_kv_heads_local = first.num_kv_heads
         self.head_dim = first.head_dim
         self.rotary = RotaryEmbedding(self.head_dim, max_positions, rope_theta_of(config))
+        self.layer_kernels: list[QuantizedLayerKernel] | None = None   # set by use_cpu_layer_kernels
+
+    def use_cpu_layer_kernels(self) -> bool:
+        """Run every layer through ``quant_layer``'s two compiled calls when all of them can
+        (quantized weights, TP 1, CPU, kernel built); returns whether they do."""
+        kernels = [QuantizedLayerKernel.for_layer(layer, layer.input_layernorm.eps, self.tp.world_size)
+                   for layer in self.layers]
+        self.layer_kernels = kernels if kernels and all(k is not None for k in kernels) else None
+        return self.layer_kernels is not None
 
     def forward(
         self,
@@ -103,10 +120,30 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:             # [T, hidden] after the final norm
         x = self.embed_tokens(input_ids)
+        if self.layer_kernels is not None and x.device.type == "cpu":
+            return self.norm(self._forward_layer_kernels(x, positions, kv_caches, meta))
         rope = self.rotary.lookup(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(rope, x, kv_cache, meta)
         return self.norm(x)
+
+    def _forward_layer_kernels(self, x, positions, kv_caches, meta) -> torch.Tensor:
+        """The layers as quant_layer's compiled halves around attention; x [T, hidden] float32."""
+        if positions.numel() and int(positions.max()) >= self.rotary.cos.shape[0]:
+            raise ValueError(f"position {int(positions.max())} beyond the rotary table ({self.rotary.cos.shape[0]})")
+        x = x.float().contiguous()
+        positions = positions.to(torch.int64).contiguous()
+        tokens = x.shape[0]
+        scratch = torch.empty_like(x)                                              # [T, hidden]
+        gate_up = torch.empty(tokens, 2 * self.config.intermediate_size // self.tp.world_size)  # [T, 2 I]
+        for layer, kernel, kv_cache in zip(self.layers, self.layer_kernels, kv_caches):
+            attn = layer.self_attn
+            qkv = kernel.attn_in(x, positions, self.rotary.cos, self.rotary.sin, scratch)   # [T, (Hq + 2 Hk) hd]
+            qk, v = qkv.split([(attn.num_heads + attn.num_kv_heads) * attn.head_dim, attn.num_kv_heads * attn.head_dim],
+                              dim=-1)
+            out = attn.attend(qk.view(tokens, -1, attn.head_dim), v, kv_cache, meta)     # [T, Hq, hd]
+            kernel.mlp(x, out.reshape(tokens, -1), scratch, gate_up)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
         return self.lm_head.compute_logits(hidden)

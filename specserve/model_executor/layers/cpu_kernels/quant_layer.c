@@ -1,0 +1,146 @@
+/* A Llama-family decoder layer's row-wise work in two calls, for quantized weights on CPUs.
+ *
+ * Called from specserve/model_executor/layers/quant_layer.py through ctypes, around the
+ * paged-attention call that stays in Python (it mixes the compiled kernel and SDPA):
+ *
+ *   specserve_qlayer_attn_in:  h = rms_norm(x) ; qkv = h @ Wqkv.T (+ bias) ; rotate q and k
+ *   specserve_qlayer_mlp:      x += attn @ Wo.T ; h = rms_norm(x) ; gu = h @ Wgate_up.T ;
+ *                              a = silu(gate) * up ; x += a @ Wdown.T
+ *
+ * Why: a batch-1 decode step of the default model is ~30 small PyTorch calls per layer outside
+ * the matmuls (norms, rotary, residual adds, activation), each paying dispatch, and each matmul
+ * its own OpenMP fork and join. Here each half is one call and one parallel region, the phases
+ * separated by barriers (docs/benchmarks.md, "Quantized weights").
+ *
+ * Every phase is row-wise or the row-invariant matmul (quant_blocks.h), so a token's numbers do
+ * not depend on the other rows of its step: greedy speculative output stays the plain output.
+ * The rotary is computed as the PyTorch path computes it (x * cos + rotate_half(x) * sin, each
+ * product and the sum rounded once); the norm and silu are this file's own.
+ */
+#include <math.h>
+
+#include "quant_blocks.h"
+
+/* A weight matrix as up to 4 runs of rows, each in one GGUF format (quantized.py's segments). */
+typedef struct {
+    int32_t num_segments;
+    int32_t qtype[4];
+    int64_t rows[4];
+    const uint8_t *data[4];
+} qmatrix;
+
+/* One decoder layer: shapes, norms, bias and its four matrices (set up once, after loading). */
+typedef struct {
+    int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
+    float eps;
+    const float *input_norm, *post_norm; /* [hidden] */
+    const float *qkv_bias;               /* [(num_heads + 2 num_kv_heads) head_dim], or NULL */
+    qmatrix qkv, o, gate_up, down;
+} qlayer;
+
+int specserve_qlayer_struct_sizes(int64_t *sizes) { /* the Python side checks its mirror */
+    sizes[0] = (int64_t)sizeof(qmatrix);
+    sizes[1] = (int64_t)sizeof(qlayer);
+    return 0;
+}
+
+#if defined(__F16C__)
+
+/* out = x @ m.T (+ bias), in a parallel region: each segment fills its own columns of out. */
+static int qmatrix_gemm(const qmatrix *m, const float *x, int64_t ldx, int64_t rows, int64_t in,
+                        const float *bias, float *out, int64_t ldo) {
+    int status = 0;
+    int64_t col = 0;
+    for (int s = 0; s < m->num_segments; s++) {
+        status |= quant_gemm_team(x, ldx, rows, m->data[s], m->qtype[s], m->rows[s], in, bias ? bias + col : NULL,
+                                  out + col, ldo);
+        col += m->rows[s];
+    }
+    return status;
+}
+
+static inline void rms_norm_row(const float *x, const float *w, int64_t n, float eps, float *y) {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; i++) sum += x[i] * x[i];
+    const float inv = 1.0f / sqrtf(sum / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) y[i] = (x[i] * inv) * w[i];
+}
+
+/* x [T, hidden]; positions [T]; cos, sin [max_positions, head_dim / 2] (RotaryEmbedding's tables);
+ * h [T, hidden] scratch; qkv [T, (Hq + 2 Hk) hd] out, q and k rotated. */
+int specserve_qlayer_attn_in(const qlayer *L, const float *x, int64_t T, const int64_t *positions,
+                             const float *cos_table, const float *sin_table, float *h, float *qkv,
+                             int num_threads) {
+    const int64_t H = L->hidden, hd = L->head_dim, half = hd / 2;
+    const int64_t n_qkv = (L->num_heads + 2 * L->num_kv_heads) * hd, n_rot = L->num_heads + L->num_kv_heads;
+    if (num_threads < 1) num_threads = 1;
+    int status = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : status)
+    {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) rms_norm_row(x + t * H, L->input_norm, H, L->eps, h + t * H);
+        status |= qmatrix_gemm(&L->qkv, h, H, T, H, L->qkv_bias, qkv, n_qkv);
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < T * n_rot; i++) {
+            const int64_t t = i / n_rot, head = i % n_rot;
+            float *v = qkv + t * n_qkv + head * hd;
+            const float *c = cos_table + positions[t] * half, *s = sin_table + positions[t] * half;
+            for (int64_t j = 0; j < half; j++) {
+                const float x1 = v[j], x2 = v[j + half];
+                v[j] = x1 * c[j] + (-x2) * s[j];
+                v[j + half] = x2 * c[j] + x1 * s[j];
+            }
+        }
+    }
+    return status;
+}
+
+/* x [T, hidden] updated in place; attn [T, Hq hd] (row stride ld_attn); h [T, hidden] and
+ * gu [T, 2 intermediate] scratch. */
+int specserve_qlayer_mlp(const qlayer *L, float *x, int64_t T, const float *attn, int64_t ld_attn, float *h,
+                         float *gu, int num_threads) {
+    const int64_t H = L->hidden, I = L->intermediate, A = L->num_heads * L->head_dim;
+    if (num_threads < 1) num_threads = 1;
+    int status = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : status)
+    {
+        status |= qmatrix_gemm(&L->o, attn, ld_attn, T, A, NULL, h, H);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            float *xt = x + t * H, *ht = h + t * H;
+            for (int64_t i = 0; i < H; i++) xt[i] = xt[i] + ht[i];
+            rms_norm_row(xt, L->post_norm, H, L->eps, ht);
+        }
+        status |= qmatrix_gemm(&L->gate_up, h, H, T, H, NULL, gu, 2 * I);
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < T * I; i++) { /* silu(gate) * up, into gate's place */
+            float *g = gu + (i / I) * 2 * I + i % I;
+            const float gate = *g;
+            *g = (gate / (1.0f + expf(-gate))) * g[I];
+        }
+        status |= qmatrix_gemm(&L->down, gu, 2 * I, T, I, NULL, h, H);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            float *xt = x + t * H, *ht = h + t * H;
+            for (int64_t i = 0; i < H; i++) xt[i] = xt[i] + ht[i];
+        }
+    }
+    return status;
+}
+
+#else /* no F16C */
+
+int specserve_qlayer_attn_in(const qlayer *L, const float *x, int64_t T, const int64_t *positions,
+                             const float *cos_table, const float *sin_table, float *h, float *qkv,
+                             int num_threads) {
+    (void)L, (void)x, (void)T, (void)positions, (void)cos_table, (void)sin_table, (void)h, (void)qkv, (void)num_threads;
+    return -2;
+}
+
+int specserve_qlayer_mlp(const qlayer *L, float *x, int64_t T, const float *attn, int64_t ld_attn, float *h,
+                         float *gu, int num_threads) {
+    (void)L, (void)x, (void)T, (void)attn, (void)ld_attn, (void)h, (void)gu, (void)num_threads;
+    return -2;
+}
+
+#endif
