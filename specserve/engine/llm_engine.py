@@ -18,9 +18,11 @@ import time
 import torch
 
 from specserve.config import EngineConfig, SpeculativeConfig
+from specserve.distributed.launcher import WorkerError
 from specserve.engine.kv_cache_manager import KVCacheManager
 from specserve.engine.output_processor import OutputProcessor, logprob_entries
 from specserve.engine.request import Request, RequestStatus
+from specserve.distributed.launcher import WorkerError
 from specserve.engine.scheduler import ScheduledRequest, Scheduler
 from specserve.model_executor.layers.attention import cache_slot, tree_layout
 from specserve.model_executor.loader import keeps_quantized, load_model, resolve_dtype
@@ -66,7 +68,8 @@ class LLMEngine:
         prepare_parallelism(config, spec_config)  # TP checks; on a torchrun worker rank this serves and exits
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.keep_quantized = keeps_quantized(config.dtype, self.device)  # GGUF blocks as they are (CPU)
+        # GGUF blocks as they are (CPU, TP 1)
+        self.keep_quantized = keeps_quantized(config.dtype, self.device, config.tensor_parallel_size)
         loaded = load_model(config.model, self.dtype, keep_quantized=self.keep_quantized)
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
@@ -179,6 +182,8 @@ class LLMEngine:
         starts = [s.request.num_computed_tokens for s in plan.scheduled]
         try:
             result = self.runner.execute(inputs, return_all_hidden=True) if want_hidden else self.runner.execute(inputs)
+        except WorkerError:   # a tensor-parallel rank died: the whole engine is gone, not this step
+            raise
         except Exception as e:
             raise StepFailedError([s.request.request_id for s in plan.scheduled], e) from e
         sampling = [s for s in plan.scheduled if s.will_sample]

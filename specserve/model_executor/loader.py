@@ -232,10 +232,12 @@ def _fast_gguf_reader(path: str):
     return _Reader(path)
 
 
-def keeps_quantized(dtype_name: str | torch.dtype, device: torch.device | str) -> bool:
-    """Whether an engine built with ``dtype_name`` on ``device`` keeps GGUF blocks as they are:
-    ``dtype="auto"`` on a CPU where the quantized matmul kernel builds."""
-    return dtype_name == "auto" and torch.device(device).type == "cpu" and quant_gemm.available()
+def keeps_quantized(dtype_name: str | torch.dtype, device: torch.device | str, tensor_parallel_size: int = 1) -> bool:
+    """Whether a model built with ``dtype_name`` on ``device`` keeps GGUF blocks as they are:
+    ``dtype="auto"`` on a CPU where the quantized matmul kernel builds, at tensor-parallel
+    size 1 (sharded models still travel to their ranks as float16 tensors)."""
+    return (dtype_name == "auto" and torch.device(device).type == "cpu" and tensor_parallel_size == 1
+            and quant_gemm.available())
 
 
 def _gguf_state_dict(path: str, config, dtype: torch.dtype, keep_quantized: bool = False) -> dict:

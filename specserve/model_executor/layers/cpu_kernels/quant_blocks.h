@@ -250,6 +250,10 @@ static int quant_dequantize(const uint8_t *w, int qtype, const int64_t *ids, int
  * With AVX-512 the 4- and 5-bit formats look their values up in that table (vpermps), which
  * costs one instruction per 16 weights instead of a conversion and two arithmetic ones. */
 #define NV (32 / VEC)
+/* Bytes ahead of a weight row's read position that the fused path prefetches into L1. */
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 1024
+#endif
 
 #if VEC == 16
 static inline __m512 as_m512(vecf v) { __m512 r; memcpy(&r, &v, sizeof r); return r; }
@@ -459,8 +463,11 @@ static inline __attribute__((always_inline)) void chunk_q6_k(const uint8_t *row,
         vecf acc[R_MAX][4];                                                                            \
         for (int r = 0; r < R; r++)                                                                    \
             for (int j = 0; j < 4; j++) acc[r][j] = (vecf){0};                                         \
+        const int64_t pf_step = row_bytes / nc; /* about a chunk's bytes: prefetch is a hint */        \
         for (int64_t c = 0; c < nc; c++) {                                                             \
             vecf wv[4][NV];                                                                            \
+            for (int j = 0; j < 4; j++)                                                                \
+                _mm_prefetch((const char *)(w0 + j * row_bytes + c * pf_step + PREFETCH_AHEAD), _MM_HINT_T0); \
             for (int j = 0; j < 4; j++)                                                                \
                 chunk_##fmt(w0 + j * row_bytes, c, sc[(2 * j) * stride + c], sc[(2 * j + 1) * stride + c], \
                             wv[j]);                                                                    \

@@ -1,0 +1,108 @@
+"""Plain decoding: specserve against llama.cpp on the same GGUF file, same threads, interleaved.
+
+llama.cpp is a peer measured from outside (its own ``llama-bench``, built by
+``../shared/peers/build-llamacpp.sh``), never imported by specserve. Each round runs
+``llama-bench -p 0 -n N`` (N tokens decoded after an empty prompt, its own timer),
+then specserve decoding N tokens after a one-token prompt at batch 1, greedy (the
+time after the first token, so prefill is not counted on either side); rounds
+alternate which engine goes first, so a noisy machine slows both alike. Reported:
+each engine's median decode tok/s, the ratio, and specserve's load time, resident
+memory after load and peak memory while loading (``VmRSS``, ``VmHWM``).
+
+    python benchmarks/llamacpp_peer.py --llama-bin ~/.cache/specserve-peers/llama.cpp/build/bin \\
+        --models default,/path/to/qwen2.5-coder-1.5b-instruct.gguf --tokens 128 --rounds 3
+
+``--dtype float16`` runs specserve's previous path (weights dequantized to float16
+at load) for comparison; the default ``auto`` keeps the file's blocks.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+
+def proc_status(field: str) -> int:
+    """A /proc/self/status memory field in bytes (VmRSS, VmHWM)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def llama_bench(binary: str, model: str, tokens: int, threads: int) -> float:
+    """llama.cpp's own decode tok/s (tg test, one repetition)."""
+    out = subprocess.run([binary, "-m", model, "-t", str(threads), "-p", "0", "-n", str(tokens), "-r", "1",
+                          "-o", "json"], capture_output=True, text=True, check=True).stdout
+    return float(json.loads(out)[0]["avg_ts"])
+
+
+def specserve_decode(llm, tokens: int) -> float:
+    """specserve's decode tok/s: N greedy tokens after a one-token prompt, timed after the first."""
+    from specserve import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=tokens + 1, ignore_eos=True)
+    engine.add_request([engine.tokenizer.bos_token_id or 1], params)
+    produced, start = 0, None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            produced = len(out.outputs[0].token_ids)
+        if start is None and produced >= 1:
+            start, first = time.perf_counter(), produced
+    return (produced - first) / (time.perf_counter() - start)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--llama-bin", required=True, help="folder with llama.cpp's llama-bench")
+    p.add_argument("--models", default="default", help="comma-separated .gguf paths or catalog names ('default')")
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", default="auto")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    from specserve import LLM
+    from specserve.model_executor.loader import default_model_path
+
+    bench = os.path.join(os.path.expanduser(args.llama_bin), "llama-bench")
+    print(f"# {time.strftime('%Y-%m-%d %H:%M')} threads={args.threads} tokens={args.tokens} dtype={args.dtype} "
+          f"torch={torch.__version__}")
+    print("| model | llama.cpp decode tok/s | specserve decode tok/s | specserve / llama.cpp | "
+          "specserve load s | RSS after load MiB | peak RSS MiB | file MiB |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name in args.models.split(","):
+        rss0 = proc_status("VmRSS")
+        t0 = time.perf_counter()
+        llm = LLM(model=None if name == "default" else name, dtype=args.dtype, max_model_len=1024,
+                  kv_cache_memory=1 << 27)
+        load_s = time.perf_counter() - t0
+        path = llm.engine.runner.config._name_or_path if name != "default" else default_model_path()
+        rss, peak = proc_status("VmRSS") - rss0, proc_status("VmHWM")
+        specserve_decode(llm, 8)   # warm-up: kernels built, weights paged in
+        ours, theirs = [], []
+        for r in range(args.rounds):
+            order = [("llama", None), ("ours", None)] if r % 2 == 0 else [("ours", None), ("llama", None)]
+            for who, _ in order:
+                if who == "llama":
+                    theirs.append(llama_bench(bench, path, args.tokens, args.threads))
+                else:
+                    ours.append(specserve_decode(llm, args.tokens))
+        a, b = statistics.median(theirs), statistics.median(ours)
+        print(f"| {os.path.basename(path)} | {a:.1f} ({', '.join(f'{x:.1f}' for x in theirs)}) | "
+              f"{b:.1f} ({', '.join(f'{x:.1f}' for x in ours)}) | {b / a:.2f}x | {load_s:.1f} | "
+              f"{rss / 2**20:.0f} | {peak / 2**20:.0f} | {os.path.getsize(path) / 2**20:.0f} |", flush=True)
+        del llm
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
