@@ -24,6 +24,7 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoTokenizer
 
+from specserve.model_executor.gguf_file import InvalidModelFileError, read_gguf_table
 from specserve.model_executor.layers import quant_gemm
 from specserve.model_executor.layers.fp16_gemm import cpu_fp16_gemm_available
 from specserve.model_executor.layers.quantized import QuantizedMatrix
@@ -213,25 +214,6 @@ def _save_atomically(cache: str, config, tokenizer) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _fast_gguf_reader(path: str):
-    """A GGUFReader over a plain ndarray view of its memmap: it slices ``self.data`` ~250k
-    times (once per vocab string) and memmap's per-slice bookkeeping makes up most of its
-    ~5 s on the default model; the plain view of the same bytes parses in ~1.5 s."""
-    import numpy as np
-    from gguf import GGUFReader
-
-    class _Reader(GGUFReader):
-        @property
-        def data(self):
-            return self._plain_data
-
-        @data.setter
-        def data(self, value):
-            self._plain_data = value.view(np.ndarray)  # the view keeps the mapping alive
-
-    return _Reader(path)
-
-
 def keeps_quantized(dtype_name: str | torch.dtype, device: torch.device | str, tensor_parallel_size: int = 1) -> bool:
     """Whether a model built with ``dtype_name`` on ``device`` keeps GGUF blocks as they are:
     ``dtype="auto"`` on a CPU where the quantized matmul kernel builds, at tensor-parallel
@@ -243,30 +225,37 @@ def keeps_quantized(dtype_name: str | torch.dtype, device: torch.device | str, t
 def _gguf_state_dict(path: str, config, dtype: torch.dtype, keep_quantized: bool = False) -> dict:
     """Every GGUF tensor in Hugging Face naming: dequantized and cast to ``dtype``, or, with
     ``keep_quantized``, a matrix in a supported block format as a ``QuantizedMatrix`` over the
-    file's bytes (zero-copy: the mapping is shared with the page cache; nothing is written)."""
+    file's bytes (zero-copy: a read-only memory map shared with the page cache)."""
     import numpy as np
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    reader = _fast_gguf_reader(path)
-    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    table = read_gguf_table(path)
+    file = np.memmap(path, dtype=np.uint8, mode="r")
     state_dict = {}
-    for t in reader.tensors:
+    for t in table.tensors:
         hf_name = _gguf_to_hf_name(t.name)
         if hf_name is None:
             continue
-        shape = tuple(reversed(t.shape.tolist()))   # GGUF lists dims innermost-first; torch wants [out, in]
-        permuted = arch in _GGUF_PERMUTED_ARCHS and (".q_proj." in hf_name or ".k_proj." in hf_name)
+        raw = file[t.offset : t.offset + t.nbytes].view(np.ndarray)   # the tensor's bytes, as stored
+        permuted = table.architecture in _GGUF_PERMUTED_ARCHS and (".q_proj." in hf_name or ".k_proj." in hf_name)
         n_heads = config.num_attention_heads if ".q_proj." in hf_name else config.num_key_value_heads
-        if keep_quantized and len(shape) == 2 and _is_block_format(t.tensor_type, hf_name):
+        qtype = GGMLQuantizationType(t.ggml_type)
+        if keep_quantized and len(t.shape) == 2 and _is_block_format(qtype, hf_name):
             with warnings.catch_warnings():   # a read-only view of the mapping; never written
                 warnings.simplefilter("ignore", UserWarning)
-                blocks = torch.from_numpy(np.asarray(t.data)).view(shape[0], -1)   # [out, row_bytes] uint8
+                blocks = torch.from_numpy(raw).view(t.shape[0], -1)   # [out, row_bytes] uint8
             if permuted:
                 blocks = _unpermute_rope_rows(blocks, n_heads)
-            state_dict[hf_name] = QuantizedMatrix.from_blocks(blocks, int(t.tensor_type), shape[1])
+            state_dict[hf_name] = QuantizedMatrix.from_blocks(blocks, t.ggml_type, t.shape[1])
             continue
-        w = np.asarray(dequantize(t.data, t.tensor_type)).reshape(shape)
-        w = torch.from_numpy(w.copy() if not w.flags.writeable else w)
+        if qtype == GGMLQuantizationType.F32:
+            w = raw.view(np.float32).reshape(t.shape)
+        elif qtype == GGMLQuantizationType.F16:
+            w = raw.view(np.float16).reshape(t.shape)
+        else:
+            w = np.asarray(dequantize(raw.reshape(t.shape[0] if len(t.shape) == 2 else 1, -1), qtype)).reshape(t.shape)
+        w = torch.from_numpy(np.array(w))   # a writable copy in memory
         if permuted:
             w = _unpermute_rope_rows(w, n_heads)
         state_dict[hf_name] = w.to(dtype).contiguous()
@@ -345,96 +334,14 @@ def _weight_files(folder: str, index_name: str, pattern: str) -> list[str]:
 
 
 # ------------------------------------------------------------- clear load errors
-class InvalidModelFileError(ValueError):
-    """A model file or folder exists but cannot be what it claims (truncated, corrupt, incomplete)."""
-
-
-_GGUF_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUFValueType -> bytes
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-
-
 def check_gguf_file(path: str) -> None:
     """Raise ``InvalidModelFileError`` naming ``path`` unless its header, metadata and tensor
-    table parse and every tensor's data lies inside the file.
+    table parse and every tensor's data lies inside the file (``gguf_file.read_gguf_table``).
 
     Runs before anything reads tensor data, so a truncated download or a corrupt header is
     one clear sentence instead of ``struct.error``, ``cannot reshape array`` or "not a valid
-    JSON file". Reads the metadata once (string arrays: the vocabulary) through a memory map.
-    """
-    import mmap
-    import struct
-
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    def bad(problem: str) -> InvalidModelFileError:
-        return InvalidModelFileError(f"{path}: not a usable GGUF file: {problem}")
-
-    size = os.path.getsize(path)
-    if size < 24:
-        raise bad(f"only {size} bytes, shorter than a GGUF header")
-    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        if data[:4] != b"GGUF":
-            raise bad(f"it starts with {bytes(data[:4])!r}, not the GGUF magic b'GGUF'")
-        version, n_tensors, n_kv = struct.unpack_from("<IQQ", data, 4)
-        if version not in (2, 3):
-            raise bad(f"GGUF version {version} (specserve reads versions 2 and 3)")
-        pos = 24
-
-        def take(n: int) -> int:
-            nonlocal pos
-            if pos + n > size:
-                raise bad(f"it ends at byte {size} inside its header (truncated?)")
-            start, pos = pos, pos + n
-            return start
-
-        def string() -> bytes:
-            (length,) = struct.unpack_from("<Q", data, take(8))
-            return data[take(length):pos]
-
-        def skip_value(kind: int) -> None:
-            if kind == _GGUF_STRING:
-                string()
-            elif kind == _GGUF_ARRAY:
-                item_kind, count = struct.unpack_from("<IQ", data, take(12))
-                if item_kind in _GGUF_SCALAR_SIZES:
-                    take(_GGUF_SCALAR_SIZES[item_kind] * count)
-                else:
-                    for _ in range(count):
-                        skip_value(item_kind)
-            elif kind in _GGUF_SCALAR_SIZES:
-                take(_GGUF_SCALAR_SIZES[kind])
-            else:
-                raise bad(f"unknown metadata value type {kind} at byte {pos - 4} (corrupt header?)")
-
-        alignment = 32
-        for _ in range(n_kv):
-            key = string()
-            (kind,) = struct.unpack_from("<I", data, take(4))
-            if key == b"general.alignment" and kind == 4:
-                (alignment,) = struct.unpack_from("<I", data, pos)
-            skip_value(kind)
-        tensors = []
-        for _ in range(n_tensors):
-            name = string().decode("utf-8", "replace")
-            (n_dims,) = struct.unpack_from("<I", data, take(4))
-            if n_dims > 8:
-                raise bad(f"tensor {name!r} claims {n_dims} dimensions (corrupt tensor table?)")
-            dims = struct.unpack_from(f"<{n_dims}Q", data, take(8 * n_dims))
-            kind, offset = struct.unpack_from("<IQ", data, take(12))
-            tensors.append((name, dims, kind, offset))
-    data_start = -(-pos // alignment) * alignment
-    for name, dims, kind, offset in tensors:
-        try:
-            block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
-        except (ValueError, KeyError):
-            raise bad(f"tensor {name!r} has unknown type {kind}") from None
-        count = 1
-        for d in dims:
-            count *= d
-        end = data_start + offset + count // block * block_bytes
-        if end > size:
-            raise bad(f"tensor {name!r} needs bytes up to {end}, but the file has {size} "
-                      f"(truncated: {end - size} bytes missing at least)")
+    JSON file"."""
+    read_gguf_table(path)
 
 
 def check_model_folder(path: str) -> None:

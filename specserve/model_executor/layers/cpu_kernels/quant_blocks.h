@@ -297,32 +297,55 @@ SCALES_32(q5_0, 22, 0)
 SCALES_32(q5_1, 24, 1)
 SCALES_32(q8_0, 34, 0)
 
-/* Q4_K / Q5_K: chunk c is sub-block c % 8 of super-block c / 8; s0 = d * scale, s1 = dmin * min. */
+/* Q4_K / Q5_K: chunk c is sub-block c % 8 of super-block c / 8; s0 = d * scale, s1 = dmin * min.
+ * The eight 6-bit scales and mins are unpacked from the 12 bytes four at a time in 32-bit words
+ * (the same bits as scale_min_k4), then converted and scaled 16 at a time. */
 static inline void scales_k4(const uint8_t *row, int64_t nc, int bytes, float *s0, float *s1) {
     for (int64_t sb = 0; sb < nc / 8; sb++) {
         const uint8_t *b = row + sb * bytes;
         const float d = half_at(b), dmin = half_at(b + 2);
+#if VEC == 16
+        uint32_t u[3], packed[4];
+        memcpy(u, b + 4, 12);
+        packed[0] = u[0] & 0x3f3f3f3fu;                                                /* scales 0-3 */
+        packed[2] = u[1] & 0x3f3f3f3fu;                                                /* mins 0-3 */
+        packed[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);          /* scales 4-7 */
+        packed[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);   /* mins 4-7 */
+        const __m512 mult = _mm512_insertf32x8(_mm512_set1_ps(d), _mm256_set1_ps(dmin), 1);
+        const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)packed))),
+                                       mult);
+        _mm256_storeu_ps(s0 + sb * 8, _mm512_castps512_ps256(v));
+        _mm256_storeu_ps(s1 + sb * 8, _mm512_extractf32x8_ps(v, 1));
+#else
         for (int s = 0; s < 8; s++) {
             float sc, mn;
             scale_min_k4(s, b + 4, &sc, &mn);
             s0[sb * 8 + s] = d * sc;
             s1[sb * 8 + s] = dmin * mn;
         }
+#endif
     }
 }
 static inline void scales_q4_k(const uint8_t *row, int64_t nc, float *s0, float *s1) { scales_k4(row, nc, 144, s0, s1); }
 static inline void scales_q5_k(const uint8_t *row, int64_t nc, float *s0, float *s1) { scales_k4(row, nc, 176, s0, s1); }
 
-/* Q6_K: chunk c is group c % 4 of half (c % 8) / 4; s0, s1 = d * the scales of its two 16s. */
+/* Q6_K: chunk c is group c % 4 of half (c % 8) / 4, i.e. s = c % 8 uses scales 2 s and 2 s + 1:
+ * s0, s1 = d * those (each covers 16 values). */
 static inline void scales_q6_k(const uint8_t *row, int64_t nc, float *s0, float *s1) {
     for (int64_t sb = 0; sb < nc / 8; sb++) {
         const uint8_t *b = row + sb * 210;
         const int8_t *sc = (const int8_t *)(b + 192);
         const float d = half_at(b + 208);
+        float t[16];
+#if VEC == 16
+        _mm512_storeu_ps(t, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)sc))),
+                                          _mm512_set1_ps(d)));
+#else
+        for (int i = 0; i < 16; i++) t[i] = d * (float)sc[i];
+#endif
         for (int s = 0; s < 8; s++) {
-            const int n = s / 4, g = s % 4;
-            s0[sb * 8 + s] = d * (float)sc[8 * n + 2 * g];
-            s1[sb * 8 + s] = d * (float)sc[8 * n + 2 * g + 1];
+            s0[sb * 8 + s] = t[2 * s];
+            s1[sb * 8 + s] = t[2 * s + 1];
         }
     }
 }
