@@ -305,15 +305,16 @@ static inline void scales_k4(const uint8_t *row, int64_t nc, int bytes, float *s
         const uint8_t *b = row + sb * bytes;
         const float d = half_at(b), dmin = half_at(b + 2);
 #if VEC == 16
-        uint32_t u[3], packed[4];
+        uint32_t u[3];
         memcpy(u, b + 4, 12);
-        packed[0] = u[0] & 0x3f3f3f3fu;                                                /* scales 0-3 */
-        packed[2] = u[1] & 0x3f3f3f3fu;                                                /* mins 0-3 */
-        packed[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);          /* scales 4-7 */
-        packed[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);   /* mins 4-7 */
+        /* built in registers: four 4-byte stores read back as one 16-byte load stall */
+        const __m128i packed = _mm_setr_epi32(
+            (int)(u[0] & 0x3f3f3f3fu),                                                /* scales 0-3 */
+            (int)((u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4)),          /* scales 4-7 */
+            (int)(u[1] & 0x3f3f3f3fu),                                                /* mins 0-3 */
+            (int)(((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4)));  /* mins 4-7 */
         const __m512 mult = _mm512_insertf32x8(_mm512_set1_ps(d), _mm256_set1_ps(dmin), 1);
-        const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)packed))),
-                                       mult);
+        const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(packed)), mult);
         _mm256_storeu_ps(s0 + sb * 8, _mm512_castps512_ps256(v));
         _mm256_storeu_ps(s1 + sb * 8, _mm512_extractf32x8_ps(v, 1));
 #else
