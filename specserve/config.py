@@ -45,6 +45,11 @@ class SpeculativeConfig:
     # most k tokens (always adaptive), verified in one pass (docs/speculative_decoding.md).
     prompt_lookup_tree: bool = False
     draft_dtype: str | None = None   # defaults to the target's dtype
+    # draft_model: the draft's LM head keeps only the first N token ids (byte-pair vocabularies
+    # number tokens roughly by merge order, so these are the common ones); the draft then never
+    # proposes the others. Its cost drops by the rest of the head; output stays the target's
+    # (docs/real_models.md). None: the whole vocabulary.
+    draft_vocab_size: int | None = None
     # Skip drafting in steps with at least this many decoding requests: a large
     # batch already uses the hardware well, and verifying k+1 positions per
     # request then costs more than it saves (vLLM's disable_by_batch_size).
@@ -65,6 +70,11 @@ class SpeculativeConfig:
         b = self.disable_by_batch_size
         if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 1):
             raise ValueError(f"disable_by_batch_size must be a positive integer, got {b!r}")
+        v = self.draft_vocab_size
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ValueError(f"draft_vocab_size must be a positive integer, got {v!r}")
+        if v is not None and self.method != "draft_model":
+            raise ValueError(f"draft_vocab_size is a draft_model option, not for method {self.method!r}")
         d = self.draft_tensor_parallel_size
         if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 1):
             raise ValueError(f"draft_tensor_parallel_size must be a positive integer, got {d!r}")

@@ -28,6 +28,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
                    help="skip drafting in steps with at least this many decoding requests")
     p.add_argument("--draft-tensor-parallel-size", type=int, default=None)
+    p.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="draft_model: the draft proposes only the first N token ids (a cheaper LM head)")
 
 
 def speculative_config_from_args(args) -> dict | None:
@@ -40,6 +42,7 @@ def speculative_config_from_args(args) -> dict | None:
         "prompt_lookup_adaptive": args.prompt_lookup_adaptive,
         "prompt_lookup_tree": args.prompt_lookup_tree,
         "draft_tensor_parallel_size": args.draft_tensor_parallel_size,
+        "draft_vocab_size": getattr(args, "draft_vocab_size", None),
         "disable_by_batch_size": args.speculative_disable_by_batch_size,
     }
     values = {k: v for k, v in values.items() if v is not None}

@@ -5,7 +5,10 @@ tables (same block ids, its own cache), so the scheduler's lookahead slots and
 preemption cover it too. Each step it first catches up on every token it has
 not seen (the prompt, and recovered / bonus tokens from the last verification)
 and samples draft 1, then runs single-token steps for drafts 2..k, all without
-going back to the scheduler.
+going back to the scheduler. With ``draft_vocab_size`` its LM head covers only
+the first token ids (``ParallelLMHead.keep_first_tokens``); the others get
+probability 0 in the draft, which rejection sampling handles like any other
+draft distribution, so the output stays the target's.
 """
 from __future__ import annotations
 
@@ -39,7 +42,9 @@ class DraftModelProposer(Proposer):
             inputs.append(ForwardInput(r.all_token_ids[start:], start, self.kv_cache.block_table(r.request_id), 1))
         active = list(range(len(reqs)))
         for step in range(max(budgets)):
-            logits = self.runner.execute(inputs).logits                         # [len(active), V]
+            logits = self.runner.execute(inputs).logits                         # [len(active), V or Vd]
+            if logits.shape[1] < self.vocab_size:   # a reduced draft vocabulary: the rest is never proposed
+                logits = torch.nn.functional.pad(logits, (0, self.vocab_size - logits.shape[1]), value=float("-inf"))
             sub = SamplingTensors(
                 st.temperature[active], st.top_k[active], st.top_p[active], st.min_p[active], st.need_sort, st.need_min_p
             )

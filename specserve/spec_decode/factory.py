@@ -80,6 +80,10 @@ def build_proposer(spec: SpeculativeConfig, engine, target_vocab: int) -> Propos
         loaded = load_model(spec.model, dtype, keep_quantized=keep)
         # TP 1: in the driver process only; draft_tensor_parallel_size = the target's TP: sharded like it.
         runner = build_draft_runner(spec, engine, loaded, dtype)
+        if spec.draft_vocab_size is not None:
+            if not hasattr(runner, "model") or runner.model.tp.world_size != 1:
+                raise ValueError("draft_vocab_size needs the draft at tensor-parallel size 1")
+            runner.model.lm_head.keep_first_tokens(spec.draft_vocab_size)
         runner.allocate_kv_cache(engine.kv_cache.num_blocks)
         return DraftModelProposer(runner, engine.kv_cache, target_vocab)
     raise ValueError(f"speculative method {spec.method!r} is not available yet")

@@ -270,6 +270,31 @@ def test_greedy_equals_plain_in_default_dtype(prompts):
         gc.collect()
 
 
+def test_reduced_draft_vocabulary_is_lossless(prompts, ref, monkeypatch):
+    """draft_vocab_size: the draft's LM head keeps the first 2048 token ids, so it never proposes
+    the others; greedy output is still plain output, and seeded sampling reproduces itself."""
+    from specserve.spec_decode.draft_model import DraftModelProposer
+
+    proposed: list[int] = []
+    propose = DraftModelProposer.propose
+
+    def recording(self, scheduled):
+        proposal = propose(self, scheduled)
+        proposed.extend(t for tokens in proposal.token_ids for t in tokens)
+        return proposal
+
+    monkeypatch.setattr(DraftModelProposer, "propose", recording)
+    llm = LLM(**ENGINE_KW, speculative_config={"method": "draft_model", "model": loader.default_model_path(),
+                                               "num_speculative_tokens": 3, "draft_vocab_size": 2048})
+    assert llm.engine.proposer.runner.model.lm_head.vocab_size == 2048
+    outs, delta = run_and_check(llm, prompts, GREEDY, 3)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert proposed and max(proposed) < 2048 and delta.num_accepted_tokens > 0
+    seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=MAX_TOKENS)
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts[:2], seeded)]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts[:2], seeded)] == first
+
+
 NEAR_TIE_QUESTION = ("Consider a satellite that is in a circular orbit around the Earth. The speed of the "
                      "satellite decreases. What will happen to the satellite's orbital radius and period of "
                      "revolution? Please justify your answer using principles of physics.")

@@ -65,6 +65,21 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.packed = PackedFp16Weight(self.weight)
         self.weight.data = self.packed.weight   # the same float16 tensor
 
+    def keep_first_tokens(self, n: int) -> None:
+        """Logits for token ids [0, n) only (a draft's reduced vocabulary; TP 1): the other rows
+        of the head are dropped, so computing logits costs n / vocab of the full head."""
+        if self.tp.world_size != 1:
+            raise ValueError("a reduced LM head needs tensor-parallel size 1")
+        n = min(n, self.vocab_size)
+        if self.quantized is not None:
+            self.quantized = self.quantized.row_slice(0, n)
+        else:
+            self.weight.data = self.weight.data[:n].contiguous()
+            if self.packed is not None:
+                self.packed = PackedFp16Weight(self.weight.data)
+                self.weight.data = self.packed.weight
+        self.vocab_size = self.vocab_local = self.padded_vocab = n
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [N, hidden] -> [N, vocab] fp32
         if self.quantized is not None:
             logits = self.quantized.matmul(hidden)               # [N, padded_vocab / tp]
