@@ -1,0 +1,91 @@
+"""The real target/draft pair of the catalog: Qwen2.5-Coder-1.5B-Instruct drafted by
+Qwen2.5-Coder-0.5B-Instruct, in the default dtype (the GGUF files' own blocks).
+
+Skipped with the reason when the pair's PyPI packages are absent (docs/real_models.md says
+how to install them); the default install and CI do not need them.
+"""
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from specserve import LLM, SamplingParams, catalog
+from test_spec_decode import _chi_square_p, _second_tokens
+
+TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
+
+
+def _installed(name: str) -> bool:
+    try:
+        catalog.ensure_file(catalog.lookup(name))
+        return True
+    except (ValueError, OSError):
+        return False
+
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not (_installed(TARGET) and _installed(DRAFT)),
+                       reason=f"the {TARGET} / {DRAFT} packages are not installed (see docs/real_models.md)"),
+]
+
+KW = dict(model=TARGET, max_model_len=1024, kv_cache_memory=1 << 28)
+CODE_PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Fix the bug:\n```python\ndef last(xs):\n    return xs[len(xs)]\n```",
+    "Explain what this does:\n```python\nprint(sorted(set(open('f').read().split())))\n```",
+    "Write a function `is_palindrome(s)` in Python.",
+]
+
+
+@pytest.fixture(scope="module")
+def plain():
+    llm = LLM(**KW)
+    yield llm
+    del llm
+    gc.collect()
+
+
+@pytest.fixture(scope="module")
+def chats(plain):
+    tok = plain.get_tokenizer()
+    return [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+            for p in CODE_PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def want(plain, chats):
+    return [o.outputs[0].token_ids for o in plain.generate(chats, SamplingParams(temperature=0, max_tokens=24))]
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_pair_greedy_equals_plain_at_batch_1_and_4(plain, chats, want, k):
+    spec = LLM(**KW, speculative_config={"model": DRAFT, "num_speculative_tokens": k})
+    params = SamplingParams(temperature=0, max_tokens=24)
+    assert [o.outputs[0].token_ids for o in spec.generate(chats, params)] == want              # batch 4
+    assert [spec.generate([c], params)[0].outputs[0].token_ids for c in chats[:2]] == want[:2]   # batch 1
+    stats = spec.get_spec_decode_stats()
+    assert stats.num_accepted_tokens > 0 and stats.mean_acceptance_length > 1.5
+    del spec
+    gc.collect()
+
+
+def test_pair_second_token_distribution_matches_plain(plain):
+    """The first speculated token (the second generated) has the target's distribution
+    at temperature 1.0: 150 seeded requests per engine, chi-square two-sample test."""
+    prompt = plain.get_tokenizer().encode("def sort_list(", add_special_tokens=False)
+    spec = LLM(**KW, speculative_config={"model": DRAFT, "num_speculative_tokens": 1})
+    first_spec, second_spec = _second_tokens(spec, prompt, 150, max_tokens=3)
+    assert spec.get_spec_decode_stats().num_draft_tokens == 150
+    del spec
+    gc.collect()
+    first_plain, second_plain = _second_tokens(plain, prompt, 150, max_tokens=2)
+    assert first_spec == first_plain   # same seeds: the same plain first tokens
+    assert _chi_square_p(second_plain, second_spec) > 1e-3
+
+
+def test_reduced_draft_vocabulary_keeps_the_pair_lossless(chats, want):
+    spec = LLM(**KW, speculative_config={"model": DRAFT, "num_speculative_tokens": 4, "draft_vocab_size": 32768})
+    got = [o.outputs[0].token_ids for o in spec.generate(chats, SamplingParams(temperature=0, max_tokens=24))]
+    assert got == want
