@@ -22,7 +22,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from specserve.model_executor.layers import cpu_attention
+from specserve.model_executor.layers import cpu_attention, quant_gemm
 from specserve.model_executor.loader import load_model
 from specserve.worker.model_runner import ForwardInput, ModelRunner
 
@@ -206,14 +206,18 @@ def test_default_model_chunked_and_batched(default_pair):
     assert (batch[n:] - alone_other).abs().max() < REAL_ATOL
 
 
-def test_default_dtype_verified_rows_have_the_bits_of_decoding_alone():
+@pytest.mark.parametrize("keep_quantized", [True, False], ids=["gguf-blocks", "float16"])
+def test_default_dtype_verified_rows_have_the_bits_of_decoding_alone(keep_quantized):
     """Lossless greedy speculation rests on this, near-tie or not: in the CPU default dtype
-    (float16 weights) a token verified together with drafts, in a step shared with another
-    request, gets exactly the logits it gets when decoded alone, through the whole forward
-    (matmuls, attention, norms, LM head)."""
+    (the GGUF's own blocks through the quantized kernels and the per-layer compiled calls;
+    and dtype="float16", float16 weights) a token verified together with drafts, in a step
+    shared with another request, gets exactly the logits it gets when decoded alone, through
+    the whole forward (matmuls, attention, norms, LM head)."""
     if not cpu_attention.usable("cpu", torch.float32):
         pytest.skip("the compiled attention kernel (what promises row-independent attention) did not build")
-    loaded = load_model(None, torch.float16)
+    if keep_quantized and not quant_gemm.available():
+        pytest.skip("the quantized matmul kernel did not build")
+    loaded = load_model(None, torch.float16, keep_quantized=keep_quantized)
     runner = ModelRunner(loaded.config, loaded.state_dict, torch.float16, torch.device("cpu"), 256, BLOCK_SIZE)
     runner.allocate_kv_cache(16)
     tok = loaded.tokenizer
