@@ -189,3 +189,54 @@ def test_resolve_dtype():
     assert resolve_dtype(torch.float16, cpu) == torch.float16
     with pytest.raises(ValueError):
         resolve_dtype("int8", cpu)
+
+
+def test_gguf_blocks_kept_and_unsupported_format_dequantized_with_one_warning(tmp_path, caplog):
+    """keep_quantized: a supported block format comes back as a QuantizedMatrix over the file's
+    bytes; a format without a kernel (Q2_K) is dequantized to float16 with one warning naming it."""
+    import logging
+    from types import SimpleNamespace
+
+    import numpy as np
+    from gguf import GGMLQuantizationType as T
+    from gguf import GGUFWriter
+    from gguf.quants import dequantize
+
+    from specserve.model_executor import loader
+    from specserve.model_executor.layers import quant_gemm
+    from specserve.model_executor.layers.quantized import QuantizedMatrix
+
+    if not quant_gemm.available():
+        pytest.skip("the quantized matmul kernel did not build")
+    rng = np.random.default_rng(0)
+
+    def blocks(qtype, rows, nbytes, half_offsets):
+        b = rng.integers(0, 256, size=(rows, nbytes), dtype=np.uint8)
+        for off in half_offsets:   # finite float16 scales
+            b[:, off:off + 2] = (rng.standard_normal(rows) * 0.01).astype(np.float16).view(np.uint8).reshape(-1, 2)
+        return b
+
+    q4k = blocks(T.Q4_K, 3, 144, [0, 2])      # 3 rows of 256 values
+    q2k = blocks(T.Q2_K, 3, 84, [80, 82])     # Q2_K: scales[16], qs[64], d, dmin
+    path = tmp_path / "tiny.gguf"
+    writer = GGUFWriter(str(path), "qwen2")
+    writer.add_tensor("blk.0.ffn_up.weight", q4k, raw_shape=(3, 144), raw_dtype=T.Q4_K)
+    writer.add_tensor("blk.0.ffn_down.weight", q2k, raw_shape=(3, 84), raw_dtype=T.Q2_K)
+    writer.add_tensor("blk.1.ffn_down.weight", q2k, raw_shape=(3, 84), raw_dtype=T.Q2_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    loader._warned_formats.discard("Q2_K")
+    config = SimpleNamespace(num_attention_heads=1, num_key_value_heads=1)
+    with caplog.at_level(logging.WARNING, logger="specserve.model_executor.loader"):
+        sd = loader._gguf_state_dict(str(path), config, torch.float16, keep_quantized=True)
+    up = sd["model.layers.0.mlp.up_proj.weight"]
+    assert isinstance(up, QuantizedMatrix) and up.shape == (3, 256)
+    assert torch.equal(up.dequantize(), torch.from_numpy(dequantize(q4k, T.Q4_K).reshape(3, 256)))
+    down = sd["model.layers.0.mlp.down_proj.weight"]
+    assert down.dtype == torch.float16 and down.shape == (3, 256)
+    assert torch.equal(down, torch.from_numpy(dequantize(q2k, T.Q2_K).reshape(3, 256)).half())
+    warnings = [r.getMessage() for r in caplog.records if "Q2_K" in r.getMessage()]
+    assert len(warnings) == 1 and "float16" in warnings[0]
