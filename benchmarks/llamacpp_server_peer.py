@@ -1,0 +1,130 @@
+"""Chat answers: specserve (plain and with speculation) against llama.cpp's llama-server, same GGUF file.
+
+Each question's first turn (Spec-Bench's JSONL format, ``--prompts``; default
+Spec-Bench's 480 questions, ``--limit-per-category`` of each category) is asked as
+one chat message, greedy, with ``--max-tokens`` new tokens at most; answers end
+at the end-of-sequence token (Spec-Bench's protocol). llama.cpp answers through
+its own OpenAI-compatible ``llama-server`` (a peer measured from outside, built by
+``../shared/peers/build-llamacpp.sh``), started here with the same threads;
+specserve answers in-process through ``LLM.chat``. Question by question the
+engines run in rotating order. Reported: tok/s of whole answers (completion
+tokens over the request's wall time, prompt included) per category and overall,
+and each specserve engine's ratio to llama.cpp.
+
+    python benchmarks/llamacpp_server_peer.py --llama-bin ~/.cache/specserve-peers/llama.cpp/build/bin \\
+        --limit-per-category 4 --max-tokens 256 --speculative-method ngram --num-speculative-tokens 5
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections import defaultdict
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SPEC_BENCH = os.path.join(HERE, "..", "..", "shared", "data", "spec_bench", "question.jsonl")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=900) as r:
+        return json.loads(r.read())
+
+
+def start_llama_server(args, model_path: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([os.path.join(os.path.expanduser(args.llama_bin), "llama-server"), "-m", model_path,
+                             "-t", str(args.threads), "-c", "4096", "--port", str(port), "--host", "127.0.0.1",
+                             "-np", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, base
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("llama-server did not become healthy")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--llama-bin", required=True)
+    p.add_argument("--model", default=None, help="a .gguf file or catalog name (default: the default model)")
+    p.add_argument("--prompts", default=SPEC_BENCH)
+    p.add_argument("--limit-per-category", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--speculative-method", default="ngram")
+    p.add_argument("--num-speculative-tokens", type=int, default=5)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    from specserve import LLM, SamplingParams
+    from specserve.model_executor.loader import default_model_path
+
+    rows, per_cat = [], defaultdict(int)
+    for line in open(args.prompts):
+        row = json.loads(line)
+        if per_cat[row["category"]] < args.limit_per_category:
+            per_cat[row["category"]] += 1
+            rows.append(row)
+    kw = dict(model=args.model, max_model_len=4096, kv_cache_memory=1 << 28)
+    engines = {"specserve plain": LLM(**kw),
+               f"specserve {args.speculative_method}": LLM(**kw, speculative_config={
+                   "method": args.speculative_method, "num_speculative_tokens": args.num_speculative_tokens})}
+    model_path = engines["specserve plain"].engine.hf_config._name_or_path if args.model else default_model_path()
+    server, base = start_llama_server(args, model_path)
+    names = ["llama.cpp server"] + list(engines)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    tokens, seconds = defaultdict(lambda: defaultdict(int)), defaultdict(lambda: defaultdict(float))
+    try:
+        warm = [{"role": "user", "content": "Hi"}]
+        post(base + "/v1/chat/completions", {"messages": warm, "max_tokens": 4, "temperature": 0})
+        for llm in engines.values():
+            llm.chat(warm, SamplingParams(temperature=0, max_tokens=4))
+        for i, row in enumerate(rows):
+            messages = [{"role": "user", "content": row["turns"][0]}]
+            for name in names[i % len(names):] + names[: i % len(names)]:
+                t = time.perf_counter()
+                if name == "llama.cpp server":
+                    out = post(base + "/v1/chat/completions", {"messages": messages, "max_tokens": args.max_tokens,
+                                                              "temperature": 0, "cache_prompt": False})
+                    n = out["usage"]["completion_tokens"]
+                else:
+                    n = len(engines[name].chat(messages, params)[0].outputs[0].token_ids)
+                dt = time.perf_counter() - t
+                for key in (row["category"], "all"):
+                    tokens[key][name] += n
+                    seconds[key][name] += dt
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    print(f"# {time.strftime('%Y-%m-%d %H:%M')} {os.path.basename(model_path)}, {len(rows)} questions "
+          f"({args.limit_per_category} per category), max_tokens={args.max_tokens}, greedy, answers end at EOS, "
+          f"threads={args.threads}, {args.speculative_method} k={args.num_speculative_tokens}")
+    print("| category | " + " | ".join(f"{n} tok/s" for n in names) + " | " +
+          " | ".join(f"{n} / llama.cpp" for n in names[1:]) + " |")
+    print("|---|" + "---|" * (2 * len(names) - 1))
+    for cat in list(per_cat) + ["all"]:
+        rates = [tokens[cat][n] / seconds[cat][n] for n in names]
+        print(f"| {cat} | " + " | ".join(f"{r:.1f}" for r in rates) + " | " +
+              " | ".join(f"{r / rates[0]:.2f}x" for r in rates[1:]) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
