@@ -68,8 +68,7 @@ class LLMEngine:
         prepare_parallelism(config, spec_config)  # TP checks; on a torchrun worker rank this serves and exits
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        # GGUF blocks as they are (CPU, TP 1)
-        self.keep_quantized = keeps_quantized(config.dtype, self.device, config.tensor_parallel_size)
+        self.keep_quantized = keeps_quantized(config.dtype, self.device)  # GGUF blocks as they are (CPU)
         loaded = load_model(config.model, self.dtype, keep_quantized=self.keep_quantized)
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer

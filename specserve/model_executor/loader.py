@@ -214,12 +214,10 @@ def _save_atomically(cache: str, config, tokenizer) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def keeps_quantized(dtype_name: str | torch.dtype, device: torch.device | str, tensor_parallel_size: int = 1) -> bool:
+def keeps_quantized(dtype_name: str | torch.dtype, device: torch.device | str) -> bool:
     """Whether a model built with ``dtype_name`` on ``device`` keeps GGUF blocks as they are:
-    ``dtype="auto"`` on a CPU where the quantized matmul kernel builds, at tensor-parallel
-    size 1 (sharded models still travel to their ranks as float16 tensors)."""
-    return (dtype_name == "auto" and torch.device(device).type == "cpu" and tensor_parallel_size == 1
-            and quant_gemm.available())
+    ``dtype="auto"`` on a CPU where the quantized matmul kernel builds."""
+    return dtype_name == "auto" and torch.device(device).type == "cpu" and quant_gemm.available()
 
 
 def _gguf_state_dict(path: str, config, dtype: torch.dtype, keep_quantized: bool = False) -> dict:

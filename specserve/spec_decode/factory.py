@@ -75,8 +75,7 @@ def build_proposer(spec: SpeculativeConfig, engine, target_vocab: int) -> Propos
     if spec.method == "draft_model":
         dtype = resolve_dtype(spec.draft_dtype, engine.device) if spec.draft_dtype else engine.dtype
         check_draft_config(spec.model, target_vocab, engine.max_model_len, dtype)
-        draft_tp = engine.config.tensor_parallel_size if spec.draft_tensor_parallel_size not in (None, 1) else 1
-        keep = keeps_quantized(spec.draft_dtype or engine.config.dtype, engine.device, draft_tp)
+        keep = keeps_quantized(spec.draft_dtype or engine.config.dtype, engine.device)
         loaded = load_model(spec.model, dtype, keep_quantized=keep)
         # TP 1: in the driver process only; draft_tensor_parallel_size = the target's TP: sharded like it.
         runner = build_draft_runner(spec, engine, loaded, dtype)

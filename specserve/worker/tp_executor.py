@@ -41,6 +41,7 @@ from specserve.distributed.launcher import (
 )
 from specserve.distributed.parallel_state import TensorParallelGroup
 from specserve.model_executor.layers.fp16_gemm import skip_row_padding
+from specserve.model_executor.layers.quantized import QuantizedMatrix, QuantSegment
 from specserve.model_executor.models.registry import get_model_class
 from specserve.worker.model_runner import ForwardInput, ForwardOutput, ModelRunner
 
@@ -178,11 +179,27 @@ class BlockTableDeltas:
         return inputs
 
 
-def shard_parameters(config, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, rank: int, world_size: int):
-    """Rank ``rank``'s parameters, cut by the layers' own ``load`` (no process group needed)."""
+QUANTIZED_SUFFIX = ".quantized."   # shard entry "<module>.quantized.<i>": segment i of a QuantizedMatrix
+
+
+def shard_parameters(config, state_dict: dict, dtype: torch.dtype, rank: int, world_size: int):
+    """Rank ``rank``'s parameters, cut by the layers' own ``load`` (no process group needed).
+
+    Returns (tensors, quantized): tensors by name, with each quantized layer's segments as
+    "<module>.quantized.<i>" [rows, row_bytes] uint8 (its ``weight`` is an empty placeholder),
+    and per quantized module (in_features, [ggml type of each segment])."""
     model = get_model_class(config)(config, tp=TensorParallelGroup(rank, world_size, None), max_positions=1)
     model.load_weights({name: t.to(dtype) for name, t in state_dict.items()})
-    return {name: p.data for name, p in model.named_parameters()}
+    tensors = {name: p.data for name, p in model.named_parameters()}
+    quantized = {}
+    for name, module in model.named_modules():
+        matrix = getattr(module, "quantized", None)
+        if matrix is not None:
+            quantized[name] = (matrix.in_features, matrix.qtypes)
+            del tensors[f"{name}.weight"]   # the empty placeholder does not travel
+            for i, seg in enumerate(matrix.segments):
+                tensors[f"{name}{QUANTIZED_SUFFIX}{i}"] = seg.data.contiguous()
+    return tensors, quantized
 
 
 def plain_config(config):
@@ -192,7 +209,9 @@ def plain_config(config):
 
 
 def param_bytes(model: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of the model's weights: its parameters and the GGUF blocks of its quantized layers."""
+    quantized = sum(m.quantized.nbytes for m in model.modules() if getattr(m, "quantized", None) is not None)
+    return sum(p.numel() * p.element_size() for p in model.parameters()) + quantized
 
 
 def peak_rss_bytes() -> int:
@@ -227,8 +246,20 @@ class _ShardRunner(ModelRunner):
     here as ``ModelRunner.load_weights`` does on the driver (float32 for float16 weights on
     a CPU; the linear layers then pack them back to float16, see fp16_gemm)."""
 
+    def __init__(self, *args, quantized: dict | None = None, **kwargs):
+        self.quantized = quantized or {}   # module name -> (in_features, ggml types of its segments)
+        super().__init__(*args, **kwargs)
+
     def load_weights(self, model, state_dict: dict[str, torch.Tensor]) -> None:
-        params = dict(model.named_parameters())
+        state_dict = dict(state_dict)
+        modules = dict(model.named_modules())
+        for name, (in_features, qtypes) in self.quantized.items():   # GGUF blocks, cut by the driver
+            segments = [QuantSegment(q, state_dict.pop(f"{name}{QUANTIZED_SUFFIX}{i}")) for i, q in enumerate(qtypes)]
+            modules[name].quantized = QuantizedMatrix(segments, in_features)
+            modules[name].weight.data = torch.empty(0)
+        params = {n: p for n, p in model.named_parameters() if n.rsplit(".", 1)[0] not in self.quantized
+                  or not n.endswith(".weight")}
+        state_dict = {n: t for n, t in state_dict.items() if n in params}
         if params.keys() != state_dict.keys():
             raise ValueError(f"shard mismatch: missing {sorted(params.keys() - state_dict.keys())[:5]}, "
                              f"unexpected {sorted(state_dict.keys() - params.keys())[:5]}")
@@ -255,9 +286,9 @@ def serve(conn: Connection, tp: TensorParallelGroup, device: torch.device) -> No
             _, key, src, dst = msg
             runners[key].copy_kv_slots(src, dst)
         elif kind == "build":
-            _, key, config, dtype, max_model_len, block_size, specs = msg
+            _, key, config, dtype, max_model_len, block_size, specs, quantized = msg
             shard = {name: _recv_tensor(conn, shape, dt) for name, shape, dt in specs}
-            runners[key] = _ShardRunner(config, shard, dtype, device, max_model_len, block_size, tp)
+            runners[key] = _ShardRunner(config, shard, dtype, device, max_model_len, block_size, tp, quantized=quantized)
             tables[key] = BlockTableDeltas()
             del shard
             gc.collect()
@@ -305,9 +336,9 @@ class TensorParallelExecutor:
     def load(cls, group: WorkerGroup, key: str, config, state_dict, dtype, max_model_len: int, block_size: int):
         """Send each worker its shard of ``state_dict``, load rank 0's, wait for every rank."""
         for rank in range(1, group.world_size):
-            shard = shard_parameters(config, state_dict, dtype, rank, group.world_size)
+            shard, quantized = shard_parameters(config, state_dict, dtype, rank, group.world_size)
             specs = [(name, tuple(t.shape), t.dtype) for name, t in shard.items()]
-            header = ("build", key, plain_config(config), dtype, max_model_len, block_size, specs)
+            header = ("build", key, plain_config(config), dtype, max_model_len, block_size, specs, quantized)
             group.send(rank, pickle.dumps(header))
             for t in shard.values():
                 group.send(rank, _as_bytes(t))

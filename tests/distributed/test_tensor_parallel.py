@@ -38,6 +38,7 @@ from specserve.distributed.launcher import WorkerError
 from specserve.distributed.parallel_state import TensorParallelGroup
 from specserve.engine import llm_engine
 from specserve.model_executor import loader
+from specserve.model_executor.layers import quant_gemm
 from specserve.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 from specserve.model_executor.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from specserve.spec_decode import factory
@@ -353,16 +354,21 @@ def test_tp_greedy_equals_tp1_and_leaves_no_process(case, reference, truncated_d
 
 @pytest.mark.slow
 def test_tp_in_the_default_dtype_equals_tp1():
-    """dtype="auto" (float16 weights, float32 compute and a float16 KV cache on x86 CPUs):
-    the shards travel in float16 and each worker puts them in the compute dtype as the
-    driver does (once, a worker kept float16 norms and embeddings and the first
-    all-reduce failed on mismatched sizes)."""
+    """dtype="auto" on a CPU: the GGUF's blocks cut along whole blocks travel to the ranks
+    as they are (norms and biases in float16), and each worker puts the dense tensors in the
+    compute dtype as the driver does (once, a worker kept float16 norms and embeddings and
+    the first all-reduce failed on mismatched sizes)."""
     auto = dict(ENGINE, dtype="auto")
     with one_thread():
         single = LLM(**auto)
         want = token_ids(single.generate(PROMPTS, GREEDY))
     del single
     llm = LLM(tensor_parallel_size=TP, **auto)
+    if quant_gemm.available():   # every rank holds its share of the blocks, not float16 copies
+        assert llm.engine.runner.model.layers[0].mlp.down_proj.quantized is not None
+        file_bytes = os.path.getsize(loader.default_model_path())
+        assert all(b < 0.75 * file_bytes for b in llm.engine.runner.weight_bytes_per_rank), \
+            llm.engine.runner.weight_bytes_per_rank
     pids = llm.engine.runner.worker_pids
     assert token_ids(llm.generate(PROMPTS, GREEDY)) == want
     del llm

@@ -10,7 +10,7 @@ dispatch and, for the matmuls, an OpenMP fork and join; at batch 1 on the
 default model those took more than half of a decode step (docs/benchmarks.md,
 "Quantized weights").
 
-Used by ``LlamaDecoderLayer`` when its four matrices are ``QuantizedMatrix`` at
+Used by ``LlamaForCausalLM`` when every layer's four matrices are ``QuantizedMatrix`` at
 tensor-parallel size 1 on a CPU (``QuantizedLayerKernel.for_layer``); anything
 else runs the PyTorch path. ``SPECSERVE_CPU_QUANT_LAYER=off`` turns it off.
 """
