@@ -91,6 +91,7 @@ def main() -> int:
     names = ["llama.cpp server"] + list(engines)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     tokens, seconds = defaultdict(lambda: defaultdict(int)), defaultdict(lambda: defaultdict(float))
+    answers = defaultdict(list)   # specserve engine -> token ids per question, in question order
     try:
         warm = [{"role": "user", "content": "Hi"}]
         post(base + "/v1/chat/completions", {"messages": warm, "max_tokens": 4, "temperature": 0})
@@ -105,7 +106,9 @@ def main() -> int:
                                                               "temperature": 0, "cache_prompt": False})
                     n = out["usage"]["completion_tokens"]
                 else:
-                    n = len(engines[name].chat(messages, params)[0].outputs[0].token_ids)
+                    ids = engines[name].chat(messages, params)[0].outputs[0].token_ids
+                    answers[name].append(ids)
+                    n = len(ids)
                 dt = time.perf_counter() - t
                 for key in (row["category"], "all"):
                     tokens[key][name] += n
@@ -123,6 +126,8 @@ def main() -> int:
         rates = [tokens[cat][n] / seconds[cat][n] for n in names]
         print(f"| {cat} | " + " | ".join(f"{r:.1f}" for r in rates) + " | " +
               " | ".join(f"{r / rates[0]:.2f}x" for r in rates[1:]) + " |")
+    plain, spec = answers[names[1]], answers[names[2]]
+    print(f"\nGreedy {names[2]} answers identical to plain: {sum(a == b for a, b in zip(plain, spec))} of {len(plain)}")
     return 0
 
 
