@@ -466,11 +466,27 @@ static inline __attribute__((always_inline)) void chunk_q6_k(const uint8_t *row,
     const uint8_t *b = row + (c / 8) * 210;
     const int n = (int)(c % 8) / 4, g = (int)(c % 4);
     const uint8_t *ql = b + 64 * n + 32 * (g & 1), *qh = b + 128 + 32 * n;
+#if VEC == 16
+    /* q = nibble | two high bits << 4: h shifted so its two bits sit at bits 4-5, one bitwise
+     * select (vpternlogd) takes bits 0-3 from the nibble and the rest from h, then & 63.
+     * (q - 32) * ds == fma(q, ds, -32 ds) exactly: the product is exact in float32. */
+    const int shift = 4 - 2 * g;
+    for (int l = 0; l < 32; l += 16) {
+        __m512i a = as_m512i(load_u8(ql + l)), h = as_m512i(load_u8(qh + l));
+        if (g >> 1) a = _mm512_srli_epi32(a, 4);
+        h = shift >= 0 ? _mm512_slli_epi32(h, shift) : _mm512_srli_epi32(h, -shift);
+        const __m512i q = _mm512_and_si512(_mm512_ternarylogic_epi32(_mm512_set1_epi32(0x0F), a, h, 0xCA),
+                                           _mm512_set1_epi32(63));   /* 0xCA: mask ? a : h, bit by bit */
+        const float ds = l < 16 ? ds0 : ds1;
+        w[l / 16] = from_m512(_mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(ds), _mm512_set1_ps(-32.0f * ds)));
+    }
+#else
     for (int l = 0; l < 32; l += VEC) {
         const veci a = load_u8(ql + l), h = load_u8(qh + l);
         const veci q = ((g >> 1) ? a >> 4 : a & 0x0F) | (((h >> (2 * g)) & 3) << 4);
         w[l / VEC] = to_float(q - 32) * (l < 16 ? ds0 : ds1);
     }
+#endif
 }
 
 /* R rows x 4 outputs, weights dequantized 32 values at a time into registers and used by all R
