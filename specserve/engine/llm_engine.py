@@ -22,7 +22,6 @@ from specserve.distributed.launcher import WorkerError
 from specserve.engine.kv_cache_manager import KVCacheManager
 from specserve.engine.output_processor import OutputProcessor, logprob_entries
 from specserve.engine.request import Request, RequestStatus
-from specserve.distributed.launcher import WorkerError
 from specserve.engine.scheduler import ScheduledRequest, Scheduler
 from specserve.model_executor.layers.attention import cache_slot, tree_layout
 from specserve.model_executor.loader import keeps_quantized, load_model, resolve_dtype
@@ -68,8 +67,8 @@ class LLMEngine:
         prepare_parallelism(config, spec_config)  # TP checks; on a torchrun worker rank this serves and exits
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.keep_quantized = keeps_quantized(config.dtype, self.device)  # GGUF blocks as they are (CPU)
-        loaded = load_model(config.model, self.dtype, keep_quantized=self.keep_quantized)
+        # GGUF blocks as they are on a CPU
+        loaded = load_model(config.model, self.dtype, keep_quantized=keeps_quantized(config.dtype, self.device))
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         self.hf_config = loaded.config

@@ -58,7 +58,6 @@ def _read_gguf_table(path: str, size: int, mtime_ns: int) -> GGUFTable:
     def bad(problem: str) -> InvalidModelFileError:
         return InvalidModelFileError(f"{path}: not a usable GGUF file: {problem}")
 
-    size = os.path.getsize(path)
     if size < 24:
         raise bad(f"only {size} bytes, shorter than a GGUF header")
     architecture = ""

@@ -259,7 +259,6 @@ class _ShardRunner(ModelRunner):
             modules[name].weight.data = torch.empty(0)
         params = {n: p for n, p in model.named_parameters() if n.rsplit(".", 1)[0] not in self.quantized
                   or not n.endswith(".weight")}
-        state_dict = {n: t for n, t in state_dict.items() if n in params}
         if params.keys() != state_dict.keys():
             raise ValueError(f"shard mismatch: missing {sorted(params.keys() - state_dict.keys())[:5]}, "
                              f"unexpected {sorted(state_dict.keys() - params.keys())[:5]}")

@@ -64,11 +64,12 @@ def block_geometry(qtype: int) -> tuple[int, int]:
     return lib.specserve_quant_block_elems(int(qtype)), lib.specserve_quant_block_bytes(int(qtype))
 
 
-def _check(status: int, what: str) -> None:
+def check_status(status: int, what: str) -> None:
+    """Raise for a quantized kernel's nonzero return (-3: scratch allocation failed)."""
     if status == -3:
-        raise MemoryError(f"quantized matmul kernel: scratch allocation failed ({what})")
+        raise MemoryError(f"quantized kernel: scratch allocation failed ({what})")
     if status:
-        raise RuntimeError(f"quantized matmul kernel failed ({status}) for {what}")
+        raise RuntimeError(f"quantized kernel failed ({status}) for {what}")
 
 
 def quant_matmul_into(
@@ -92,7 +93,7 @@ def quant_matmul_into(
         x.data_ptr(), x.stride(0), rows, data.data_ptr(), int(qtype), data.shape[0], in_features,
         None if bias is None else bias.data_ptr(), out.data_ptr() + col * out.element_size(), out.stride(0),
         torch.get_num_threads())
-    _check(status, f"ggml type {qtype}, weight [{data.shape[0]}, {in_features}]")
+    check_status(status, f"ggml type {qtype}, weight [{data.shape[0]}, {in_features}]")
 
 
 def dequantize_rows(
@@ -110,5 +111,5 @@ def dequantize_rows(
     if ids.shape[0]:
         status = lib.specserve_quant_dequantize(data.data_ptr(), int(qtype), ids.data_ptr(), ids.shape[0],
                                                 in_features, out.data_ptr(), torch.get_num_threads())
-        _check(status, f"dequantizing ggml type {qtype}")
+        check_status(status, f"dequantizing ggml type {qtype}")
     return out

@@ -21,7 +21,7 @@ import ctypes
 import torch
 
 from specserve.model_executor.layers.kernel_build import LazyLibrary
-from specserve.model_executor.layers.quant_gemm import COMPILE_FLAGS
+from specserve.model_executor.layers.quant_gemm import COMPILE_FLAGS, check_status
 from specserve.model_executor.layers.quantized import QuantizedMatrix
 
 MAX_SEGMENTS = 4
@@ -61,11 +61,10 @@ def _qmatrix(m: QuantizedMatrix) -> _QMatrix:
     return s
 
 
-def _check(status: int) -> None:
-    if status == -3:
-        raise MemoryError("quantized layer kernel: scratch allocation failed")
-    if status:
-        raise RuntimeError(f"quantized layer kernel failed ({status})")
+def _matrices(layer) -> list[QuantizedMatrix | None]:
+    """The layer's q/k/v, output, gate/up and down matrices, in quant_layer.c's order."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return [attn.qkv_proj.quantized, attn.o_proj.quantized, mlp.gate_up_proj.quantized, mlp.down_proj.quantized]
 
 
 class QuantizedLayerKernel:
@@ -85,8 +84,7 @@ class QuantizedLayerKernel:
         s.eps = eps
         s.input_norm, s.post_norm = self._keep[0].data_ptr(), self._keep[1].data_ptr()
         s.qkv_bias = self._keep[2].data_ptr() if bias is not None else None
-        self._mats = [attn.qkv_proj.quantized, attn.o_proj.quantized, mlp.gate_up_proj.quantized,
-                      mlp.down_proj.quantized]   # kept alive with the pointers into them
+        self._mats = _matrices(layer)   # kept alive with the pointers into them
         s.qkv, s.o, s.gate_up, s.down = (_qmatrix(m) for m in self._mats)
         self._ref = ctypes.byref(s)
         self.qkv_width = (attn.num_heads + 2 * attn.num_kv_heads) * attn.head_dim
@@ -94,9 +92,7 @@ class QuantizedLayerKernel:
     @staticmethod
     def for_layer(layer, eps: float, tp_world_size: int) -> "QuantizedLayerKernel | None":
         """The kernel for ``layer`` where it applies (module docstring), else None."""
-        attn, mlp = layer.self_attn, layer.mlp
-        mats = [attn.qkv_proj.quantized, attn.o_proj.quantized, mlp.gate_up_proj.quantized, mlp.down_proj.quantized]
-        if tp_world_size != 1 or any(m is None or len(m.segments) > MAX_SEGMENTS for m in mats):
+        if tp_world_size != 1 or any(m is None or len(m.segments) > MAX_SEGMENTS for m in _matrices(layer)):
             return None
         if LIBRARY.get() is None:
             return None
@@ -106,13 +102,13 @@ class QuantizedLayerKernel:
                 scratch: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> qkv [T, (Hq + 2 Hk) hd], q and k rotated; scratch [T, hidden]."""
         qkv = torch.empty(x.shape[0], self.qkv_width, dtype=torch.float32)
-        _check(self._lib.specserve_qlayer_attn_in(self._ref, x.data_ptr(), x.shape[0], positions.data_ptr(),
+        check_status(self._lib.specserve_qlayer_attn_in(self._ref, x.data_ptr(), x.shape[0], positions.data_ptr(),
                                                   cos.data_ptr(), sin.data_ptr(), scratch.data_ptr(),
-                                                  qkv.data_ptr(), torch.get_num_threads()))
+                                                  qkv.data_ptr(), torch.get_num_threads()), "a layer's q/k/v")
         return qkv
 
     def mlp(self, x: torch.Tensor, attn_out: torch.Tensor, scratch: torch.Tensor, gate_up: torch.Tensor) -> None:
         """x [T, hidden] += the layer's output projection and MLP (in place); attn_out [T, Hq hd]."""
-        _check(self._lib.specserve_qlayer_mlp(self._ref, x.data_ptr(), x.shape[0], attn_out.data_ptr(),
+        check_status(self._lib.specserve_qlayer_mlp(self._ref, x.data_ptr(), x.shape[0], attn_out.data_ptr(),
                                               attn_out.stride(0), scratch.data_ptr(), gate_up.data_ptr(),
-                                              torch.get_num_threads()))
+                                              torch.get_num_threads()), "a layer's MLP")

@@ -135,7 +135,7 @@ class LlamaForCausalLM(nn.Module):
         positions = positions.to(torch.int64).contiguous()
         tokens = x.shape[0]
         scratch = torch.empty_like(x)                                              # [T, hidden]
-        gate_up = torch.empty(tokens, 2 * self.config.intermediate_size // self.tp.world_size)  # [T, 2 I]
+        gate_up = torch.empty(tokens, 2 * self.config.intermediate_size)   # [T, 2 I] (TP 1 only)
         for layer, kernel, kv_cache in zip(self.layers, self.layer_kernels, kv_caches):
             attn = layer.self_attn
             qkv = kernel.attn_in(x, positions, self.rotary.cos, self.rotary.sin, scratch)   # [T, (Hq + 2 Hk) hd]
