@@ -29,6 +29,12 @@ then SIGTERM, then SIGKILL. A dead worker is noticed before each step (process
 and connection check) and inside one (gloo reports a closed connection at once;
 a worker that hangs hits the collective timeout); either way the engine gets a
 ``WorkerError`` naming the rank, and the rest of the group is stopped.
+
+A script that creates the engine at import time, without an
+``if __name__ == "__main__":`` guard, would have each spawned worker (which
+re-imports the main script) start an engine of its own: the worker notices
+(``exit_if_bootstrapping``) and exits with ``UNGUARDED_MAIN_EXIT``, and the
+driver raises a RuntimeError saying what to do (``UNGUARDED_MAIN_MESSAGE``).
 """
 from __future__ import annotations
 
@@ -44,7 +50,7 @@ import traceback
 import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
-from multiprocessing import AuthenticationError, parent_process
+from multiprocessing import AuthenticationError, current_process, parent_process
 from multiprocessing.connection import Client, Connection, Listener
 from multiprocessing.connection import wait as wait_for_connections
 from typing import Callable
@@ -83,6 +89,27 @@ def startup_timeout_s() -> float:
 
 class WorkerError(RuntimeError):
     """A tensor-parallel worker died, failed or stopped answering; the group is unusable."""
+
+
+UNGUARDED_MAIN_EXIT = 78   # EX_CONFIG: a spawned worker found the engine being built while it imported __main__
+UNGUARDED_MAIN_MESSAGE = (
+    "tensor_parallel_size > 1 starts its worker processes with multiprocessing's 'spawn' method, which "
+    "imports your main script again in each worker; this script creates the engine when it is imported, "
+    "so every worker would start workers of its own. Put the code that creates the LLM (and uses it) "
+    "under `if __name__ == \"__main__\":`, as with any spawn-based multiprocessing, or start every rank "
+    "yourself with torchrun (docs/tensor_parallel.md)."
+)
+
+
+def exit_if_bootstrapping() -> None:
+    """In a spawned process still importing the parent's main script, exit quietly with
+    ``UNGUARDED_MAIN_EXIT`` rather than build an engine (the driver explains why).
+
+    ``_inheriting`` is the flag multiprocessing itself checks before refusing to start a
+    process from a process that has not finished bootstrapping.
+    """
+    if getattr(current_process(), "_inheriting", False):
+        raise SystemExit(UNGUARDED_MAIN_EXIT)
 
 
 @dataclass(frozen=True)
@@ -218,6 +245,18 @@ def _shutdown_group(pg) -> None:
 
 
 # --------------------------------------------------------------------------- driver side
+
+
+def _start(proc) -> None:
+    """``proc.start()``; in a process that is itself bootstrapping, the quiet exit of
+    ``exit_if_bootstrapping`` (should the engine's earlier check not have caught it)."""
+    exit_if_bootstrapping()
+    try:
+        proc.start()
+    except RuntimeError as e:
+        if "bootstrapping phase" in str(e):
+            raise SystemExit(UNGUARDED_MAIN_EXIT) from None
+        raise
 
 
 @dataclass
@@ -363,10 +402,16 @@ class WorkerGroup:
                 target=spawned_worker_main, args=(boot, child_conn, serve),
                 name=f"specserve-tp-worker-{rank}", daemon=True,
             )
-            proc.start()
+            _start(proc)
             child_conn.close()
             st.workers.append(_Worker(rank, parent_conn, proc, proc.pid))
-        for rank, msg in self.wait_for("hello", self.startup_timeout_s).items():
+        try:
+            hellos = self.wait_for("hello", self.startup_timeout_s)
+        except WorkerError:
+            if any(w.process.exitcode == UNGUARDED_MAIN_EXIT for w in st.workers):
+                raise RuntimeError(UNGUARDED_MAIN_MESSAGE) from None
+            raise
+        for rank, msg in hellos.items():
             self._worker(rank).host = msg[3]
 
     def _accept(self, env: EnvLaunch) -> None:

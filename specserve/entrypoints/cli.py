@@ -150,12 +150,34 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", action="append", default=None,
                        help="a name clients use in 'model' (repeatable; default: the model's own name)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_server_limit_args(serve)
     serve.set_defaults(func=cmd_serve)
 
     models = sub.add_parser("models", help="list the catalog: models PyPI packages ship, usable by name")
     models.add_argument("--json", action="store_true", help="print the catalog as JSON")
     models.set_defaults(func=cmd_models)
     return parser
+
+
+def add_server_limit_args(p: argparse.ArgumentParser) -> None:
+    """One flag per ``ServerLimits`` field; unset flags leave the field to its env variable or default."""
+    from specserve.entrypoints.openai.limits import OPTIONS, ServerLimits
+
+    group = p.add_argument_group("serving limits (docs/serving.md)")
+    for o in OPTIONS:
+        group.add_argument(o.flag, dest=o.field, type=_arg_type(o.parse), default=None, metavar="N",
+                           help=f"{o.help}; default ${o.env}, else {getattr(ServerLimits, o.field)}")
+
+
+def _arg_type(parse):
+    """``parse`` with its ValueError turned into argparse's own error message."""
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    convert.__name__ = parse.__name__
+    return convert
 
 
 def cmd_models(args) -> int:

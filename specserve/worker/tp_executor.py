@@ -36,6 +36,7 @@ from specserve.distributed.launcher import (
     WorkerError,
     WorkerGroup,
     env_launch,
+    exit_if_bootstrapping,
     run_env_worker,
     startup_timeout_s,
 )
@@ -99,6 +100,8 @@ def prepare_parallelism(config, spec) -> None:
     if config.tensor_parallel_size == 1:
         return
     env = env_launch()
+    if env is None:
+        exit_if_bootstrapping()   # before loading anything: an unguarded script re-imported by a worker
     if env is not None and env.rank != 0:
         if env.world_size != config.tensor_parallel_size:
             raise ValueError(

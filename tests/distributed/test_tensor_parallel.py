@@ -518,3 +518,32 @@ def test_torchrun_style_launch_of_one_script_on_two_ranks(tiny_model_dir, driver
     assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
     assert json.loads(outs[0][0].strip().splitlines()[-1]) == ref
     assert outs[1][0].strip() == ""   # rank 1 served as a worker and exited with the driver
+
+
+_UNGUARDED_SCRIPT = textwrap.dedent(
+    """
+    import sys
+
+    from specserve import LLM
+
+    # No `if __name__ == "__main__":` guard: each spawned worker imports this file again.
+    llm = LLM(model=sys.argv[1], dtype="float32", max_model_len=256, kv_cache_memory=1 << 24,
+              tensor_parallel_size=2)
+    print("built", flush=True)
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_script_without_a_main_guard_gets_one_clear_error(tiny_model_dir, tmp_path):
+    script = tmp_path / "unguarded.py"
+    script.write_text(_UNGUARDED_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), tiny_model_dir], capture_output=True, text=True,
+                          env=_clean_env(), timeout=180)
+    assert proc.returncode == 1 and "built" not in proc.stdout, (proc.stdout, proc.stderr[-3000:])
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("RuntimeError: tensor_parallel_size > 1 starts its worker processes"), proc.stderr[-3000:]
+    assert 'under `if __name__ == "__main__":`' in last and "torchrun" in last
+    # The worker exits quietly: no bootstrapping traceback of its own, no "exited with code".
+    assert proc.stderr.count("Traceback") == 1, proc.stderr[-3000:]
+    assert "bootstrapping phase" not in proc.stderr and "exited with code" not in proc.stderr

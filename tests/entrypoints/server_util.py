@@ -1,4 +1,5 @@
-"""A real uvicorn server on a free loopback port, for the server tests."""
+"""A real uvicorn server on a free loopback port, for the server tests, configured
+as ``specserve serve`` configures it (``uvicorn_config``: the header limits)."""
 from __future__ import annotations
 
 import contextlib
@@ -7,6 +8,8 @@ import threading
 import time
 
 import uvicorn
+
+from specserve.entrypoints.openai.connection import uvicorn_config
 
 
 def wait_until(predicate, timeout: float = 60.0, interval: float = 0.02) -> bool:
@@ -25,7 +28,7 @@ def running_server(app):
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    server = uvicorn.Server(uvicorn_config(app, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     assert wait_until(lambda: server.started, timeout=30), "uvicorn did not start"

@@ -17,6 +17,7 @@ from fastapi.testclient import TestClient
 from specserve import LLM, SamplingParams
 from specserve.engine.async_engine import AsyncLLMEngine, EngineStepError
 from specserve.entrypoints.openai.api_server import build_app, hold_back
+from specserve.entrypoints.openai.connection import uvicorn_config
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +47,7 @@ def server(llm):
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", lifespan="off")
+    config = uvicorn_config(app, log_level="warning", lifespan="off")
     srv = uvicorn.Server(config)
     thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

@@ -37,7 +37,7 @@ from specserve.entrypoints.openai.protocol import (
     now,
     random_id,
 )
-from specserve.entrypoints.openai.limits import APIError, ClientGone, ServerLimits, read_json
+from specserve.entrypoints.openai.limits import OPTIONS as LIMIT_OPTIONS, APIError, ClientGone, ServerLimits, read_json
 from specserve.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -610,6 +610,7 @@ def build_app(llm_or_engine, served_model_name: str | list[str] | None = None, a
     app = FastAPI(title="specserve OpenAI-compatible server", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serving = serving
     app.state.async_engine = async_engine
+    app.state.limits = limits                 # uvicorn_config() reads the header limits from here
 
     def fail(e: APIError) -> JSONResponse:
         m.errors.labels(ln, str(e.status)).inc()
@@ -682,18 +683,15 @@ def run_server(args) -> int:
     import uvicorn
 
     from specserve.entrypoints.cli import build_llm
+    from specserve.entrypoints.openai.connection import uvicorn_config
 
     api_key = args.api_key or os.environ.get("SPECSERVE_API_KEY") or None
+    limits = ServerLimits.from_env(**{o.field: getattr(args, o.field, None) for o in LIMIT_OPTIONS})
     llm = build_llm(args)
     engine = llm.engine
     names = list(args.served_model_name or []) or [engine.model_name]
     if args.model and args.model not in names:
         names.append(args.model)
-    limits = ServerLimits.from_env()
-    for name in ("max_body_bytes", "body_timeout_s", "max_json_depth", "max_prompts"):  # --max-body-bytes, ...
-        if getattr(args, name, None) is not None:
-            setattr(limits, name, getattr(args, name))
-    limits.__post_init__()
     app = build_app(llm, names, api_key=api_key, limits=limits)
     async_engine = app.state.async_engine
     async_engine.start()
@@ -703,7 +701,7 @@ def run_server(args) -> int:
         f"{spec.method}, k={spec.num_speculative_tokens}" if spec else "off",
     )
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30)
+        uvicorn.Server(uvicorn_config(app, host=args.host, port=args.port, log_level=args.log_level)).run()
     finally:
         async_engine.shutdown(timeout=5)
     return 0

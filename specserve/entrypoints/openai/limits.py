@@ -11,6 +11,8 @@ overflow to infinity, nesting deeper than the limit, and strings with lone
 surrogates (``"\\ud800"``: valid JSON escapes, but no UTF-8 exists for them, so
 the tokenizer and the response encoder would fail on them).
 A client that disconnects mid-upload raises ``ClientGone``: nobody to answer.
+The request head (its deadline and size cap) is checked before any of this,
+in ``connection.py``.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 from starlette.requests import ClientDisconnect, Request
 
@@ -34,36 +37,87 @@ class ClientGone(Exception):
     """The client went away before its request was read: answer nobody, log nothing."""
 
 
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    return int(value) if value else default
+def positive_int(text: str) -> int:
+    """``text`` as an integer >= 1 (for environment variables and CLI flags)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """``text`` as a finite number > 0 (seconds)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"must be a positive number of seconds, got {text!r}")
+    return value
 
 
 @dataclass
 class ServerLimits:
-    """Per-request limits of the HTTP server (defaults from ``SPECSERVE_*`` variables)."""
+    """Per-request limits of the HTTP server (docs/serving.md: "Serving limits and errors").
 
-    max_body_bytes: int = 4 << 20        # 413 beyond; SPECSERVE_MAX_BODY_BYTES
+    Each field has an environment variable and a ``specserve serve`` flag (``OPTIONS``).
+    """
+
+    max_body_bytes: int = 4 << 20        # 413 beyond
     body_timeout_s: float = 30.0         # 408 when the whole body has not arrived by then
+    header_timeout_s: float = 10.0       # 408 + close when the request head has not (connection.py)
+    max_header_bytes: int = 64 << 10     # 431 + close beyond: request line and headers (connection.py)
     max_json_depth: int = 32             # 400 beyond (objects and arrays nested)
     max_prompts: int = 64                # 400: prompts in one /v1/completions batch
 
     @classmethod
-    def from_env(cls) -> "ServerLimits":
-        return cls(
-            max_body_bytes=_env_int("SPECSERVE_MAX_BODY_BYTES", cls.max_body_bytes),
-            body_timeout_s=float(os.environ.get("SPECSERVE_BODY_TIMEOUT_S") or cls.body_timeout_s),
-            max_json_depth=_env_int("SPECSERVE_MAX_JSON_DEPTH", cls.max_json_depth),
-            max_prompts=_env_int("SPECSERVE_MAX_PROMPTS", cls.max_prompts),
-        )
+    def from_env(cls, **overrides) -> "ServerLimits":
+        """The defaults, then ``SPECSERVE_*`` variables, then ``overrides`` that are not None."""
+        values = {}
+        for o in OPTIONS:
+            if overrides.get(o.field) is not None:
+                values[o.field] = overrides[o.field]
+            elif os.environ.get(o.env):
+                try:
+                    values[o.field] = o.parse(os.environ[o.env])
+                except ValueError as e:
+                    raise ValueError(f"${o.env} {e}") from None
+        return cls(**values)
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_json_depth", "max_prompts"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not isinstance(self.body_timeout_s, (int, float)) or not self.body_timeout_s > 0:
-            raise ValueError(f"body_timeout_s must be a positive number, got {self.body_timeout_s!r}")
+        for o in OPTIONS:
+            value = getattr(self, o.field)
+            kind = int if o.parse is positive_int else (int, float)
+            if isinstance(value, bool) or not isinstance(value, kind) or not (math.isfinite(value) and value > 0):
+                what = "a positive integer" if kind is int else "a positive number of seconds"
+                raise ValueError(f"{o.field} must be {what}, got {value!r}")
+
+
+class LimitOption(NamedTuple):
+    field: str                      # of ServerLimits
+    env: str                        # environment variable
+    flag: str                       # ``specserve serve`` flag
+    parse: Callable[[str], float]   # text -> value, ValueError when invalid
+    help: str
+
+
+OPTIONS = [
+    LimitOption("max_body_bytes", "SPECSERVE_MAX_BODY_BYTES", "--max-body-bytes", positive_int,
+                "largest request body in bytes (413 beyond)"),
+    LimitOption("body_timeout_s", "SPECSERVE_BODY_TIMEOUT_S", "--body-timeout", positive_float,
+                "seconds for the whole request body to arrive (408 after)"),
+    LimitOption("header_timeout_s", "SPECSERVE_HEADER_TIMEOUT_S", "--header-timeout", positive_float,
+                "seconds for the request line and headers to arrive (408 and close after)"),
+    LimitOption("max_header_bytes", "SPECSERVE_MAX_HEADER_BYTES", "--max-header-bytes", positive_int,
+                "largest request line plus headers in bytes (431 and close beyond)"),
+    LimitOption("max_json_depth", "SPECSERVE_MAX_JSON_DEPTH", "--max-json-depth", positive_int,
+                "deepest nesting of JSON objects and arrays (400 beyond)"),
+    LimitOption("max_prompts", "SPECSERVE_MAX_PROMPTS", "--max-prompts", positive_int,
+                "most prompts in one /v1/completions request (400 beyond)"),
+]
 
 
 async def read_json(raw: Request, limits: ServerLimits) -> dict:
