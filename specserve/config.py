@@ -102,6 +102,9 @@ class EngineConfig:
     kv_cache_memory: bytes of KV cache for the target (the draft's cache is
     sized to the same number of blocks). max_num_batched_tokens is the per-step
     token budget shared by prefill chunks and decode/verification tokens.
+    enable_prefix_caching: reuse the KV blocks of earlier requests' identical
+    prefixes (``engine.kv_cache_manager``); off for EAGLE, whose drafts need the
+    target's hidden state at every position.
     """
 
     model: str | None = None
@@ -114,6 +117,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     seed: int = 0
     tensor_parallel_size: int = 1
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
@@ -131,6 +135,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
         if not _is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         _check_device(self.device)
 
 

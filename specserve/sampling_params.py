@@ -18,6 +18,8 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_TOP_K = 2**31 - 1         # top_k above the vocabulary size keeps every token
 MAX_TOKEN_ID = 2**31 - 1
 MAX_SEED = 2**64 - 1          # torch.Generator.manual_seed's range, [0, 2^64)
+MAX_N = 64                    # samples of one prompt per request
+MAX_LOGIT_BIAS_ENTRIES = 2048
 
 
 def _is_int(x) -> bool:
@@ -36,7 +38,19 @@ class SamplingParams:
     top_k <= 0 (or -1) disables top-k; top_p 1.0 and min_p 0.0 disable those
     filters. ``seed`` makes a request's random choices reproducible alone or in
     any batch. ``logprobs=n`` returns the chosen token's log-probability and
-    the top n alternatives (0 = chosen only).
+    the top n alternatives (0 = chosen only), of the model's raw distribution.
+
+    ``n`` samples of one prompt come back as ``n`` outputs of one request; they
+    share the prompt's prefill (its KV blocks). With a seed, sample i uses seed + i.
+
+    Penalties and biases change the logits before temperature, in vLLM's order:
+    ``logit_bias`` ({token id: bias in [-100, 100]}) is added, then
+    ``repetition_penalty`` (> 1 discourages; it divides positive logits and
+    multiplies negative ones of every token in the prompt or the output), then
+    ``frequency_penalty`` (times how often a token is in the output) and
+    ``presence_penalty`` (once if it is) are subtracted; both in [-2, 2] as in
+    OpenAI's API. Under speculation each position uses exactly the tokens before
+    it, accepted draft tokens included (``sample.penalties``).
     """
 
     n: int = 1
@@ -51,6 +65,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -61,14 +79,17 @@ class SamplingParams:
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
             raise ValueError(f"invalid SamplingParams: stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise ValueError(f"invalid SamplingParams: logit_bias must be a dict {{token id: bias}}, got {self.logit_bias!r}")
+        self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
         self._validate()
 
     def _validate(self) -> None:
         def bad(msg: str) -> ValueError:
             return ValueError(f"invalid SamplingParams: {msg}")
 
-        if not _is_int(self.n) or self.n != 1:
-            raise bad(f"n must be 1 (got {self.n!r}); send the prompt several times instead")
+        if not _is_int(self.n) or not (1 <= self.n <= MAX_N):
+            raise bad(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if not _is_real(self.temperature) or self.temperature < 0:
@@ -87,6 +108,20 @@ class SamplingParams:
             raise bad(f"stop must be non-empty strings, got {self.stop!r}")
         if any(not _is_int(t) or not (0 <= t <= MAX_TOKEN_ID) for t in self.stop_token_ids):
             raise bad(f"stop_token_ids must be token ids (integers >= 0), got {self.stop_token_ids!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not (-2.0 <= value <= 2.0):
+                raise bad(f"{name} must be a number in [-2, 2], got {value!r}")
+        if not _is_real(self.repetition_penalty) or not (0.0 < self.repetition_penalty <= 10.0):
+            raise bad(f"repetition_penalty must be a number in (0, 10] (1 = off), got {self.repetition_penalty!r}")
+        if self.logit_bias is not None:
+            if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+                raise bad(f"logit_bias may hold at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got {len(self.logit_bias)}")
+            for token, bias in self.logit_bias.items():
+                if not _is_int(token) or not (0 <= token <= MAX_TOKEN_ID):
+                    raise bad(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+                if not _is_real(bias) or not (-100.0 <= bias <= 100.0):
+                    raise bad(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {token}")
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -94,3 +129,9 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether penalties or biases change the model's logits before sampling."""
+        return bool(self.logit_bias) or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 \
+            or self.repetition_penalty != 1.0

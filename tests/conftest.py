@@ -51,19 +51,28 @@ def truncated_draft_dir(tmp_path_factory) -> str:
     return write_truncated_draft(str(tmp_path_factory.mktemp("draft4")), num_layers=4)
 
 
-@pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory) -> str:
+def write_tiny_llama(folder: str, seed: int) -> str:
     """A 2-layer, width-64 random Llama with the default model's tokenizer: loads in a second."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    folder = str(tmp_path_factory.mktemp("tiny-llama"))
     tokenizer = load_model(None, torch.float32, load_weights=False).tokenizer
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
     )
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> str:
+    return write_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_dir(tmp_path_factory) -> str:
+    """Another tiny random Llama (seed 1), a draft that often disagrees with ``tiny_llama_dir``."""
+    return write_tiny_llama(str(tmp_path_factory.mktemp("tiny-draft")), seed=1)

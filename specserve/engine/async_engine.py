@@ -245,14 +245,14 @@ class AsyncLLMEngine:
                     stream = self._streams.get(out.request_id)
                     if stream is None:
                         continue
-                    completion = out.outputs[0]
-                    if completion.finish_reason == "error":
+                    if any(c.finish_reason == "error" for c in out.outputs):
                         error = engine.take_request_error(out.request_id)
                         del self._streams[out.request_id]
                         stream.put(RequestFailedError(f"request failed: {type(error).__name__}: {error}"))
                         continue
-                    if completion.logprobs is not None:  # the engine keeps appending to its list
-                        out.outputs[0] = replace(completion, logprobs=list(completion.logprobs))
+                    # The engine keeps appending to its logprob lists: hand over copies.
+                    out.outputs = [c if c.logprobs is None else replace(c, logprobs=list(c.logprobs))
+                                   for c in out.outputs]
                     stream.put(out)
                     if out.finished:
                         del self._streams[out.request_id]

@@ -1,23 +1,47 @@
-"""The block pool and per-request block tables (bookkeeping only, no tensors).
+"""The block pool and per-request block tables (bookkeeping only, no tensors),
+with automatic prefix caching.
 
 A request's KV lives in fixed-size blocks; its block table lists them in order.
-Blocks are only ever added (as the request grows, lookahead slots included) or
-all freed at once (finish, abort, preemption): rejecting draft tokens frees
+Blocks are added as the request grows (lookahead slots included) and all
+released at once (finish, abort, preemption): rejecting draft tokens frees
 nothing, their slots are overwritten by later tokens.
+
+**Prefix caching.** A full block whose tokens are all verified (their KV is
+final: prompt tokens, accepted drafts, never a draft still waiting for
+verification) is registered under a hash of its tokens and of every token
+before it (a chain: the key is ``(parent block's hash, tokens)``, so two
+prefixes share a block only if the block's tokens are equal and their parents'
+64-bit hashes are). A new or preempted
+request first takes the longest run of registered blocks matching its tokens
+(``acquire_cached_prefix``) and computes only the rest. Blocks are reference
+counted; a released block whose count drops to 0 stays registered in the free
+pool, where it waits in least-recently-used order: allocation takes unregistered
+blocks and the least recently released registered ones first, and forgets a
+registered block's hash when it reuses it.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from collections.abc import Sequence
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         if num_blocks < 1:
             raise ValueError("the KV cache has no room for a single block; raise kv_cache_memory")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        # Free blocks, the next one to reuse first (unregistered ones, then registered ones LRU).
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self._refs = [0] * num_blocks
         self._tables: dict[str, list[int]] = {}
+        self._block_of_key: dict[tuple, int] = {}    # (parent hash, tokens) -> block
+        self._key_of_block: dict[int, tuple] = {}
+        self._chain: dict[str, list[int]] = {}     # per request: hashes of its first blocks, registered or found
+        # Prefix cache counters (tokens), as vLLM counts them.
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -38,12 +62,81 @@ class KVCacheManager:
                 del self._tables[request_id]
             return False
         for _ in range(max(missing, 0)):
-            table.append(self._free.popleft())
+            block, _ = self._free.popitem(last=False)
+            self._forget(block)
+            self._refs[block] = 1
+            table.append(block)
         return True
 
     def free(self, request_id: str) -> None:
-        for block in self._tables.pop(request_id, []):
-            self._free.append(block)
+        """Release a request's blocks; registered ones stay findable until reused."""
+        self._chain.pop(request_id, None)
+        # The tail first: a request's last blocks are the least likely to be shared.
+        for block in reversed(self._tables.pop(request_id, [])):
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                self._free[block] = None
+                if block not in self._key_of_block:
+                    self._free.move_to_end(block, last=False)   # nothing to keep: reuse it first
 
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
+
+    # ------------------------------------------------------------ prefix caching
+    def acquire_cached_prefix(self, request_id: str, token_ids: Sequence[int]) -> int:
+        """Give a request without blocks the longest registered prefix of ``token_ids``;
+        -> the number of tokens it covers (a multiple of the block size). At least
+        one token is always left to compute: the step needs its logits."""
+        if not self.enable_prefix_caching or self._tables.get(request_id):
+            return 0
+        bs = self.block_size
+        max_blocks = (len(token_ids) - 1) // bs
+        self.num_queried_tokens += len(token_ids)
+        chain, table, parent = [], [], None
+        for i in range(max_blocks):
+            key = (parent, tuple(token_ids[i * bs : (i + 1) * bs]))
+            block = self._block_of_key.get(key)
+            if block is None:
+                break
+            if self._refs[block] == 0:
+                del self._free[block]
+            self._refs[block] += 1
+            table.append(block)
+            parent = hash(key)
+            chain.append(parent)
+        if table:
+            self._tables[request_id] = table
+            self._chain[request_id] = chain
+        self.num_hit_tokens += len(table) * bs
+        return len(table) * bs
+
+    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_verified_tokens: int) -> None:
+        """Register the request's full blocks below ``num_verified_tokens`` (tokens
+        whose KV is final; never a draft token awaiting verification)."""
+        if not self.enable_prefix_caching:
+            return
+        table = self._tables.get(request_id, [])
+        chain = self._chain.setdefault(request_id, [])
+        bs = self.block_size
+        for i in range(len(chain), min(num_verified_tokens // bs, len(table))):
+            key = (chain[-1] if chain else None, tuple(token_ids[i * bs : (i + 1) * bs]))
+            chain.append(hash(key))
+            block = table[i]
+            if key not in self._block_of_key and block not in self._key_of_block:
+                self._block_of_key[key] = block
+                self._key_of_block[block] = key
+
+    def cached_block_key(self, block: int) -> tuple | None:
+        """(parent's hash, the block's tokens) a block is registered under; None if it is not."""
+        return self._key_of_block.get(block)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every registered block (their KV stays until overwritten)."""
+        self._block_of_key.clear()
+        self._key_of_block.clear()
+        self._chain.clear()
+
+    def _forget(self, block: int) -> None:
+        key = self._key_of_block.pop(block, None)
+        if key is not None:
+            del self._block_of_key[key]

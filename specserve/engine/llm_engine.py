@@ -22,10 +22,12 @@ from specserve.distributed.launcher import WorkerError
 from specserve.engine.kv_cache_manager import KVCacheManager
 from specserve.engine.output_processor import OutputProcessor, logprob_entries
 from specserve.engine.request import Request, RequestStatus
+from specserve.engine.sample_group import SampleGroup, child_id, child_params
 from specserve.engine.scheduler import ScheduledRequest, Scheduler
 from specserve.model_executor.layers.attention import cache_slot, tree_layout
 from specserve.model_executor.loader import keeps_quantized, load_model, resolve_dtype
 from specserve.outputs import RequestOutput, SpecDecodeStats
+from specserve.sample.penalties import adjust_logits, draft_histories
 from specserve.sample.rejection_sampler import rejection_sample
 from specserve.sample.sampler import SamplingTensors, processed_probs
 from specserve.sample.tree_sampler import target_choices, walk_tree
@@ -91,7 +93,11 @@ class LLMEngine:
                 f"({needed}); raise kv_cache_memory or lower max_model_len"
             )
         self.runner.allocate_kv_cache(num_blocks)
-        self.kv_cache = KVCacheManager(num_blocks, config.block_size)
+        prefix_caching = config.enable_prefix_caching
+        if prefix_caching and spec_config is not None and spec_config.method == "eagle":
+            logger.info("prefix caching is off with EAGLE: its drafts need the target's hidden state at every position")
+            prefix_caching = False
+        self.kv_cache = KVCacheManager(num_blocks, config.block_size, enable_prefix_caching=prefix_caching)
         self.proposer = build_proposer(spec_config, self, loaded_vocab) if spec_config else None
         self.num_speculative_tokens = k
         self.scheduler = Scheduler(
@@ -99,6 +105,8 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         self.requests: dict[str, Request] = {}
+        self.groups: dict[str, SampleGroup] = {}          # requests with n > 1, by their id
+        self._group_of: dict[str, SampleGroup] = {}       # ... and by their children's ids
         self.spec_stats = SpecDecodeStats()
         self.request_errors: dict[str, BaseException] = {}   # finish_reason "error" -> why
         self._ids = itertools.count()
@@ -142,7 +150,26 @@ class LLMEngine:
         """
         params = params or SamplingParams()
         text, token_ids = prepared if prepared is not None else self.prepare_prompt(prompt)
+        bad = [t for t in params.logit_bias or {} if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token ids out of range [0, {self.vocab_size}): {bad[:5]}")
         request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.requests or request_id in self.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if params.n == 1:
+            self.scheduler.add_request(self._new_request(request_id, text, token_ids, params))
+            return request_id
+        children = [self._new_request(child_id(request_id, i), text, token_ids, child_params(params, i))
+                    for i in range(params.n)]
+        group = SampleGroup(request_id, children, hold_siblings=self.kv_cache.enable_prefix_caching)
+        self.groups[request_id] = group
+        for c in children:
+            self._group_of[c.request_id] = group
+            if c not in group.held:
+                self.scheduler.add_request(c)
+        return request_id
+
+    def _new_request(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams) -> Request:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         generator = None
@@ -151,16 +178,32 @@ class LLMEngine:
             generator = torch.Generator(device=self.device).manual_seed(seed)
         req = Request(request_id, text, token_ids, params, generator, self.eos_token_id)
         self.requests[request_id] = req
-        self.scheduler.add_request(req)
-        return request_id
+        return req
 
     def abort_request(self, request_id: str) -> None:
+        group = self.groups.pop(request_id, None)
+        if group is not None:
+            for c in group.children:
+                self._group_of.pop(c.request_id, None)
+                self.abort_request(c.request_id)
+            group.held.clear()
+            return
         req = self.requests.pop(request_id, None)
         if req is not None and not req.is_finished():
             self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or any(g.held for g in self.groups.values())
+
+    def get_prefix_cache_stats(self) -> dict:
+        """Prefix cache lookups since start-up, in tokens (vLLM's queries and hits)."""
+        kv = self.kv_cache
+        return {
+            "enabled": kv.enable_prefix_caching,
+            "queries": kv.num_queried_tokens,
+            "hits": kv.num_hit_tokens,
+            "hit_rate": kv.num_hit_tokens / kv.num_queried_tokens if kv.num_queried_tokens else 0.0,
+        }
 
     # ---------------------------------------------------------------------- step
     @torch.inference_mode()
@@ -170,6 +213,7 @@ class LLMEngine:
         "error" (its exception: ``take_request_error``); a failed proposer means no
         drafts this step; only a failed target forward, which every scheduled request
         shares, raises ``StepFailedError`` naming the requests it hit."""
+        self._release_held_samples()
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return []
@@ -183,7 +227,8 @@ class LLMEngine:
         except WorkerError:   # a tensor-parallel rank died: the whole engine is gone, not this step
             raise
         except Exception as e:
-            raise StepFailedError([s.request.request_id for s in plan.scheduled], e) from e
+            hit = dict.fromkeys(self._public_id(s.request.request_id) for s in plan.scheduled)
+            raise StepFailedError(list(hit), e) from e
         sampling = [s for s in plan.scheduled if s.will_sample]
         emitted = self._verify_isolated(sampling, result.logits) if sampling else {}
         outputs = []
@@ -194,6 +239,7 @@ class LLMEngine:
                 out = self._fail_request(s.request, e)
             if out is not None:
                 outputs.append(out)
+        outputs = self._group_outputs(outputs)
         if want_hidden:
             sizes = [len(i.token_ids) for i in inputs]
             try:
@@ -207,6 +253,7 @@ class LLMEngine:
         req = s.request
         req.num_computed_tokens += s.num_new_tokens + len(req.draft_token_ids)
         if not s.will_sample:
+            self.kv_cache.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
             return None
         verified = emitted[req.request_id]
         if isinstance(verified, BaseException):
@@ -224,6 +271,9 @@ class LLMEngine:
             status = self.output_processor.append(req, token)
             if status is not None:
                 break
+        # Every token below num_computed_tokens is now verified and appended (a stop may
+        # have cut the accepted drafts short): their full blocks may be shared.
+        self.kv_cache.cache_full_blocks(req.request_id, req.all_token_ids, min(req.num_computed_tokens, req.num_tokens))
         if s.num_new_tokens == 1:  # a decoding (verification) step, drafts or not
             per_depth = None if req.draft_parents is None else _drafts_per_depth(req.draft_parents)
             req.spec_stats.record(len(req.draft_token_ids), num_accepted, appended, per_depth)
@@ -233,6 +283,44 @@ class LLMEngine:
         if status is not None:
             self._finish(req, status)
         return self.output_processor.make_output(req)
+
+    def _public_id(self, request_id: str) -> str:
+        group = self._group_of.get(request_id)
+        return group.request_id if group is not None else request_id
+
+    def _release_held_samples(self) -> None:
+        """Samples 2..n of a request start once sample 1 has computed the shared prompt."""
+        for group in self.groups.values():
+            if group.ready_to_release():
+                for c in group.held:
+                    self.scheduler.add_request(c)
+                group.held.clear()
+
+    def _group_outputs(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Children's outputs -> one output per request with n > 1 (the others pass through).
+
+        A child that failed fails its whole request: its siblings are aborted and the
+        error is filed under the request's own id."""
+        merged: dict[str, RequestOutput] = {}
+        passthrough = []
+        for out in outputs:
+            group = self._group_of.get(out.request_id)
+            if group is None:
+                passthrough.append(out)
+                continue
+            if out.outputs[0].finish_reason == "error":
+                self.request_errors[group.request_id] = self.request_errors.pop(out.request_id, None)
+                for c in group.children:
+                    if c.request_id != out.request_id:
+                        self.abort_request(c.request_id)
+                group.held.clear()
+            merged[group.request_id] = group.merge(out)
+        for rid, out in merged.items():
+            if out.finished or any(o.finish_reason == "error" for o in out.outputs):
+                group = self.groups.pop(rid, None)
+                for c in group.children if group else []:
+                    self._group_of.pop(c.request_id, None)
+        return passthrough + list(merged.values())
 
     def _fail_request(self, req: Request, error: BaseException) -> RequestOutput:
         """Finish one request because of its own failure; the rest of the batch carries on."""
@@ -339,10 +427,12 @@ class LLMEngine:
 
     def _verify(self, sampling: list[ScheduledRequest], logits: torch.Tensor):
         """logits [sum (n_i + 1), V] -> {request_id: (tokens, num_accepted, logprobs, tree path)};
-        the tree path (accepted draft indices) is None for chains."""
+        the tree path (accepted draft indices) is None for chains. Log-probabilities are
+        those of the raw logits (vLLM's default); tokens come from the adjusted ones."""
         reqs = [s.request for s in sampling]
         counts = [len(r.draft_token_ids) for r in reqs]
         params = [r.sampling_params for r in reqs]
+        raw_logits, logits = logits, self._adjusted_logits(reqs, logits)
         paths: list[list[int] | None] = [None] * len(reqs)
         if any(r.draft_parents is not None for r in reqs):
             token_ids, num_accepted, paths = self._tree_tokens(reqs, logits)
@@ -353,13 +443,29 @@ class LLMEngine:
         # Row (within the request's logits) of each emitted token's distribution.
         rows_of_emitted = [list(range(num_accepted[b] + 1)) if paths[b] is None else [0] + [1 + i for i in paths[b]]
                            for b in range(len(reqs))]
-        logprobs = self._logprobs(reqs, logits, [n + 1 for n in counts], rows_of_emitted, token_ids)
+        logprobs = self._logprobs(reqs, raw_logits, [n + 1 for n in counts], rows_of_emitted, token_ids)
         result = {}
         for b, r in enumerate(reqs):
             emitted = token_ids[b][: num_accepted[b] + 1]
             result[r.request_id] = (emitted, num_accepted[b], logprobs[b], paths[b])
             r.draft_probs = None
         return result
+
+    @staticmethod
+    def _adjusted_logits(reqs: list[Request], logits: torch.Tensor) -> torch.Tensor:
+        """Logit bias and penalties, each row counting the draft tokens before it
+        (``sample.penalties``); the same tensor when no request uses them."""
+        if not any(r.sampling_params.adjusts_logits for r in reqs):
+            return logits
+        out, row = logits.float().clone(), 0
+        for r in reqs:
+            n = len(r.draft_token_ids)
+            if r.sampling_params.adjusts_logits:
+                extras = [[r.draft_token_ids[i] for i in before] for before in draft_histories(n, r.draft_parents)]
+                out[row : row + n + 1] = adjust_logits(logits[row : row + n + 1], r.sampling_params,
+                                                       r.prompt_token_ids, r.output_token_ids, extras)
+            row += n + 1
+        return out
 
     def _tree_tokens(self, reqs, logits: torch.Tensor):
         """Trees of one-hot drafts (chains count as trees): the target's choice at every node,

@@ -49,6 +49,7 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        self.num_cached_tokens = 0             # of the prompt, found in the prefix cache at admission
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
         # Speculation: draft tokens proposed for this step, and how many of this

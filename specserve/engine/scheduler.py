@@ -4,7 +4,8 @@ There is no prefill phase and no decode phase: each step, every request is
 given ``num_tokens - num_computed_tokens`` new tokens (capped by the budget, so
 long prompts are chunked) and, when it is decoding and speculation is on, up
 to k lookahead slots for draft tokens. Running requests go first; waiting ones
-join while budget and blocks last. When blocks run out, the most recently
+join while budget and blocks last, each starting after the longest prefix of
+its tokens the KV cache already holds (prefix caching). When blocks run out, the most recently
 admitted running request is preempted: its blocks are freed and it is
 recomputed later from its tokens (same output, since nothing is lost).
 """
@@ -97,9 +98,14 @@ class Scheduler:
         # 2. Waiting requests (new or preempted), in arrival order.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             req = self.waiting[0]
+            if req.num_computed_tokens == 0:   # new or preempted: start after its longest cached prefix
+                req.num_computed_tokens = self.kv_cache.acquire_cached_prefix(req.request_id, req.all_token_ids)
+                req.num_cached_tokens = req.num_computed_tokens
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             lookahead = self._lookahead_for(req, num_new, budget - num_new)
             if not self.kv_cache.allocate_slots(req.request_id, req.num_computed_tokens + num_new + lookahead):
+                self.kv_cache.free(req.request_id)   # the cached prefix too: taken again next time
+                req.num_computed_tokens = 0
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING

@@ -58,6 +58,7 @@ class LLM:
         block_size: int = 16,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
     ):
         spec = build_speculative_config(speculative_model, num_speculative_tokens, speculative_config)
         config = EngineConfig(
@@ -71,6 +72,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             seed=seed,
             tensor_parallel_size=tensor_parallel_size,
+            enable_prefix_caching=enable_prefix_caching,
         )
         self.engine = LLMEngine(config, spec)
 

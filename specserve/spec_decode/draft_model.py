@@ -16,6 +16,7 @@ import torch
 
 from specserve.engine.kv_cache_manager import KVCacheManager
 from specserve.engine.scheduler import ScheduledRequest
+from specserve.sample.penalties import adjust_each_row
 from specserve.sample.sampler import SamplingTensors, processed_probs, sample_from_probs
 from specserve.spec_decode.proposer import Proposal, Proposer
 from specserve.worker.model_runner import ForwardInput, ModelRunner
@@ -45,6 +46,8 @@ class DraftModelProposer(Proposer):
             logits = self.runner.execute(inputs).logits                         # [len(active), V or Vd]
             if logits.shape[1] < self.vocab_size:   # a reduced draft vocabulary: the rest is never proposed
                 logits = torch.nn.functional.pad(logits, (0, self.vocab_size - logits.shape[1]), value=float("-inf"))
+            logits = adjust_each_row(logits, [params[i] for i in active], [reqs[i].prompt_token_ids for i in active],
+                                     [reqs[i].output_token_ids + drafts[i] for i in active])
             sub = SamplingTensors(
                 st.temperature[active], st.top_k[active], st.top_p[active], st.min_p[active], st.need_sort, st.need_min_p
             )

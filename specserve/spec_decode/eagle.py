@@ -35,6 +35,7 @@ from specserve.model_executor.layers.fp16_gemm import compute_dtype_for, round_t
 from specserve.model_executor.layers.linear import ColumnParallelLinear
 from specserve.model_executor.layers.quantized import QuantizedMatrix
 from specserve.model_executor.models.eagle import EagleHead
+from specserve.sample.penalties import adjust_each_row
 from specserve.sample.sampler import SamplingTensors, processed_probs, sample_from_probs
 from specserve.spec_decode.proposer import Proposal, Proposer, TargetHidden
 
@@ -131,11 +132,15 @@ class EagleProposer(Proposer):
         embeds = self.embed_tokens(ids).to(self.dtype)
         return self.head(features.to(self.dtype), embeds, pos, self.kv, meta)   # [T, H]
 
-    def _choose(self, hidden: torch.Tensor, rows: list[int], reqs: list[Request], st: SamplingTensors):
-        """hidden [n, H] of requests ``rows`` -> (tokens, probs [n, V] or None when all greedy)."""
+    def _choose(self, hidden: torch.Tensor, rows: list[int], reqs: list[Request], st: SamplingTensors,
+                drafts: list[list[int]]):
+        """hidden [n, H] of requests ``rows`` -> (tokens, probs [n, V] or None when all greedy).
+
+        ``drafts``: every request's draft tokens so far (penalties count them)."""
         logits = self.lm_head(hidden).float()                                           # [n, Vd]
         greedy = [reqs[i].sampling_params.greedy for i in rows]
-        if all(greedy):
+        adjusts = any(reqs[i].sampling_params.adjusts_logits for i in rows)
+        if all(greedy) and not adjusts:
             best = logits.argmax(dim=-1)
             tokens = self.draft_vocab[best] if self.draft_vocab is not None else best
             return tokens.tolist(), None
@@ -143,6 +148,12 @@ class EagleProposer(Proposer):
             full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
             full[:, self.draft_vocab] = logits
             logits = full
+        if adjusts:
+            logits = adjust_each_row(logits, [reqs[i].sampling_params for i in rows],
+                                     [reqs[i].prompt_token_ids for i in rows],
+                                     [reqs[i].output_token_ids + drafts[i] for i in rows])
+        if all(greedy):
+            return logits.argmax(dim=-1).tolist(), None
         sub = SamplingTensors(
             st.temperature[rows], st.top_k[rows], st.top_p[rows], st.min_p[rows], st.need_sort, st.need_min_p
         )
@@ -193,7 +204,7 @@ class EagleProposer(Proposer):
         # 2. Draft: each step's output feature and token feed the next position.
         step = 0
         while True:
-            tokens, q = self._choose(hidden, active, reqs, st)
+            tokens, q = self._choose(hidden, active, reqs, st, drafts)
             for row, i in enumerate(active):
                 drafts[i].append(tokens[row])
                 if q is not None and not reqs[i].sampling_params.greedy:

@@ -213,7 +213,7 @@ def test_logprobs(llm, prompts, batch_ref):
 # ------------------------------------------------------------------ errors
 def test_invalid_sampling_params():
     for bad in [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(max_tokens=0), dict(top_k=-2),
-                dict(min_p=1.5), dict(n=2), dict(logprobs=1000), dict(stop=[""])]:
+                dict(min_p=1.5), dict(n=0), dict(presence_penalty=3.0), dict(logprobs=1000), dict(stop=[""])]:
         with pytest.raises(ValueError, match="SamplingParams"):
             SamplingParams(**bad)
 

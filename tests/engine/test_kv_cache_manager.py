@@ -151,3 +151,163 @@ def test_random_requests_with_aborts_and_preemption_free_every_block():
         else:
             assert r.status is RequestStatus.FINISHED_LENGTH, r
             assert r.output_token_ids == _reference(r.prompt_token_ids, r.max_tokens, max_model_len)
+
+
+# ------------------------------------------------------------ prefix caching
+def cached(num_blocks: int = 8, block_size: int = 4) -> KVCacheManager:
+    return KVCacheManager(num_blocks, block_size, enable_prefix_caching=True)
+
+
+def run_request(kv: KVCacheManager, rid: str, tokens: list[int], verified: int | None = None) -> list[int]:
+    """Admit a request (cached prefix first), allocate the rest, register its verified blocks."""
+    hit = kv.acquire_cached_prefix(rid, tokens)
+    assert kv.allocate_slots(rid, len(tokens))
+    kv.cache_full_blocks(rid, tokens, len(tokens) if verified is None else verified)
+    return hit
+
+
+def test_a_second_request_reuses_the_full_blocks_of_a_shared_prefix():
+    kv = cached()
+    a = list(range(10))                        # blocks [0-3] [4-7] and a partial [8, 9]
+    assert run_request(kv, "a", a) == 0
+    b = a[:8] + [50, 51, 52]
+    assert run_request(kv, "b", b) == 8        # both full blocks, not the partial one
+    assert kv.block_table("b")[:2] == kv.block_table("a")[:2]
+    assert kv.block_table("b")[2] != kv.block_table("a")[2]
+    assert (kv.num_queried_tokens, kv.num_hit_tokens) == (21, 8)
+
+
+def test_a_block_is_shared_only_after_the_same_prefix():
+    kv = cached()
+    run_request(kv, "a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    # The same second block after a different first block is a different prefix.
+    assert run_request(kv, "b", [9, 9, 9, 9, 5, 6, 7, 8, 9]) == 0
+
+
+def test_at_least_one_token_is_left_to_compute():
+    kv = cached()
+    run_request(kv, "a", list(range(8)))
+    kv.free("a")
+    assert kv.acquire_cached_prefix("b", list(range(8))) == 4   # 8 cached, but the last token needs logits
+
+
+def test_unverified_tokens_are_never_registered():
+    kv = cached()
+    tokens = list(range(12))
+    run_request(kv, "a", tokens, verified=7)   # positions 7..11 hold draft tokens awaiting verification
+    registered = [kv.cached_block_key(b) is not None for b in kv.block_table("a")]
+    assert registered == [True, False, False]
+    kv.cache_full_blocks("a", tokens, 12)        # verified later: now they count
+    assert [kv.cached_block_key(b) is not None for b in kv.block_table("a")] == [True, True, True]
+
+
+def test_released_blocks_stay_cached_until_the_pool_needs_them_least_recently_used_first():
+    kv = cached(num_blocks=4, block_size=2)
+    run_request(kv, "a", [1, 2, 3])            # block [1 2] + partial
+    run_request(kv, "b", [5, 6, 7])            # block [5 6] + partial
+    kv.free("a")
+    kv.free("b")
+    assert kv.num_free_blocks == 4 and kv.num_used_blocks() == 0
+    # The two unregistered partial blocks go first; [1 2] (released before [5 6]) next.
+    assert kv.allocate_slots("c", 6)           # 3 blocks: both partials and [1 2]
+    assert kv.acquire_cached_prefix("d", [1, 2, 3]) == 0
+    assert kv.acquire_cached_prefix("e", [5, 6, 7]) == 2
+
+
+def test_shared_blocks_are_reference_counted():
+    kv = cached(num_blocks=4, block_size=2)
+    run_request(kv, "a", [1, 2, 3])
+    run_request(kv, "b", [1, 2, 4])
+    shared = kv.block_table("a")[0]
+    kv.free("a")
+    assert shared not in kv._free                # still used by b
+    assert kv.num_used_blocks() == 2
+    kv.free("b")
+    assert kv.num_used_blocks() == 0
+
+
+def test_off_means_no_lookups():
+    kv = KVCacheManager(8, 4)
+    run_request(kv, "a", list(range(9)))
+    assert run_request(kv, "b", list(range(9))) == 0
+    assert kv.num_queried_tokens == 0
+
+
+def test_random_requests_with_prefix_caching_read_back_their_own_tokens():
+    """A simulated KV cache (slot -> token written there) under prefix caching, drafts,
+    rejections, aborts and preemption: every position a request has computed reads back
+    that request's own token, whether it wrote it or found it cached."""
+    rng = random.Random(99)
+    block_size, max_model_len, k = 4, 48, 3
+    kv = KVCacheManager(14, block_size, enable_prefix_caching=True)   # 13 fit one request
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=40, max_model_len=max_model_len, num_lookahead_slots=k)
+    bases = [[rng.randrange(VOCAB) for _ in range(20)] for _ in range(3)]
+    slots: dict[tuple[int, int], int] = {}
+
+    def check_registered(req: Request) -> None:
+        """A registered block holds exactly the tokens it is registered under: no draft token."""
+        for b in kv.block_table(req.request_id):
+            key = kv.cached_block_key(b)
+            if key is not None:
+                assert [slots.get((b, j)) for j in range(block_size)] == list(key[1]), (req, b)
+
+    def write(req: Request, start: int, tokens: list[int]) -> None:
+        table = kv.block_table(req.request_id)
+        for pos, tok in enumerate(tokens, start):
+            slots[(table[pos // block_size], pos % block_size)] = tok
+
+    pending = []
+    for i in range(300):
+        base = bases[rng.randrange(3)]
+        # Many exact repeats (outputs are deterministic, so those share output blocks too).
+        prompt = base[: rng.choice([3, 8, 13, 20])] + [rng.randrange(VOCAB) for _ in range(rng.choice([0, 0, 5]))]
+        params = SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 16))
+        pending.append(Request(str(i), None, prompt, params, generator=None, eos_token_id=None))
+    pending.reverse()
+    live: list[Request] = []
+    steps = 0
+    while pending or sched.has_unfinished():
+        steps += 1
+        assert steps < 20_000, "no progress"
+        if pending and rng.random() < 0.5:
+            r = pending.pop()
+            sched.add_request(r)
+            live.append(r)
+        if live and rng.random() < 0.05:
+            victim = live.pop(rng.randrange(len(live)))
+            sched.finish(victim, RequestStatus.FINISHED_ABORTED)
+        for s in sched.schedule().scheduled:
+            req = s.request
+            table = kv.block_table(req.request_id)
+            start = req.num_computed_tokens
+            for pos in range(start):   # cached or computed earlier: must be this request's tokens
+                assert slots.get((table[pos // block_size], pos % block_size)) == req.all_token_ids[pos], (req, pos)
+            new = req.all_token_ids[start : start + s.num_new_tokens]
+            n_acc = rng.randint(0, s.num_lookahead)
+            right = list(req.all_token_ids)
+            for _ in range(s.num_lookahead):
+                right.append(_next_token(right))
+            drafts = right[req.num_tokens : req.num_tokens + n_acc]
+            drafts += [(t + 1) % VOCAB for t in right[req.num_tokens + n_acc : req.num_tokens + s.num_lookahead]]
+            write(req, start, new + drafts)
+            req.num_computed_tokens += s.num_new_tokens + s.num_lookahead
+            if not s.will_sample:
+                kv.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
+                check_registered(req)
+                continue
+            req.num_computed_tokens -= s.num_lookahead - n_acc
+            finished = False
+            for _ in range(n_acc + 1):
+                req.append_token(_next_token(req.all_token_ids))
+                if req.num_output_tokens >= req.max_tokens or req.num_tokens >= max_model_len:
+                    finished = True
+                    break
+            kv.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
+            check_registered(req)
+            if finished:
+                sched.finish(req, RequestStatus.FINISHED_LENGTH)
+                live.remove(req)
+        held = {b for r in sched.running for b in kv.block_table(r.request_id)}
+        assert len(held) == kv.num_used_blocks()
+    assert kv.num_used_blocks() == 0
+    assert kv.num_hit_tokens > 1000        # the shared prefixes were found

@@ -252,7 +252,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": -3}, "max_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": -0.5}, "temperature"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 2}, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, "n"),
     ("/v1/completions", {"model": MODEL, "prompt": TOO_LONG}, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": ["fine", TOO_LONG]}, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": [10**9]}, "prompt"),

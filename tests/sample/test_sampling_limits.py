@@ -25,8 +25,14 @@ BAD = [
     dict(stop_token_ids=["a"]), dict(stop_token_ids=[True]), dict(stop_token_ids=[-1]), dict(stop_token_ids=[2**40]),
     dict(stop_token_ids=[1.0]), dict(stop_token_ids=7),
     dict(logprobs=True), dict(logprobs=1.5), dict(logprobs=21), dict(logprobs=-1),
-    dict(n=2), dict(n=True), dict(max_tokens=True), dict(max_tokens=0), dict(max_tokens=2.0),
+    dict(n=0), dict(n=65), dict(n=True), dict(n=2.0), dict(max_tokens=True), dict(max_tokens=0), dict(max_tokens=2.0),
     dict(stop=[""]), dict(stop=[1]), dict(stop=5), dict(ignore_eos="yes"), dict(skip_special_tokens=None),
+    dict(presence_penalty=2.5), dict(presence_penalty=math.nan), dict(frequency_penalty=-2.01),
+    dict(frequency_penalty="1"), dict(repetition_penalty=0.0), dict(repetition_penalty=-1.0),
+    dict(repetition_penalty=math.inf), dict(repetition_penalty=11.0),
+    dict(logit_bias=[1, 2]), dict(logit_bias={"5": 1.0}), dict(logit_bias={-1: 1.0}), dict(logit_bias={True: 1.0}),
+    dict(logit_bias={5: 101.0}), dict(logit_bias={5: math.nan}), dict(logit_bias={5: "1"}),
+    dict(logit_bias={i: 1.0 for i in range(2049)}),
 ]
 
 
@@ -39,7 +45,9 @@ def test_out_of_range_or_wrong_type_is_a_value_error(kwargs):
 @pytest.mark.parametrize("kwargs", [
     dict(seed=0), dict(seed=MAX_SEED), dict(seed=2**63), dict(top_k=2**31 - 1), dict(top_k=0), dict(top_k=-1),
     dict(temperature=0), dict(temperature=1e-50), dict(top_p=1e-300), dict(stop_token_ids=[0, 2**31 - 1]),
-    dict(logprobs=0), dict(logprobs=20), dict(min_p=1.0), dict(stop="x"),
+    dict(logprobs=0), dict(logprobs=20), dict(min_p=1.0), dict(stop="x"), dict(n=64), dict(n=1),
+    dict(presence_penalty=-2.0), dict(frequency_penalty=2), dict(repetition_penalty=10.0),
+    dict(repetition_penalty=0.5), dict(logit_bias={0: -100, 2**31 - 1: 100.0}), dict(logit_bias={}),
 ])
 def test_boundary_values_are_accepted(kwargs):
     SamplingParams(**kwargs)

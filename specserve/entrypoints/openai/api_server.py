@@ -14,6 +14,7 @@ the engine, and each limit's status code: ``limits.py`` and docs/serving.md.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -137,6 +138,13 @@ class _EngineCollector:
         g = GaugeMetricFamily("specserve_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use.", labels=labels)
         g.add_metric(values, 1.0 - kv.num_free_blocks / kv.num_blocks)
         yield g
+        for name, value, doc in (
+            ("specserve_prefix_cache_queries", kv.num_queried_tokens, "Prompt tokens looked up in the prefix cache."),
+            ("specserve_prefix_cache_hits", kv.num_hit_tokens, "Prompt tokens found in the prefix cache (not recomputed)."),
+        ):
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric(values, value)
+            yield c
 
 
 class ServerMetrics:
@@ -182,8 +190,9 @@ def hold_back(text: str, stops: list[str]) -> str:
 class _Choice:
     """Streaming state of one choice: what was sent, timings for the metrics."""
 
-    def __init__(self, index: int, stops: list[str], arrival: float):
+    def __init__(self, index: int, stops: list[str], arrival: float, counts_prompt: bool = True):
         self.index = index
+        self.counts_prompt = counts_prompt   # the first sample of its prompt (usage counts a prompt once)
         self.stops = stops
         self.arrival = arrival
         self.sent_text = ""
@@ -252,7 +261,7 @@ def _chat_logprobs(tokenizer, completion, start: int, end: int, num_top: int) ->
 
 
 def _usage(choices: list[_Choice]) -> dict:
-    prompt = sum(len(c.output.prompt_token_ids) for c in choices if c.output is not None)
+    prompt = sum(len(c.output.prompt_token_ids) for c in choices if c.output is not None and c.counts_prompt)
     completion = sum(len(c.output.outputs[0].token_ids) for c in choices if c.output is not None)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
@@ -365,6 +374,24 @@ class OpenAIServing:
                 if not s.finished:
                     self.async_engine.abort(s.request_id)
 
+    async def choice_outputs(self, streams: list, n: int) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(choice index, that choice's output) as they change: each request carries n samples,
+        choice ``n * prompt + sample``, as OpenAI numbers them; each output holds one completion
+        and is finished when that completion is."""
+        if n == 1:
+            async for i, out in self.merged(streams):
+                yield i, out
+            return
+        seen: dict[int, tuple[int, str | None]] = {}
+        async for i, out in self.merged(streams):
+            for j, completion in enumerate(out.outputs):
+                index, state = i * n + j, (len(completion.token_ids), completion.finish_reason)
+                if seen.get(index) == state:
+                    continue
+                seen[index] = state
+                yield index, dataclasses.replace(out, outputs=[completion],
+                                                 finished=completion.finish_reason is not None)
+
     def record_finish(self, choice: _Choice) -> None:
         out, m, ln = choice.output, self.metrics, self.model_name
         if out is None:
@@ -380,11 +407,11 @@ class OpenAIServing:
             if n > 1:
                 m.tpot.labels(ln).observe((finish - choice.first_token_time) / (n - 1))
 
-    async def collect(self, streams: list, choices: list[_Choice], raw: Request) -> bool:
+    async def collect(self, streams: list, choices: list[_Choice], raw: Request, n: int = 1) -> bool:
         """Run to completion (non-streaming); False (and abort) if the client disconnects meanwhile."""
 
         async def consume():
-            async for i, out in self.merged(streams):
+            async for i, out in self.choice_outputs(streams, n):
                 choices[i].update(out)
                 if out.finished:
                     self.record_finish(choices[i])
@@ -414,10 +441,11 @@ class OpenAIServing:
         if params.top_k > vocab:
             raise APIError(400, f"top_k must be at most the vocabulary size {vocab} (or -1/0: off), got {params.top_k}",
                            param="top_k", code="invalid_value")
-        bad = [t for t in params.stop_token_ids if t >= vocab]
-        if bad:
-            raise APIError(400, f"stop_token_ids out of range [0, {vocab}): {bad[:5]}", param="stop_token_ids",
-                           code="invalid_value")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias or {}))):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise APIError(400, f"{name} token ids out of range [0, {vocab}): {bad[:5]}", param=name,
+                               code="invalid_value")
         return params
 
     async def completions(self, request: CompletionRequest, raw: Request) -> Response:
@@ -442,25 +470,27 @@ class OpenAIServing:
     async def _respond(self, request, raw: Request, streams, params, arrival: float, chat: bool) -> Response:
         m, ln = self.metrics, self.model_name
         m.requests.labels(ln, "chat" if chat else "completions").inc()
-        choices = [_Choice(i, list(params.stop), arrival) for i in range(len(streams))]
+        n = params.n
+        choices = [_Choice(i, list(params.stop), arrival, counts_prompt=i % n == 0) for i in range(len(streams) * n)]
         if request.stream:
             def abort_unfinished():
                 for s in streams:
                     if not s.finished:
                         self.async_engine.abort(s.request_id)
 
-            return _SSEResponse(self._stream(request, streams, choices, params, chat), media_type="text/event-stream",
+            return _SSEResponse(self._stream(request, streams, choices, params, chat, n), media_type="text/event-stream",
                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}, on_close=abort_unfinished)
         m.running.labels(ln).inc(len(streams))
         try:
-            completed = await self.collect(streams, choices, raw)
+            completed = await self.collect(streams, choices, raw, n)
         finally:
             m.running.labels(ln).dec(len(streams))
         if not completed:  # nobody to answer: the requests were aborted
             m.finished.labels(ln, "abort").inc(len(streams))
             return Response(status_code=499)
         for c in choices:
-            m.prompt_tokens.labels(ln).inc(len(c.output.prompt_token_ids))
+            if c.counts_prompt:
+                m.prompt_tokens.labels(ln).inc(len(c.output.prompt_token_ids))
         created, rid = now(), random_id("chatcmpl" if chat else "cmpl")
         body_choices = []
         num_top = params.logprobs or 0
@@ -492,7 +522,7 @@ class OpenAIServing:
             "usage": _usage(choices),
         })
 
-    async def _stream(self, request, streams, choices: list[_Choice], params, chat: bool) -> AsyncIterator[str]:
+    async def _stream(self, request, streams, choices: list[_Choice], params, chat: bool, n: int = 1) -> AsyncIterator[str]:
         m, ln = self.metrics, self.model_name
         created, rid = now(), random_id("chatcmpl" if chat else "cmpl")
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -512,10 +542,10 @@ class OpenAIServing:
             if chat:
                 for c in choices:
                     yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
-            async for i, out in self.merged(streams):
+            async for i, out in self.choice_outputs(streams, n):
                 c = choices[i]
                 c.update(out)
-                if not counted_prompt[i]:
+                if not counted_prompt[i] and c.counts_prompt:
                     counted_prompt[i] = True
                     m.prompt_tokens.labels(ln).inc(len(out.prompt_token_ids))
                 step = c.next_delta()

@@ -5,7 +5,7 @@ default (``"max_tokens": "8"`` is an error). Every number is bounded by what
 the tensor it becomes can hold (``SamplingParams``' limits: finite floats,
 ``top_k`` up to 2^31 - 1, seeds in [0, 2^64), token ids >= 0), so no value
 that passes here can fail an engine step. OpenAI fields specserve cannot
-honour (n > 1, penalties, echo) are accepted only at their neutral value.
+honour (echo, suffix, best_of > 1) are accepted only at their neutral value.
 """
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from specserve.sampling_params import MAX_SEED, MAX_TOKEN_ID, MAX_TOP_K, SamplingParams
+from specserve.sampling_params import (
+    MAX_LOGIT_BIAS_ENTRIES, MAX_N, MAX_SEED, MAX_TOKEN_ID, MAX_TOP_K, SamplingParams,
+)
 
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 
@@ -45,9 +47,12 @@ class _SamplingFields(StrictModel):
     skip_special_tokens: bool = True
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = 1
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = 1
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = 1.0
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
+                          Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
     user: str | None = None
 
     @field_validator("max_tokens")
@@ -88,19 +93,18 @@ class _SamplingFields(StrictModel):
             raise ValueError("at most 16 stop strings")
         return v
 
-    @field_validator("n")
+    @field_validator("logit_bias")
     @classmethod
-    def _n(cls, v):
-        if v not in (None, 1):
-            raise ValueError("only n=1 is supported; send the request several times instead")
-        return v
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalties(cls, v):
-        if v not in (None, 0, 0.0):
-            raise ValueError("presence and frequency penalties are not supported (only 0)")
-        return v
+    def _logit_bias(cls, v):
+        """OpenAI sends token ids as strings: {"50256": -100}."""
+        if not v:
+            return None
+        out = {}
+        for key, bias in v.items():
+            if not key.isascii() or not key.isdigit() or len(key) > 10 or int(key) > MAX_TOKEN_ID:
+                raise ValueError(f"keys must be token ids (decimal integers >= 0), got {key!r}")
+            out[int(key)] = float(bias)
+        return out
 
     @property
     def include_usage(self) -> bool:
@@ -120,6 +124,11 @@ class _SamplingFields(StrictModel):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            n=self.n or 1,
+            presence_penalty=float(self.presence_penalty or 0.0),
+            frequency_penalty=float(self.frequency_penalty or 0.0),
+            repetition_penalty=1.0 if self.repetition_penalty is None else float(self.repetition_penalty),
+            logit_bias=self.logit_bias,
         )
 
 
@@ -132,7 +141,6 @@ class CompletionRequest(_SamplingFields):
     echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = None
-    logit_bias: dict[str, float] | None = None
 
     @field_validator("logprobs")
     @classmethod
@@ -160,13 +168,6 @@ class CompletionRequest(_SamplingFields):
     def _best_of(cls, v):
         if v not in (None, 1):
             raise ValueError("only best_of=1 is supported")
-        return v
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _logit_bias(cls, v):
-        if v:
-            raise ValueError("logit_bias is not supported")
         return v
 
     @field_validator("prompt", mode="before")

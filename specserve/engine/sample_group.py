@@ -1,0 +1,67 @@
+"""The n samples of one request (``SamplingParams.n > 1``) as n child requests.
+
+Each child is an ordinary request (``{id}[i]``) with ``n = 1`` and, for a
+seeded request, seed + i, so sample i is the same whether it is drawn alone or
+with its siblings. The first child prefills the prompt; the others are held back
+until it has (``ready_to_release``) and then find the prompt's full blocks in
+the prefix cache, so the prompt is computed once (all but its last partial
+block, which each child computes itself). Without prefix caching all n start at
+once. The engine reports the group as ONE ``RequestOutput`` whose ``outputs``
+are the children's latest completions, ``index`` i, finished when all are.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from specserve.engine.request import Request
+from specserve.outputs import CompletionOutput, RequestOutput, SpecDecodeStats
+from specserve.sampling_params import MAX_SEED, SamplingParams
+
+
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    seed = None if params.seed is None else (params.seed + index) % (MAX_SEED + 1)
+    return dataclasses.replace(params, n=1, seed=seed)
+
+
+def child_id(request_id: str, index: int) -> str:
+    return f"{request_id}[{index}]"
+
+
+class SampleGroup:
+    def __init__(self, request_id: str, children: list[Request], hold_siblings: bool):
+        self.request_id = request_id
+        self.children = children
+        self.held: list[Request] = list(children[1:]) if hold_siblings else []
+        self.latest: list[CompletionOutput] = [CompletionOutput(index=i, text="", token_ids=[])
+                                               for i in range(len(children))]
+        self.last_output: RequestOutput | None = None
+
+    def ready_to_release(self) -> bool:
+        """The first child has computed the prompt (it emitted a token) or has ended."""
+        first = self.children[0]
+        return bool(self.held) and (first.num_output_tokens > 0 or first.is_finished())
+
+    def index_of(self, request_id: str) -> int:
+        return next(i for i, c in enumerate(self.children) if c.request_id == request_id)
+
+    def merge(self, child_output: RequestOutput) -> RequestOutput:
+        """One child's new output -> the group's cumulative output."""
+        i = self.index_of(child_output.request_id)
+        self.latest[i] = dataclasses.replace(child_output.outputs[0], index=i)
+        stats = SpecDecodeStats()
+        for c in self.children:
+            stats.merge(c.spec_stats)
+        first = self.children[0]
+        self.last_output = RequestOutput(
+            request_id=self.request_id,
+            prompt=first.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=list(self.latest),
+            finished=all(o.finish_reason is not None for o in self.latest)
+            or any(o.finish_reason == "error" for o in self.latest),
+            spec_decode_stats=stats,
+            metrics=dict(child_output.metrics, arrival_time=first.arrival_time,
+                         first_token_time=min((c.first_token_time for c in self.children
+                                               if c.first_token_time is not None), default=None)),
+        )
+        return self.last_output

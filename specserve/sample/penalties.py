@@ -1,0 +1,106 @@
+"""Logit bias and repetition / frequency / presence penalties, position by position.
+
+A penalty depends on the tokens before the position it samples. In a plain
+decoding step that is the request's prompt and output; in a verification step
+row j of a request (the distribution after draft token j) also counts draft
+tokens 1..j, since rejection sampling only emits row j's token after accepting
+them. So each row gets its own "extra" tokens: the draft tokens on the path
+from the request's last token to that row (``draft_histories``). Getting this
+wrong keeps the output plausible but changes its distribution, which is why
+the end-to-end test compares sampled distributions, not single outputs.
+
+The order and formulas are vLLM's (and, for repetition, transformers'):
+bias first, then repetition (prompt and output tokens: positive logits are
+divided by the penalty, negative ones multiplied), then frequency (times the
+token's count in the output) and presence (once if it is in the output).
+The proposers that have distributions (draft model, EAGLE) apply the same
+adjustments to their own logits so their drafts aim at the same target; that
+only raises acceptance, since rejection sampling is exact for any draft.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from specserve.sampling_params import SamplingParams
+
+
+def draft_histories(num_drafts: int, parents: Sequence[int] | None = None) -> list[list[int]]:
+    """For rows 0..num_drafts of one request: the indices of the draft tokens before each row.
+
+    Chains (``parents`` None): row j follows drafts 0..j-1. Trees: row 1 + i follows
+    draft i and its ancestors (``parents[i]`` = -1 for a child of the last token).
+    """
+    if parents is None:
+        return [list(range(j)) for j in range(num_drafts + 1)]
+    paths: list[list[int]] = []
+    for i, parent in enumerate(parents[:num_drafts]):
+        paths.append((paths[parent] if parent >= 0 else []) + [i])
+    return [[]] + paths
+
+
+def adjust_logits(
+    logits: torch.Tensor,                 # [R, V] one request's rows (not modified)
+    params: SamplingParams,
+    prompt_token_ids: Sequence[int],
+    output_token_ids: Sequence[int],
+    extra_token_ids: Sequence[Sequence[int]],  # [R] tokens after the output, before each row
+) -> torch.Tensor:
+    """-> [R, V] float32 logits with the request's bias and penalties applied."""
+    rows, vocab = logits.shape
+    device = logits.device
+    out = logits.float().clone()
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=device)
+        bias = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32, device=device)
+        out[:, ids] += bias
+    if params.presence_penalty == 0.0 and params.frequency_penalty == 0.0 and params.repetition_penalty == 1.0:
+        return out
+    counts = _row_counts(output_token_ids, extra_token_ids, rows, vocab, device)   # [R, V] float32
+    if params.repetition_penalty != 1.0:
+        seen = counts > 0
+        if prompt_token_ids:
+            in_prompt = torch.zeros(vocab, dtype=torch.bool, device=device)
+            in_prompt[torch.tensor(list(prompt_token_ids), dtype=torch.long, device=device)] = True
+            seen |= in_prompt
+        penalty = params.repetition_penalty
+        out = torch.where(seen, torch.where(out > 0, out / penalty, out * penalty), out)
+    if params.frequency_penalty != 0.0:
+        out -= params.frequency_penalty * counts
+    if params.presence_penalty != 0.0:
+        out -= params.presence_penalty * (counts > 0).float()
+    return out
+
+
+def _row_counts(output_token_ids, extra_token_ids, rows: int, vocab: int, device) -> torch.Tensor:
+    """[R, V] how often each token occurs in the output plus row r's extra tokens."""
+    counts = torch.zeros(rows, vocab, dtype=torch.float32, device=device)
+    if output_token_ids:
+        output = torch.tensor(list(output_token_ids), dtype=torch.long, device=device)
+        counts += torch.bincount(output, minlength=vocab).float()
+    row_index = [r for r, extra in enumerate(extra_token_ids) for _ in extra]
+    if row_index:
+        token_index = [t for extra in extra_token_ids for t in extra]
+        counts.index_put_(
+            (torch.tensor(row_index, device=device), torch.tensor(token_index, dtype=torch.long, device=device)),
+            torch.ones(len(row_index), device=device),
+            accumulate=True,
+        )
+    return counts
+
+
+def adjust_each_row(
+    logits: torch.Tensor,                       # [R, V], one row per request (a proposer's step)
+    params: Sequence[SamplingParams],           # [R]
+    prompts: Sequence[Sequence[int]],           # [R] each row's prompt
+    outputs: Sequence[Sequence[int]],           # [R] each row's output, drafts so far included
+) -> torch.Tensor:
+    """``adjust_logits`` for rows of different requests; the same tensor when none adjusts."""
+    todo = [r for r, p in enumerate(params) if p.adjusts_logits]
+    if not todo:
+        return logits
+    out = logits.float().clone()
+    for r in todo:
+        out[r : r + 1] = adjust_logits(logits[r : r + 1], params[r], prompts[r], outputs[r], [[]])
+    return out

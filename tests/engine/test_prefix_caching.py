@@ -1,0 +1,133 @@
+"""Automatic prefix caching in the engine (issue 20): the same greedy tokens and the
+same seeded samples as without it (batch 1 and 8, plain, n-gram and a draft model,
+under preemption), hit counts, and no block registered while it holds a draft
+token awaiting verification. Tiny random model: seconds."""
+from __future__ import annotations
+
+import pytest
+
+from specserve import LLM, SamplingParams
+from specserve.engine.kv_cache_manager import KVCacheManager
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+SYSTEM = "You are a careful assistant. Answer briefly and quote the question back. " * 3
+QUESTIONS = ["What is two plus two?", "Name a colour.", "one two three one two three", "Why is the sky blue?",
+             "a b c a b c a b c", "Count to five.", "Say hello.", "the cat sat on the mat the cat sat"]
+SPECS = {
+    "plain": None,
+    "ngram": {"method": "ngram", "num_speculative_tokens": 3},
+    "draft": "draft",   # another tiny random model: a draft KV cache, and rejections
+}
+DRAFT_DIR: list[str] = []
+
+
+@pytest.fixture(autouse=True)
+def _draft_dir(tiny_draft_dir):
+    DRAFT_DIR[:] = [tiny_draft_dir]
+
+
+def make_llm(model_dir, spec: str, caching: bool, **kw) -> LLM:
+    config = SPECS[spec]
+    if config == "draft":
+        config = {"method": "draft_model", "model": DRAFT_DIR[0], "num_speculative_tokens": 3}
+    extra = {"speculative_config": config} if config else {}
+    kw.setdefault("kv_cache_memory", 8 << 20)
+    return LLM(model=model_dir, dtype="float32", max_model_len=256, enable_prefix_caching=caching, **extra, **kw)
+
+
+def params_for(batch: int) -> list[SamplingParams]:
+    """Greedy and seeded sampled requests, alternating."""
+    return [SamplingParams(temperature=0.0, max_tokens=12) if i % 2 == 0 else
+            SamplingParams(temperature=0.8, seed=100 + i, max_tokens=12) for i in range(batch)]
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("spec", list(SPECS))
+def test_the_same_tokens_with_and_without_prefix_caching(tiny_llama_dir, spec):
+    prompts = [SYSTEM + q for q in QUESTIONS]
+    off = make_llm(tiny_llama_dir, spec, caching=False)
+    on = make_llm(tiny_llama_dir, spec, caching=True)
+    want_one = [tokens(off.generate(p, params_for(1)[0], use_tqdm=False))[0] for p in prompts[:3]]
+    want_batch = tokens(off.generate(prompts, params_for(8), use_tqdm=False))
+    # Batch 1, one after another: the second and later prompts find the system prompt cached.
+    assert [tokens(on.generate(p, params_for(1)[0], use_tqdm=False))[0] for p in prompts[:3]] == want_one
+    after_sequential = on.engine.get_prefix_cache_stats()["hits"]
+    assert after_sequential >= 2 * 16 * (len(on.get_tokenizer().encode(SYSTEM)) // 16)
+    # Batch 8 (its prompts are now cached too), then the same batch again.
+    assert tokens(on.generate(prompts, params_for(8), use_tqdm=False)) == want_batch
+    assert tokens(on.generate(prompts, params_for(8), use_tqdm=False)) == want_batch
+    assert on.engine.get_prefix_cache_stats()["hits"] > after_sequential
+    assert on.engine.kv_cache.num_used_blocks() == 0
+
+
+def test_the_same_tokens_under_preemption(tiny_llama_dir):
+    """A pool of 20 blocks for 8 requests of ~60 tokens: requests are preempted, and come
+    back to find their own blocks (outputs included) cached."""
+    bytes_per_block = 2 * 16 * 2 * 16 * 4 * 2           # K+V, block 16, 2 KV heads, head dim 16, fp32, 2 layers
+    prompts = [SYSTEM + q for q in QUESTIONS]
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)] * 8
+    want = tokens(make_llm(tiny_llama_dir, "ngram", caching=False).generate(prompts, params, use_tqdm=False))
+    small = make_llm(tiny_llama_dir, "ngram", caching=True, kv_cache_memory=20 * bytes_per_block)
+    assert small.engine.kv_cache.num_blocks == 20
+    outs = small.generate(prompts, params, use_tqdm=False)
+    assert tokens(outs) == want
+    assert sum(o.metrics["num_preemptions"] for o in outs) > 0
+    assert small.engine.get_prefix_cache_stats()["hits"] > 0
+
+
+def test_an_identical_prompt_reuses_every_full_block_but_the_last_token(tiny_llama_dir):
+    llm = make_llm(tiny_llama_dir, "plain", caching=True)
+    prompt = list(range(100, 150))                    # 50 tokens: 3 full blocks of 16
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    first = llm.generate(prompt, params, use_tqdm=False)
+    assert llm.engine.get_prefix_cache_stats() == {"enabled": True, "queries": 50, "hits": 0, "hit_rate": 0.0}
+    second = llm.generate(prompt, params, use_tqdm=False)
+    stats = llm.engine.get_prefix_cache_stats()
+    assert stats["hits"] == 48 and stats["queries"] == 100 and stats["hit_rate"] == 0.48
+    assert tokens(first) == tokens(second)
+
+
+@pytest.mark.parametrize("spec", ["ngram", "draft"])
+def test_no_block_is_registered_while_it_holds_an_unverified_draft_token(tiny_llama_dir, spec, monkeypatch):
+    """Every call that registers blocks passes only tokens whose KV is final: at most
+    num_tokens - 1 (the newest token is not computed yet), never a draft position, and
+    registered blocks carry the request's own tokens."""
+    llm = make_llm(tiny_llama_dir, spec, caching=True)
+    engine = llm.engine
+    real = KVCacheManager.cache_full_blocks
+    calls = []
+
+    def checked(kv, request_id, token_ids, num_verified_tokens):
+        req = engine.requests[request_id]
+        limit = req.num_computed_tokens if req.num_output_tokens == 0 else req.num_tokens - 1
+        assert num_verified_tokens <= limit, (req, num_verified_tokens)
+        assert token_ids is req.all_token_ids
+        real(kv, request_id, token_ids, num_verified_tokens)
+        for i, block in enumerate(kv.block_table(request_id)):
+            key = kv.cached_block_key(block)
+            if key is not None and i < num_verified_tokens // kv.block_size:
+                assert list(key[1]) == req.all_token_ids[i * kv.block_size : (i + 1) * kv.block_size]
+        calls.append(len(req.draft_token_ids))
+
+    monkeypatch.setattr(KVCacheManager, "cache_full_blocks", checked)
+    prompts = [SYSTEM + q for q in QUESTIONS]
+    params = [SamplingParams(temperature=t, seed=i, max_tokens=30, ignore_eos=True)
+              for i, t in enumerate([0.0, 1.0] * 4)]   # sampled rows: rejections happen
+    llm.generate(prompts, params, use_tqdm=False)
+    assert any(calls)                                # called while drafts were in flight
+    stats = engine.get_spec_decode_stats()
+    assert stats.num_accepted_tokens > 0
+    if spec == "draft":   # (the tiny model's n-gram drafts are all accepted)
+        assert stats.num_draft_tokens > stats.num_accepted_tokens
+
+
+def test_prefix_caching_can_be_turned_off(tiny_llama_dir):
+    llm = make_llm(tiny_llama_dir, "plain", caching=False)
+    prompt = list(range(100, 150))
+    for _ in range(2):
+        llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+    assert llm.engine.get_prefix_cache_stats() == {"enabled": False, "queries": 0, "hits": 0, "hit_rate": 0.0}
