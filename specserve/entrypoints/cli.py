@@ -30,6 +30,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-tensor-parallel-size", type=int, default=None)
     p.add_argument("--draft-vocab-size", type=int, default=None,
                    help="draft_model: the draft proposes only the first N token ids (a cheaper LM head)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks of earlier requests' identical prefixes (default: on; off with EAGLE)")
 
 
 def speculative_config_from_args(args) -> dict | None:
@@ -64,6 +66,7 @@ def build_llm(args):
         device=args.device,
         tensor_parallel_size=args.tensor_parallel_size,
         speculative_config=speculative_config_from_args(args),
+        enable_prefix_caching=args.enable_prefix_caching,
     )
 
 
@@ -79,31 +82,39 @@ def cmd_generate(args) -> int:
         seed=args.seed,
         stop=args.stop,
         logprobs=args.logprobs,
+        n=args.n,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
     )
     llm = build_llm(args)
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
     else:
         out = llm.generate(args.prompt, params)[0]
-    completion = out.outputs[0]
     stats = llm.get_spec_decode_stats()
     if args.json:
-        doc = {
-            "prompt": args.prompt,
-            "prompt_token_ids": out.prompt_token_ids,
-            "text": completion.text,
-            "token_ids": completion.token_ids,
-            "finish_reason": completion.finish_reason,
-        }
-        if completion.logprobs is not None:
-            doc["logprobs"] = [
-                {str(tid): lp.logprob for tid, lp in entry.items()} for entry in completion.logprobs
-            ]
-        if args.stats:
-            doc["spec_decode_stats"] = stats.as_dict()
-        print(json.dumps(doc, ensure_ascii=False))
+        for completion in out.outputs:   # one JSON line per sample (--n)
+            doc = {
+                "prompt": args.prompt,
+                "prompt_token_ids": out.prompt_token_ids,
+                "index": completion.index,
+                "text": completion.text,
+                "token_ids": completion.token_ids,
+                "finish_reason": completion.finish_reason,
+            }
+            if completion.logprobs is not None:
+                doc["logprobs"] = [
+                    {str(tid): lp.logprob for tid, lp in entry.items()} for entry in completion.logprobs
+                ]
+            if args.stats:
+                doc["spec_decode_stats"] = stats.as_dict()
+            print(json.dumps(doc, ensure_ascii=False))
     else:
-        print(completion.text)
+        for completion in out.outputs:
+            if len(out.outputs) > 1:
+                print(f"--- sample {completion.index}")
+            print(completion.text)
         if args.stats:
             print_stats(stats, file=sys.stderr)
     return 0
@@ -136,6 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen.add_argument("--logprobs", type=int, default=None, help="return the top-n log-probabilities per token")
+    gen.add_argument("--n", type=int, default=1, help="samples of the prompt (they share its prefill)")
+    gen.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]: once per token already in the output")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]: per occurrence in the output")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages prompt and output tokens")
     gen.add_argument("--json", action="store_true", help="print the output as JSON, token ids included")
     gen.add_argument("--stats", action="store_true", help="print speculative-decoding metrics")
     gen.set_defaults(func=cmd_generate)

@@ -83,6 +83,10 @@ class LLM:
         """Engine-wide speculation counts since start-up."""
         return self.engine.get_spec_decode_stats()
 
+    def get_prefix_cache_stats(self) -> dict:
+        """Prefix cache lookups since start-up, in prompt tokens: queries, hits, hit_rate."""
+        return self.engine.get_prefix_cache_stats()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
