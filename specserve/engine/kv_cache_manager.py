@@ -91,7 +91,6 @@ class KVCacheManager:
             return 0
         bs = self.block_size
         max_blocks = (len(token_ids) - 1) // bs
-        self.num_queried_tokens += len(token_ids)
         chain, table, parent = [], [], None
         for i in range(max_blocks):
             key = (parent, tuple(token_ids[i * bs : (i + 1) * bs]))
@@ -107,8 +106,14 @@ class KVCacheManager:
         if table:
             self._tables[request_id] = table
             self._chain[request_id] = chain
-        self.num_hit_tokens += len(table) * bs
         return len(table) * bs
+
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted request's lookup (a request that could not be admitted
+        looks again later, and is counted then)."""
+        if self.enable_prefix_caching:
+            self.num_queried_tokens += num_tokens
+            self.num_hit_tokens += num_hit_tokens
 
     def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_verified_tokens: int) -> None:
         """Register the request's full blocks below ``num_verified_tokens`` (tokens

@@ -98,7 +98,8 @@ class Scheduler:
         # 2. Waiting requests (new or preempted), in arrival order.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             req = self.waiting[0]
-            if req.num_computed_tokens == 0:   # new or preempted: start after its longest cached prefix
+            looked_up = req.num_computed_tokens == 0
+            if looked_up:   # new or preempted: start after its longest cached prefix
                 req.num_computed_tokens = self.kv_cache.acquire_cached_prefix(req.request_id, req.all_token_ids)
                 req.num_cached_tokens = req.num_computed_tokens
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -107,6 +108,8 @@ class Scheduler:
                 self.kv_cache.free(req.request_id)   # the cached prefix too: taken again next time
                 req.num_computed_tokens = 0
                 break
+            if looked_up:
+                self.kv_cache.record_lookup(req.num_tokens, req.num_cached_tokens)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)

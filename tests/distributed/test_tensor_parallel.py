@@ -347,6 +347,15 @@ def test_tp_greedy_equals_tp1_and_leaves_no_process(case, reference, truncated_d
     assert token_ids(llm.generate(PROMPTS, GREEDY)) == ref_tokens
     if spec is not None:
         assert llm.get_spec_decode_stats().as_dict()["num_draft_tokens"] > 0
+    # Prefix caching under TP: resend each prompt with its first 12 answer tokens; the first
+    # block comes from the cache, and greedy decoding goes on exactly as before.
+    tok = llm.get_tokenizer()
+    full = [i for i, r in enumerate(ref_tokens) if len(r) == 16]
+    resent = [tok.encode(PROMPTS[i], add_special_tokens=False) + ref_tokens[i][:12] for i in full]
+    hits = llm.get_prefix_cache_stats()["hits"]
+    assert token_ids(llm.generate(resent, SamplingParams(temperature=0, max_tokens=4))) == \
+        [ref_tokens[i][12:] for i in full]
+    assert llm.get_prefix_cache_stats()["hits"] >= hits + 16 * len(full) > hits
     del llm, runner
     gc.collect()
     assert wait_gone(pids) == []

@@ -162,6 +162,7 @@ def run_request(kv: KVCacheManager, rid: str, tokens: list[int], verified: int |
     """Admit a request (cached prefix first), allocate the rest, register its verified blocks."""
     hit = kv.acquire_cached_prefix(rid, tokens)
     assert kv.allocate_slots(rid, len(tokens))
+    kv.record_lookup(len(tokens), hit)
     kv.cache_full_blocks(rid, tokens, len(tokens) if verified is None else verified)
     return hit
 
