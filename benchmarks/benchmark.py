@@ -32,6 +32,13 @@ the effect of speculation. Batch sizes run one after the other, so a ratio betwe
 batch sizes is exposed to load changes on a shared machine; ratios within one
 batch size are interleaved.
 
+For one command that runs plain decoding and several proposers (and peers) per
+category, batch size and temperature and writes a report with plots, use
+``specserve bench`` (specserve/bench/, docs/benchmarks.md). This script stays for
+what that command does not measure: decode tok/s with prefill excluded, n-gram
+trees against chains (``--compare-chain``), transformers in several dtypes, and
+the runs logged in docs/benchmarks.md with its command lines.
+
     python benchmarks/benchmark.py --baseline transformers --batch-sizes 1,16
     python benchmarks/benchmark.py --speculative-method ngram --num-speculative-tokens 4 \\
         --prompt-lookup-max 3 --batch-sizes 1,16 --baseline none

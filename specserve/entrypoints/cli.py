@@ -1,10 +1,11 @@
-"""The ``specserve`` command line: ``specserve generate | serve | train-draft | models``."""
+"""The ``specserve`` command line: ``specserve generate | serve | train-draft | bench | models``."""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
 
+from specserve.bench.cli import add_bench_parser
 from specserve.training.cli import add_train_draft_parser
 
 
@@ -156,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     add_train_draft_parser(sub)
+    add_bench_parser(sub)
 
     serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     add_model_args(serve)

@@ -1,0 +1,178 @@
+"""Peers measured in the same run as specserve: Hugging Face transformers and llama.cpp's server.
+
+Both answer the very prompt token ids specserve does (the chat template applied
+once, by specserve's tokenizer), with the same number of new tokens, in the same
+rotation of configurations.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from specserve.bench.runner import BenchOptions, BenchPrompt, GroupResult
+
+DEFAULT_LLAMA_CPP_BIN = os.path.expanduser("~/.cache/specserve-peers/llama.cpp/build/bin")
+
+
+class TransformersPeer:
+    """``generate`` on the very weights specserve loads (as ``benchmarks/benchmark.py``'s baseline)."""
+
+    def __init__(self, opts: BenchOptions):
+        from transformers import AutoModelForCausalLM
+
+        from specserve.model_executor.loader import load_model, resolve_dtype
+
+        dtype = resolve_dtype(opts.transformers_dtype, torch.device("cpu"))
+        self.name = "transformers"
+        self.description = f"Hugging Face transformers generate, {dtype}, same weights"
+        loaded = load_model(opts.model, dtype)
+        model = AutoModelForCausalLM.from_config(loaded.config, dtype=dtype)
+        missing, unexpected = model.load_state_dict(loaded.state_dict, strict=False)
+        model.tie_weights()
+        bad = [m for m in missing if not (m == "lm_head.weight" and loaded.config.tie_word_embeddings)]
+        if bad or unexpected:
+            raise RuntimeError(f"transformers peer: missing {bad[:5]}, unexpected {list(unexpected)[:5]}")
+        self.model = model.eval()
+        self.tok = loaded.tokenizer
+        pad = self.tok.pad_token_id
+        self.pad_id = pad if pad is not None else self.tok.eos_token_id
+
+    def tokenizer(self):
+        return self.tok
+
+    @torch.inference_mode()
+    def run(self, prompts: list[BenchPrompt], max_tokens: int, temperature: float, seeds: list[int],
+            ignore_eos: bool) -> GroupResult:
+        width = max(len(p.token_ids) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):   # left padding
+            n = len(p.token_ids)
+            ids[i, width - n:] = torch.tensor(p.token_ids)
+            mask[i, width - n:] = 1
+        kwargs = dict(max_new_tokens=max_tokens, pad_token_id=self.pad_id)
+        if ignore_eos:
+            kwargs.update(min_new_tokens=max_tokens)
+        if temperature == 0:
+            kwargs.update(do_sample=False)
+        else:
+            torch.manual_seed(seeds[0])
+            kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+        out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+        rows = [row[width:].tolist() for row in out]
+        if not ignore_eos:   # a row that ended early is padded: keep up to its end-of-sequence token
+            eos = self.tok.eos_token_id
+            rows = [r[: r.index(eos) + 1] if eos in r else r for r in rows]
+        return GroupResult(rows, [None] * len(prompts))
+
+    def close(self) -> None:
+        pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=1800) as r:
+        return json.loads(r.read())
+
+
+def gguf_path(model: str | None) -> str:
+    from specserve.model_executor.loader import default_model_path
+
+    if model is None:
+        return default_model_path()
+    if model.endswith(".gguf") and os.path.isfile(model):
+        return model
+    try:
+        from specserve import catalog
+
+        entry = catalog.ENTRIES.get(model)
+        path = catalog.verified_path(entry) if entry is not None else None
+        if path:
+            return path
+    except Exception:   # the catalog is a convenience here; the error below says what is needed
+        pass
+    raise ValueError(f"--peer llama.cpp needs a .gguf model (--model FILE.gguf or a catalog name), not {model!r}")
+
+
+class LlamaCppPeer:
+    """llama.cpp's ``llama-server`` on the same GGUF file, plain decoding, measured from outside.
+
+    Started once with ``--threads`` threads and one slot per request of the largest
+    batch; a group's requests are sent concurrently (prompt token ids to
+    ``/completion``, no prompt cache), and the group's wall time is measured here.
+    """
+
+    def __init__(self, opts: BenchOptions):
+        bin_dir = os.path.expanduser(opts.llama_cpp_bin or DEFAULT_LLAMA_CPP_BIN)
+        exe = os.path.join(bin_dir, "llama-server")
+        if not os.access(exe, os.X_OK):
+            raise ValueError(f"no llama-server in {bin_dir}: build it with ../shared/peers/build-llamacpp.sh "
+                             "and pass --llama-cpp-bin DIR/build/bin")
+        self.name = "llama.cpp"
+        self.model_path = gguf_path(opts.model)
+        self.slots = max(opts.batch_sizes)
+        threads = opts.threads or torch.get_num_threads()
+        self.description = f"llama.cpp llama-server, {os.path.basename(self.model_path)}, {threads} threads"
+        port = _free_port()
+        self.base = f"http://127.0.0.1:{port}"
+        self.log = open(os.devnull, "w")
+        self.proc = subprocess.Popen(
+            [exe, "-m", self.model_path, "-t", str(threads), "-c", str(opts.max_model_len * self.slots),
+             "-np", str(self.slots), "--port", str(port), "--host", "127.0.0.1"],
+            stdout=self.log, stderr=self.log)
+        for _ in range(1200):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with status {self.proc.returncode}")
+            try:
+                with urllib.request.urlopen(self.base + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            self.close()
+            raise RuntimeError("llama-server did not become healthy in 10 minutes")
+        self.pool = ThreadPoolExecutor(self.slots)
+
+    def tokenizer(self):
+        raise RuntimeError("the llama.cpp peer uses specserve's tokenizer")
+
+    def _one(self, ids: list[int], max_tokens: int, temperature: float, seed: int, ignore_eos: bool) -> list[int]:
+        out = _post(self.base + "/completion", {
+            "prompt": ids, "n_predict": max_tokens, "temperature": temperature, "seed": seed,
+            "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repeat_penalty": 1.0, "ignore_eos": ignore_eos,
+            "cache_prompt": False, "return_tokens": True, "stream": False})
+        tokens = out.get("tokens")
+        if not tokens:   # older servers: only a count
+            tokens = [-1] * int(out.get("tokens_predicted", 0))
+        return list(tokens)
+
+    def run(self, prompts: list[BenchPrompt], max_tokens: int, temperature: float, seeds: list[int],
+            ignore_eos: bool) -> GroupResult:
+        futures = [self.pool.submit(self._one, p.token_ids, max_tokens, temperature, s, ignore_eos)
+                   for p, s in zip(prompts, seeds)]
+        return GroupResult([f.result() for f in futures], [None] * len(prompts))
+
+    def close(self) -> None:
+        if getattr(self, "pool", None) is not None:
+            self.pool.shutdown(wait=False)
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()

@@ -1,0 +1,165 @@
+"""``specserve bench`` on the tiny random model: the files it writes and the consistency of its numbers."""
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import pytest
+
+from specserve.bench.runner import ALL, Config, default_prompts_path, load_prompts, parse_configs
+from specserve.entrypoints.cli import build_parser
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def two_prompts(path: str) -> str:
+    """The first prompt of two categories of the shipped set."""
+    rows, seen = [], set()
+    with open(default_prompts_path()) as f:
+        for line in f:
+            row = json.loads(line)
+            if row["category"] in ("coding", "qa") and row["category"] not in seen:
+                seen.add(row["category"])
+                rows.append(row)
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return path
+
+
+def run_cli(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args, argv)
+
+
+def assert_png(path: str) -> None:
+    with open(path, "rb") as f:
+        head = f.read(33)
+    assert head[:8] == PNG_MAGIC, path
+    assert head[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", head[16:24])
+    assert width > 100 and height > 100
+
+
+@pytest.fixture(scope="module")
+def bench_run(tiny_llama_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench")
+    out = str(tmp / "out")
+    argv = ["bench", "--model", tiny_llama_dir, "--prompts", two_prompts(str(tmp / "prompts.jsonl")),
+            "--configs", "plain,ngram:3", "--batch-sizes", "1,2", "--temperature", "0,0.7", "--max-tokens", "12",
+            "--max-model-len", "512", "--kv-cache-memory", str(1 << 24), "--peer", "transformers",
+            "--transformers-dtype", "float32", "--no-progress", "--out", out]
+    assert run_cli(argv) == 0
+    with open(os.path.join(out, "results.json")) as f:
+        doc = json.load(f)
+    return out, argv, doc
+
+
+def test_bench_writes_report_results_and_plots(bench_run):
+    out, argv, doc = bench_run
+    for name in ("report.md", "results.json", "speedup_by_category.png", "acceptance_by_position.png",
+                 "tok_s_vs_batch_size.png"):
+        assert os.path.isfile(os.path.join(out, name)), name
+    for name in ("speedup_by_category.png", "acceptance_by_position.png", "tok_s_vs_batch_size.png"):
+        assert_png(os.path.join(out, name))
+    report = open(os.path.join(out, "report.md")).read()
+    assert "specserve " + " ".join(argv) in report          # the exact command
+    assert doc["command"] == "specserve " + " ".join(argv)
+    assert "## Temperature 0, batch size 1" in report and "## Temperature 0.7, batch size 2" in report
+    assert "## Acceptance by draft position" in report
+    assert doc["machine"]["cpu"] in report
+    assert "torch threads 1" in report
+    for image in ("speedup_by_category.png", "acceptance_by_position.png", "tok_s_vs_batch_size.png"):
+        assert f"]({image})" in report
+
+
+def test_bench_results_structure(bench_run):
+    _, _, doc = bench_run
+    assert doc["schema"] == "specserve-bench/1"
+    assert doc["categories"] == ["coding", "qa"]
+    assert [c["name"] for c in doc["configs"]] == ["plain", "ngram:3", "transformers"]
+    assert [c["kind"] for c in doc["configs"]] == ["specserve", "specserve", "peer"]
+    assert doc["configs"][1]["speculative_config"]["method"] == "ngram"
+    assert doc["configs"][1]["speculative_config"]["num_speculative_tokens"] == 3
+    for key in ("cpu", "cpu_count", "torch_threads", "versions", "loadavg_start", "loadavg_end"):
+        assert key in doc["machine"]
+    assert set(doc["machine"]["versions"]) >= {"python", "torch", "specserve"}
+    s = doc["settings"]
+    assert s["batch_sizes"] == [1, 2] and s["temperatures"] == [0.0, 0.7] and s["max_tokens"] == 12
+    # One row per temperature x batch size x (category or all) x configuration.
+    keys = {(r["temperature"], r["batch_size"], r["category"], r["config"]) for r in doc["results"]}
+    assert len(keys) == len(doc["results"]) == 2 * 2 * 3 * 3
+    for r in doc["results"]:
+        assert r["seconds"] > 0 and r["tok_s"] > 0
+        assert r["tok_s"] == pytest.approx(r["tokens"] / r["seconds"], rel=1e-3)
+
+
+def test_bench_numbers_are_consistent(bench_run):
+    _, _, doc = bench_run
+    idx = {(r["temperature"], r["batch_size"], r["category"], r["config"]): r for r in doc["results"]}
+    for (t, bs, cat, name), r in idx.items():
+        plain = idx[(t, bs, cat, "plain")]
+        # End-of-sequence is ignored: every configuration emits exactly max_tokens per request.
+        assert r["tokens"] == plain["tokens"] == r["requests"] * 12
+        # Each category's group holds exactly bs requests (one prompt, cycled).
+        if cat != ALL:
+            assert r["requests"] == bs
+        assert r["speedup_vs_plain"] == pytest.approx(r["tok_s"] / plain["tok_s"], rel=1e-3)
+        if name == "plain":
+            assert r["speedup_vs_plain"] == 1.0
+            assert r["spec_decode"] is None
+        if name == "ngram:3":
+            sd = r["spec_decode"]
+            assert sd is not None and sd["mean_acceptance_length"] >= 1.0
+            assert sd["num_accepted_tokens"] <= sd["num_draft_tokens"]
+            assert sum(sd["accepted_per_position"]) == sd["num_accepted_tokens"]
+            assert len(sd["acceptance_by_position"]) <= 3
+        # "all" sums the categories.
+        if cat == ALL:
+            parts = [idx[(t, bs, c, name)] for c in doc["categories"]]
+            assert r["tokens"] == sum(p["tokens"] for p in parts)
+            assert r["seconds"] == pytest.approx(sum(p["seconds"] for p in parts), abs=1e-3)
+    # Greedy speculation is lossless: ngram's answers equal plain decoding's.
+    same = {(x["batch_size"], x["config"]): x for x in doc["identical_to_plain"]}
+    for bs in (1, 2):
+        assert same[(bs, "ngram:3")]["identical"] == same[(bs, "ngram:3")]["requests"] == 2 * bs
+    # Per-request records: every configuration answered every request of every unit.
+    per = doc["per_request"]
+    assert len(per) == 2 * (2 * 1 + 2 * 2) * 3
+    assert all(r["num_tokens"] == len(r["token_ids"]) == 12 for r in per)
+
+
+def test_parse_configs():
+    configs = parse_configs("ngram:4,draft:3,eagle", draft_model="/d")
+    assert [c.name for c in configs] == ["plain", "ngram:4", "draft:3", "eagle"]   # plain added first
+    assert configs[1].speculative_config == {"method": "ngram", "num_speculative_tokens": 4}
+    assert configs[2].speculative_config == {"method": "draft_model", "num_speculative_tokens": 3, "model": "/d"}
+    assert configs[3].speculative_config == {"method": "eagle"}   # the shipped head and its own k
+    assert parse_configs("plain") == [Config("plain", "specserve")]
+    for bad in ("medusa:3", "ngram:x", "ngram:0", "plain,plain"):
+        with pytest.raises(ValueError):
+            parse_configs(bad)
+
+
+def test_load_prompts_limit_and_categories(tmp_path):
+    prompts = load_prompts(None, limit=1)
+    cats = [p.category for p in prompts]
+    assert len(cats) == len(set(cats)) == 13      # the shipped set: Spec-Bench's 13 categories
+    assert len(load_prompts(None)) == 39
+    assert [p.category for p in load_prompts(None, categories=["rag"])] == ["rag"] * 3
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question_id": 1, "turns": ["x"]}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        load_prompts(str(bad))
+    with pytest.raises(ValueError, match="no prompts"):
+        load_prompts(None, categories=["nope"])
+
+
+def test_llama_cpp_peer_without_binaries_says_how_to_build(tmp_path):
+    from specserve.bench.peers import LlamaCppPeer
+    from specserve.bench.runner import BenchOptions
+
+    with pytest.raises(ValueError, match="build-llamacpp.sh"):
+        LlamaCppPeer(BenchOptions(llama_cpp_bin=str(tmp_path)))
