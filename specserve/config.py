@@ -54,6 +54,10 @@ class SpeculativeConfig:
     # batch already uses the hardware well, and verifying k+1 positions per
     # request then costs more than it saves (vLLM's disable_by_batch_size).
     disable_by_batch_size: int | None = None
+    # Choose each request's draft length every step from measured costs and acceptance
+    # (spec_decode/k_policy.py); num_speculative_tokens is then the maximum. Requests with
+    # a seed keep the fixed k so their samples stay reproducible (timings vary run to run).
+    dynamic_k: bool = False
 
     METHODS = ("draft_model", "ngram", "eagle")
 
@@ -70,6 +74,8 @@ class SpeculativeConfig:
         b = self.disable_by_batch_size
         if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 1):
             raise ValueError(f"disable_by_batch_size must be a positive integer, got {b!r}")
+        if not isinstance(self.dynamic_k, bool):
+            raise ValueError(f"dynamic_k must be True or False, got {self.dynamic_k!r}")
         v = self.draft_vocab_size
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
             raise ValueError(f"draft_vocab_size must be a positive integer, got {v!r}")

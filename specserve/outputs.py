@@ -20,6 +20,7 @@ class SpecDecodeStats:
     num_steps: int = 0             # decode steps (with or without drafts)
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
+    steps_by_draft_length: list[int] = field(default_factory=list)   # [i]: decode steps that carried i drafts
 
     def record(self, num_draft: int, num_accepted: int, num_emitted: int,
                drafts_per_depth: list[int] | None = None) -> None:
@@ -27,6 +28,7 @@ class SpecDecodeStats:
         the last token (a tree of drafts may hold several); default a chain, one each."""
         self.num_steps += 1
         self.num_emitted_tokens += num_emitted
+        _bump(self.steps_by_draft_length, num_draft)
         if num_draft == 0:
             return
         self.num_drafts += 1
@@ -54,6 +56,8 @@ class SpecDecodeStats:
             self.drafted_per_position[i] += v
         for i, v in enumerate(other.accepted_per_position):
             self.accepted_per_position[i] += v
+        for i, v in enumerate(other.steps_by_draft_length):
+            _bump(self.steps_by_draft_length, i, v)
 
     @property
     def acceptance_rate(self) -> float:
@@ -77,7 +81,13 @@ class SpecDecodeStats:
             "acceptance_rate": round(self.acceptance_rate, 4),
             "mean_acceptance_length": round(self.mean_acceptance_length, 4),
             "acceptance_by_position": [round(x, 4) for x in self.acceptance_by_position],
+            "steps_by_draft_length": list(self.steps_by_draft_length),
         }
+
+
+def _bump(counts: list[int], index: int, by: int = 1) -> None:
+    counts.extend([0] * (index + 1 - len(counts)))
+    counts[index] += by
 
 
 @dataclass

@@ -33,6 +33,7 @@ from specserve.sample.sampler import SamplingTensors, processed_probs
 from specserve.sample.tree_sampler import target_choices, walk_tree
 from specserve.sampling_params import SamplingParams
 from specserve.spec_decode.factory import build_proposer, resolve_speculative_config
+from specserve.spec_decode.k_policy import DraftLengthPolicy
 from specserve.spec_decode.proposer import kept_hidden_states
 from specserve.worker.model_runner import ForwardInput, ModelRunner
 from specserve.worker.tp_executor import build_executor, prepare_parallelism
@@ -100,6 +101,9 @@ class LLMEngine:
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, enable_prefix_caching=prefix_caching)
         self.proposer = build_proposer(spec_config, self, loaded_vocab) if spec_config else None
         self.num_speculative_tokens = k
+        self.k_policy = DraftLengthPolicy(k) if spec_config is not None and spec_config.dynamic_k else None
+        if self.k_policy is not None:
+            self._calibrate_k_policy()
         self.scheduler = Scheduler(
             self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, num_lookahead_slots=k
         )
@@ -222,6 +226,7 @@ class LLMEngine:
         # EAGLE-style proposers also see the target's hidden state of every kept position.
         want_hidden = self.proposer is not None and self.proposer.needs_target_hidden
         starts = [s.request.num_computed_tokens for s in plan.scheduled]
+        started = time.perf_counter()
         try:
             result = self.runner.execute(inputs, return_all_hidden=True) if want_hidden else self.runner.execute(inputs)
         except WorkerError:   # a tensor-parallel rank died: the whole engine is gone, not this step
@@ -231,6 +236,9 @@ class LLMEngine:
             raise StepFailedError(list(hit), e) from e
         sampling = [s for s in plan.scheduled if s.will_sample]
         emitted = self._verify_isolated(sampling, result.logits) if sampling else {}
+        if self.k_policy is not None and all(s.num_new_tokens == 1 for s in plan.scheduled):
+            # A verification step's cost (its logits are on the host now): the policy's cost line.
+            self.k_policy.record_forward(sum(len(i.token_ids) for i in inputs), time.perf_counter() - started)
         outputs = []
         for s in plan.scheduled:
             try:
@@ -384,7 +392,15 @@ class LLMEngine:
             return  # plain decoding this step; the reserved lookahead slots stay unused
         if not decoding:
             return
+        if self.k_policy is not None:
+            self._choose_draft_lengths(decoding)
+            decoding = [s for s in decoding if s.num_lookahead > 0]
+            if not decoding:
+                return
+        started = time.perf_counter()
         proposal = self.proposer.propose(decoding)
+        if self.k_policy is not None:
+            self.k_policy.record_draft(max(s.num_lookahead for s in decoding), time.perf_counter() - started)
         parents = proposal.parents or [None] * len(decoding)
         for s, tokens, probs, tree in zip(decoding, proposal.token_ids, proposal.probs, parents):
             s.request.draft_token_ids = list(tokens[: s.num_lookahead])
@@ -393,6 +409,38 @@ class LLMEngine:
             s.request.draft_parents = None if tree is None else list(tree[: s.num_lookahead])
             if tree is not None and (probs is not None or self.proposer.needs_target_hidden):
                 raise ValueError("trees of drafts are verified for one-hot proposers without hidden states only")
+
+    def _choose_draft_lengths(self, decoding: list[ScheduledRequest]) -> None:
+        """Lower each request's lookahead to the draft length the policy picks (its slots stay
+        reserved, unused). Seeded sampled requests keep theirs: their random draws depend on k."""
+        policy = self.k_policy
+        chosen = [s for s in decoding if s.request.sampling_params.greedy or s.request.sampling_params.seed is None]
+        if not chosen:
+            return
+        prior = self.spec_stats.acceptance_by_position
+        rates = [policy.acceptance(s.request.spec_stats.accepted_per_position,
+                                   s.request.spec_stats.drafted_per_position, prior) for s in chosen]
+        probe = [s.request.spec_stats.num_steps % policy.probe_every == 0 for s in chosen]
+        for s, k in zip(chosen, policy.choose(rates, [s.num_lookahead for s in chosen], probe)):
+            s.num_lookahead = k
+
+    def _calibrate_k_policy(self) -> None:
+        """Time target forwards of 1, 2 and k + 1 rows (and one draft-model step) on scratch
+        KV slots before any request exists, so the policy starts with a cost line."""
+        k = self.num_speculative_tokens
+        table = list(range(self.kv_cache.blocks_for(k + 1)))
+        self.runner.execute([ForwardInput([0] * (k + 1), 0, table, k + 1)])   # warm-up, not timed
+        for rows in (1, 2, k + 1, 1, 2, k + 1):
+            started = time.perf_counter()
+            self.runner.execute([ForwardInput([0] * rows, 0, table, rows)])
+            self.k_policy.record_forward(rows, time.perf_counter() - started)
+        draft_runner = getattr(self.proposer, "runner", None)   # a draft model's
+        if draft_runner is not None:
+            draft_runner.execute([ForwardInput([0], 0, table, 1)])
+            for _ in range(2):
+                started = time.perf_counter()
+                draft_runner.execute([ForwardInput([0], 0, table, 1)])
+                self.k_policy.record_draft(1, time.perf_counter() - started)
 
     def _forward_input(self, s: ScheduledRequest) -> ForwardInput:
         req = s.request

@@ -161,7 +161,14 @@ def stats_delta(after: SpecDecodeStats, before: SpecDecodeStats) -> SpecDecodeSt
         num_steps=after.num_steps - before.num_steps,
         accepted_per_position=sub(after.accepted_per_position, before.accepted_per_position),
         drafted_per_position=sub(after.drafted_per_position, before.drafted_per_position),
+        steps_by_draft_length=_strip_zeros(sub(after.steps_by_draft_length, before.steps_by_draft_length)),
     )
+
+
+def _strip_zeros(counts: list[int]) -> list[int]:
+    while counts and counts[-1] == 0:
+        counts = counts[:-1]
+    return counts
 
 
 def check_stats(s: SpecDecodeStats, k: int, tree: bool = False) -> None:
@@ -178,12 +185,17 @@ def check_stats(s: SpecDecodeStats, k: int, tree: bool = False) -> None:
         assert all(a >= b for a, b in zip(seq, seq[1:])), seq
     assert all(0.0 <= r <= 1.0 for r in s.acceptance_by_position)
     assert s.num_emitted_tokens <= s.num_accepted_tokens + s.num_steps
+    # Steps by draft length add up to the steps, the drafted steps and the draft tokens.
+    assert sum(s.steps_by_draft_length) == s.num_steps and len(s.steps_by_draft_length) <= k + 1
+    assert sum(s.steps_by_draft_length[1:]) == s.num_drafts
+    assert sum(i * n for i, n in enumerate(s.steps_by_draft_length)) == s.num_draft_tokens
 
 
 def snapshot(llm: LLM) -> SpecDecodeStats:
     s = llm.get_spec_decode_stats()
     return dataclasses.replace(s, accepted_per_position=list(s.accepted_per_position),
-                               drafted_per_position=list(s.drafted_per_position))
+                               drafted_per_position=list(s.drafted_per_position),
+                               steps_by_draft_length=list(s.steps_by_draft_length))
 
 
 def run_and_check(llm: LLM, prompts, params, k: int):

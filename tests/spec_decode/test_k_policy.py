@@ -1,0 +1,107 @@
+"""The draft-length policy with made-up costs: k = 0 when verification is expensive and
+acceptance low, long drafts in the opposite case, per-request trimming, probes, the cost
+line's fit; and the engine with ``dynamic_k`` on the tiny model (greedy output unchanged,
+the chosen lengths in the stats)."""
+from __future__ import annotations
+
+import pytest
+
+from specserve import LLM, SamplingParams
+from specserve.spec_decode.k_policy import DraftLengthPolicy, LinearCost
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def policy_with_costs(fixed: float, per_row: float, k: int = 6, draft: float = 0.0) -> DraftLengthPolicy:
+    p = DraftLengthPolicy(k)
+    for rows in (1, 2, 4, 8, 16):
+        p.record_forward(rows, fixed + per_row * rows)
+    p.draft_seconds_per_position = draft
+    return p
+
+
+def test_the_cost_line_is_fitted():
+    line = LinearCost()
+    assert line.fit() is None
+    line.add(3, 0.016)
+    line.add(3, 0.016)
+    assert line.fit() is None                         # one x only: no slope yet
+    for x in (1, 5, 9):
+        line.add(x, 0.01 + 0.002 * x)
+    fixed, slope = line.fit()
+    assert fixed == pytest.approx(0.01) and slope == pytest.approx(0.002)
+
+
+def test_expensive_rows_and_poor_acceptance_mean_no_drafts():
+    # Each verified row costs as much as the whole fixed part (a big batch on a CPU).
+    p = policy_with_costs(fixed=0.010, per_row=0.010)
+    rates = [[0.2, 0.05, 0.01, 0.0, 0.0, 0.0]] * 4
+    assert p.choose(rates, [6] * 4, [False] * 4) == [0, 0, 0, 0]
+
+
+def test_cheap_rows_and_good_acceptance_mean_long_drafts():
+    # Batch 1 on a memory-bound CPU: one more row costs 2% of a step.
+    p = policy_with_costs(fixed=0.020, per_row=0.0004)
+    rates = [[0.9, 0.8, 0.7, 0.6, 0.5, 0.4]]
+    assert p.choose(rates, [6], [False]) == [6]
+
+
+def test_the_draft_models_cost_shortens_drafts():
+    cheap_rows = dict(fixed=0.020, per_row=0.0004)
+    rates = [[0.7, 0.5, 0.35, 0.25, 0.15, 0.1]]
+    free = policy_with_costs(**cheap_rows).choose(rates, [6], [False])[0]
+    costly = policy_with_costs(**cheap_rows, draft=0.006).choose(rates, [6], [False])[0]
+    assert free > costly >= 1
+
+
+def test_each_request_is_trimmed_to_what_its_own_acceptance_pays_for():
+    p = policy_with_costs(fixed=0.020, per_row=0.002)
+    good, poor = [0.95, 0.9, 0.85, 0.8, 0.75, 0.7], [0.3, 0.02, 0.01, 0.0, 0.0, 0.0]
+    k_good, k_poor = p.choose([good, poor], [6, 6], [False, False])
+    assert k_good > 2 and k_poor <= 1
+
+
+def test_limits_and_probes():
+    p = policy_with_costs(fixed=0.010, per_row=0.010)
+    rates = [[0.1] * 6, [0.9] * 6]
+    assert p.choose(rates, [6, 2], [True, False])[0] == 6      # a probe drafts its limit
+    assert all(k <= 2 for k in p.choose([[1.0] * 6], [2], [False]))
+
+
+def test_acceptance_blends_the_request_with_the_prior_and_never_rises_with_depth():
+    p = DraftLengthPolicy(4, prior_weight=4.0)
+    rates = p.acceptance(accepted=[10, 2], drafted=[10, 10], prior=[0.5, 0.5])
+    assert rates[0] == pytest.approx((10 + 2) / 14) and rates[1] == pytest.approx((2 + 2) / 14)
+    assert rates[2] <= rates[1] and rates[3] <= rates[2]       # never drafted: extrapolated downwards
+    assert p.acceptance([], [], [])[0] == 0.5                   # nothing known yet
+
+
+def test_without_a_cost_line_every_request_drafts_its_limit():
+    assert DraftLengthPolicy(4).choose([[0.0] * 4], [3], [False]) == [3]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_dynamic_k_keeps_greedy_output_and_reports_the_lengths(tiny_llama_dir, tiny_draft_dir, method):
+    spec = {"method": method, "num_speculative_tokens": 4}
+    if method == "draft_model":
+        spec["model"] = tiny_draft_dir
+    kw = dict(model=tiny_llama_dir, dtype="float32", max_model_len=256, kv_cache_memory=8 << 20)
+    prompts = ["one two three one two three one two", "a b c a b c a b", "the cat sat on the mat the cat"]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(**kw).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(**kw, speculative_config={**spec, "dynamic_k": True})
+    assert llm.engine.k_policy.forward.fit() is not None       # calibrated at start-up
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == plain
+    stats = llm.get_spec_decode_stats()
+    assert sum(stats.steps_by_draft_length) == stats.num_steps and len(stats.steps_by_draft_length) <= 5
+    assert sum(llm.engine.k_policy.steps_by_k) > 0
+
+
+def test_seeded_requests_keep_the_fixed_k(tiny_llama_dir, tiny_draft_dir):
+    kw = dict(model=tiny_llama_dir, dtype="float32", max_model_len=256, kv_cache_memory=8 << 20)
+    spec = {"method": "draft_model", "model": tiny_draft_dir, "num_speculative_tokens": 3}
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=20, ignore_eos=True)
+    fixed = LLM(**kw, speculative_config=spec).generate("x y z", params, use_tqdm=False)[0].outputs[0].token_ids
+    dynamic = LLM(**kw, speculative_config={**spec, "dynamic_k": True})
+    assert dynamic.generate("x y z", params, use_tqdm=False)[0].outputs[0].token_ids == fixed
+    assert dynamic.engine.k_policy.steps_by_k == [0] * 4       # never asked
