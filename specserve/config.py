@@ -25,8 +25,10 @@ class SpeculativeConfig:
     """How tokens are proposed for verification.
 
     method: "draft_model" (a smaller model with the target's vocabulary),
-    "ngram" (prompt lookup: no model) or "eagle" (a head over the target's
-    hidden states). ``model`` is anything the loader accepts.
+    "ngram" (prompt lookup: no model), "suffix" (suffix decoding: counted
+    continuations of the request's own tokens and of recent requests', no model)
+    or "eagle" (a head over the target's hidden states). ``model`` is anything
+    the loader accepts.
     """
 
     method: str | None = None
@@ -44,6 +46,14 @@ class SpeculativeConfig:
     # ngram: propose the continuations of several earlier occurrences as a tree of at
     # most k tokens (always adaptive), verified in one pass (docs/speculative_decoding.md).
     prompt_lookup_tree: bool = False
+    # suffix: the draft tree's depth at most, the smallest probability (count-based, the
+    # product along its path) a draft token may have, and how many recent requests the
+    # global suffix trie keeps (0: none, only each request's own tokens). A tree holds at most
+    # min(k, suffix_max_spec_factor x the matched suffix's length) tokens.
+    suffix_max_depth: int = 8
+    suffix_min_token_prob: float = 0.1
+    suffix_max_cached_requests: int = 256
+    suffix_max_spec_factor: float = 1.0
     draft_dtype: str | None = None   # defaults to the target's dtype
     # draft_model: the draft's LM head keeps only the first N token ids (byte-pair vocabularies
     # number tokens roughly by merge order, so these are the common ones); the draft then never
@@ -59,7 +69,7 @@ class SpeculativeConfig:
     # a seed keep the fixed k so their samples stay reproducible (timings vary run to run).
     dynamic_k: bool = False
 
-    METHODS = ("draft_model", "ngram", "eagle")
+    METHODS = ("draft_model", "ngram", "eagle", "suffix")
 
     def __post_init__(self) -> None:
         if self.method is None:
@@ -95,6 +105,27 @@ class SpeculativeConfig:
                     "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                     f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
                 )
+
+        suffix_defaults = {f.name: f.default for f in fields(self) if f.name.startswith("suffix_")}
+        if self.method != "suffix":
+            changed = sorted(n for n, d in suffix_defaults.items() if getattr(self, n) != d)
+            if changed:
+                raise ValueError(f"{', '.join(changed)}: suffix options, not for method {self.method!r}")
+        else:
+            if self.model is not None:
+                raise ValueError("the suffix method takes no speculative model")
+            depth = self.suffix_max_depth
+            if not _is_int(depth) or not (1 <= depth <= MAX_SPECULATIVE_TOKENS):
+                raise ValueError(f"suffix_max_depth must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {depth!r}")
+            prob = self.suffix_min_token_prob
+            if isinstance(prob, bool) or not isinstance(prob, (int, float)) or not (0.0 <= prob <= 1.0):
+                raise ValueError(f"suffix_min_token_prob must be a number in [0, 1], got {prob!r}")
+            factor = self.suffix_max_spec_factor
+            if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+                raise ValueError(f"suffix_max_spec_factor must be a positive number, got {factor!r}")
+            cached = self.suffix_max_cached_requests
+            if not _is_int(cached) or cached < 0:
+                raise ValueError(f"suffix_max_cached_requests must be a non-negative integer, got {cached!r}")
 
     @classmethod
     def from_dict(cls, values: dict) -> "SpeculativeConfig":

@@ -18,7 +18,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--speculative-model", default=None, help="draft model (anything --model accepts)")
-    p.add_argument("--speculative-method", default=None, choices=["draft_model", "ngram", "eagle"])
+    p.add_argument("--speculative-method", default=None, choices=["draft_model", "ngram", "eagle", "suffix"])
     p.add_argument("--num-speculative-tokens", type=int, default=None, help="k, draft tokens per step")
     p.add_argument("--prompt-lookup-max", type=int, default=None, help="ngram: longest suffix to match")
     p.add_argument("--prompt-lookup-min", type=int, default=None, help="ngram: shortest suffix to match")
@@ -26,6 +26,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="ngram: propose min(k, match length) tokens (default) rather than always k")
     p.add_argument("--prompt-lookup-tree", action=argparse.BooleanOptionalAction, default=None,
                    help="ngram: propose several earlier continuations as a tree of at most k tokens")
+    p.add_argument("--suffix-max-depth", type=int, default=None, help="suffix: the draft tree's depth at most")
+    p.add_argument("--suffix-min-token-prob", type=float, default=None,
+                   help="suffix: smallest (count-based) probability of a draft token")
+    p.add_argument("--suffix-max-cached-requests", type=int, default=None,
+                   help="suffix: recent requests the global suffix trie keeps (0: only each request's own)")
+    p.add_argument("--suffix-max-spec-factor", type=float, default=None,
+                   help="suffix: at most this many draft tokens per matched token (default 1)")
     p.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
                    help="skip drafting in steps with at least this many decoding requests")
     p.add_argument("--draft-tensor-parallel-size", type=int, default=None)
@@ -44,6 +51,10 @@ def speculative_config_from_args(args) -> dict | None:
         "prompt_lookup_min": args.prompt_lookup_min,
         "prompt_lookup_adaptive": args.prompt_lookup_adaptive,
         "prompt_lookup_tree": args.prompt_lookup_tree,
+        "suffix_max_depth": getattr(args, "suffix_max_depth", None),
+        "suffix_min_token_prob": getattr(args, "suffix_min_token_prob", None),
+        "suffix_max_cached_requests": getattr(args, "suffix_max_cached_requests", None),
+        "suffix_max_spec_factor": getattr(args, "suffix_max_spec_factor", None),
         "draft_tensor_parallel_size": args.draft_tensor_parallel_size,
         "draft_vocab_size": getattr(args, "draft_vocab_size", None),
         "disable_by_batch_size": args.speculative_disable_by_batch_size,

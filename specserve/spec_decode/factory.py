@@ -68,6 +68,11 @@ def build_proposer(spec: SpeculativeConfig, engine, target_vocab: int) -> Propos
     if spec.method == "ngram":
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.prompt_lookup_adaptive,
                              spec.prompt_lookup_tree)
+    if spec.method == "suffix":
+        from specserve.spec_decode.suffix import SuffixProposer
+
+        return SuffixProposer(spec.suffix_max_depth, spec.suffix_min_token_prob, spec.suffix_max_cached_requests,
+                              spec.suffix_max_spec_factor)
     if spec.method == "eagle":
         from specserve.spec_decode.eagle import build_eagle_proposer
 
