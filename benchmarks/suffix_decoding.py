@@ -7,7 +7,7 @@ order rotated per request, so a slow spell of the shared machine hits them alike
 Suffix decoding's global trie learns from the earlier answers; n-gram lookup
 sees only the current request.
 
-    python benchmarks/suffix_decoding.py --requests 60 --max-tokens 96
+    python benchmarks/suffix_decoding.py --requests 60 --max-tokens 96 --suffix-max-spec-factor 1 2
 
 Printed: per config tokens/s (output tokens over the wall time of the requests,
 prefill included), the ratio to plain, tau (tokens per decode step) and the
@@ -54,7 +54,8 @@ def main() -> None:
     p.add_argument("--suffix-k", type=int, default=8)
     p.add_argument("--suffix-min-token-prob", type=float, default=0.1)
     p.add_argument("--suffix-max-depth", type=int, default=8)
-    p.add_argument("--suffix-max-spec-factor", type=float, default=1.0)
+    p.add_argument("--suffix-max-spec-factor", type=float, nargs="+", default=[1.0],
+                   help="one suffix config per value")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--warmup", type=int, default=2, help="untimed requests per config first (other inputs)")
     args = p.parse_args()
@@ -63,11 +64,12 @@ def main() -> None:
     configs = {
         "plain": None,
         f"ngram k={args.ngram_k}": {"method": "ngram", "num_speculative_tokens": args.ngram_k},
-        f"suffix k={args.suffix_k}": {"method": "suffix", "num_speculative_tokens": args.suffix_k,
-                                      "suffix_min_token_prob": args.suffix_min_token_prob,
-                                      "suffix_max_depth": args.suffix_max_depth,
-                                      "suffix_max_spec_factor": args.suffix_max_spec_factor},
     }
+    for factor in args.suffix_max_spec_factor:
+        configs[f"suffix k={args.suffix_k} f={factor:g}"] = {
+            "method": "suffix", "num_speculative_tokens": args.suffix_k,
+            "suffix_min_token_prob": args.suffix_min_token_prob, "suffix_max_depth": args.suffix_max_depth,
+            "suffix_max_spec_factor": factor}
     engines = {name: LLM(speculative_config=spec) if spec else LLM() for name, spec in configs.items()}
     first = next(iter(engines.values()))
     print(f"model: {first.engine.model_name}, torch threads: {torch.get_num_threads()}, "
@@ -104,7 +106,7 @@ def main() -> None:
     print(f"mean output length {mean_len:.1f} tokens; every config's output == plain's")
     for label, part in (("all requests", None), ("second half", 1)):
         print(f"\n{label}:")
-        print(f"{'config':>16} {'tok/s':>8} {'x plain':>8} {'tau':>6} {'accept':>7}")
+        print(f"{'config':>20} {'tok/s':>8} {'x plain':>8} {'tau':>6} {'accept':>7}")
         rate = {}
         for n in names:
             secs = sum(elapsed[n]) if part is None else elapsed[n][part]
@@ -114,7 +116,7 @@ def main() -> None:
             steps, emitted, drafted, accepted = (b[j] - a[j] for j in range(4))
             tau = emitted / steps if steps else float("nan")
             acc = accepted / drafted if drafted else 0.0
-            print(f"{n:>16} {rate[n]:8.1f} {rate[n] / rate['plain']:8.2f} {tau:6.2f} {acc:7.2f}")
+            print(f"{n:>20} {rate[n]:8.1f} {rate[n] / rate['plain']:8.2f} {tau:6.2f} {acc:7.2f}")
 
 
 def _snapshot(llm: LLM) -> tuple[int, int, int, int]:

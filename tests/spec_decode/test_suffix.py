@@ -13,7 +13,7 @@ import pytest
 
 from specserve import LLM, SamplingParams
 from specserve.config import SpeculativeConfig
-from specserve.spec_decode.suffix import (COUNT, TOTAL, GlobalSuffixCache, SuffixProposer, SuffixTrie,
+from specserve.spec_decode.suffix import (GlobalSuffixCache, SuffixProposer, SuffixTrie,
                                           grow_tree, is_chain)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -64,10 +64,12 @@ def trie_counts(trie):
     while stack:
         path, node = stack.pop()
         if path:
-            out[path] = node[COUNT]
-        if node[2]:
-            assert node[TOTAL] == sum(c[COUNT] for c in node[2].values())
-            stack.extend((path + (t,), c) for t, c in node[2].items())
+            out[path] = trie.count[node]
+            assert trie.find(path) == node
+        kids = list(trie.children(node))
+        assert trie.total[node] == sum(trie.count[c] for _, c in kids)
+        stack.extend((path + (t,), c) for t, c in kids)
+    assert len(trie.edges) == len(out)
     return out
 
 
@@ -87,9 +89,11 @@ def test_trie_counts_every_substring_up_to_its_depth_incrementally():
     trie.remove(seqs[3])
     assert trie_counts(trie) == brute_counts([seqs[0], seqs[2], seqs[4]], 5)
     assert trie.num_nodes == len(brute_counts([seqs[0], seqs[2], seqs[4]], 5))
-    for seq in (seqs[0], seqs[2], seqs[4]):
+    trie.extend([], seqs[3])      # freed nodes are reused
+    assert trie_counts(trie) == brute_counts([seqs[0], seqs[2], seqs[3], seqs[4]], 5)
+    for seq in (seqs[0], seqs[2], seqs[3], seqs[4]):
         trie.remove(seq)
-    assert trie.root == [0, 0, None] and trie.num_nodes == 0
+    assert trie.total[trie.root] == 0 and trie.num_nodes == 0 and not trie.edges
 
 
 def test_longest_match_wins_and_needs_a_continuation():
@@ -99,11 +103,11 @@ def test_longest_match_wins_and_needs_a_continuation():
     cursor = trie.extend([], seq)
     n, node = trie.longest_match(seq[-6:], cursor)
     assert n == 3
-    assert grow_tree(node, 1, 4, 0.0)[0] == [9]
+    assert grow_tree(trie, node, 1, 4, 0.0)[0] == [9]
     assert trie.longest_match(seq[-6:]) == (n, node)        # the same walking from the root
     assert trie.longest_match([8, 8]) == (0, None)          # never seen
     n, node = trie.longest_match([6, 5, 1, 2, 9, 6], None)  # the 6 tokens never occurred, the last 5 did
-    assert n == 5 and grow_tree(node, 1, 4, 0.0)[0] == [5]
+    assert n == 5 and grow_tree(trie, node, 1, 4, 0.0)[0] == [5]
 
 
 def test_tree_is_most_frequent_first_with_valid_parents():
@@ -112,13 +116,13 @@ def test_tree_is_most_frequent_first_with_valid_parents():
     seq = [1, 2, 3, 4, 0, 1, 2, 5, 6, 0, 1, 2, 3, 4, 0, 1, 2, 3, 8, 0, 1, 2, 5, 6, 0, 1, 2, 3, 4, 0, 1, 2]
     cursor = trie.extend([], seq)
     _, node = trie.longest_match(seq[-2:], cursor)
-    drafts, parents, score = grow_tree(node, k=8, max_depth=2, min_token_prob=0.0)
+    drafts, parents, score = grow_tree(trie, node, k=8, max_depth=2, min_token_prob=0.0)
     valid_tree(drafts, parents)
     assert branches(drafts, parents) == [[3, 4], [3, 8], [5, 6]]      # most probable first
     assert drafts[:2] == [3, 4] and parents[:2] == [-1, 0]            # the best path is drafts 0, 1
     assert score == pytest.approx(4 / 6 + 3 / 6 + 1 / 6 + 2 / 6 + 2 / 6)
     # k tokens at most, taken best first: 3 (4/6), 4 (3/6), then 5 or 6 (2/6) ...
-    drafts, parents, _ = grow_tree(node, k=3, max_depth=2, min_token_prob=0.0)
+    drafts, parents, _ = grow_tree(trie, node, k=3, max_depth=2, min_token_prob=0.0)
     valid_tree(drafts, parents)
     assert drafts[:2] == [3, 4] and len(drafts) == 3 and drafts[2] == 5
 
@@ -128,15 +132,15 @@ def test_min_token_prob_and_depth_cap():
     seq = [1, 2, 3, 4, 0, 1, 2, 5, 6, 0, 1, 2, 3, 4, 0, 1, 2, 3, 8, 0, 1, 2, 5, 6, 0, 1, 2, 3, 4, 0, 1, 2]
     cursor = trie.extend([], seq)
     _, node = trie.longest_match(seq[-2:], cursor)
-    drafts, parents, _ = grow_tree(node, k=8, max_depth=2, min_token_prob=0.4)
+    drafts, parents, _ = grow_tree(trie, node, k=8, max_depth=2, min_token_prob=0.4)
     assert branches(drafts, parents) == [[3, 4]]                       # 4/6 then 3/6; 5 (2/6) is out
-    drafts, parents, _ = grow_tree(node, k=8, max_depth=1, min_token_prob=0.0)
+    drafts, parents, _ = grow_tree(trie, node, k=8, max_depth=1, min_token_prob=0.0)
     assert sorted(drafts) == [3, 5] and parents == [-1, -1]
     for depth in (1, 2, 3, 5):
-        drafts, parents, _ = grow_tree(node, k=16, max_depth=depth, min_token_prob=0.0)
+        drafts, parents, _ = grow_tree(trie, node, k=16, max_depth=depth, min_token_prob=0.0)
         valid_tree(drafts, parents)
         assert max(len(b) for b in branches(drafts, parents)) <= depth
-    assert grow_tree(node, k=8, max_depth=4, min_token_prob=1.0)[0] == []
+    assert grow_tree(trie, node, k=8, max_depth=4, min_token_prob=1.0)[0] == []
 
 
 def test_a_single_path_is_a_chain():
