@@ -79,13 +79,14 @@ class Config:
         return {"name": self.name, "kind": self.kind, "speculative_config": self.speculative_config}
 
 
-METHODS = {"ngram": "ngram", "draft": "draft_model", "draft_model": "draft_model", "eagle": "eagle"}
+METHODS = {"ngram": "ngram", "draft": "draft_model", "draft_model": "draft_model", "eagle": "eagle", "suffix": "suffix"}
 
 
 def parse_configs(text: str, draft_model: str | None = None, eagle_model: str | None = None) -> list[Config]:
     """``plain,ngram:4,draft:3,eagle:4`` -> configurations; ``plain`` is added first when missing.
 
-    ``METHOD:K`` speculates K tokens per step (``METHOD`` alone: specserve's default k).
+    ``METHOD:K`` speculates K tokens per step (``METHOD`` alone: specserve's default k);
+    ``METHOD:K:dynamic`` chooses each step's draft length up to K (``dynamic_k``).
     ``draft``/``eagle`` use ``draft_model``/``eagle_model``, else the default model's shipped draft.
     """
     configs: list[Config] = []
@@ -96,6 +97,8 @@ def parse_configs(text: str, draft_model: str | None = None, eagle_model: str | 
             cfg = Config("plain", "specserve")
         else:
             method, _, k = item.partition(":")
+            dynamic = k.endswith(":dynamic") or k == "dynamic"
+            k = k.removesuffix("dynamic").removesuffix(":")
             if method not in METHODS:
                 raise ValueError(f"unknown configuration {item!r}: use plain, ngram:K, draft:K or eagle:K")
             spec: dict = {"method": METHODS[method]}
@@ -106,6 +109,8 @@ def parse_configs(text: str, draft_model: str | None = None, eagle_model: str | 
                     raise ValueError(f"configuration {item!r}: K must be an integer") from None
                 if spec["num_speculative_tokens"] < 1:
                     raise ValueError(f"configuration {item!r}: K must be at least 1")
+            if dynamic:
+                spec["dynamic_k"] = True
             model = {"draft_model": draft_model, "eagle": eagle_model}.get(spec["method"])
             if model is not None:
                 spec["model"] = model

@@ -425,21 +425,22 @@ class LLMEngine:
             s.num_lookahead = k
 
     def _calibrate_k_policy(self) -> None:
-        """Time target forwards of 1, 2 and k + 1 rows (and one draft-model step) on scratch
-        KV slots before any request exists, so the policy starts with a cost line."""
+        """Time target forwards of 1..k+1 rows (and a draft-model step) on scratch KV slots,
+        before any request exists, so the policy starts with measured costs."""
         k = self.num_speculative_tokens
-        table = list(range(self.kv_cache.blocks_for(k + 1)))
-        self.runner.execute([ForwardInput([0] * (k + 1), 0, table, k + 1)])   # warm-up, not timed
-        for rows in (1, 2, k + 1, 1, 2, k + 1):
+        start = max(0, min(64, self.max_model_len - k - 2))        # a short context, as early decoding has
+        table = list(range(self.kv_cache.blocks_for(start + k + 1)))
+        self.runner.execute([ForwardInput([0] * (k + 1), start, table, k + 1)])   # warm-up, not timed
+        for rows in list(range(1, k + 2)) * 2:
             started = time.perf_counter()
-            self.runner.execute([ForwardInput([0] * rows, 0, table, rows)])
+            self.runner.execute([ForwardInput([0] * rows, start, table, rows)])
             self.k_policy.record_forward(rows, time.perf_counter() - started)
         draft_runner = getattr(self.proposer, "runner", None)   # a draft model's
         if draft_runner is not None:
-            draft_runner.execute([ForwardInput([0], 0, table, 1)])
+            draft_runner.execute([ForwardInput([0], start, table, 1)])
             for _ in range(2):
                 started = time.perf_counter()
-                draft_runner.execute([ForwardInput([0], 0, table, 1)])
+                draft_runner.execute([ForwardInput([0], start, table, 1)])
                 self.k_policy.record_draft(1, time.perf_counter() - started)
 
     def _forward_input(self, s: ScheduledRequest) -> ForwardInput:

@@ -33,6 +33,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="suffix: recent requests the global suffix trie keeps (0: only each request's own)")
     p.add_argument("--suffix-max-spec-factor", type=float, default=None,
                    help="suffix: at most this many draft tokens per matched token (default 1)")
+    p.add_argument("--speculative-dynamic-k", action=argparse.BooleanOptionalAction, default=None,
+                   help="choose each request's draft length every step from measured costs and acceptance "
+                        "(--num-speculative-tokens is the maximum)")
     p.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
                    help="skip drafting in steps with at least this many decoding requests")
     p.add_argument("--draft-tensor-parallel-size", type=int, default=None)
@@ -58,6 +61,7 @@ def speculative_config_from_args(args) -> dict | None:
         "draft_tensor_parallel_size": args.draft_tensor_parallel_size,
         "draft_vocab_size": getattr(args, "draft_vocab_size", None),
         "disable_by_batch_size": args.speculative_disable_by_batch_size,
+        "dynamic_k": getattr(args, "speculative_dynamic_k", None),
     }
     values = {k: v for k, v in values.items() if v is not None}
     if not values:

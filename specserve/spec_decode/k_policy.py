@@ -2,20 +2,20 @@
 
 Two things are measured online, every step, from the engine's own timings:
 
-- **cost**: the target forward's time as a line in the rows it verifies,
-  ``t = fixed + per_row * rows`` (least squares over recent steps, older ones
-  fading), and the proposer's time per draft position (a draft model runs one
-  forward per position; n-gram lookup costs ~0);
+- **cost**: the target forward's time by the number of rows it verifies
+  (``RowCost``: measured per row count at start-up and every verification step),
+  and the proposer's time per draft position (a draft model runs one forward per
+  position; n-gram lookup costs ~0);
 - **acceptance**: for each request, the chance that its i-th draft token is
   accepted, ``r_i`` (accepted / drafted at position i: a chain accepts position
   i only if 1..i-1 were accepted too, so this is the chance of emitting it),
   from its own steps blended with the proposer's engine-wide figures as a prior.
 
 A step with k_j drafts for request j emits ``sum_j (1 + r_j1 + ... + r_jk_j)``
-tokens on average and costs ``fixed + per_row * sum_j (k_j + 1) + draft * max_j k_j``.
+tokens on average and costs ``forward(sum_j (k_j + 1)) + draft * max_j k_j``.
 ``choose`` tries every cap c in 0..K for the whole step, keeps the best ratio,
-then trims each request's drafts whose ``r_ji`` is worth less than the rows they
-cost at that ratio. k = 0 (plain decoding) is one of the choices, so under load
+then trims each request's last drafts while that raises the step's expected
+tokens per second. k = 0 (plain decoding) is one of the choices, so under load
 or with poor acceptance speculation switches itself off; every ``probe_every``-th
 step of a request drafts the full K anyway, so its acceptance keeps being measured.
 
@@ -29,34 +29,38 @@ from dataclasses import dataclass, field
 
 
 @dataclass
-class LinearCost:
-    """``y = fixed + slope * x`` fitted by least squares with exponential forgetting."""
+class RowCost:
+    """Seconds of a target forward by the number of rows it verifies, measured.
 
-    decay: float = 0.98
-    n: float = 0.0
-    sx: float = 0.0
-    sy: float = 0.0
-    sxx: float = 0.0
-    sxy: float = 0.0
+    Not a line: on a CPU the matmul kernels take rows in groups (one row, a fused
+    path for a few, tiles beyond), so 2 rows can cost as much as 5 and 7 much more
+    than 6 (measured, docs/speculative_decoding.md). Each row count keeps a moving
+    average; a count never measured is interpolated between its measured neighbours,
+    or extended from the last two beyond them.
+    """
 
-    def add(self, x: float, y: float) -> None:
-        d = self.decay
-        self.n = self.n * d + 1.0
-        self.sx = self.sx * d + x
-        self.sy = self.sy * d + y
-        self.sxx = self.sxx * d + x * x
-        self.sxy = self.sxy * d + x * y
+    weight: float = 0.2          # of a new measurement in the moving average
+    seconds: dict[int, float] = field(default_factory=dict)
 
-    def fit(self) -> tuple[float, float] | None:
-        """(fixed, slope), or None before two distinct x have been seen."""
-        if self.n < 2:
-            return None
-        var = self.sxx - self.sx * self.sx / self.n
-        if var <= 1e-9 * max(self.sxx, 1.0):
-            return None
-        slope = (self.sxy - self.sx * self.sy / self.n) / var
-        fixed = (self.sy - slope * self.sx) / self.n
-        return max(fixed, 0.0), max(slope, 0.0)
+    def add(self, rows: int, seconds: float) -> None:
+        old = self.seconds.get(rows)
+        self.seconds[rows] = seconds if old is None else (1 - self.weight) * old + self.weight * seconds
+
+    def known(self) -> bool:
+        return len(self.seconds) >= 2
+
+    def __call__(self, rows: int) -> float:
+        if rows in self.seconds:
+            return self.seconds[rows]
+        xs = sorted(self.seconds)
+        below = [x for x in xs if x < rows]
+        above = [x for x in xs if x > rows]
+        if below and above:
+            a, b = below[-1], above[0]
+            return self.seconds[a] + (self.seconds[b] - self.seconds[a]) * (rows - a) / (b - a)
+        a, b = (xs[-2], xs[-1]) if below else (xs[0], xs[1])
+        slope = max((self.seconds[b] - self.seconds[a]) / (b - a), 0.0)
+        return max(self.seconds[b if below else a] + slope * (rows - (b if below else a)), 1e-9)
 
 
 @dataclass
@@ -66,7 +70,7 @@ class DraftLengthPolicy:
     max_k: int
     prior_weight: float = 4.0        # the engine-wide acceptance counts as this many of a request's steps
     probe_every: int = 16            # a request's every n-th decode step drafts max_k
-    forward: LinearCost = field(default_factory=LinearCost)
+    forward: RowCost = field(default_factory=RowCost)
     draft_seconds_per_position: float = 0.0
     steps_by_k: list[int] = field(default_factory=list)   # how often each k was chosen (index = k)
 
@@ -106,35 +110,43 @@ class DraftLengthPolicy:
     def choose(self, rates: Sequence[Sequence[float]], limits: Sequence[int], probe: Sequence[bool]) -> list[int]:
         """Draft tokens per request (at most ``limits[j]``), given each one's acceptance ``rates[j]``.
 
-        Until the forward's cost line is known (two different row counts seen) every
-        request drafts its limit."""
-        fit = self.forward.fit()
-        if fit is None or not rates:
+        Until the forward's cost has been measured at two row counts every request
+        drafts its limit."""
+        if not self.forward.known() or not rates:
             return list(limits)
-        fixed, per_row = fit
         draft = self.draft_seconds_per_position
+        prefix = [[0.0] + list(_cumsum(r[:lim])) for r, lim in zip(rates, limits)]
+
+        def throughput(tokens: float, rows: int, longest: int) -> float:
+            return tokens / (self.forward(rows) + draft * longest)
+
         best, best_ratio = 0, -1.0
         for cap in range(max(limits) + 1):
             ks = [min(cap, lim) for lim in limits]
-            ratio = self._throughput(rates, ks, fixed, per_row, draft)
+            ratio = throughput(sum(1.0 + p[k] for p, k in zip(prefix, ks)), sum(k + 1 for k in ks), max(ks))
             if ratio > best_ratio * (1 + 1e-9):
                 best, best_ratio = cap, ratio
-        chosen = []
-        for r, lim, is_probe in zip(rates, limits, probe):
-            if is_probe:
-                chosen.append(lim)
-                continue
-            k = min(best, lim)
-            # A draft position pays when the tokens it adds beat what its row's time would earn.
-            while k > 0 and r[k - 1] < best_ratio * per_row:
-                k -= 1
-            chosen.append(k)
+        chosen = [lim if is_probe else min(best, lim) for lim, is_probe in zip(limits, probe)]
+        # Trim each request's last drafts while the step's expected tokens per second rise.
+        tokens = sum(1.0 + p[k] for p, k in zip(prefix, chosen))
+        rows = sum(k + 1 for k in chosen)
+        longest = max(chosen)
+        current = throughput(tokens, rows, longest)
+        for j, is_probe in enumerate(probe):
+            while chosen[j] > 0 and not is_probe:
+                k = chosen[j]
+                trimmed = throughput(tokens - prefix[j][k] + prefix[j][k - 1], rows - 1, longest)
+                if trimmed <= current:
+                    break
+                tokens, rows, current, chosen[j] = tokens - prefix[j][k] + prefix[j][k - 1], rows - 1, trimmed, k - 1
         for k in chosen:
             self.steps_by_k[k] += 1
         return chosen
 
-    @staticmethod
-    def _throughput(rates, ks, fixed: float, per_row: float, draft: float) -> float:
-        tokens = sum(1.0 + sum(r[:k]) for r, k in zip(rates, ks))
-        seconds = fixed + per_row * sum(k + 1 for k in ks) + draft * max(ks, default=0)
-        return tokens / seconds if seconds > 0 else 0.0
+
+def _cumsum(values: Sequence[float]) -> list[float]:
+    out, total = [], 0.0
+    for v in values:
+        total += v
+        out.append(total)
+    return out

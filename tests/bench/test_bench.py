@@ -138,6 +138,9 @@ def test_parse_configs():
     assert configs[2].speculative_config == {"method": "draft_model", "num_speculative_tokens": 3, "model": "/d"}
     assert configs[3].speculative_config == {"method": "eagle"}   # the shipped head and its own k
     assert parse_configs("plain") == [Config("plain", "specserve")]
+    dynamic = parse_configs("ngram:6:dynamic,suffix:8")
+    assert dynamic[1].speculative_config == {"method": "ngram", "num_speculative_tokens": 6, "dynamic_k": True}
+    assert dynamic[2].speculative_config == {"method": "suffix", "num_speculative_tokens": 8}
     for bad in ("medusa:3", "ngram:x", "ngram:0", "plain,plain"):
         with pytest.raises(ValueError):
             parse_configs(bad)

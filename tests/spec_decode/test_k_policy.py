@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from specserve import LLM, SamplingParams
-from specserve.spec_decode.k_policy import DraftLengthPolicy, LinearCost
+from specserve.spec_decode.k_policy import DraftLengthPolicy, RowCost
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -20,16 +20,24 @@ def policy_with_costs(fixed: float, per_row: float, k: int = 6, draft: float = 0
     return p
 
 
-def test_the_cost_line_is_fitted():
-    line = LinearCost()
-    assert line.fit() is None
-    line.add(3, 0.016)
-    line.add(3, 0.016)
-    assert line.fit() is None                         # one x only: no slope yet
-    for x in (1, 5, 9):
-        line.add(x, 0.01 + 0.002 * x)
-    fixed, slope = line.fit()
-    assert fixed == pytest.approx(0.01) and slope == pytest.approx(0.002)
+def test_row_costs_are_measured_interpolated_and_extended():
+    cost = RowCost(weight=0.5)
+    cost.add(1, 0.010)
+    assert not cost.known()
+    cost.add(5, 0.014)
+    cost.add(5, 0.018)                                # a moving average: 0.016
+    assert cost.known()
+    assert cost(5) == pytest.approx(0.016)
+    assert cost(3) == pytest.approx(0.013)            # between 1 and 5
+    assert cost(9) == pytest.approx(0.022)            # beyond: the last two points' slope
+
+
+def test_a_flat_stretch_of_the_cost_is_used():
+    """2 to 5 rows cost alike (a fused kernel path): drafting 4 beats drafting 1."""
+    p = DraftLengthPolicy(6)
+    for rows, ms in {1: 12, 2: 15, 3: 18, 4: 17, 5: 17, 6: 20, 7: 25}.items():
+        p.record_forward(rows, ms / 1000)
+    assert p.choose([[0.6, 0.45, 0.35, 0.3, 0.05, 0.01]], [6], [False]) == [4]
 
 
 def test_expensive_rows_and_poor_acceptance_mean_no_drafts():
@@ -90,7 +98,7 @@ def test_dynamic_k_keeps_greedy_output_and_reports_the_lengths(tiny_llama_dir, t
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in LLM(**kw).generate(prompts, params, use_tqdm=False)]
     llm = LLM(**kw, speculative_config={**spec, "dynamic_k": True})
-    assert llm.engine.k_policy.forward.fit() is not None       # calibrated at start-up
+    assert llm.engine.k_policy.forward.known()                 # calibrated at start-up
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == plain
     stats = llm.get_spec_decode_stats()
     assert sum(stats.steps_by_draft_length) == stats.num_steps and len(stats.steps_by_draft_length) <= 5
