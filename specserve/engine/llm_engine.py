@@ -217,6 +217,7 @@ class LLMEngine:
         "error" (its exception: ``take_request_error``); a failed proposer means no
         drafts this step; only a failed target forward, which every scheduled request
         shares, raises ``StepFailedError`` naming the requests it hit."""
+        step_started = time.perf_counter()
         self._release_held_samples()
         plan = self.scheduler.schedule()
         if not plan.scheduled:
@@ -236,9 +237,10 @@ class LLMEngine:
             raise StepFailedError(list(hit), e) from e
         sampling = [s for s in plan.scheduled if s.will_sample]
         emitted = self._verify_isolated(sampling, result.logits) if sampling else {}
-        if self.k_policy is not None and all(s.num_new_tokens == 1 for s in plan.scheduled):
-            # A verification step's cost (its logits are on the host now): the policy's cost line.
-            self.k_policy.record_forward(sum(len(i.token_ids) for i in inputs), time.perf_counter() - started)
+        decode_step = self.k_policy is not None and all(s.num_new_tokens == 1 for s in plan.scheduled)
+        if decode_step:   # a verification step's cost (its logits are on the host now)
+            forward_seconds = time.perf_counter() - started
+            self.k_policy.record_forward(sum(len(i.token_ids) for i in inputs), forward_seconds)
         outputs = []
         for s in plan.scheduled:
             try:
@@ -248,6 +250,8 @@ class LLMEngine:
             if out is not None:
                 outputs.append(out)
         outputs = self._group_outputs(outputs)
+        if decode_step:   # what the step spent besides the forward and the proposer
+            self.k_policy.record_overhead(time.perf_counter() - step_started - forward_seconds - self._propose_seconds)
         if want_hidden:
             sizes = [len(i.token_ids) for i in inputs]
             try:
@@ -376,6 +380,7 @@ class LLMEngine:
     def _propose_or_skip(self, scheduled: list[ScheduledRequest]) -> None:
         """Draft, or, if the proposer fails, decode plainly this step (drafts are only
         proposals: without them every request still gets its exact next token)."""
+        self._propose_seconds = 0.0
         try:
             self._propose(scheduled)
         except Exception:  # noqa: BLE001
@@ -400,7 +405,8 @@ class LLMEngine:
         started = time.perf_counter()
         proposal = self.proposer.propose(decoding)
         if self.k_policy is not None:
-            self.k_policy.record_draft(max(s.num_lookahead for s in decoding), time.perf_counter() - started)
+            self._propose_seconds = time.perf_counter() - started
+            self.k_policy.record_draft(max(s.num_lookahead for s in decoding), self._propose_seconds)
         parents = proposal.parents or [None] * len(decoding)
         for s, tokens, probs, tree in zip(decoding, proposal.token_ids, proposal.probs, parents):
             s.request.draft_token_ids = list(tokens[: s.num_lookahead])
@@ -420,7 +426,7 @@ class LLMEngine:
         prior = self.spec_stats.acceptance_by_position
         rates = [policy.acceptance(s.request.spec_stats.accepted_per_position,
                                    s.request.spec_stats.drafted_per_position, prior) for s in chosen]
-        probe = [s.request.spec_stats.num_steps % policy.probe_every == 0 for s in chosen]
+        probe = [policy.is_probe_step(s.request.spec_stats.num_steps) for s in chosen]
         for s, k in zip(chosen, policy.choose(rates, [s.num_lookahead for s in chosen], probe)):
             s.num_lookahead = k
 

@@ -12,12 +12,13 @@ Two things are measured online, every step, from the engine's own timings:
   from its own steps blended with the proposer's engine-wide figures as a prior.
 
 A step with k_j drafts for request j emits ``sum_j (1 + r_j1 + ... + r_jk_j)``
-tokens on average and costs ``forward(sum_j (k_j + 1)) + draft * max_j k_j``.
+tokens on average and costs ``forward(sum_j (k_j + 1)) + draft * max_j k_j + overhead``
+(overhead: the rest of a decode step, scheduling, sampling and output, also measured).
 ``choose`` tries every cap c in 0..K for the whole step, keeps the best ratio,
 then trims each request's last drafts while that raises the step's expected
 tokens per second. k = 0 (plain decoding) is one of the choices, so under load
-or with poor acceptance speculation switches itself off; every ``probe_every``-th
-step of a request drafts the full K anyway, so its acceptance keeps being measured.
+or with poor acceptance speculation switches itself off; a request's decode steps
+16, 32, 64, ... draft the full K anyway, so its acceptance keeps being measured.
 
 Nothing here touches tensors or the engine: the engine feeds timings and reads
 choices (``LLMEngine._propose``), so the logic is tested with made-up costs.
@@ -69,9 +70,10 @@ class DraftLengthPolicy:
 
     max_k: int
     prior_weight: float = 4.0        # the engine-wide acceptance counts as this many of a request's steps
-    probe_every: int = 16            # a request's every n-th decode step drafts max_k
+    probe_every: int = 16            # a request's decode steps 16, 32, 64, 128, ... draft their limit
     forward: RowCost = field(default_factory=RowCost)
     draft_seconds_per_position: float = 0.0
+    overhead_seconds: float = 0.0    # the rest of a decode step: scheduling, sampling, output (moving average)
     steps_by_k: list[int] = field(default_factory=list)   # how often each k was chosen (index = k)
 
     def __post_init__(self) -> None:
@@ -86,6 +88,15 @@ class DraftLengthPolicy:
             per = seconds / positions
             a = 0.9 if self.draft_seconds_per_position else 0.0
             self.draft_seconds_per_position = a * self.draft_seconds_per_position + (1 - a) * per
+
+    def is_probe_step(self, step: int) -> bool:
+        """Probes back off (steps 16, 32, 64, ...): a request whose drafts do not pay loses
+        little to them, and one that starts paying is found again."""
+        return step >= self.probe_every and step % self.probe_every == 0 and (step & (step - 1)) == 0
+
+    def record_overhead(self, seconds: float) -> None:
+        a = 0.9 if self.overhead_seconds else 0.0
+        self.overhead_seconds = a * self.overhead_seconds + (1 - a) * max(seconds, 0.0)
 
     # ----------------------------------------------------------------- choosing
     def acceptance(self, accepted: Sequence[int], drafted: Sequence[int],
@@ -118,7 +129,7 @@ class DraftLengthPolicy:
         prefix = [[0.0] + list(_cumsum(r[:lim])) for r, lim in zip(rates, limits)]
 
         def throughput(tokens: float, rows: int, longest: int) -> float:
-            return tokens / (self.forward(rows) + draft * longest)
+            return tokens / (self.forward(rows) + draft * longest + self.overhead_seconds)
 
         best, best_ratio = 0, -1.0
         for cap in range(max(limits) + 1):

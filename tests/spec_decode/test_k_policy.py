@@ -84,6 +84,11 @@ def test_acceptance_blends_the_request_with_the_prior_and_never_rises_with_depth
     assert p.acceptance([], [], [])[0] == 0.5                   # nothing known yet
 
 
+def test_probes_back_off():
+    p = DraftLengthPolicy(4)
+    assert [n for n in range(200) if p.is_probe_step(n)] == [16, 32, 64, 128]
+
+
 def test_without_a_cost_line_every_request_drafts_its_limit():
     assert DraftLengthPolicy(4).choose([[0.0] * 4], [3], [False]) == [3]
 
