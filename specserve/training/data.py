@@ -142,6 +142,8 @@ def generate_dataset(
         max_num_batched_tokens=max(4096, 8 * batch_size),
         # Speculation is configured only so the engine has a proposer; the recorder drafts nothing.
         speculative_config={"method": "ngram", "num_speculative_tokens": 1},
+        # The recorder needs the target's hidden state at every position; a cached prefix has none.
+        enable_prefix_caching=False,
     )
     engine = llm.engine
     recorder = FeatureRecorder()

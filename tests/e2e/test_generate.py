@@ -290,3 +290,16 @@ def test_preemption_gives_same_output(prompts, batch_ref):
         assert out.outputs[0].text == ref.text
     assert not tight.engine.has_unfinished_requests()
     assert tight.engine.kv_cache.num_free_blocks == 8
+
+
+def test_prefix_caching_gives_the_same_greedy_tokens(llm, prompts, batch_ref):
+    """Each prompt resent with its answer appended (a conversation's next turn): the
+    caching engine finds the prompt and answer blocks it computed for ``batch_ref``,
+    an engine without caching computes everything; same greedy tokens."""
+    resent = [list(p) + list(r.token_ids) for p, r in zip(prompts, batch_ref)]
+    hits = llm.get_prefix_cache_stats()["hits"]
+    cached = llm.generate(resent, GREEDY)
+    assert llm.get_prefix_cache_stats()["hits"] > hits
+    plain = LLM(dtype="float32", max_model_len=512, kv_cache_memory=160 * BYTES_PER_BLOCK_FP32,
+                enable_prefix_caching=False)
+    assert [o.outputs[0].token_ids for o in cached] == [o.outputs[0].token_ids for o in plain.generate(resent, GREEDY)]

@@ -22,10 +22,14 @@ PROMPT = [300 + i for i in range(40)]
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
-    # Without prefix caching: a request and its library twin then compute the prompt in the
-    # same chunks. (A cached prefix leaves a short remainder, which the CPU attention kernel
-    # takes instead of SDPA: the tiny random model's near-tied logits can then pick another
-    # greedy token.)
+    return LLM(model=tiny_llama_dir, dtype="float32", max_model_len=256, kv_cache_memory=8 << 20,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+
+
+@pytest.fixture(scope="module")
+def ref_llm(tiny_llama_dir):
+    """The library side of each comparison: its own engine. (Stepping the server's engine from
+    the test's thread would race with the server's engine thread.)"""
     return LLM(model=tiny_llama_dir, dtype="float32", max_model_len=256, kv_cache_memory=8 << 20,
                speculative_config={"method": "ngram", "num_speculative_tokens": 3}, enable_prefix_caching=False)
 
@@ -44,7 +48,8 @@ def lone(llm, prompt, **kw) -> list[int]:
     return llm.generate(prompt, SamplingParams(**kw), use_tqdm=False)[0].outputs[0].token_ids
 
 
-def test_n_choices_are_numbered_per_prompt(base_url, llm):
+def test_n_choices_are_numbered_per_prompt(base_url, ref_llm):
+    llm = ref_llm
     body = {"model": MODEL, "prompt": [PROMPT, PROMPT[:25]], "n": 3, "max_tokens": 6, "temperature": 1.0, "seed": 11}
     r = post(base_url, "/v1/completions", body)
     assert r.status_code == 200, r.text
@@ -78,7 +83,8 @@ def test_n_choices_stream(base_url):
     assert [c["message"]["content"] for c in whole["choices"]] == [texts[0], texts[1]]
 
 
-def test_penalties_and_logit_bias_reach_the_engine(base_url, llm):
+def test_penalties_and_logit_bias_reach_the_engine(base_url, ref_llm):
+    llm = ref_llm
     fields = dict(presence_penalty=1.5, frequency_penalty=0.7, repetition_penalty=1.4)
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0.0, **fields,
             "logit_bias": {"400": 30, "401": 29.5}}
