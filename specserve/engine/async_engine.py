@@ -81,6 +81,13 @@ _DRIVERS: "weakref.WeakKeyDictionary[LLMEngine, AsyncLLMEngine]" = weakref.WeakK
 _DRIVERS_LOCK = threading.Lock()
 
 
+def running_driver(engine: LLMEngine) -> "AsyncLLMEngine | None":
+    """The AsyncLLMEngine whose thread is stepping ``engine`` now, if any."""
+    with _DRIVERS_LOCK:
+        driver = _DRIVERS.get(engine)
+    return driver if driver is not None and driver.is_running else None
+
+
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine):
         with _DRIVERS_LOCK:

@@ -6,6 +6,7 @@ from typing import Sequence
 from tqdm.auto import tqdm
 
 from specserve.config import EngineConfig, SpeculativeConfig
+from specserve.engine.async_engine import running_driver
 from specserve.engine.llm_engine import LLMEngine
 from specserve.outputs import RequestOutput, SpecDecodeStats
 from specserve.sampling_params import SamplingParams
@@ -135,6 +136,11 @@ class LLM:
         return self.engine.tokenize(text)
 
     def _run(self, ids: list[str], show_progress: bool) -> list[RequestOutput]:
+        if running_driver(self.engine) is not None:   # two threads stepping one engine would corrupt it
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise RuntimeError("an AsyncLLMEngine (for example a running server) is driving this LLM's engine; "
+                               "send requests through it, or shut it down first")
         finished: dict[str, RequestOutput] = {}
         wanted = set(ids)
         bar = tqdm(total=len(ids), desc="Generating", disable=not show_progress)

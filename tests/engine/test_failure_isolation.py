@@ -218,3 +218,18 @@ def test_async_engine_failed_forward_spares_requests_outside_the_step(tiny_llama
     assert isinstance(results[0], EngineStepError) and "injected device fault" in str(results[0])
     assert results[1:] == expected[1:]
     assert idle(llm)
+
+
+def test_the_facade_refuses_an_engine_a_driver_is_stepping(tiny_llama_dir):
+    """Two threads stepping one engine would corrupt it: LLM.generate says so instead."""
+    llm = make_llm(tiny_llama_dir, spec=False)
+    driver = AsyncLLMEngine.from_engine(llm)
+    driver.start()
+    try:
+        with pytest.raises(RuntimeError, match="AsyncLLMEngine"):
+            llm.generate(PROMPTS[0], SamplingParams(max_tokens=2), use_tqdm=False)
+        assert not llm.engine.requests                   # the refused request was not left queued
+    finally:
+        driver.shutdown()
+    assert len(llm.generate(PROMPTS[0], SamplingParams(max_tokens=2, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0].token_ids) == 2

@@ -100,3 +100,4 @@ def test_an_async_stream_carries_every_sample(tiny_llama_dir):
     want = [llm.generate(PROMPT, SamplingParams(temperature=1.0, seed=3 + i, max_tokens=5),
                          use_tqdm=False)[0].outputs[0].token_ids for i in range(2)]
     assert completions(last) == want
+
