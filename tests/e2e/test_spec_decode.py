@@ -36,6 +36,8 @@ from specserve.model_executor.layers import cpu_attention
 from specserve.outputs import SpecDecodeStats
 from specserve.spec_decode import factory
 
+from chi_square import chi_square_p as _chi_square_p
+
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 MAX_TOKENS = 16
@@ -359,18 +361,6 @@ def _second_tokens(llm: LLM, prompt: list[int], n: int, max_tokens: int) -> tupl
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=max_tokens, ignore_eos=True) for s in range(n)]
     outs = llm.generate([prompt] * n, params, use_tqdm=False)
     return [o.outputs[0].token_ids[0] for o in outs], [o.outputs[0].token_ids[1] for o in outs]
-
-
-def _chi_square_p(a: list[int], b: list[int]) -> float:
-    """Two-sample chi-square test of homogeneity; tokens seen < 10 times in all are pooled."""
-    from scipy.stats import chi2_contingency
-
-    ca, cb = collections.Counter(a), collections.Counter(b)
-    keys = sorted(t for t in set(ca) | set(cb) if ca[t] + cb[t] >= 10)
-    rows = [[c[t] for t in keys] + [sum(c.values()) - sum(c[t] for t in keys)] for c in (ca, cb)]
-    table = np.array(rows)
-    table = table[:, table.sum(axis=0) > 0]
-    return float(chi2_contingency(table)[1])
 
 
 def test_second_token_distribution_matches_plain(engines, plain, truncated_draft_dir):

@@ -10,13 +10,14 @@ the six come next, and pairs of consecutive tokens show it.
 """
 from __future__ import annotations
 
-import collections
 
 import numpy as np
 import pytest
 
 import specserve.engine.llm_engine as llm_engine_module
 from specserve import LLM, SamplingParams
+
+from chi_square import pair_p_value
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -40,18 +41,6 @@ def make(model_dir, spec=None) -> LLM:
 def samples(llm: LLM) -> list[list[int]]:
     outs = llm.generate([PROMPT] * N, [params(s) for s in range(N)], use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
-
-
-def pair_p_value(a: list[list[int]], b: list[list[int]], at: int) -> float:
-    """Chi-square homogeneity p-value of the pairs (token at, token at + 1); rare pairs pooled."""
-    from scipy.stats import chi2_contingency
-
-    ca = collections.Counter(tuple(s[at : at + 2]) for s in a)
-    cb = collections.Counter(tuple(s[at : at + 2]) for s in b)
-    keys = sorted(k for k in set(ca) | set(cb) if ca[k] + cb[k] >= 10)
-    table = np.array([[c[k] for k in keys] + [sum(c.values()) - sum(c[k] for k in keys)] for c in (ca, cb)])
-    table = table[:, table.sum(axis=0) > 0]
-    return float(chi2_contingency(table)[1])
 
 
 @pytest.fixture(scope="module")

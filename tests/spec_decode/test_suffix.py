@@ -8,13 +8,14 @@ from __future__ import annotations
 import collections
 import random
 
-import numpy as np
 import pytest
 
 from specserve import LLM, SamplingParams
 from specserve.config import SpeculativeConfig
 from specserve.spec_decode.suffix import (GlobalSuffixCache, SuffixProposer, SuffixTrie,
                                           grow_tree, is_chain)
+
+from chi_square import pair_p_value
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -309,17 +310,6 @@ def test_trees_are_verified(tiny_llama_dir, monkeypatch):
 N = 600
 PAIR_PROMPT = [50, 1000, 1001, 1002, 1003, 1004, 1005, 60, 1003, 1004, 1005, 1000, 70, 1001, 1002]
 FAVOURED = [1000, 1001, 1002, 1003, 1004, 1005]
-
-
-def pair_p_value(a, b, at):
-    from scipy.stats import chi2_contingency
-
-    ca = collections.Counter(tuple(s[at: at + 2]) for s in a)
-    cb = collections.Counter(tuple(s[at: at + 2]) for s in b)
-    keys = sorted(k for k in set(ca) | set(cb) if ca[k] + cb[k] >= 10)
-    table = np.array([[c[k] for k in keys] + [sum(c.values()) - sum(c[k] for k in keys)] for c in (ca, cb)])
-    table = table[:, table.sum(axis=0) > 0]
-    return float(chi2_contingency(table)[1])
 
 
 def test_sampled_pairs_match_plain_sampling(tiny_llama_dir):
