@@ -90,6 +90,26 @@ def _bump(counts: list[int], index: int, by: int = 1) -> None:
     counts[index] += by
 
 
+# How an emitted token came (``CompletionOutput.token_sources``).
+TOKEN_SOURCE_PLAIN = "plain"          # a step without drafts (prefill's token, no n-gram match, k = 0)
+TOKEN_SOURCE_ACCEPTED = "accepted"    # a draft token the target accepted
+TOKEN_SOURCE_RECOVERED = "recovered"  # the target's own token where it rejected a draft
+TOKEN_SOURCE_BONUS = "bonus"          # the target's extra token after every draft on its path was accepted
+TOKEN_SOURCES = (TOKEN_SOURCE_PLAIN, TOKEN_SOURCE_ACCEPTED, TOKEN_SOURCE_RECOVERED, TOKEN_SOURCE_BONUS)
+
+
+def step_token_sources(num_drafts: int, num_accepted: int, ends_at_leaf: bool) -> list[str]:
+    """Sources of the ``num_accepted + 1`` tokens one verification step emits.
+
+    ``ends_at_leaf``: the last accepted draft (or the last token, when none was)
+    has no draft below it, so the target's final token is a bonus, not a
+    correction. For a chain that is ``num_accepted == num_drafts``."""
+    if num_drafts == 0:
+        return [TOKEN_SOURCE_PLAIN]
+    last = TOKEN_SOURCE_BONUS if ends_at_leaf else TOKEN_SOURCE_RECOVERED
+    return [TOKEN_SOURCE_ACCEPTED] * num_accepted + [last]
+
+
 @dataclass
 class Logprob:
     logprob: float
@@ -105,6 +125,8 @@ class CompletionOutput:
     finish_reason: str | None = None          # "stop" | "length" | "abort" | None while running
     stop_reason: str | int | None = None      # the stop string or stop token that ended it
     logprobs: list[dict[int, Logprob]] | None = None  # one dict per token: chosen + top n
+    token_sources: list[str] = field(default_factory=list)  # one TOKEN_SOURCE_* per token id
+    spec_decode_stats: SpecDecodeStats | None = None        # this completion's own (RequestOutput's sums n samples)
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -26,7 +26,7 @@ from specserve.engine.sample_group import SampleGroup, child_id, child_params
 from specserve.engine.scheduler import ScheduledRequest, Scheduler
 from specserve.model_executor.layers.attention import cache_slot, tree_layout
 from specserve.model_executor.loader import keeps_quantized, load_model, resolve_dtype
-from specserve.outputs import RequestOutput, SpecDecodeStats
+from specserve.outputs import RequestOutput, SpecDecodeStats, step_token_sources
 from specserve.sample.penalties import adjust_logits, draft_histories
 from specserve.sample.rejection_sampler import rejection_sample
 from specserve.sample.sampler import SamplingTensors, processed_probs
@@ -271,6 +271,7 @@ class LLMEngine:
         if isinstance(verified, BaseException):
             raise verified
         tokens, num_accepted, logprobs, tree_path = verified
+        sources = step_token_sources(len(req.draft_token_ids), num_accepted, _ends_at_leaf(req, num_accepted, tree_path))
         if tree_path is not None:
             self._keep_tree_branch(req, tree_path)
         req.num_computed_tokens -= len(req.draft_token_ids) - num_accepted
@@ -280,6 +281,7 @@ class LLMEngine:
             if req.logprobs is not None:
                 req.logprobs.append(logprobs[i])
             appended += 1
+            req.token_sources.append(sources[i])
             status = self.output_processor.append(req, token)
             if status is not None:
                 break
@@ -630,3 +632,12 @@ def _drafts_per_depth(parents: list[int]) -> list[int]:
     for d in depths:
         counts[d] += 1
     return counts
+
+
+def _ends_at_leaf(req: Request, num_accepted: int, tree_path: list[int] | None) -> bool:
+    """Whether the step's last accepted node (the last token if none) has no draft
+    below it: then the target's final token is a bonus, else a correction."""
+    if req.draft_parents is None or tree_path is None:
+        return num_accepted == len(req.draft_token_ids)
+    last = tree_path[-1] if tree_path else -1
+    return last not in req.draft_parents

@@ -59,6 +59,8 @@ class OutputProcessor:
             finish_reason=finish,
             stop_reason=req.stop_reason,
             logprobs=req.logprobs,
+            token_sources=list(req.token_sources),
+            spec_decode_stats=req.spec_stats,
         )
         return RequestOutput(
             request_id=req.request_id,

@@ -61,6 +61,7 @@ class Request:
         self.spec_stats = SpecDecodeStats()
         # Output bookkeeping.
         self.output_text = ""
+        self.token_sources: list[str] = []     # how each output token came (outputs.TOKEN_SOURCE_*)
         self.logprobs: list[dict[int, Logprob]] | None = [] if sampling_params.logprobs is not None else None
         self.stop_reason: str | int | None = None
         self.arrival_time = time.monotonic()

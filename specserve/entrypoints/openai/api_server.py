@@ -4,8 +4,10 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (``stream`` true or
 false; server-sent events ``data: {...}`` ending with ``data: [DONE]``),
-GET /v1/models, GET /health, GET /metrics (Prometheus). Requests run on one
-``AsyncLLMEngine`` (continuous batching); a client that goes away aborts its
+GET /v1/models, GET /v1/specserve/info (model and speculation), GET /health,
+GET /metrics (Prometheus), and the chat page at /. The request extension
+``"specserve": {"provenance": true}`` adds how each token came (``provenance.py``).
+Requests run on one ``AsyncLLMEngine`` (continuous batching); a client that goes away aborts its
 request, which frees its KV blocks. Errors have OpenAI's shape
 ``{"error": {"message", "type", "param", "code"}}``, in bodies and in streams
 alike (``code`` is always a string). What is checked before a request reaches
@@ -30,6 +32,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineStepError, RequestFailedError
+from specserve.entrypoints.openai.chat_page import add_chat_page
 from specserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -39,6 +42,7 @@ from specserve.entrypoints.openai.protocol import (
     random_id,
 )
 from specserve.entrypoints.openai.limits import OPTIONS as LIMIT_OPTIONS, APIError, ClientGone, ServerLimits, read_json
+from specserve.entrypoints.openai.provenance import choice_extension, token_entries
 from specserve.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -305,6 +309,18 @@ class OpenAIServing:
         self.metrics = ServerMetrics(async_engine, self.model_name)
 
     # ------------------------------------------------------------------ helpers
+    def info(self) -> dict:
+        """``GET /v1/specserve/info``: the served model and how it speculates (the chat page shows it)."""
+        engine = self.engine
+        spec = engine.spec_config
+        speculative = None if spec is None else {
+            "method": spec.method,
+            "num_speculative_tokens": spec.num_speculative_tokens,
+            "draft_model": spec.model,
+            "dynamic_k": bool(spec.dynamic_k),
+        }
+        return {"model": self.model_name, "max_model_len": engine.max_model_len, "speculative": speculative}
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.served_model_names:
             raise APIError(
@@ -498,21 +514,25 @@ class OpenAIServing:
             completion = c.output.outputs[0]
             n = len(completion.token_ids)
             if chat:
-                body_choices.append({
+                choice = {
                     "index": c.index,
                     "message": {"role": "assistant", "content": completion.text},
                     "logprobs": _chat_logprobs(self.tokenizer, completion, 0, n, num_top),
                     "finish_reason": completion.finish_reason,
                     "stop_reason": completion.stop_reason,
-                })
+                }
             else:
-                body_choices.append({
+                choice = {
                     "index": c.index,
                     "text": completion.text,
                     "logprobs": _completion_logprobs(self.tokenizer, completion, 0, n, num_top, 0),
                     "finish_reason": completion.finish_reason,
                     "stop_reason": completion.stop_reason,
-                })
+                }
+            if request.wants_provenance:
+                tokens = token_entries(self.tokenizer, completion, 0, n, params.skip_special_tokens)
+                choice["specserve"] = choice_extension(tokens, completion)
+            body_choices.append(choice)
         return JSONResponse({
             "id": rid,
             "object": "chat.completion" if chat else "text_completion",
@@ -528,6 +548,7 @@ class OpenAIServing:
         obj = "chat.completion.chunk" if chat else "text_completion"
         include_usage = request.include_usage
         num_top = params.logprobs or 0
+        provenance = request.wants_provenance
         offsets = [0] * len(choices)
         counted_prompt = [False] * len(choices)
 
@@ -554,23 +575,34 @@ class OpenAIServing:
                 delta, start, end = step
                 completion = out.outputs[0]
                 finish = completion.finish_reason if out.finished else None
+                tokens = (token_entries(self.tokenizer, completion, start, end, params.skip_special_tokens)
+                          if provenance else None)
                 if chat:
-                    if delta or (start < end and completion.logprobs is not None):
-                        yield chunk([{
+                    if delta or (start < end and (completion.logprobs is not None or provenance)):
+                        choice = {
                             "index": c.index,
                             "delta": {"content": delta},
                             "logprobs": _chat_logprobs(self.tokenizer, completion, start, end, num_top),
                             "finish_reason": None,
-                        }])
+                        }
+                        if provenance:
+                            choice["specserve"] = choice_extension(tokens)
+                            tokens = []
+                        yield chunk([choice])
                     if finish is not None:
-                        yield chunk([{"index": c.index, "delta": {}, "logprobs": None, "finish_reason": finish,
-                                      "stop_reason": completion.stop_reason}])
+                        choice = {"index": c.index, "delta": {}, "logprobs": None, "finish_reason": finish,
+                                  "stop_reason": completion.stop_reason}
+                        if provenance:
+                            choice["specserve"] = choice_extension(tokens, completion)
+                        yield chunk([choice])
                 else:
                     lp = _completion_logprobs(self.tokenizer, completion, start, end, num_top, offsets[i])
                     offsets[i] += len(delta)
                     choice = {"index": c.index, "text": delta, "logprobs": lp, "finish_reason": finish}
                     if finish is not None:
                         choice["stop_reason"] = completion.stop_reason
+                    if provenance:
+                        choice["specserve"] = choice_extension(tokens, completion if finish is not None else None)
                     yield chunk([choice])
                 if out.finished:
                     self.record_finish(c)
@@ -691,6 +723,10 @@ def build_app(llm_or_engine, served_model_name: str | list[str] | None = None, a
         cards = [ModelCard(id=n, root=engine.model_name, max_model_len=engine.max_model_len) for n in names]
         return JSONResponse(ModelList(data=cards).model_dump())
 
+    @app.get("/v1/specserve/info")
+    async def info():
+        return JSONResponse(serving.info())
+
     @app.get("/health")
     async def health():
         if async_engine.errored:
@@ -701,6 +737,7 @@ def build_app(llm_or_engine, served_model_name: str | list[str] | None = None, a
     async def metrics():
         return Response(m.render(), media_type=CONTENT_TYPE_LATEST)
 
+    add_chat_page(app)
     if api_key:
         app.add_middleware(_APIKeyMiddleware, api_key=api_key, on_reject=lambda: m.errors.labels(ln, "401").inc())
     return app

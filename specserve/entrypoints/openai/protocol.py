@@ -33,6 +33,12 @@ class StreamOptions(StrictModel):
     continuous_usage_stats: bool | None = False
 
 
+class SpecserveOptions(StrictModel):
+    """The ``specserve`` extension object of a request; OpenAI clients never send it."""
+
+    provenance: bool = False   # each token's source (accepted / recovered / bonus / plain) and the request's stats
+
+
 class _SamplingFields(StrictModel):
     model: str | None = None
     max_tokens: int | None = None
@@ -54,6 +60,7 @@ class _SamplingFields(StrictModel):
     logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
                           Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
     user: str | None = None
+    specserve: SpecserveOptions | None = None
 
     @field_validator("max_tokens")
     @classmethod
@@ -109,6 +116,10 @@ class _SamplingFields(StrictModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def wants_provenance(self) -> bool:
+        return bool(self.specserve and self.specserve.provenance)
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
