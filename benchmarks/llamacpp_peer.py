@@ -14,6 +14,9 @@ memory after load and peak memory while loading (``VmRSS``, ``VmHWM``).
 
 ``--dtype float16`` runs specserve's previous path (weights dequantized to float16
 at load) for comparison; the default ``auto`` keeps the file's blocks.
+``--int8-activations both`` measures specserve with float32 activations and with
+``int8_activations=True`` (VNNI byte products, ``cpu_kernels/q8_act.h``) in the same
+rounds: ``on`` or ``off`` measures one of them.
 """
 from __future__ import annotations
 
@@ -68,6 +71,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--int8-activations", choices=["off", "on", "both"], default="off")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     from specserve import LLM
@@ -76,31 +80,43 @@ def main() -> int:
     bench = os.path.join(os.path.expanduser(args.llama_bin), "llama-bench")
     print(f"# {time.strftime('%Y-%m-%d %H:%M')} threads={args.threads} tokens={args.tokens} dtype={args.dtype} "
           f"torch={torch.__version__}")
-    print("| model | llama.cpp decode tok/s | specserve decode tok/s | specserve / llama.cpp | "
-          "specserve load s | RSS after load MiB | peak RSS MiB | file MiB |")
-    print("|---|---|---|---|---|---|---|---|")
+    variants = {"off": [False], "on": [True], "both": [False, True]}[args.int8_activations]
+    label = {False: "specserve", True: "specserve int8 act."}
+    head = " | ".join(f"{label[v]} decode tok/s | {label[v]} / llama.cpp" for v in variants)
+    print(f"| model | llama.cpp decode tok/s | {head} | specserve load s | RSS after load MiB | peak RSS MiB | file MiB |")
+    print("|---|---|" + "---|---|" * len(variants) + "---|---|---|---|")
     for name in args.models.split(","):
         rss0 = proc_status("VmRSS")
-        t0 = time.perf_counter()
-        llm = LLM(model=None if name == "default" else name, dtype=args.dtype, max_model_len=1024,
-                  kv_cache_memory=1 << 27)
-        load_s = time.perf_counter() - t0
-        path = llm.engine.runner.config._name_or_path if name != "default" else default_model_path()
+        llms, load_s = {}, 0.0
+        for v in variants:
+            t0 = time.perf_counter()
+            llms[v] = LLM(model=None if name == "default" else name, dtype=args.dtype, max_model_len=1024,
+                          kv_cache_memory=1 << 27, int8_activations=v)
+            load_s = load_s or time.perf_counter() - t0
+        first = llms[variants[0]]
+        path = first.engine.runner.config._name_or_path if name != "default" else default_model_path()
         rss, peak = proc_status("VmRSS") - rss0, proc_status("VmHWM")
-        specserve_decode(llm, 8)   # warm-up: kernels built, weights paged in
-        ours, theirs = [], []
+        for llm in llms.values():
+            specserve_decode(llm, 8)   # warm-up: kernels built, weights paged in
+        ours: dict[bool, list[float]] = {v: [] for v in variants}
+        theirs = []
+        who_all = ["llama"] + variants
         for r in range(args.rounds):
-            order = [("llama", None), ("ours", None)] if r % 2 == 0 else [("ours", None), ("llama", None)]
-            for who, _ in order:
+            order = who_all[r % len(who_all):] + who_all[: r % len(who_all)]   # rotate who goes first
+            for who in order:
                 if who == "llama":
                     theirs.append(llama_bench(bench, path, args.tokens, args.threads))
                 else:
-                    ours.append(specserve_decode(llm, args.tokens))
-        a, b = statistics.median(theirs), statistics.median(ours)
-        print(f"| {os.path.basename(path)} | {a:.1f} ({', '.join(f'{x:.1f}' for x in theirs)}) | "
-              f"{b:.1f} ({', '.join(f'{x:.1f}' for x in ours)}) | {b / a:.2f}x | {load_s:.1f} | "
-              f"{rss / 2**20:.0f} | {peak / 2**20:.0f} | {os.path.getsize(path) / 2**20:.0f} |", flush=True)
-        del llm
+                    ours[who].append(specserve_decode(llms[who], args.tokens))
+        a = statistics.median(theirs)
+        cells = []
+        for v in variants:
+            b = statistics.median(ours[v])
+            cells.append(f"{b:.1f} ({', '.join(f'{x:.1f}' for x in ours[v])}) | {b / a:.2f}x")
+        print(f"| {os.path.basename(path)} | {a:.1f} ({', '.join(f'{x:.1f}' for x in theirs)}) | {' | '.join(cells)} | "
+              f"{load_s:.1f} | {rss / 2**20:.0f} | {peak / 2**20:.0f} | {os.path.getsize(path) / 2**20:.0f} |",
+              flush=True)
+        del llms, first
     return 0
 
 

@@ -55,6 +55,9 @@ class SpeculativeConfig:
     suffix_max_cached_requests: int = 256
     suffix_max_spec_factor: float = 1.0
     draft_dtype: str | None = None   # defaults to the target's dtype
+    # draft_model: the draft's GGUF blocks multiply with int8 activations (EngineConfig.int8_activations);
+    # None: as the target. The draft's numbers only change its guesses, never the output.
+    draft_int8_activations: bool | None = None
     # draft_model: the draft's LM head keeps only the first N token ids (byte-pair vocabularies
     # number tokens roughly by merge order, so these are the common ones); the draft then never
     # proposes the others. Its cost drops by the rest of the head; output stays the target's
@@ -86,6 +89,8 @@ class SpeculativeConfig:
             raise ValueError(f"disable_by_batch_size must be a positive integer, got {b!r}")
         if not isinstance(self.dynamic_k, bool):
             raise ValueError(f"dynamic_k must be True or False, got {self.dynamic_k!r}")
+        if self.draft_int8_activations is not None and not isinstance(self.draft_int8_activations, bool):
+            raise ValueError(f"draft_int8_activations must be True, False or None, got {self.draft_int8_activations!r}")
         v = self.draft_vocab_size
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
             raise ValueError(f"draft_vocab_size must be a positive integer, got {v!r}")
@@ -142,6 +147,11 @@ class EngineConfig:
     enable_prefix_caching: reuse the KV blocks of earlier requests' identical
     prefixes (``engine.kv_cache_manager``); off for EAGLE, whose drafts need the
     target's hidden state at every position.
+    int8_activations: with a GGUF model's blocks kept on a CPU (dtype "auto"),
+    multiply them with activations rounded to 8 bits per 256 values (AVX-512 VNNI
+    byte products, as llama.cpp computes; faster, not the float32-activation
+    numbers). Speculation stays lossless against plain decoding with the same
+    setting. Ignored where the CPU or a format has no such kernel.
     """
 
     model: str | None = None
@@ -155,6 +165,7 @@ class EngineConfig:
     seed: int = 0
     tensor_parallel_size: int = 1
     enable_prefix_caching: bool = True
+    int8_activations: bool = False
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
@@ -174,6 +185,8 @@ class EngineConfig:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
+        if not isinstance(self.int8_activations, bool):
+            raise ValueError(f"int8_activations must be True or False, got {self.int8_activations!r}")
         _check_device(self.device)
 
 

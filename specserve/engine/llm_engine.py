@@ -71,7 +71,8 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         # GGUF blocks as they are on a CPU
-        loaded = load_model(config.model, self.dtype, keep_quantized=keeps_quantized(config.dtype, self.device))
+        loaded = load_model(config.model, self.dtype, keep_quantized=keeps_quantized(config.dtype, self.device),
+                            int8_activations=config.int8_activations)
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         self.hf_config = loaded.config

@@ -60,6 +60,7 @@ class LLM:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
+        int8_activations: bool = False,
     ):
         spec = build_speculative_config(speculative_model, num_speculative_tokens, speculative_config)
         config = EngineConfig(
@@ -74,6 +75,7 @@ class LLM:
             seed=seed,
             tensor_parallel_size=tensor_parallel_size,
             enable_prefix_caching=enable_prefix_caching,
+            int8_activations=int8_activations,
         )
         self.engine = LLMEngine(config, spec)
 

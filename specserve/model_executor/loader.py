@@ -107,18 +107,19 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 
 def load_model(model: str | None, dtype: torch.dtype, load_weights: bool = True,
-               keep_quantized: bool = False) -> LoadedModel:
+               keep_quantized: bool = False, int8_activations: bool = False) -> LoadedModel:
     """Resolve ``model`` and load config, tokenizer and (unless told not to) weights in ``dtype``.
 
     ``keep_quantized``: a GGUF file's 2-D tensors in block formats the CPU kernel multiplies
     (``quant_gemm.supports``) come back as ``QuantizedMatrix`` views of the file, not
     dequantized (``keeps_quantized`` says when the engine asks for it).
+    ``int8_activations``: those matrices multiply with int8 activations (``quantized.py``).
     """
     path, name = _resolve(model)
     if os.path.isfile(path):
         check_gguf_file(path)
         config, tokenizer = _gguf_config_and_tokenizer(path)
-        state_dict = _gguf_state_dict(path, config, dtype, keep_quantized) if load_weights else {}
+        state_dict = _gguf_state_dict(path, config, dtype, keep_quantized, int8_activations) if load_weights else {}
     else:
         check_model_folder(path)
         config = AutoConfig.from_pretrained(path)
@@ -223,7 +224,8 @@ def keeps_quantized(dtype_name: str | torch.dtype, device: torch.device | str) -
     return dtype_name == "auto" and torch.device(device).type == "cpu" and quant_gemm.available()
 
 
-def _gguf_state_dict(path: str, config, dtype: torch.dtype, keep_quantized: bool = False) -> dict:
+def _gguf_state_dict(path: str, config, dtype: torch.dtype, keep_quantized: bool = False,
+                     int8_activations: bool = False) -> dict:
     """Every GGUF tensor in Hugging Face naming: dequantized and cast to ``dtype``, or, with
     ``keep_quantized``, a matrix in a supported block format as a ``QuantizedMatrix`` over the
     file's bytes (zero-copy: a read-only memory map shared with the page cache)."""
@@ -249,6 +251,7 @@ def _gguf_state_dict(path: str, config, dtype: torch.dtype, keep_quantized: bool
             if permuted:
                 blocks = _unpermute_rope_rows(blocks, n_heads)
             state_dict[hf_name] = QuantizedMatrix.from_blocks(blocks, t.ggml_type, t.shape[1])
+            state_dict[hf_name].int8_activations = int8_activations
             continue
         if qtype == GGMLQuantizationType.F32:
             w = raw.view(np.float32).reshape(t.shape)

@@ -15,7 +15,6 @@
 """
 from __future__ import annotations
 
-import dataclasses
 import gc
 import json
 import os
@@ -36,14 +35,14 @@ from transformers import LlamaConfig
 from specserve import LLM, SamplingParams, SpeculativeConfig
 from specserve.distributed.launcher import WorkerError
 from specserve.distributed.parallel_state import TensorParallelGroup
-from specserve.engine import llm_engine
 from specserve.model_executor import loader
 from specserve.model_executor.layers import quant_gemm
 from specserve.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 from specserve.model_executor.layers.vocab import ParallelLMHead, VocabParallelEmbedding
-from specserve.spec_decode import factory
 from specserve.worker.model_runner import ForwardInput, ModelRunner
 from specserve.worker.tp_executor import BlockTableDeltas
+
+from model_cache import cached_model_loads
 
 TP = 2  # the default model's 3 kv heads (and their 9 query heads) split unevenly: 2 + 1
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):"]
@@ -258,18 +257,7 @@ def test_block_table_deltas_round_trip():
 @pytest.fixture(scope="module", autouse=True)
 def shared_weights():
     """Load each model once for the module (the driver loads; workers get shards from it)."""
-    cache = {}
-    real = loader.load_model
-
-    def cached(model, dtype, load_weights=True, keep_quantized=False):
-        key = (model, dtype, load_weights, keep_quantized)
-        if key not in cache:
-            cache[key] = real(model, dtype, load_weights, keep_quantized)
-        return dataclasses.replace(cache[key], state_dict=dict(cache[key].state_dict))
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(llm_engine, "load_model", cached)
-        mp.setattr(factory, "load_model", cached)
+    with cached_model_loads():
         yield
 
 

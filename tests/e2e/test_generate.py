@@ -18,9 +18,8 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams
-from specserve.engine import llm_engine
-from specserve.model_executor import loader
-from specserve.spec_decode import factory
+
+from model_cache import cached_model_loads
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -37,19 +36,7 @@ def shared_weights():
     float32 weights. The loader itself is tested in tests/model_executor; here each
     engine gets the first load's (read-only) tensors in a fresh dict.
     """
-    cache = {}
-    real = loader.load_model
-
-    def cached(model, dtype, load_weights=True, keep_quantized=False):
-        key = (model, dtype, load_weights, keep_quantized)
-        if key not in cache:
-            cache[key] = real(model, dtype, load_weights, keep_quantized)
-        hit = cache[key]
-        return dataclasses.replace(hit, state_dict=dict(hit.state_dict))
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(llm_engine, "load_model", cached)
-        mp.setattr(factory, "load_model", cached)
+    with cached_model_loads() as cached:
         yield cached
 
 

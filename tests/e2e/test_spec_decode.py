@@ -30,11 +30,11 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams
-from specserve.engine import llm_engine
 from specserve.model_executor import loader
 from specserve.model_executor.layers import cpu_attention
 from specserve.outputs import SpecDecodeStats
-from specserve.spec_decode import factory
+
+from model_cache import cached_model_loads
 
 from chi_square import chi_square_p as _chi_square_p
 
@@ -52,21 +52,7 @@ def shared_weights():
     takes ~7 s to dequantize). The loader is tested in tests/model_executor; each
     engine gets the first load's read-only tensors in a fresh dict. ``cached.calls``
     counts requests, to show that invalid configurations fail before loading."""
-    cache = {}
-    real = loader.load_model
-
-    def cached(model, dtype, load_weights=True, keep_quantized=False):
-        cached.calls += 1
-        key = (model or loader.default_model_path(), dtype, load_weights, keep_quantized)
-        if key not in cache:
-            cache[key] = real(model, dtype, load_weights, keep_quantized)
-        hit = cache[key]
-        return dataclasses.replace(hit, state_dict=dict(hit.state_dict))
-
-    cached.calls = 0
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(llm_engine, "load_model", cached)
-        mp.setattr(factory, "load_model", cached)
+    with cached_model_loads() as cached:
         yield cached
 
 
@@ -262,12 +248,15 @@ def test_greedy_equals_plain(engines, prompts, ref, draft, k, batch, monkeypatch
         assert len(delta.acceptance_by_position) == k
 
 
-def test_greedy_equals_plain_in_default_dtype(prompts):
+@pytest.mark.parametrize("int8_activations", [False, True], ids=["float32-activations", "int8-activations"])
+def test_greedy_equals_plain_in_default_dtype(prompts, int8_activations):
     """The default dtype ("auto": float16 weights with float32 activations on x86 CPUs,
     bfloat16 on GPUs) keeps the invariant too: ngram and a self-draft (every draft
     accepted, so drafting, verification and bonus tokens all run in that dtype) and the
-    shipped EAGLE head. On a CPU the GGUF's own blocks are multiplied (quantized weights)."""
-    kw = dict(ENGINE_KW, dtype="auto")
+    shipped EAGLE head. On a CPU the GGUF's own blocks are multiplied (quantized weights),
+    with float32 activations or, with ``int8_activations``, rounded ones (where the CPU has
+    the kernel: elsewhere the setting changes nothing and the case repeats the first)."""
+    kw = dict(ENGINE_KW, dtype="auto", int8_activations=int8_activations)
     plain_auto = LLM(**kw)
     if plain_auto.engine.runner.weight_dtype == torch.float16 and cpu_attention.reads_float16_cache():
         assert plain_auto.engine.runner.kv_cache_dtype == torch.float16  # so float16 K/V are covered too

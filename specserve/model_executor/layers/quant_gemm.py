@@ -36,6 +36,8 @@ def _setup(lib: ctypes.CDLL) -> None:
     for name in ("specserve_quant_block_elems", "specserve_quant_block_bytes"):
         getattr(lib, name).argtypes = [c_int]
         getattr(lib, name).restype = c_int
+    lib.specserve_quant_int8_supported.argtypes = [c_int, i64]
+    lib.specserve_quant_int8_supported.restype = c_int
     lib.specserve_quant_vector_width.restype = c_int
     if lib.specserve_quant_vector_width() == 0:
         raise RuntimeError("this CPU has no F16C (float16 conversion instructions)")
@@ -55,6 +57,16 @@ def supports(qtype: int) -> bool:
     """True when the kernel is built and multiplies weights of this ggml type id."""
     lib = _load()
     return lib is not None and lib.specserve_quant_block_elems(int(qtype)) > 0
+
+
+# Set on a qtype passed to the kernels: int8 activations (``cpu_kernels/q8_act.h``).
+INT8_ACTIVATIONS_FLAG = 256
+
+
+def supports_int8_activations(qtype: int, in_features: int) -> bool:
+    """True when this CPU (AVX-512 VNNI) and build multiply this format with int8 activations."""
+    lib = _load()
+    return lib is not None and bool(lib.specserve_quant_int8_supported(int(qtype), int(in_features)))
 
 
 def block_geometry(qtype: int) -> tuple[int, int]:
@@ -80,7 +92,10 @@ def quant_matmul_into(
     qtype: int,
     in_features: int,
     bias: torch.Tensor | None,  # [n] float32, contiguous
+    int8_activations: bool = False,
 ) -> None:
+    """``int8_activations``: quantize x to 8 bits per 32 values and multiply bytes (llama.cpp's
+    way, faster); ignored where ``supports_int8_activations`` is False."""
     lib = _load()
     assert lib is not None, "call supports() first"
     assert x.dtype == torch.float32 and x.stride(-1) == 1 and x.shape[1] == in_features
@@ -90,7 +105,8 @@ def quant_matmul_into(
     if rows == 0 or data.shape[0] == 0:
         return
     status = lib.specserve_quant_gemm(
-        x.data_ptr(), x.stride(0), rows, data.data_ptr(), int(qtype), data.shape[0], in_features,
+        x.data_ptr(), x.stride(0), rows, data.data_ptr(), int(qtype) | (INT8_ACTIVATIONS_FLAG if int8_activations else 0),
+        data.shape[0], in_features,
         None if bias is None else bias.data_ptr(), out.data_ptr() + col * out.element_size(), out.stride(0),
         torch.get_num_threads())
     check_status(status, f"ggml type {qtype}, weight [{data.shape[0]}, {in_features}]")

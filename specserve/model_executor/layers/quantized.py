@@ -8,6 +8,11 @@ parallelism cuts them by rows (column-parallel) or along whole blocks
 store some v and down projections in Q6_K beside Q4_K q and k, so a matrix is a
 list of *segments*, runs of rows in one format, each multiplied by its own
 kernel call into its own columns of the output.
+
+``int8_activations`` (off by default): multiply with activations rounded to 8 bits
+per 256 values and VNNI byte products (``cpu_kernels/q8_act.h``), llama.cpp's way,
+where the CPU and the format allow; the weights stay the file's values. Cuts and
+stacks keep the setting.
 """
 from __future__ import annotations
 
@@ -31,9 +36,20 @@ class QuantSegment:
 class QuantizedMatrix:
     """A [out, in] matrix as segments of rows in GGUF block formats (module docstring)."""
 
-    def __init__(self, segments: list[QuantSegment], in_features: int):
+    def __init__(self, segments: list[QuantSegment], in_features: int, int8_activations: bool = False):
         self.segments = [s for s in segments if s.data.shape[0]]
         self.in_features = in_features
+        self.int8_activations = int8_activations
+
+    def kernel_qtype(self, segment: QuantSegment) -> int:
+        """The type id the kernels get for ``segment``: with the int8-activation flag where it applies."""
+        if self.int8_activations and quant_gemm.supports_int8_activations(segment.qtype, self.in_features):
+            return segment.qtype | quant_gemm.INT8_ACTIVATIONS_FLAG
+        return segment.qtype
+
+    def _like(self, segments: list[QuantSegment], in_features: int | None = None) -> "QuantizedMatrix":
+        return QuantizedMatrix(segments, self.in_features if in_features is None else in_features,
+                               self.int8_activations)
 
     @classmethod
     def from_blocks(cls, data: torch.Tensor, qtype: int, in_features: int) -> "QuantizedMatrix":
@@ -70,7 +86,7 @@ class QuantizedMatrix:
             if lo < hi:
                 out.append(QuantSegment(s.qtype, s.data[lo - first : hi - first]))
             first += n
-        return QuantizedMatrix(out, self.in_features)
+        return self._like(out)
 
     def col_slice(self, start: int, length: int) -> "QuantizedMatrix":
         """Input features [start, start + length); both must fall on block boundaries."""
@@ -83,14 +99,14 @@ class QuantizedMatrix:
                     f"{elems}-value blocks")
             b0, nb = start // elems, length // elems
             out.append(QuantSegment(s.qtype, s.data[:, b0 * nbytes : (b0 + nb) * nbytes].contiguous()))
-        return QuantizedMatrix(out, length)
+        return self._like(out, length)
 
     def take_rows(self, index: torch.Tensor) -> "QuantizedMatrix":
         """Rows ``index`` (e.g. a draft vocabulary's rows of an LM head), one format only."""
         if len(self.segments) != 1:
             raise ValueError("take_rows needs a matrix of one format")
         s = self.segments[0]
-        return QuantizedMatrix([QuantSegment(s.qtype, s.data[index.to(torch.long)])], self.in_features)
+        return self._like([QuantSegment(s.qtype, s.data[index.to(torch.long)])])
 
     def pad_rows(self, rows: int) -> "QuantizedMatrix":
         """Append rows that are all zero: zero bytes dequantize to 0.0 in every format."""
@@ -98,7 +114,7 @@ class QuantizedMatrix:
             return self
         last = self.segments[-1]
         zeros = last.data.new_zeros(rows, last.data.shape[1])
-        return QuantizedMatrix(self.segments + [QuantSegment(last.qtype, zeros)], self.in_features)
+        return self._like(self.segments + [QuantSegment(last.qtype, zeros)])
 
     @staticmethod
     def cat(mats: list["QuantizedMatrix"]) -> "QuantizedMatrix":
@@ -115,12 +131,11 @@ class QuantizedMatrix:
         for i, seg in enumerate(merged):   # the kernel reads contiguous rows it owns
             if not seg.data.is_contiguous():
                 merged[i] = QuantSegment(seg.qtype, seg.data.contiguous())
-        return QuantizedMatrix(merged, in_features)
+        return QuantizedMatrix(merged, in_features, any(m.int8_activations for m in mats))
 
     def contiguous(self) -> "QuantizedMatrix":
         """Every segment in memory of its own (a copy out of a read-only file mapping, say)."""
-        return QuantizedMatrix([QuantSegment(s.qtype, s.data.contiguous()) for s in self.segments],
-                               self.in_features)
+        return self._like([QuantSegment(s.qtype, s.data.contiguous()) for s in self.segments])
 
     # ----------------------------------------------------------------- compute
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -134,7 +149,8 @@ class QuantizedMatrix:
         for s in self.segments:
             n = s.data.shape[0]
             seg_bias = None if bias is None else bias[col : col + n]
-            quant_gemm.quant_matmul_into(out, col, x2, s.data, s.qtype, self.in_features, seg_bias)
+            quant_gemm.quant_matmul_into(out, col, x2, s.data, s.qtype, self.in_features, seg_bias,
+                                         int8_activations=self.kernel_qtype(s) != s.qtype)
             col += n
         return out.view(*leading, out.shape[1])
 

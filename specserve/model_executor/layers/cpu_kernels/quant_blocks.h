@@ -588,8 +588,18 @@ static float *scratch_for(int64_t len) {
  * returns the same status for the same arguments except -3, which the caller reduces. */
 #define ROW_TILE 48
 
+#include "q8_act.h"
+
+/* ... qtype | Q8_ACT_FLAG: int8 activations (q8_act.h) where this CPU and the format allow,
+ * else the float32 path. */
 static int quant_gemm_team(const float *x, int64_t ldx, int64_t rows, const uint8_t *w, int qtype,
                            int64_t out_features, int64_t in, const float *bias, float *out, int64_t ldo) {
+    if (qtype & Q8_ACT_FLAG) {
+        qtype &= ~Q8_ACT_FLAG;
+#ifdef HAVE_Q8_ACT
+        if (q8_act_supported(qtype, in)) return q8_gemm_team(x, ldx, rows, w, qtype, out_features, in, bias, out, ldo);
+#endif
+    }
     const int elems = qblock_elems(qtype), bytes = qblock_bytes(qtype);
     if (!elems || in % elems != 0 || in % VEC != 0) return -1;
     const int64_t row_bytes = in / elems * bytes;

@@ -20,6 +20,16 @@ int specserve_quant_block_elems(int qtype) { return qblock_elems(qtype); }
 
 int specserve_quant_block_bytes(int qtype) { return qblock_bytes(qtype); }
 
+/* 1 when qtype | Q8_ACT_FLAG (int8 activations, q8_act.h) runs that kernel for rows of in values. */
+int specserve_quant_int8_supported(int qtype, int64_t in) {
+#if defined(__F16C__) && defined(HAVE_Q8_ACT)
+    return q8_act_supported(qtype, in);
+#else
+    (void)qtype, (void)in;
+    return 0;
+#endif
+}
+
 int specserve_quant_vector_width(void) {
 #if defined(__F16C__)
     return VEC;

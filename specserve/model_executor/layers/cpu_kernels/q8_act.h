@@ -1,0 +1,349 @@
+/* The int8-activation matmul over GGUF blocks (AVX-512 VNNI): an opt-in kernel for CPUs.
+ *
+ * Included by quant_blocks.h; quant_gemm_team() calls q8_gemm_team() when the caller sets
+ * Q8_ACT_FLAG in qtype (QuantizedMatrix.int8_activations) and this file knows the format.
+ *
+ * Why: with float32 activations every weight costs a table look-up or a conversion plus one
+ * FMA per row, so batch-1 decoding is bound by arithmetic (~10 Gweights/s a core), not by the
+ * bytes streamed. llama.cpp quantizes activations to 8 bits and multiplies bytes with VNNI's
+ * vpdpbusd (64 products a instruction); this file does the same, in specserve's own layout:
+ *
+ *   x row      -> per 32 values: dx = max|x| / 127, xq = round(x / dx) (int8): x is read as
+ *                 xhat = dx * xq
+ *   weight row -> per value: u, the unsigned quant byte as stored (0..15, 0..31, 0..63, or the
+ *                 int8 quant + 128), with value = ws * (u - k) + min: ws per 16 or 32 values,
+ *                 exactly ggml's dequantized value (ws and min computed as ggml computes them)
+ *   out[r, j]  = sum over 64-value chunks of lanes(ws * dx * (u . xq - k * sum xq) + min * xhat)
+ *              = dequantize(w[j]) . xhat[r], up to float32 rounding of the sums
+ *
+ * Scales are read in groups of 256 values into one 16-float vector per weight row, and each
+ * 64-value chunk takes its lanes' scales from it with one permute (no scratch prepass).
+ *
+ * The weights are the file's values; only the activations are rounded (to 8 bits per 32
+ * values), as llama.cpp rounds them. Row-invariant like the float kernel: out[r, j] is the
+ * same sequence of operations whatever the row count or the thread count, so greedy
+ * speculative output stays bit for bit the plain output of the same kernel.
+ */
+#ifndef SPECSERVE_Q8_ACT_H
+#define SPECSERVE_Q8_ACT_H
+
+#define Q8_ACT_FLAG 256
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define HAVE_Q8_ACT 1
+
+static inline int q8_act_supported(int qtype, int64_t in) {
+    switch (qtype) {
+    case Q4_1: case Q5_0: case Q8_0: return in % 64 == 0;
+    case Q4_K: case Q6_K: return in % 256 == 0;
+    default: return 0;
+    }
+}
+
+/* ---- activations: one row -> xq [in] int8, scaled per group of 256 values (the last group may
+ * be shorter): xd [ngroups] the group's dx; xl [in / 4] each vpdpbusd lane's xq sum (4 values);
+ * xm [ngroups][16] lanes 8-15 the xq sums of the group's 32-value blocks, lanes 0-7 zero ---- */
+static void q8_quantize_row(const float *x, int64_t in, int8_t *xq, float *xd, int32_t *xl, float *xm) {
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    const int64_t ngroups = (in + 255) / 256;
+    for (int64_t g = 0; g < ngroups; g++) {
+        const int64_t v0 = 256 * g, v1 = v0 + 256 < in ? v0 + 256 : in;
+        __m512 amax = _mm512_setzero_ps();
+        for (int64_t v = v0; v < v1; v += 16) amax = _mm512_max_ps(amax, _mm512_andnot_ps(sign, _mm512_loadu_ps(x + v)));
+        const float m = _mm512_reduce_max_ps(amax);
+        const float d = m / 127.0f, id = m > 0.0f ? 127.0f / m : 0.0f;
+        float sums[16] = {0};
+        for (int64_t v = v0; v < v1; v += 32) {
+            const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + v), _mm512_set1_ps(id)));
+            const __m512i qe = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + v + 16), _mm512_set1_ps(id)));
+            _mm_storeu_si128((__m128i *)(xq + v), _mm512_cvtsepi32_epi8(qa));   /* round to nearest even */
+            _mm_storeu_si128((__m128i *)(xq + v + 16), _mm512_cvtsepi32_epi8(qe));
+            sums[8 + (v - v0) / 32] = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qe));
+        }
+        for (int64_t v = v0; v < v1; v += 64) {
+            const __m512i q = _mm512_loadu_si512((const void *)(xq + v));
+            _mm512_storeu_si512((void *)(xl + v / 4), _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), q));
+        }
+        xd[g] = d;
+        memcpy(xm + 16 * g, sums, sizeof sums);
+    }
+}
+
+/* ---- weights: per group of 256 values, a vector of 16 floats with the group's scales (and
+ * mins); each 64-value chunk then picks its 16 lanes' scales with one permute ---- */
+
+/* Formats of 32-value blocks (Q4_1, Q5_0, Q8_0): lanes 0-7 the d of blocks 8 g .. 8 g + 7,
+ * lanes 8-15 their m (Q4_1's min); nb < 8 blocks in a last group. */
+static inline __m512 q8_group_32(const uint8_t *row, int bytes, int has_min, int64_t g, int nb) {
+    uint16_t h[16] = {0};
+    for (int i = 0; i < nb; i++) {
+        const uint8_t *blk = row + (8 * g + i) * bytes;
+        memcpy(&h[i], blk, 2);
+        if (has_min) memcpy(&h[8 + i], blk + 2, 2);
+    }
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
+}
+
+/* Q4_K: lanes 0-7 d * scale of the 8 sub-blocks, lanes 8-15 -(dmin * min) (ggml: y = d1 q - m1;
+ * -(dmin * min) is exactly -dmin * min). */
+static inline __m512 q8_group_q4_k(const uint8_t *blk) {
+    const float d = half_at(blk), dmin = half_at(blk + 2);
+    uint32_t u[3];
+    memcpy(u, blk + 4, 12);
+    const __m128i packed = _mm_setr_epi32(
+        (int)(u[0] & 0x3f3f3f3fu), (int)((u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4)),
+        (int)(u[1] & 0x3f3f3f3fu), (int)(((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4)));
+    const __m512 mult = _mm512_insertf32x8(_mm512_set1_ps(d), _mm256_set1_ps(-dmin), 1);
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(packed)), mult);
+}
+
+/* Q6_K: lane i, d * scale i of the 16 groups of 16 values (ggml: y = d * sc * (q - 32)). */
+static inline __m512 q8_group_q6_k(const uint8_t *blk) {
+    const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192))));
+    return _mm512_mul_ps(_mm512_set1_ps(half_at(blk + 208)), sc);
+}
+
+static inline __m512i q8_nibbles_of_32(const uint8_t *p) { /* 32 bytes -> their 32 low then 32 high nibbles */
+    const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)p));
+    const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    return _mm512_and_si512(_mm512_srlv_epi16(v, shift), _mm512_set1_epi8(0x0f));
+}
+
+static inline __m512i q8_nibbles_of_two_16(const uint8_t *a, const uint8_t *b) {
+    /* 16 bytes of block a, 16 of block b -> a's low, a's high, b's low, b's high nibbles */
+    const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)a))),
+                                         _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)b)), 1);
+    const __m512i shift = _mm512_set_epi64(0x0004000400040004LL, 0x0004000400040004LL, 0, 0,
+                                           0x0004000400040004LL, 0x0004000400040004LL, 0, 0);
+    return _mm512_and_si512(_mm512_srlv_epi16(v, shift), _mm512_set1_epi8(0x0f));
+}
+
+/* Values [64 c, 64 c + 64) of a row as unsigned bytes u, in order. */
+static inline __attribute__((always_inline)) __m512i q8_chunk(const int qtype, const uint8_t *row, int64_t c) {
+    switch (qtype) {
+    case Q4_1: {
+        const uint8_t *a = row + 2 * c * 20, *b = a + 20;
+        return q8_nibbles_of_two_16(a + 4, b + 4);
+    }
+    case Q5_0: {
+        const uint8_t *a = row + 2 * c * 22, *b = a + 22;
+        uint32_t ha, hb;
+        memcpy(&ha, a + 2, 4), memcpy(&hb, b + 2, 4);
+        const __m512i nib = q8_nibbles_of_two_16(a + 6, b + 6);
+        const __mmask64 fifth = (__mmask64)ha | ((__mmask64)hb << 32);   /* bit i: value i's fifth bit */
+        return _mm512_mask_add_epi8(nib, fifth, nib, _mm512_set1_epi8(16));
+    }
+    case Q8_0: {
+        const uint8_t *a = row + 2 * c * 34, *b = a + 34;
+        const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(a + 2))),
+                                             _mm256_loadu_si256((const __m256i *)(b + 2)), 1);
+        return _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80));        /* int8 q -> q + 128 */
+    }
+    case Q4_K:
+        return q8_nibbles_of_32(row + (c / 4) * 144 + 16 + 32 * (c % 4));
+    case Q6_K: {
+        /* chunk p of half n: values 128 n + 64 p + [0, 64): low (p = 0) or high nibbles of
+         * ql[64 n, 64 n + 64), with two bits of qh[32 n + l] (shifts 0, 2 or 4, 6) above them */
+        const uint8_t *blk = row + (c / 4) * 210;
+        const int n = (int)(c % 4) / 2, p = (int)(c % 2);
+        const __m512i ql = _mm512_loadu_si512((const void *)(blk + 64 * n));
+        const __m512i lo = p ? _mm512_srli_epi16(ql, 4) : ql;
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * n)));
+        const __m512i shift = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16((short)(4 * p))),
+                                                 _mm256_set1_epi16((short)(4 * p + 2)), 1);
+        const __m512i hi = _mm512_and_si512(_mm512_srlv_epi16(qh, shift), _mm512_set1_epi8(0x03));
+        return _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi8(0x0f)), _mm512_slli_epi16(hi, 4));
+    }
+    default: return _mm512_setzero_si512();
+    }
+}
+
+/* The offset every u carries, when it is a multiple of the scale (value = ws * (u - k)):
+ * folded into the integer dot as - k * (the lane's xq sum). 0 for formats with a min. */
+static inline int q8_u_offset(const int qtype) {
+    return qtype == Q8_0 ? 128 : qtype == Q5_0 ? 16 : qtype == Q6_K ? 32 : 0;
+}
+static inline int q8_has_min(const int qtype) { return qtype == Q4_1 || qtype == Q4_K; }
+
+/* ---- R rows x J outputs. Per (row, output, 256-value group): the group's scales times the
+ * row's dx, and the mins against the blocks' xq sums; per (row, output, 64-value chunk): one
+ * vpdpbusd, its lanes' scales picked by one permute, one FMA. Each output's operations do not
+ * depend on R or J. ---- */
+static inline __attribute__((always_inline)) void q8_tile(const int qtype, const uint8_t *w0, int64_t row_bytes,
+                                                          int64_t in, const int8_t *xq, const float *xd,
+                                                          const int32_t *xl, const float *xm, const float *bias,
+                                                          float *out, int64_t ldo, const int R, const int J) {
+    const int64_t nc = in / 64, ngroups = (nc + 3) / 4, xs = in / 4, ms = 16 * ((in + 255) / 256);
+    const int k_off = q8_u_offset(qtype), has_min = q8_has_min(qtype);
+    const int shift_off = k_off == 128 ? 7 : k_off == 32 ? 5 : 4;
+    const int64_t pf_step = row_bytes / nc;   /* about a chunk's bytes: prefetch is a hint */
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    /* lane l of a chunk holds values 4 l .. 4 l + 3: its scale is group lane 2 cc + l / 8 (32-value
+     * blocks, Q4_K sub-blocks) or 4 cc + l / 4 (Q6_K's 16-value groups), cc the chunk in the group */
+    const __m512i lane_group = qtype == Q6_K ? _mm512_srli_epi32(lane, 2) : _mm512_srli_epi32(lane, 3);
+    const int per_chunk = qtype == Q6_K ? 4 : 2;
+    __m512 acc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < J; j++) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < ngroups; g++) {
+        __m512 gs[4];
+        for (int j = 0; j < J; j++) {
+            const uint8_t *row = w0 + j * row_bytes;
+            if (qtype == Q4_K) gs[j] = q8_group_q4_k(row + g * 144);
+            else if (qtype == Q6_K) gs[j] = q8_group_q6_k(row + g * 210);
+            else {
+                const int64_t nb = in / 32 - 8 * g;
+                gs[j] = q8_group_32(row, qblock_bytes(qtype), has_min, g, nb < 8 ? (int)nb : 8);
+            }
+        }
+        __m512 gsx[4][4];   /* [r][j]: the group's scales (and mins) times the row's dx */
+        for (int r = 0; r < R; r++) {
+            const __m512 dx = _mm512_set1_ps(xd[r * ((in + 255) / 256) + g]);
+            for (int j = 0; j < J; j++) {
+                gsx[r][j] = _mm512_mul_ps(gs[j], dx);
+                if (has_min)   /* Q4_1: value = d u + m; Q4_K: value = d1 u - m1 (lanes 8-15 of gs) */
+                    acc[r][j] = _mm512_fmadd_ps(gsx[r][j], _mm512_loadu_ps(xm + r * ms + 16 * g), acc[r][j]);
+            }
+        }
+        const int64_t c_end = 4 * g + 4 < nc ? 4 * g + 4 : nc;
+        for (int64_t c = 4 * g; c < c_end; c++) {
+            const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(per_chunk * (int)(c - 4 * g)), lane_group);
+            __m512i u[4];
+            for (int j = 0; j < J; j++) {
+                _mm_prefetch((const char *)(w0 + j * row_bytes + c * pf_step + 1024), _MM_HINT_T0);
+                u[j] = q8_chunk(qtype, w0 + j * row_bytes, c);
+            }
+            for (int r = 0; r < R; r++) {
+                const __m512i xv = _mm512_loadu_si512((const void *)(xq + r * in + 64 * c));
+                const __m512i init = k_off ? _mm512_sub_epi32(_mm512_setzero_si512(),
+                                                              _mm512_slli_epi32(_mm512_loadu_si512((const void *)(xl + r * xs + 16 * c)), shift_off))
+                                           : _mm512_setzero_si512();
+                for (int j = 0; j < J; j++) {
+                    const __m512i dot = _mm512_dpbusd_epi32(init, u[j], xv);
+                    acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(idx, gsx[r][j]), acc[r][j]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < J; j++) {
+            float v = _mm512_reduce_add_ps(acc[r][j]);
+            if (bias) v += bias[j];
+            out[r * ldo + j] = v;
+        }
+}
+
+/* rows x J (<= 4) outputs in tiles of up to 4 rows; outputs of a J < 4 tail one at a time
+ * (each output's operations are the same either way). */
+static inline __attribute__((always_inline)) void q8_tile_rows(
+    const int qtype, const uint8_t *w0, int64_t row_bytes, int64_t in, const int8_t *xq, const float *xd,
+    const int32_t *xl, const float *xm, const float *bias, float *out, int64_t ldo, int64_t rows, int J) {
+    const int64_t ngroups = (in + 255) / 256;
+    for (int64_t r = 0; r < rows;) {
+        const int R = rows - r >= 4 ? 4 : (int)(rows - r);
+        const int8_t *xq_r = xq + r * in;
+        const float *xd_r = xd + r * ngroups, *xm_r = xm + r * 16 * ngroups;
+        const int32_t *xl_r = xl + r * (in / 4);
+        float *out_r = out + r * ldo;
+#define Q8_T(R_, J_, w_, b_, o_) q8_tile(qtype, w_, row_bytes, in, xq_r, xd_r, xl_r, xm_r, b_, o_, ldo, R_, J_)
+        if (J == 4) {
+            switch (R) {
+            case 4: Q8_T(4, 4, w0, bias, out_r); break;
+            case 3: Q8_T(3, 4, w0, bias, out_r); break;
+            case 2: Q8_T(2, 4, w0, bias, out_r); break;
+            default: Q8_T(1, 4, w0, bias, out_r); break;
+            }
+        } else {
+            for (int j = 0; j < J; j++) {
+                const uint8_t *wj = w0 + j * row_bytes;
+                const float *bj = bias ? bias + j : NULL;
+                switch (R) {
+                case 4: Q8_T(4, 1, wj, bj, out_r + j); break;
+                case 3: Q8_T(3, 1, wj, bj, out_r + j); break;
+                case 2: Q8_T(2, 1, wj, bj, out_r + j); break;
+                default: Q8_T(1, 1, wj, bj, out_r + j); break;
+                }
+            }
+        }
+#undef Q8_T
+        r += R;
+    }
+}
+
+/* One copy of the tile loop per format, so the chunk unpacking is inlined without a switch. */
+#define Q8_DEFINE_ROWS(name, qt)                                                                          \
+    static void name(const uint8_t *w0, int64_t row_bytes, int64_t in, const int8_t *xq, const float *xd, \
+                     const int32_t *xl, const float *xm, const float *bias, float *out, int64_t ldo,    \
+                     int64_t rows, int J) {                                                               \
+        q8_tile_rows(qt, w0, row_bytes, in, xq, xd, xl, xm, bias, out, ldo, rows, J);                     \
+    }
+Q8_DEFINE_ROWS(q8_rows_q4_1, Q4_1)
+Q8_DEFINE_ROWS(q8_rows_q5_0, Q5_0)
+Q8_DEFINE_ROWS(q8_rows_q8_0, Q8_0)
+Q8_DEFINE_ROWS(q8_rows_q4_k, Q4_K)
+Q8_DEFINE_ROWS(q8_rows_q6_k, Q6_K)
+
+typedef void (*q8_rows_fn)(const uint8_t *, int64_t, int64_t, const int8_t *, const float *, const int32_t *,
+                           const float *, const float *, float *, int64_t, int64_t, int);
+
+static q8_rows_fn q8_rows_of(int qtype) {
+    switch (qtype) {
+    case Q4_1: return q8_rows_q4_1;
+    case Q5_0: return q8_rows_q5_0;
+    case Q8_0: return q8_rows_q8_0;
+    case Q4_K: return q8_rows_q4_k;
+    case Q6_K: return q8_rows_q6_k;
+    default: return NULL;
+    }
+}
+
+/* A thread's scratch: a row tile's quantized activations and 4 weight rows' scales. */
+static __thread uint8_t *q8_scratch;
+static __thread int64_t q8_scratch_len;
+
+static uint8_t *q8_scratch_for(int64_t len) {
+    if (len > q8_scratch_len) {
+        free(q8_scratch);
+        q8_scratch = (uint8_t *)malloc((size_t)len);
+        q8_scratch_len = q8_scratch ? len : 0;
+    }
+    return q8_scratch;
+}
+
+#define Q8_ROW_TILE 64
+
+/* out = x @ w.T (+ bias) with int8 activations, called by every thread of a parallel region
+ * (as quant_gemm_team). Every thread quantizes the row tile itself (rows x in values: small
+ * against the matmul), so no thread waits for another. Returns 0, or -3 without scratch memory. */
+static int q8_gemm_team(const float *x, int64_t ldx, int64_t rows, const uint8_t *w, int qtype,
+                        int64_t out_features, int64_t in, const float *bias, float *out, int64_t ldo) {
+    const int64_t row_bytes = in / qblock_elems(qtype) * qblock_bytes(qtype);
+    const int64_t blocks = (out_features + 3) / 4, tile = rows < Q8_ROW_TILE ? rows : Q8_ROW_TILE;
+    const q8_rows_fn run = q8_rows_of(qtype);
+    const int64_t ngroups = (in + 255) / 256;
+    /* xq, xl (in / 4 int32), xd (ngroups floats), xm (16 ngroups floats), per row */
+    uint8_t *buf = q8_scratch_for(tile * (2 * in + 17 * 4 * ngroups) + 64);
+    const int ok = buf != NULL;
+    int8_t *xq = (int8_t *)buf;
+    int32_t *xl = (int32_t *)(buf + tile * in);
+    float *xd = (float *)(xl + tile * (in / 4)), *xm = xd + tile * ngroups;
+    for (int64_t row0 = 0; row0 < rows; row0 += Q8_ROW_TILE) {
+        const int64_t n = rows - row0 < Q8_ROW_TILE ? rows - row0 : Q8_ROW_TILE;
+        if (ok)
+            for (int64_t r = 0; r < n; r++)
+                q8_quantize_row(x + (row0 + r) * ldx, in, xq + r * in, xd + r * ngroups, xl + r * (in / 4),
+                                xm + r * 16 * ngroups);
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++) {
+            if (!ok) continue;
+            const int64_t j = b * 4;
+            const int nj = j + 4 <= out_features ? 4 : (int)(out_features - j);
+            run(w + j * row_bytes, row_bytes, in, xq, xd, xl, xm, bias ? bias + j : NULL, out + row0 * ldo + j, ldo, n,
+                nj);
+        }
+    }
+    return ok ? 0 : -3;
+}
+
+#endif /* AVX-512 VNNI */
+#endif /* SPECSERVE_Q8_ACT_H */

@@ -1,0 +1,88 @@
+"""The int8-activation kernel (``cpu_kernels/q8_act.h``): each format's product equals the
+file's dequantized weights times the activations rounded as documented (8 bits per 256
+values), rows are bitwise independent of the row count and the thread count, and cuts and
+stacks keep the setting. Skipped on CPUs without AVX-512 VNNI."""
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from specserve.model_executor.layers import quant_gemm
+from specserve.model_executor.layers.quantized import QuantizedMatrix
+
+from test_quant_gemm import gguf_values, random_blocks
+
+INT8_FORMATS = [T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K]
+
+pytestmark = pytest.mark.skipif(
+    not quant_gemm.available() or not quant_gemm.supports_int8_activations(int(T.Q4_K), 256),
+    reason="no int8-activation kernel here (needs AVX-512 VNNI)")
+
+
+def rounded_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel reads it: per 256 values (the last group may be shorter) d = max|x| / 127,
+    q = round-half-even(x * (127 / max|x|)), xhat = d * q; float64."""
+    out = torch.empty(x.shape, dtype=torch.float64)
+    for g in range(0, x.shape[1], 256):
+        block = x[:, g : g + 256]
+        amax = block.abs().amax(-1, keepdim=True)
+        inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+        out[:, g : g + 256] = torch.round(block * inv).double() * (amax / 127).double()
+    return out
+
+
+def int8_matrix(qtype, out_features, in_features, seed=0):
+    blocks = random_blocks(qtype, out_features, in_features, seed=seed)
+    m = QuantizedMatrix.from_blocks(torch.from_numpy(blocks), int(qtype), in_features)
+    m.int8_activations = True
+    return m, gguf_values(blocks, qtype, in_features)
+
+
+@pytest.mark.parametrize("qtype", INT8_FORMATS, ids=lambda q: q.name)
+@pytest.mark.parametrize("rows", [1, 3, 6, 70])
+def test_product_is_the_files_weights_times_the_rounded_activations(qtype, rows):
+    in_features = 768 if qtype in (T.Q4_K, T.Q6_K) else 576   # 576: a last group of 64 values
+    m, dense = int8_matrix(qtype, 38, in_features, seed=rows)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=gen) * torch.linspace(0.1, 3.0, in_features)
+    bias = torch.randn(38, generator=gen)
+    want = rounded_activations(x) @ dense.double().T + bias.double()
+    got = m.matmul(x, bias)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    # and it is not the float32-activation product: the rounding is real
+    exact = x.double() @ dense.double().T + bias.double()
+    assert (got.double() - exact).abs().max() > 1e-4 * exact.abs().max()
+
+
+@pytest.mark.parametrize("qtype", INT8_FORMATS, ids=lambda q: q.name)
+def test_rows_bitwise_independent_of_row_count_and_threads(qtype):
+    m, _ = int8_matrix(qtype, 70, 512)
+    x = torch.randn(110, 512, generator=torch.Generator().manual_seed(1))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([m.matmul(x[i : i + 1]) for i in range(x.shape[0])])
+        for n_threads in (1, 2, 3):
+            torch.set_num_threads(n_threads)
+            for rows in (1, 2, 3, 5, 6, 7, 13, 64, 65, 110):
+                assert torch.equal(m.matmul(x[:rows]), alone[:rows]), (n_threads, rows)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_cuts_and_stacks_keep_the_setting_and_unknown_formats_fall_back():
+    m, dense = int8_matrix(T.Q4_K, 16, 512)
+    plain = QuantizedMatrix.from_blocks(m.segments[0].data, int(T.Q4_K), 512)
+    fused = QuantizedMatrix.cat([m, plain])
+    for cut in (fused, m.row_slice(4, 8), m.col_slice(256, 256), m.pad_rows(3), m.contiguous()):
+        assert cut.int8_activations
+    assert not plain.int8_activations
+    # Q5_K has no int8 kernel: the matrix multiplies as with float32 activations
+    blocks = random_blocks(T.Q5_K, 8, 512)
+    q5k = QuantizedMatrix.from_blocks(torch.from_numpy(blocks), int(T.Q5_K), 512)
+    q5k.int8_activations = True
+    assert q5k.kernel_qtype(q5k.segments[0]) == int(T.Q5_K)
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(q5k.matmul(x).double(), x.double() @ gguf_values(blocks, T.Q5_K, 512).double().T,
+                               rtol=1e-5, atol=1e-4)
