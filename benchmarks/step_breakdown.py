@@ -12,6 +12,8 @@ round by round:
 - non-matmul share: (step - matmuls) / step.
 
     python benchmarks/step_breakdown.py --dtypes auto,float16 --rounds 3
+
+A dtype entry ``auto+int8`` is ``auto`` with ``int8_activations=True``.
 """
 from __future__ import annotations
 
@@ -69,7 +71,8 @@ def main() -> int:
     from specserve import LLM, SamplingParams
     from specserve.worker.model_runner import ForwardInput
 
-    engines = {d: LLM(model=args.model, dtype=d, max_model_len=1024, kv_cache_memory=1 << 27)
+    engines = {d: LLM(model=args.model, dtype=d.split("+")[0], max_model_len=1024, kv_cache_memory=1 << 27,
+                      int8_activations=d.endswith("+int8"))
                for d in args.dtypes.split(",")}
     results = {d: {"step": [], "forward": [], "matmuls": []} for d in engines}
     blocks = list(range(-(-(args.context + 1) // 16)))

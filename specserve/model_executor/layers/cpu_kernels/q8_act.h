@@ -28,6 +28,12 @@
 #define SPECSERVE_Q8_ACT_H
 
 #define Q8_ACT_FLAG 256
+/* Weight prefetch: into L2, the same position 16 rows (4 blocks of 4 outputs) ahead (at least
+ * 1 KB). Short rows (the 1536-value rows of Qwen2.5-Coder-1.5B's
+ * gate/up and LM head: 864 and 1260 bytes) are the case that needs it: prefetching within the
+ * row only touched the rows being read; 16 rows ahead raised those matrices from ~14 to
+ * ~20 GB/s streamed from memory (noisy machine; docs/benchmarks.md). */
+#define Q8_PF_ROWS 16
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define HAVE_Q8_ACT 1
@@ -177,6 +183,7 @@ static inline __attribute__((always_inline)) void q8_tile(const int qtype, const
     const int k_off = q8_u_offset(qtype), has_min = q8_has_min(qtype);
     const int shift_off = k_off == 128 ? 7 : k_off == 32 ? 5 : 4;
     const int64_t pf_step = row_bytes / nc;   /* about a chunk's bytes: prefetch is a hint */
+    const int64_t pf_ahead = Q8_PF_ROWS * row_bytes > 1024 ? Q8_PF_ROWS * row_bytes : 1024;   /* bytes */
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     /* lane l of a chunk holds values 4 l .. 4 l + 3: its scale is group lane 2 cc + l / 8 (32-value
      * blocks, Q4_K sub-blocks) or 4 cc + l / 4 (Q6_K's 16-value groups), cc the chunk in the group */
@@ -210,7 +217,7 @@ static inline __attribute__((always_inline)) void q8_tile(const int qtype, const
             const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(per_chunk * (int)(c - 4 * g)), lane_group);
             __m512i u[4];
             for (int j = 0; j < J; j++) {
-                _mm_prefetch((const char *)(w0 + j * row_bytes + c * pf_step + 1024), _MM_HINT_T0);
+                _mm_prefetch((const char *)(w0 + j * row_bytes + c * pf_step + pf_ahead), _MM_HINT_T1);
                 u[j] = q8_chunk(qtype, w0 + j * row_bytes, c);
             }
             for (int r = 0; r < R; r++) {
