@@ -101,19 +101,9 @@ class HFEngine:
 
 def build_hf_target(dtype_name: str):
     """transformers' Llama on the very weights specserve loads, in the same dtype."""
-    from transformers import AutoModelForCausalLM
+    from specserve.bench.peers import load_transformers_model
 
-    from specserve.model_executor.loader import load_model, resolve_dtype
-
-    dtype = resolve_dtype(dtype_name, torch.device("cpu"))
-    loaded = load_model(None, dtype)
-    model = AutoModelForCausalLM.from_config(loaded.config, dtype=dtype)
-    missing, unexpected = model.load_state_dict(loaded.state_dict, strict=False)
-    model.tie_weights()
-    bad = [m for m in missing if not (m == "lm_head.weight" and loaded.config.tie_word_embeddings)]
-    if bad or unexpected:
-        raise RuntimeError(f"transformers target: missing {bad[:5]}, unexpected {list(unexpected)[:5]}")
-    return model.eval()
+    return load_transformers_model(None, dtype_name)[0]
 
 
 def main(argv=None) -> int:

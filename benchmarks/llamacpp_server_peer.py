@@ -19,46 +19,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
-import urllib.request
 from collections import defaultdict
 
 import torch
+
+from specserve.bench.peers import post_json, start_llama_server, stop_process
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SPEC_BENCH = os.path.join(HERE, "..", "..", "shared", "data", "spec_bench", "question.jsonl")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=900) as r:
-        return json.loads(r.read())
-
-
-def start_llama_server(args, model_path: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen([os.path.join(os.path.expanduser(args.llama_bin), "llama-server"), "-m", model_path,
-                             "-t", str(args.threads), "-c", "4096", "--port", str(port), "--host", "127.0.0.1",
-                             "-np", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc, base
-        except OSError:
-            time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("llama-server did not become healthy")
+    return post_json(url, body, timeout=900)
 
 
 def main() -> int:
@@ -87,7 +61,8 @@ def main() -> int:
                f"specserve {args.speculative_method}": LLM(**kw, speculative_config={
                    "method": args.speculative_method, "num_speculative_tokens": args.num_speculative_tokens})}
     model_path = engines["specserve plain"].engine.hf_config._name_or_path if args.model else default_model_path()
-    server, base = start_llama_server(args, model_path)
+    server, base = start_llama_server(os.path.join(os.path.expanduser(args.llama_bin), "llama-server"), model_path,
+                                      args.threads, ctx_size=4096, slots=1, timeout_s=300)
     names = ["llama.cpp server"] + list(engines)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     tokens, seconds = defaultdict(lambda: defaultdict(int)), defaultdict(lambda: defaultdict(float))
@@ -114,8 +89,7 @@ def main() -> int:
                     tokens[key][name] += n
                     seconds[key][name] += dt
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        stop_process(server)
     print(f"# {time.strftime('%Y-%m-%d %H:%M')} {os.path.basename(model_path)}, {len(rows)} questions "
           f"({args.limit_per_category} per category), max_tokens={args.max_tokens}, greedy, answers end at EOS, "
           f"threads={args.threads}, {args.speculative_method} k={args.num_speculative_tokens}")

@@ -10,6 +10,11 @@ included) and PNG plots.
     specserve bench --configs plain,ngram:4,draft:3 --batch-sizes 1,8 --limit 1
     specserve bench --configs plain,ngram:4,eagle:4 --temperature 0,0.7 --peer transformers
     specserve bench --configs plain,ngram:4 --peer llama.cpp --llama-cpp-bin ~/.cache/specserve-peers/llama.cpp/build/bin
+    specserve bench --configs ngram:5:tree,ngram:5 --stop-at-eos --peer transformers --transformers-dtype bfloat16,float32
+
+Besides tok/s (prefill included, as Spec-Bench measures), the report gives each specserve
+configuration's decode tok/s: the tokens after each request's first over the time after
+its group's last first token.
 """
 from __future__ import annotations
 
@@ -27,9 +32,11 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--configs", default="plain,ngram:4",
-                   help="comma-separated: plain, ngram:K, draft:K, eagle:K (K draft tokens per step; draft and "
-                        "eagle use the default model's shipped drafts unless --draft-model/--eagle-model); "
-                        "plain is always run (speedups are against it)")
+                   help="comma-separated: plain, ngram:K, draft:K, eagle:K, suffix:K (K draft tokens per step; "
+                        "draft and eagle use the default model's shipped drafts unless --draft-model/--eagle-model); "
+                        "options may follow as :dynamic (dynamic_k), :tree (n-gram trees) or :KEY=VALUE for any "
+                        "SpeculativeConfig field, e.g. ngram:5:prompt_lookup_max=5:tree,ngram:5:prompt_lookup_max=5 "
+                        "(trees against chains); plain is always run (speedups are against it)")
     p.add_argument("--draft-model", default=None, help="the draft for draft:K configurations")
     p.add_argument("--eagle-model", default=None, help="the EAGLE head folder for eagle:K configurations")
     p.add_argument("--peer", action="append", default=[], choices=["transformers", "llama.cpp"],
@@ -37,7 +44,9 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--llama-cpp-bin", default=None,
                    help="folder with llama-server, built by ../shared/peers/build-llamacpp.sh "
                         "(default: ~/.cache/specserve-peers/llama.cpp/build/bin)")
-    p.add_argument("--transformers-dtype", default="bfloat16", help="dtype of the transformers peer")
+    p.add_argument("--transformers-dtype", default="bfloat16",
+                   help="dtype of the transformers peer; comma-separated for one peer per dtype "
+                        "(named transformers-bf16, transformers-fp32, ...)")
     p.add_argument("--prompts", default=None, help="Spec-Bench-format JSONL (default: the shipped set)")
     p.add_argument("--categories", default=None, help="comma-separated categories to keep")
     p.add_argument("--limit", type=int, default=None, help="at most N prompts per category")
@@ -101,3 +110,19 @@ def cmd_bench(args, argv: list[str] | None = None) -> int:
         f.write(render_markdown(doc, plots))
     print(f"wrote {os.path.join(out, 'report.md')}, results.json" + (", " + ", ".join(plots) if plots else ""))
     return 0
+
+
+def main(argv: list[str]) -> int:
+    """``specserve bench ARGV...`` from Python, as the command line runs it (``argv``: bench's options).
+
+    The report records ``specserve bench`` + ``argv`` as its command.
+    """
+    from specserve.entrypoints.cli import build_parser
+
+    argv = ["bench", *argv]
+    args = build_parser().parse_args(argv)
+    try:
+        return cmd_bench(args, argv)
+    except ValueError as e:   # bad input: a clear message, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2

@@ -21,26 +21,38 @@ from specserve.bench.runner import BenchOptions, BenchPrompt, GroupResult
 DEFAULT_LLAMA_CPP_BIN = os.path.expanduser("~/.cache/specserve-peers/llama.cpp/build/bin")
 
 
+SHORT_DTYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}
+
+
+def load_transformers_model(model: str | None, dtype_name: str):
+    """transformers' model class on the very weights specserve's loader reads: ``(model, tokenizer, dtype)``."""
+    from transformers import AutoModelForCausalLM
+
+    from specserve.model_executor.loader import load_model, resolve_dtype
+
+    dtype = resolve_dtype(dtype_name, torch.device("cpu"))
+    loaded = load_model(model, dtype)
+    hf = AutoModelForCausalLM.from_config(loaded.config, dtype=dtype)
+    missing, unexpected = hf.load_state_dict(loaded.state_dict, strict=False)
+    hf.tie_weights()
+    bad = [m for m in missing if not (m == "lm_head.weight" and loaded.config.tie_word_embeddings)]
+    if bad or unexpected:
+        raise RuntimeError(f"transformers peer: missing {bad[:5]}, unexpected {list(unexpected)[:5]}")
+    return hf.eval(), loaded.tokenizer, dtype
+
+
 class TransformersPeer:
-    """``generate`` on the very weights specserve loads (as ``benchmarks/benchmark.py``'s baseline)."""
+    """``generate`` on the very weights specserve loads.
 
-    def __init__(self, opts: BenchOptions):
-        from transformers import AutoModelForCausalLM
+    ``dtype_name``: default ``opts.transformers_dtype``; ``named_by_dtype``: call it
+    ``transformers-bf16`` (etc.) rather than ``transformers``, for runs of several dtypes.
+    """
 
-        from specserve.model_executor.loader import load_model, resolve_dtype
-
-        dtype = resolve_dtype(opts.transformers_dtype, torch.device("cpu"))
-        self.name = "transformers"
+    def __init__(self, opts: BenchOptions, dtype_name: str | None = None, named_by_dtype: bool = False):
+        self.model, self.tok, dtype = load_transformers_model(opts.model, dtype_name or opts.transformers_dtype)
+        self.name = "transformers-" + SHORT_DTYPES.get(dtype, str(dtype).removeprefix("torch.")) \
+            if named_by_dtype else "transformers"
         self.description = f"Hugging Face transformers generate, {dtype}, same weights"
-        loaded = load_model(opts.model, dtype)
-        model = AutoModelForCausalLM.from_config(loaded.config, dtype=dtype)
-        missing, unexpected = model.load_state_dict(loaded.state_dict, strict=False)
-        model.tie_weights()
-        bad = [m for m in missing if not (m == "lm_head.weight" and loaded.config.tie_word_embeddings)]
-        if bad or unexpected:
-            raise RuntimeError(f"transformers peer: missing {bad[:5]}, unexpected {list(unexpected)[:5]}")
-        self.model = model.eval()
-        self.tok = loaded.tokenizer
         pad = self.tok.pad_token_id
         self.pad_id = pad if pad is not None else self.tok.eos_token_id
 
@@ -76,16 +88,57 @@ class TransformersPeer:
         pass
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _post(url: str, body: dict) -> dict:
+def post_json(url: str, body: dict, timeout: float = 1800) -> dict:
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=1800) as r:
+    with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read())
+
+
+def llama_server_exe(bin_dir: str | None) -> str:
+    """``llama-server`` in ``bin_dir`` (default ``DEFAULT_LLAMA_CPP_BIN``); a ValueError saying how to build it."""
+    bin_dir = os.path.expanduser(bin_dir or DEFAULT_LLAMA_CPP_BIN)
+    exe = os.path.join(bin_dir, "llama-server")
+    if not os.access(exe, os.X_OK):
+        raise ValueError(f"no llama-server in {bin_dir}: build it with ../shared/peers/build-llamacpp.sh "
+                         "and pass --llama-cpp-bin DIR/build/bin")
+    return exe
+
+
+def start_llama_server(exe: str, model_path: str, threads: int, ctx_size: int, slots: int = 1,
+                       log=subprocess.DEVNULL, timeout_s: float = 600) -> tuple[subprocess.Popen, str]:
+    """Start ``llama-server`` on a free local port and wait until ``/health`` answers: ``(process, base URL)``."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([exe, "-m", model_path, "-t", str(threads), "-c", str(ctx_size), "-np", str(slots),
+                             "--port", str(port), "--host", "127.0.0.1"], stdout=log, stderr=log)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"llama-server exited with status {proc.returncode}")
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, base
+        except OSError:
+            time.sleep(0.5)
+    stop_process(proc)
+    raise RuntimeError(f"llama-server did not become healthy in {timeout_s:.0f} s")
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float = 30) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def gguf_path(model: str | None) -> str:
@@ -116,42 +169,27 @@ class LlamaCppPeer:
     """
 
     def __init__(self, opts: BenchOptions):
-        bin_dir = os.path.expanduser(opts.llama_cpp_bin or DEFAULT_LLAMA_CPP_BIN)
-        exe = os.path.join(bin_dir, "llama-server")
-        if not os.access(exe, os.X_OK):
-            raise ValueError(f"no llama-server in {bin_dir}: build it with ../shared/peers/build-llamacpp.sh "
-                             "and pass --llama-cpp-bin DIR/build/bin")
+        exe = llama_server_exe(opts.llama_cpp_bin)
         self.name = "llama.cpp"
         self.model_path = gguf_path(opts.model)
         self.slots = max(opts.batch_sizes)
         threads = opts.threads or torch.get_num_threads()
         self.description = f"llama.cpp llama-server, {os.path.basename(self.model_path)}, {threads} threads"
-        port = _free_port()
-        self.base = f"http://127.0.0.1:{port}"
         self.log = open(os.devnull, "w")
-        self.proc = subprocess.Popen(
-            [exe, "-m", self.model_path, "-t", str(threads), "-c", str(opts.max_model_len * self.slots),
-             "-np", str(self.slots), "--port", str(port), "--host", "127.0.0.1"],
-            stdout=self.log, stderr=self.log)
-        for _ in range(1200):
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with status {self.proc.returncode}")
-            try:
-                with urllib.request.urlopen(self.base + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.5)
-        else:
-            self.close()
-            raise RuntimeError("llama-server did not become healthy in 10 minutes")
+        self.proc = None
+        try:
+            self.proc, self.base = start_llama_server(exe, self.model_path, threads, opts.max_model_len * self.slots,
+                                                      self.slots, log=self.log)
+        except BaseException:
+            self.log.close()
+            raise
         self.pool = ThreadPoolExecutor(self.slots)
 
     def tokenizer(self):
         raise RuntimeError("the llama.cpp peer uses specserve's tokenizer")
 
     def _one(self, ids: list[int], max_tokens: int, temperature: float, seed: int, ignore_eos: bool) -> list[int]:
-        out = _post(self.base + "/completion", {
+        out = post_json(self.base + "/completion", {
             "prompt": ids, "n_predict": max_tokens, "temperature": temperature, "seed": seed,
             "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repeat_penalty": 1.0, "ignore_eos": ignore_eos,
             "cache_prompt": False, "return_tokens": True, "stream": False})
@@ -169,10 +207,6 @@ class LlamaCppPeer:
     def close(self) -> None:
         if getattr(self, "pool", None) is not None:
             self.pool.shutdown(wait=False)
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        if self.proc is not None:
+            stop_process(self.proc)
         self.log.close()

@@ -71,14 +71,17 @@ def render_markdown(doc: dict, plots: list[str] | None = None) -> str:
           "",
           "tok/s: new tokens over the wall time of each group's generate call, prefill included; "
           "configurations interleaved group by group in rotating order. Speedup: tok/s over plain decoding's "
-          "in the same cell. Mean acceptance length (tau): tokens emitted per verification step (plain = 1).",
+          "in the same cell. Mean acceptance length (tau): tokens emitted per verification step (plain = 1). "
+          "Decode tok/s (specserve configurations): the tokens after each request's first over the time after "
+          "its group's last first token, so prefill does not dilute speculation's effect; decode speedup: over "
+          "plain decoding's.",
           ""]
 
     for t in s["temperatures"]:
         for bs in s["batch_sizes"]:
             L += [f"## Temperature {t:g}, batch size {bs}", ""]
             head = ["category"] + [f"{n} tok/s" for n in names] + [f"{n} speedup" for n in others] \
-                + [f"{n} tau" for n in specs]
+                + [f"{n} tau" for n in specs] + [f"{n} decode speedup" for n in specs]
             L += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
             for c in cats:
                 rows = [idx.get((t, bs, c, n)) for n in names]
@@ -89,12 +92,28 @@ def render_markdown(doc: dict, plots: list[str] | None = None) -> str:
                 cells += [_fmt((idx.get((t, bs, c, n)) or {}).get("speedup_vs_plain"), 2, "x") for n in others]
                 cells += [_fmt(((idx.get((t, bs, c, n)) or {}).get("spec_decode") or {}).get("mean_acceptance_length"),
                                2) for n in specs]
+                cells += [_fmt((idx.get((t, bs, c, n)) or {}).get("decode_speedup_vs_plain"), 2, "x") for n in specs]
                 L.append("| " + " | ".join(cells) + " |")
             same = [x for x in doc.get("identical_to_plain", []) if x["temperature"] == t and x["batch_size"] == bs]
             if same:
                 L += ["", "Greedy answers identical to plain decoding, token for token: " + ", ".join(
                     f"{x['config']} {x['identical']}/{x['requests']}" for x in same)]
             L.append("")
+
+    decoders = [c["name"] for c in doc["configs"] if c["kind"] == "specserve"]
+    if any(r.get("decode_tok_s") for r in doc["results"]):
+        L += ["## Decode tok/s, prefill excluded (all categories)", ""]
+        head = ["configuration", "temperature"] + [f"batch {b}" for b in s["batch_sizes"]]
+        L += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for n in decoders:
+            for t in s["temperatures"]:
+                cells = []
+                for b in s["batch_sizes"]:
+                    r = idx.get((t, b, ALL, n)) or {}
+                    up = r.get("decode_speedup_vs_plain") if n != "plain" else None
+                    cells.append(_fmt(r.get("decode_tok_s")) + (f" ({up:.2f}x)" if up else ""))
+                L.append("| " + " | ".join([n, f"{t:g}"] + cells) + " |")
+        L.append("")
 
     if specs:
         L += ["## Acceptance by draft position", "",
@@ -144,5 +163,10 @@ def _spec_total(doc: dict, config: str, temperature: float) -> tuple[float | Non
 def _spec_text(spec: dict) -> str:
     keys = ("method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max")
     ngram = spec.get("method") == "ngram"
-    return ", ".join(f"{k}={spec[k]}" for k in keys
-                     if k in spec and (k != "model" or not ngram) and (ngram or not k.startswith("prompt_lookup")))
+    text = [f"{k}={spec[k]}" for k in keys
+            if k in spec and (k != "model" or not ngram) and (ngram or not k.startswith("prompt_lookup"))]
+    flags = {"prompt_lookup_tree": True, "prompt_lookup_adaptive": False, "dynamic_k": True}
+    text += [f"{k}={v}" for k, v in flags.items() if spec.get(k) is v and (ngram or not k.startswith("prompt_lookup"))]
+    if spec.get("disable_by_batch_size") is not None:
+        text.append(f"disable_by_batch_size={spec['disable_by_batch_size']}")
+    return ", ".join(text)

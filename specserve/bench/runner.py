@@ -86,9 +86,14 @@ def parse_configs(text: str, draft_model: str | None = None, eagle_model: str | 
     """``plain,ngram:4,draft:3,eagle:4`` -> configurations; ``plain`` is added first when missing.
 
     ``METHOD:K`` speculates K tokens per step (``METHOD`` alone: specserve's default k);
-    ``METHOD:K:dynamic`` chooses each step's draft length up to K (``dynamic_k``).
-    ``draft``/``eagle`` use ``draft_model``/``eagle_model``, else the default model's shipped draft.
+    more ``:OPTION`` parts may follow: ``dynamic`` chooses each step's draft length up
+    to K (``dynamic_k``), ``tree`` proposes n-gram trees (``prompt_lookup_tree``), and
+    ``KEY=VALUE`` sets any other ``SpeculativeConfig`` field (``ngram:5:prompt_lookup_max=5``;
+    VALUE true/false, a number or text). ``draft``/``eagle`` use ``draft_model``/``eagle_model``,
+    else the default model's shipped draft.
     """
+    from specserve.config import SpeculativeConfig
+
     configs: list[Config] = []
     for item in (s.strip() for s in text.split(",")):
         if not item:
@@ -96,24 +101,32 @@ def parse_configs(text: str, draft_model: str | None = None, eagle_model: str | 
         if item == "plain":
             cfg = Config("plain", "specserve")
         else:
-            method, _, k = item.partition(":")
-            dynamic = k.endswith(":dynamic") or k == "dynamic"
-            k = k.removesuffix("dynamic").removesuffix(":")
+            method, *parts = item.split(":")
             if method not in METHODS:
-                raise ValueError(f"unknown configuration {item!r}: use plain, ngram:K, draft:K or eagle:K")
+                raise ValueError(f"unknown configuration {item!r}: use plain, ngram:K, draft:K, eagle:K or suffix:K")
             spec: dict = {"method": METHODS[method]}
-            if k:
+            if parts and parts[0] not in ("dynamic", "tree") and "=" not in parts[0]:
                 try:
-                    spec["num_speculative_tokens"] = int(k)
+                    spec["num_speculative_tokens"] = int(parts.pop(0))
                 except ValueError:
                     raise ValueError(f"configuration {item!r}: K must be an integer") from None
                 if spec["num_speculative_tokens"] < 1:
                     raise ValueError(f"configuration {item!r}: K must be at least 1")
-            if dynamic:
-                spec["dynamic_k"] = True
+            for part in parts:
+                key, eq, value = part.partition("=")
+                if not eq and key in ("dynamic", "tree"):
+                    key, value = {"dynamic": "dynamic_k", "tree": "prompt_lookup_tree"}[key], "true"
+                elif not eq or not key or key in ("method", "num_speculative_tokens"):
+                    raise ValueError(f"configuration {item!r}: {part!r} is not dynamic, tree or KEY=VALUE "
+                                     "(a SpeculativeConfig field; K goes right after the method)")
+                spec[key] = _option_value(value)
             model = {"draft_model": draft_model, "eagle": eagle_model}.get(spec["method"])
-            if model is not None:
+            if model is not None and "model" not in spec:
                 spec["model"] = model
+            try:
+                SpeculativeConfig.from_dict(spec)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"configuration {item!r}: {e}") from None
             cfg = Config(item, "specserve", spec)
         if any(c.name == cfg.name for c in configs):
             raise ValueError(f"configuration {item!r} given twice")
@@ -121,6 +134,17 @@ def parse_configs(text: str, draft_model: str | None = None, eagle_model: str | 
     if not any(c.name == "plain" for c in configs):
         configs.insert(0, Config("plain", "specserve"))
     return configs
+
+
+def _option_value(text: str):
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def parse_list(text: str, kind=float) -> list:
@@ -308,12 +332,18 @@ def build_engines(opts: BenchOptions) -> list:
     for peer in opts.peers:
         from specserve.bench import peers
 
-        if peer == "transformers":
-            engines.append(peers.TransformersPeer(opts))
+        if peer == "transformers":   # one peer per dtype of --transformers-dtype (comma-separated)
+            dtypes = list(dict.fromkeys(d.strip() for d in opts.transformers_dtype.split(",") if d.strip()))
+            engines += [peers.TransformersPeer(opts, d, named_by_dtype=len(dtypes) > 1) for d in dtypes]
         elif peer == "llama.cpp":
             engines.append(peers.LlamaCppPeer(opts))
         else:
             raise ValueError(f"unknown peer {peer!r}: use transformers or llama.cpp")
+    names = [e.name for e in engines]
+    if len(set(names)) < len(names):
+        for e in engines:
+            e.close()
+        raise ValueError(f"two configurations of the same name in {names} (e.g. --transformers-dtype bf16,bfloat16)")
     return engines
 
 
@@ -414,11 +444,12 @@ def _run(opts: BenchOptions, prompts: list[BenchPrompt], engines: list, machine:
     order_name = {n: i for i, n in enumerate(names)}
     results.sort(key=lambda r: (opts.temperatures.index(r["temperature"]), opts.batch_sizes.index(r["batch_size"]),
                                 order_cat[r["category"]], order_name[r["config"]]))
-    plain_rate = {(r["temperature"], r["batch_size"], r["category"]): r["tok_s"]
-                  for r in results if r["config"] == "plain"}
+    plain_rows = {(r["temperature"], r["batch_size"], r["category"]): r for r in results if r["config"] == "plain"}
     for r in results:
-        base = plain_rate.get((r["temperature"], r["batch_size"], r["category"]))
-        r["speedup_vs_plain"] = round(r["tok_s"] / base, 4) if base and r["tok_s"] else None
+        plain = plain_rows.get((r["temperature"], r["batch_size"], r["category"]), {})
+        for rate, speedup in (("tok_s", "speedup_vs_plain"), ("decode_tok_s", "decode_speedup_vs_plain")):
+            base = plain.get(rate)
+            r[speedup] = round(r[rate] / base, 4) if base and r[rate] else None
 
     return {
         "schema": "specserve-bench/1",

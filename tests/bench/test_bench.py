@@ -166,3 +166,128 @@ def test_llama_cpp_peer_without_binaries_says_how_to_build(tmp_path):
 
     with pytest.raises(ValueError, match="build-llamacpp.sh"):
         LlamaCppPeer(BenchOptions(llama_cpp_bin=str(tmp_path)))
+
+
+def test_bench_decode_tok_s(bench_run):
+    out, _, doc = bench_run
+    idx = {(r["temperature"], r["batch_size"], r["category"], r["config"]): r for r in doc["results"]}
+    for (t, bs, cat, name), r in idx.items():
+        if name == "transformers":   # measured from outside: no first-token times
+            assert r["decode_tok_s"] is None and r["decode_speedup_vs_plain"] is None
+            continue
+        assert r["decode_tok_s"] > 0
+        plain = idx[(t, bs, cat, "plain")]
+        assert r["decode_speedup_vs_plain"] == pytest.approx(r["decode_tok_s"] / plain["decode_tok_s"], rel=1e-3)
+    report = open(os.path.join(out, "report.md")).read()
+    assert "## Decode tok/s, prefill excluded (all categories)" in report
+    assert "ngram:3 decode speedup" in report
+
+
+def test_parse_configs_options():
+    tree, chain = parse_configs("ngram:5:prompt_lookup_max=5:tree,ngram:5:prompt_lookup_max=5")[1:]
+    assert tree.name == "ngram:5:prompt_lookup_max=5:tree"
+    assert tree.speculative_config == {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 5,
+                                       "prompt_lookup_tree": True}
+    assert chain.speculative_config == {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 5}
+    assert parse_configs("ngram:tree")[1].speculative_config == {"method": "ngram", "prompt_lookup_tree": True}
+    draft = parse_configs("draft:3:prompt_lookup_adaptive=false:disable_by_batch_size=4", draft_model="/d")[1]
+    assert draft.speculative_config == {"method": "draft_model", "num_speculative_tokens": 3, "model": "/d",
+                                        "prompt_lookup_adaptive": False, "disable_by_batch_size": 4}
+    for bad, match in (("ngram:4:bogus=1", "unknown speculative_config keys"), ("ngram:4:fast", "KEY=VALUE"),
+                       ("draft:3:tree", "ngram option"), ("ngram:4:prompt_lookup_min=5", "prompt_lookup_min"),
+                       ("ngram:4:num_speculative_tokens=2", "K goes right after")):
+        with pytest.raises(ValueError, match=match):
+            parse_configs(bad)
+
+
+# --------------------------------------------------------------------------- benchmarks/benchmark.py, the wrapper
+def _wrapper():
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "benchmark.py")
+    spec = importlib.util.spec_from_file_location("benchmark_wrapper", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_wrapper_maps_old_options():
+    w = _wrapper()
+    got = w.bench_argv("--threads 2 --speculative-method ngram --num-speculative-tokens 5 --prompt-lookup-min 1 "
+                       "--prompt-lookup-max 5 --prompt-lookup-tree --compare-chain --categories summarization "
+                       "--limit-per-category 12 --stop-at-eos --max-tokens 256 --kv-cache-gb 0.5 --baseline "
+                       "transformers --baseline-dtypes bfloat16,float32 --temperature 0.7 --out /tmp/o".split())
+    assert "--stop-at-eos" in got
+    got.remove("--stop-at-eos")
+    opts = dict(zip(got[::2], got[1::2]))
+    assert opts == {
+        "--prompts": w.DEFAULT_PROMPTS, "--batch-sizes": "1,16", "--categories": "summarization", "--max-tokens": "256",
+        "--temperature": "0.7", "--threads": "2", "--limit": "12", "--kv-cache-memory": str(1 << 29),
+        "--peer": "transformers", "--transformers-dtype": "bfloat16,float32", "--out": "/tmp/o",
+        "--configs": "plain,ngram:5:prompt_lookup_min=1:prompt_lookup_max=5:tree,"
+                     "ngram:5:prompt_lookup_min=1:prompt_lookup_max=5"}
+    # What it maps to is a command line specserve bench accepts.
+    args = build_parser().parse_args(["bench", *got])
+    assert args.limit == 12 and args.peer == ["transformers"] and args.kv_cache_memory == 1 << 29
+    assert w.bench_argv(["--speculative-model", "/d", "--num-speculative-tokens", "3"])[-4:] == \
+        ["--draft-model", "/d", "--configs", "plain,draft_model:3"]
+    assert w.bench_argv(["--speculative-method", "eagle", "--speculative-model", "/e"])[-4:] == \
+        ["--eagle-model", "/e", "--configs", "plain,eagle"]
+    assert w.bench_argv([])[-2:] == ["--configs", "plain"]
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--json-out", "x.json"], "use --out DIR"),
+    (["--compare-chain", "--speculative-method", "ngram"], "--prompt-lookup-tree"),
+    (["--num-speculative-tokens", "3"], "--configs METHOD:K"),
+    (["--speculative-method", "ngram", "--speculative-model", "/d"], "draft_model or eagle"),
+])
+def test_wrapper_refuses_what_bench_does_otherwise(argv, match, capsys):
+    with pytest.raises(SystemExit):
+        _wrapper().bench_argv(argv)
+    assert match in capsys.readouterr().err
+
+
+def test_wrapper_runs_bench_on_the_tiny_model(tiny_llama_dir, tmp_path):
+    from specserve.bench.cli import main
+
+    w = _wrapper()
+    out = str(tmp_path / "out")
+    argv = w.bench_argv(["--model", tiny_llama_dir, "--prompts", two_prompts(str(tmp_path / "p.jsonl")),
+                         "--speculative-method", "ngram", "--num-speculative-tokens", "3", "--prompt-lookup-max", "3",
+                         "--prompt-lookup-tree", "--compare-chain", "--stop-at-eos", "--batch-sizes", "1",
+                         "--max-tokens", "8", "--max-model-len", "512", "--kv-cache-gb", "0.015625",
+                         "--baseline", "transformers", "--baseline-dtypes", "float32,bfloat16",
+                         "--out", out, "--no-plots", "--no-progress"])
+    assert main(argv) == 0
+    with open(os.path.join(out, "results.json")) as f:
+        doc = json.load(f)
+    assert doc["command"] == "specserve bench " + " ".join(argv)
+    assert [c["name"] for c in doc["configs"]] == ["plain", "ngram:3:prompt_lookup_max=3:tree",
+                                                   "ngram:3:prompt_lookup_max=3", "transformers-fp32",
+                                                   "transformers-bf16"]
+    tree, chain = doc["configs"][1]["speculative_config"], doc["configs"][2]["speculative_config"]
+    assert tree["prompt_lookup_tree"] is True and chain["prompt_lookup_tree"] is False
+    assert tree["prompt_lookup_max"] == chain["prompt_lookup_max"] == 3
+    s = doc["settings"]
+    assert s["stop_at_eos"] is True and s["batch_sizes"] == [1] and s["max_tokens"] == 8
+    assert all(1 <= r["num_tokens"] <= 8 for r in doc["per_request"])
+    rows = {(r["category"], r["config"]): r for r in doc["results"]}
+    assert rows[(ALL, "ngram:3:prompt_lookup_max=3:tree")]["decode_tok_s"] is not None
+    assert rows[(ALL, "transformers-bf16")]["tok_s"] > 0
+    same = {x["config"]: x for x in doc["identical_to_plain"]}
+    for name in ("ngram:3:prompt_lookup_max=3:tree", "ngram:3:prompt_lookup_max=3"):
+        assert same[name]["identical"] == same[name]["requests"] == 2
+    report = open(os.path.join(out, "report.md")).read()
+    assert "prompt_lookup_tree=True" in report and "transformers-bf16 tok/s" in report
+
+
+def test_start_llama_server_reports_an_early_exit(tmp_path):
+    """The llama-server start shared by the llama.cpp peer and benchmarks/llamacpp_server_peer.py."""
+    from specserve.bench.peers import start_llama_server
+
+    exe = tmp_path / "llama-server"
+    exe.write_text("#!/bin/sh\nexit 3\n")
+    exe.chmod(0o755)
+    with pytest.raises(RuntimeError, match="exited with status 3"):
+        start_llama_server(str(exe), "model.gguf", threads=1, ctx_size=512, timeout_s=30)
