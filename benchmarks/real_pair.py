@@ -8,7 +8,9 @@ whole-answer tok/s (new tokens over the wall time of the request, prompt include
 the ratio to specserve's plain decoding, and mean acceptance length.
 
 specserve configurations: ``plain``, ``draft:K`` (the draft model, k = K; with
-``--draft-vocab-size N`` its LM head keeps the first N tokens), ``ngram:K``.
+``--draft-vocab-size N`` its LM head keeps the first N tokens), ``ngram:K``; a
+``+int8`` suffix (``plain+int8``, ``draft:3+int8``) runs target and draft with
+``int8_activations=True``.
 With ``--llama-bin``, llama.cpp's own ``llama-speculative-simple`` (a peer measured
 from outside, built by ``../shared/peers/build-llamacpp.sh``) answers the same
 chat-formatted prompts with the same files, k, threads and max tokens; its whole
@@ -45,7 +47,10 @@ def load_prompts(path: str, categories: str | None, limit: int | None) -> list[d
 def build(config: str, args):
     from specserve import LLM
 
-    kw = dict(model=args.target, max_model_len=2048, kv_cache_memory=1 << 28)
+    config, _, variant = config.partition("+")
+    kw = dict(model=args.target, max_model_len=2048, kv_cache_memory=1 << 28, int8_activations=variant == "int8")
+    if variant not in ("", "int8"):
+        raise SystemExit(f"unknown configuration suffix {variant!r} (only +int8)")
     if config == "plain":
         return LLM(**kw)
     method, k = config.split(":")
@@ -130,7 +135,7 @@ def main() -> int:
     print(f"# {time.strftime('%Y-%m-%d %H:%M')} {args.target} / {args.draft}, {len(prompts)} prompts of "
           f"{os.path.basename(args.prompts)}, max_tokens={args.max_tokens}, temperature={args.temperature}, "
           f"threads={args.threads}, draft_vocab_size={args.draft_vocab_size}, llama k={args.llama_k}")
-    base = tokens["plain"] / seconds["plain"] if "plain" in tokens else None
+    base = tokens["plain"] / seconds["plain"] if "plain" in tokens else None   # ratios against float32-activation plain
     print("| configuration | tok/s (whole answers) | vs specserve plain | mean acceptance length (llama.cpp: acceptance) |")
     print("|---|---|---|---|")
     for name in names:

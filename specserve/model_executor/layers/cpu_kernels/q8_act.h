@@ -79,15 +79,18 @@ static void q8_quantize_row(const float *x, int64_t in, int8_t *xq, float *xd, i
  * mins); each 64-value chunk then picks its 16 lanes' scales with one permute ---- */
 
 /* Formats of 32-value blocks (Q4_1, Q5_0, Q8_0): lanes 0-7 the d of blocks 8 g .. 8 g + 7,
- * lanes 8-15 their m (Q4_1's min); nb < 8 blocks in a last group. */
+ * lanes 8-15 their m (Q4_1's min; 0 for the others); nb < 8 blocks in a last group. One
+ * gather of each block's first 4 bytes (d, then m or the first quants) instead of 16 scalar
+ * stores read back as a vector (a store-forwarding stall). */
 static inline __m512 q8_group_32(const uint8_t *row, int bytes, int has_min, int64_t g, int nb) {
-    uint16_t h[16] = {0};
-    for (int i = 0; i < nb; i++) {
-        const uint8_t *blk = row + (8 * g + i) * bytes;
-        memcpy(&h[i], blk, 2);
-        if (has_min) memcpy(&h[8 + i], blk + 2, 2);
-    }
-    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
+    const __m256i offsets = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(bytes));
+    const __mmask8 valid = nb >= 8 ? (__mmask8)0xff : (__mmask8)((1u << nb) - 1);
+    const __m256i words = _mm256_mmask_i32gather_epi32(_mm256_setzero_si256(), valid, offsets,
+                                                       (const void *)(row + 8 * g * bytes), 1);
+    const __m512 halves = _mm512_cvtph_ps(words);   /* d0, m0, d1, m1, ... */
+    const __m512i even_then_odd = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    const __m512 v = _mm512_permutexvar_ps(even_then_odd, halves);
+    return has_min ? v : _mm512_maskz_mov_ps((__mmask16)0x00ff, v);
 }
 
 /* Q4_K: lanes 0-7 d * scale of the 8 sub-blocks, lanes 8-15 -(dmin * min) (ggml: y = d1 q - m1;
