@@ -10,7 +10,8 @@ the ratio to specserve's plain decoding, and mean acceptance length.
 specserve configurations: ``plain``, ``draft:K`` (the draft model, k = K; with
 ``--draft-vocab-size N`` its LM head keeps the first N tokens), ``ngram:K``; a
 ``+int8`` suffix (``plain+int8``, ``draft:3+int8``) runs target and draft with
-``int8_activations=True``.
+``int8_activations=True``; ``+f32draft`` runs the draft with float32 activations
+(``draft_int8_activations=False``; by default the draft uses int8 activations).
 With ``--llama-bin``, llama.cpp's own ``llama-speculative-simple`` (a peer measured
 from outside, built by ``../shared/peers/build-llamacpp.sh``) answers the same
 chat-formatted prompts with the same files, k, threads and max tokens; its whole
@@ -49,13 +50,14 @@ def build(config: str, args):
 
     config, _, variant = config.partition("+")
     kw = dict(model=args.target, max_model_len=2048, kv_cache_memory=1 << 28, int8_activations=variant == "int8")
-    if variant not in ("", "int8"):
-        raise SystemExit(f"unknown configuration suffix {variant!r} (only +int8)")
+    if variant not in ("", "int8", "f32draft"):
+        raise SystemExit(f"unknown configuration suffix {variant!r} (+int8 or +f32draft)")
     if config == "plain":
         return LLM(**kw)
     method, k = config.split(":")
     if method == "draft":
-        spec = {"model": args.draft, "num_speculative_tokens": int(k), "draft_vocab_size": args.draft_vocab_size}
+        spec = {"model": args.draft, "num_speculative_tokens": int(k), "draft_vocab_size": args.draft_vocab_size,
+                "draft_int8_activations": variant != "f32draft"}
     elif method == "ngram":
         spec = {"method": "ngram", "num_speculative_tokens": int(k)}
     else:

@@ -55,8 +55,9 @@ class SpeculativeConfig:
     suffix_max_cached_requests: int = 256
     suffix_max_spec_factor: float = 1.0
     draft_dtype: str | None = None   # defaults to the target's dtype
-    # draft_model: the draft's GGUF blocks multiply with int8 activations (EngineConfig.int8_activations);
-    # None: as the target. The draft's numbers only change its guesses, never the output.
+    # draft_model: the draft's GGUF blocks multiply with int8 activations (EngineConfig.int8_activations).
+    # None (default): on, whatever the target does: the draft's numbers only change its guesses, never
+    # the output, and its forward is the cost speculation must win back (docs/real_models.md).
     draft_int8_activations: bool | None = None
     # draft_model: the draft's LM head keeps only the first N token ids (byte-pair vocabularies
     # number tokens roughly by merge order, so these are the common ones); the draft then never

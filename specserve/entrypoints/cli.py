@@ -47,7 +47,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="CPU, GGUF blocks: multiply with activations rounded to 8 bits (AVX-512 VNNI; faster, "
                         "llama.cpp's numbers rather than float32 activations)")
     p.add_argument("--draft-int8-activations", action=argparse.BooleanOptionalAction, default=None,
-                   help="draft_model: the same for the draft (default: as the target)")
+                   help="draft_model: the same for the draft (default: on; the draft only guesses, output is unchanged)")
 
 
 def speculative_config_from_args(args) -> dict | None:

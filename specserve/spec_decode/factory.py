@@ -81,7 +81,7 @@ def build_proposer(spec: SpeculativeConfig, engine, target_vocab: int) -> Propos
         dtype = resolve_dtype(spec.draft_dtype, engine.device) if spec.draft_dtype else engine.dtype
         check_draft_config(spec.model, target_vocab, engine.max_model_len, dtype)
         keep = keeps_quantized(spec.draft_dtype or engine.config.dtype, engine.device)
-        int8 = spec.draft_int8_activations if spec.draft_int8_activations is not None else engine.config.int8_activations
+        int8 = spec.draft_int8_activations is not False   # None: on (the draft only guesses)
         loaded = load_model(spec.model, dtype, keep_quantized=keep, int8_activations=int8)
         # TP 1: in the driver process only; draft_tensor_parallel_size = the target's TP: sharded like it.
         runner = build_draft_runner(spec, engine, loaded, dtype)
