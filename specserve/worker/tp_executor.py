@@ -190,7 +190,7 @@ def shard_parameters(config, state_dict: dict, dtype: torch.dtype, rank: int, wo
 
     Returns (tensors, quantized): tensors by name, with each quantized layer's segments as
     "<module>.quantized.<i>" [rows, row_bytes] uint8 (its ``weight`` is an empty placeholder),
-    and per quantized module (in_features, [ggml type of each segment])."""
+    and per quantized module (in_features, [ggml type of each segment], int8 activations)."""
     model = get_model_class(config)(config, tp=TensorParallelGroup(rank, world_size, None), max_positions=1)
     model.load_weights({name: t.to(dtype) for name, t in state_dict.items()})
     tensors = {name: p.data for name, p in model.named_parameters()}
@@ -198,7 +198,7 @@ def shard_parameters(config, state_dict: dict, dtype: torch.dtype, rank: int, wo
     for name, module in model.named_modules():
         matrix = getattr(module, "quantized", None)
         if matrix is not None:
-            quantized[name] = (matrix.in_features, matrix.qtypes)
+            quantized[name] = (matrix.in_features, matrix.qtypes, matrix.int8_activations)
             del tensors[f"{name}.weight"]   # the empty placeholder does not travel
             for i, seg in enumerate(matrix.segments):
                 tensors[f"{name}{QUANTIZED_SUFFIX}{i}"] = seg.data.contiguous()
@@ -250,15 +250,15 @@ class _ShardRunner(ModelRunner):
     a CPU; the linear layers then pack them back to float16, see fp16_gemm)."""
 
     def __init__(self, *args, quantized: dict | None = None, **kwargs):
-        self.quantized = quantized or {}   # module name -> (in_features, ggml types of its segments)
+        self.quantized = quantized or {}   # module name -> (in_features, ggml types of its segments, int8 act.)
         super().__init__(*args, **kwargs)
 
     def load_weights(self, model, state_dict: dict[str, torch.Tensor]) -> None:
         state_dict = dict(state_dict)
         modules = dict(model.named_modules())
-        for name, (in_features, qtypes) in self.quantized.items():   # GGUF blocks, cut by the driver
+        for name, (in_features, qtypes, int8) in self.quantized.items():   # GGUF blocks, cut by the driver
             segments = [QuantSegment(q, state_dict.pop(f"{name}{QUANTIZED_SUFFIX}{i}")) for i, q in enumerate(qtypes)]
-            modules[name].quantized = QuantizedMatrix(segments, in_features)
+            modules[name].quantized = QuantizedMatrix(segments, in_features, int8)
             modules[name].weight.data = torch.empty(0)
         params = {n: p for n, p in model.named_parameters() if n.rsplit(".", 1)[0] not in self.quantized
                   or not n.endswith(".weight")}

@@ -132,6 +132,19 @@ def test_vocab_parallel_embedding_and_lm_head(n):
     torch.testing.assert_close(torch.cat(logits, -1)[:, :vocab], F.linear(h, table))
 
 
+@pytest.mark.skipif(not quant_gemm.available(), reason="the quantized matmul kernel did not build here")
+@pytest.mark.parametrize("int8", [False, True])
+def test_quantized_shards_carry_the_activation_setting(int8):
+    """Each rank's share of the GGUF blocks keeps ``int8_activations`` (rows for
+    column-parallel layers, whole blocks for row-parallel ones)."""
+    from specserve.worker.tp_executor import shard_parameters
+
+    loaded = loader.load_model(None, torch.float16, keep_quantized=True, int8_activations=int8)
+    for rank in (0, 1):
+        _, quantized = shard_parameters(loaded.config, loaded.state_dict, torch.float16, rank, 2)
+        assert quantized and all(flag is int8 for _, _, flag in quantized.values())
+
+
 class ThreadGroup:
     """N ranks as N threads of one process; collectives go through shared slots."""
 
