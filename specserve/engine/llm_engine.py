@@ -264,19 +264,20 @@ class LLMEngine:
     def _update(self, s: ScheduledRequest, emitted: dict) -> RequestOutput | None:
         """Advance one scheduled request by its emitted tokens (stop checks one by one)."""
         req = s.request
-        req.num_computed_tokens += s.num_new_tokens + len(req.draft_token_ids)
-        if not s.will_sample:
+        if not s.will_sample:   # a prefill chunk short of the prompt's end
+            req.commit_step(s.num_new_tokens, None)
             self.kv_cache.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
             return None
         verified = emitted[req.request_id]
         if isinstance(verified, BaseException):
             raise verified
         tokens, num_accepted, logprobs, tree_path = verified
-        sources = step_token_sources(len(req.draft_token_ids), num_accepted, _ends_at_leaf(req, num_accepted, tree_path))
+        num_drafts = len(req.draft_token_ids)
+        sources = step_token_sources(num_drafts, num_accepted, _ends_at_leaf(req, num_accepted, tree_path))
+        per_depth = None if req.draft_parents is None else _drafts_per_depth(req.draft_parents)
         if tree_path is not None:
-            self._keep_tree_branch(req, tree_path)
-        req.num_computed_tokens -= len(req.draft_token_ids) - num_accepted
-        req.proposer_num_computed_tokens = min(req.proposer_num_computed_tokens, req.num_computed_tokens)
+            self._keep_tree_branch(req, tree_path, last=req.num_computed_tokens + s.num_new_tokens - 1)
+        req.commit_step(s.num_new_tokens, num_accepted)
         status, appended = None, 0
         for i, token in enumerate(tokens):
             if req.logprobs is not None:
@@ -290,11 +291,8 @@ class LLMEngine:
         # have cut the accepted drafts short): their full blocks may be shared.
         self.kv_cache.cache_full_blocks(req.request_id, req.all_token_ids, min(req.num_computed_tokens, req.num_tokens))
         if s.num_new_tokens == 1:  # a decoding (verification) step, drafts or not
-            per_depth = None if req.draft_parents is None else _drafts_per_depth(req.draft_parents)
-            req.spec_stats.record(len(req.draft_token_ids), num_accepted, appended, per_depth)
-            self.spec_stats.record(len(req.draft_token_ids), num_accepted, appended, per_depth)
-        req.draft_token_ids = []
-        req.draft_parents = None
+            req.spec_stats.record(num_drafts, num_accepted, appended, per_depth)
+            self.spec_stats.record(num_drafts, num_accepted, appended, per_depth)
         if status is not None:
             self._finish(req, status)
         return self.output_processor.make_output(req)
@@ -343,7 +341,7 @@ class LLMEngine:
         self.request_errors[req.request_id] = error
         if len(self.request_errors) > 1024:  # nobody collects them (the LLM facade): keep the newest
             self.request_errors.pop(next(iter(self.request_errors)))
-        req.draft_token_ids, req.draft_probs, req.draft_parents = [], None, None
+        req.clear_drafts()
         if not req.is_finished():
             self._finish(req, RequestStatus.FINISHED_ABORTED)
         return self.output_processor.make_output(req, error=error)
@@ -468,14 +466,13 @@ class LLMEngine:
             tree_parents=tree_parents,
         )
 
-    def _keep_tree_branch(self, req: Request, path: list[int]) -> None:
+    def _keep_tree_branch(self, req: Request, path: list[int], last: int) -> None:
         """Copy the K/V of the accepted branch's drafts down to the slots of their positions.
 
         Draft i was computed in slot last + 1 + i (``last``: the position of the request's
         last token); the token accepted at depth d belongs at last + d. Drafts that
         already sit there (the first branch, as laid out) are not copied.
         """
-        last = req.num_computed_tokens - len(req.draft_token_ids) - 1   # already advanced by the step
         moves = [(last + 1 + node, last + depth) for depth, node in enumerate(path, 1) if node != depth - 1]
         if not moves:
             return

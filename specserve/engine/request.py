@@ -85,6 +85,30 @@ class Request:
         mt = self.sampling_params.max_tokens
         return mt if mt is not None else 1 << 30
 
+    # ---- the KV bookkeeping of a step: the only code that moves num_computed_tokens after
+    # admission (the scheduler sets it from the prefix cache when it admits a request) ----
+    def commit_step(self, num_scheduled: int, num_accepted: int | None) -> None:
+        """After a forward of ``num_scheduled`` new tokens plus this step's drafts: all of them
+        have K/V now. With ``num_accepted`` (the step was verified), the rejected drafts' K/V is
+        given up again (their slots are overwritten later), the proposer's own count is clamped
+        to what the target keeps, and the drafts are cleared."""
+        self.num_computed_tokens += num_scheduled + len(self.draft_token_ids)
+        if num_accepted is None:
+            return
+        self.num_computed_tokens -= len(self.draft_token_ids) - num_accepted
+        self.proposer_num_computed_tokens = min(self.proposer_num_computed_tokens, self.num_computed_tokens)
+        self.clear_drafts()
+
+    def clear_drafts(self) -> None:
+        self.draft_token_ids, self.draft_probs, self.draft_parents = [], None, None
+
+    def discard_kv(self) -> None:
+        """Preempted: its K/V (the target's and the proposer's) is gone; it starts again from
+        its tokens so far."""
+        self.num_computed_tokens = 0
+        self.proposer_num_computed_tokens = 0
+        self.clear_drafts()
+
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)

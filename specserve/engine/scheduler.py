@@ -121,10 +121,7 @@ class Scheduler:
         self.running.remove(req)
         self.kv_cache.free(req.request_id)
         req.status = RequestStatus.WAITING
-        req.num_computed_tokens = 0
-        req.proposer_num_computed_tokens = 0
-        req.draft_token_ids = []
-        req.draft_parents = None
+        req.discard_kv()
         req.num_preemptions += 1
         self.waiting.appendleft(req)
         out.preempted.append(req)

@@ -8,6 +8,7 @@ import pytest
 
 from specserve import LLM, SamplingParams
 from specserve.engine.kv_cache_manager import KVCacheManager
+from specserve.engine.request import Request
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -111,14 +112,23 @@ def test_no_block_is_registered_while_it_holds_an_unverified_draft_token(tiny_ll
             key = kv.cached_block_key(block)
             if key is not None and i < num_verified_tokens // kv.block_size:
                 assert list(key[1]) == req.all_token_ids[i * kv.block_size : (i + 1) * kv.block_size]
-        calls.append(len(req.draft_token_ids))
+        calls.append(drafts_in_step.get(request_id, 0))
 
+    # the drafts of the step that is registering blocks (cleared by commit_step before it does)
+    drafts_in_step = {}
+    real_commit = Request.commit_step
+
+    def commit(req, num_scheduled, num_accepted):
+        drafts_in_step[req.request_id] = len(req.draft_token_ids)
+        real_commit(req, num_scheduled, num_accepted)
+
+    monkeypatch.setattr(Request, "commit_step", commit)
     monkeypatch.setattr(KVCacheManager, "cache_full_blocks", checked)
     prompts = [SYSTEM + q for q in QUESTIONS]
     params = [SamplingParams(temperature=t, seed=i, max_tokens=30, ignore_eos=True)
               for i, t in enumerate([0.0, 1.0] * 4)]   # sampled rows: rejections happen
     llm.generate(prompts, params, use_tqdm=False)
-    assert any(calls)                                # called while drafts were in flight
+    assert any(calls)                                # called in steps that verified drafts
     stats = engine.get_spec_decode_stats()
     assert stats.num_accepted_tokens > 0
     if spec == "draft":   # (the tiny model's n-gram drafts are all accepted)

@@ -19,7 +19,8 @@ from specserve import LLM, SamplingParams
 
 from chi_square import pair_p_value
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+# slow: 1,200 seeded requests per distribution (about 90 s); the full suite runs them
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 FAVOURED = [1000, 1001, 1002, 1003, 1004, 1005]
 # Every favoured token occurs in the prompt with others after it: n-gram lookup always finds a draft.

@@ -312,6 +312,7 @@ PAIR_PROMPT = [50, 1000, 1001, 1002, 1003, 1004, 1005, 60, 1003, 1004, 1005, 100
 FAVOURED = [1000, 1001, 1002, 1003, 1004, 1005]
 
 
+@pytest.mark.slow   # a distribution test of many seeded requests (about 12 s)
 def test_sampled_pairs_match_plain_sampling(tiny_llama_dir):
     """Seeded sampled requests (a logit bias concentrates them on six tokens that the prompt
     and earlier answers repeat, so drafts are proposed and often accepted): the pairs
