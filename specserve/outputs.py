@@ -141,3 +141,13 @@ class RequestOutput:
     finished: bool
     spec_decode_stats: SpecDecodeStats | None = None
     metrics: dict = field(default_factory=dict)   # arrival/first-token/finish times (seconds)
+
+
+def logprob_entries(tokenizer, chosen: int, chosen_logprob: float, top_ids: list[int], top_lps: list[float]) -> dict[int, Logprob]:
+    entry = {chosen: Logprob(chosen_logprob, rank=None, decoded_token=tokenizer.decode([chosen]))}
+    for rank, (tid, lp) in enumerate(zip(top_ids, top_lps), start=1):
+        if tid == chosen:
+            entry[chosen].rank = rank
+        else:
+            entry[tid] = Logprob(lp, rank=rank, decoded_token=tokenizer.decode([tid]))
+    return entry

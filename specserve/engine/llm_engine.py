@@ -20,22 +20,19 @@ import torch
 from specserve.config import EngineConfig, SpeculativeConfig
 from specserve.distributed.launcher import WorkerError
 from specserve.engine.kv_cache_manager import KVCacheManager
-from specserve.engine.output_processor import OutputProcessor, logprob_entries
+from specserve.engine.output_processor import OutputProcessor
 from specserve.engine.request import Request, RequestStatus
 from specserve.engine.sample_group import SampleGroup, child_id, child_params
 from specserve.engine.scheduler import ScheduledRequest, Scheduler
 from specserve.model_executor.layers.attention import cache_slot, tree_layout
 from specserve.model_executor.loader import keeps_quantized, load_model, resolve_dtype
-from specserve.outputs import RequestOutput, SpecDecodeStats, step_token_sources
-from specserve.sample.penalties import adjust_logits, draft_histories
-from specserve.sample.rejection_sampler import rejection_sample
-from specserve.sample.sampler import SamplingTensors, processed_probs
-from specserve.sample.tree_sampler import target_choices, walk_tree
+from specserve.outputs import RequestOutput, SpecDecodeStats
+from specserve.sample.verify import Verifier
 from specserve.sampling_params import SamplingParams
 from specserve.spec_decode.factory import build_proposer, resolve_speculative_config
 from specserve.spec_decode.k_policy import DraftLengthPolicy
 from specserve.spec_decode.proposer import kept_hidden_states
-from specserve.worker.model_runner import ForwardInput, ModelRunner
+from specserve.worker.model_runner import ForwardInput
 from specserve.worker.tp_executor import build_executor, prepare_parallelism
 
 logger = logging.getLogger(__name__)
@@ -85,6 +82,7 @@ class LLMEngine:
         self.device = self.runner.device  # cuda:LOCAL_RANK under tensor parallelism
         del loaded
         self.vocab_size = loaded_vocab = self.hf_config.vocab_size
+        self.verifier = Verifier(self.vocab_size, self.device, self.tokenizer)
         k = spec_config.num_speculative_tokens if spec_config else 0
         num_blocks = config.kv_cache_memory // self.runner.bytes_per_block
         needed = -(-(self.max_model_len + k) // config.block_size)
@@ -237,7 +235,7 @@ class LLMEngine:
             hit = dict.fromkeys(self._public_id(s.request.request_id) for s in plan.scheduled)
             raise StepFailedError(list(hit), e) from e
         sampling = [s for s in plan.scheduled if s.will_sample]
-        emitted = self._verify_isolated(sampling, result.logits) if sampling else {}
+        emitted = self.verifier.verify_isolated([s.request for s in sampling], result.logits) if sampling else {}
         decode_step = self.k_policy is not None and all(s.num_new_tokens == 1 for s in plan.scheduled)
         if decode_step:   # a verification step's cost (its logits are on the host now)
             forward_seconds = time.perf_counter() - started
@@ -271,9 +269,8 @@ class LLMEngine:
         verified = emitted[req.request_id]
         if isinstance(verified, BaseException):
             raise verified
-        tokens, num_accepted, logprobs, tree_path = verified
+        tokens, num_accepted, logprobs, tree_path = verified.token_ids, verified.num_accepted, verified.logprobs, verified.tree_path
         num_drafts = len(req.draft_token_ids)
-        sources = step_token_sources(num_drafts, num_accepted, _ends_at_leaf(req, num_accepted, tree_path))
         per_depth = None if req.draft_parents is None else _drafts_per_depth(req.draft_parents)
         if tree_path is not None:
             self._keep_tree_branch(req, tree_path, last=req.num_computed_tokens + s.num_new_tokens - 1)
@@ -283,7 +280,7 @@ class LLMEngine:
             if req.logprobs is not None:
                 req.logprobs.append(logprobs[i])
             appended += 1
-            req.token_sources.append(sources[i])
+            req.token_sources.append(verified.sources[i])
             status = self.output_processor.append(req, token)
             if status is not None:
                 break
@@ -349,29 +346,6 @@ class LLMEngine:
     def take_request_error(self, request_id: str) -> BaseException | None:
         """The exception that finished a request with finish_reason "error" (once)."""
         return self.request_errors.pop(request_id, None)
-
-    def _verify_isolated(self, sampling: list[ScheduledRequest], logits: torch.Tensor) -> dict:
-        """``_verify`` over the batch; if it raises, each request again alone, so the
-        failing one gets its exception and the others their tokens. The generators are
-        rewound first: a seeded request draws the same numbers as if nothing failed."""
-        states = [(s.request.generator, s.request.generator.get_state()) for s in sampling
-                  if s.request.generator is not None and len(sampling) > 1]
-        try:
-            return self._verify(sampling, logits)
-        except Exception as e:  # noqa: BLE001
-            if len(sampling) == 1:
-                return {sampling[0].request.request_id: e}
-        for gen, state in states:
-            gen.set_state(state)
-        result, row = {}, 0
-        for s in sampling:
-            rows = len(s.request.draft_token_ids) + 1
-            try:
-                result.update(self._verify([s], logits[row : row + rows]))
-            except Exception as e:  # noqa: BLE001
-                result[s.request.request_id] = e
-            row += rows
-        return result
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.finish_time = time.monotonic()
@@ -480,144 +454,6 @@ class LLMEngine:
         self.runner.copy_kv_slots([cache_slot(table, src, bs) for src, _ in moves],
                                   [cache_slot(table, dst, bs) for _, dst in moves])
 
-    def _verify(self, sampling: list[ScheduledRequest], logits: torch.Tensor):
-        """logits [sum (n_i + 1), V] -> {request_id: (tokens, num_accepted, logprobs, tree path)};
-        the tree path (accepted draft indices) is None for chains. Log-probabilities are
-        those of the raw logits (vLLM's default); tokens come from the adjusted ones."""
-        reqs = [s.request for s in sampling]
-        counts = [len(r.draft_token_ids) for r in reqs]
-        params = [r.sampling_params for r in reqs]
-        raw_logits, logits = logits, self._adjusted_logits(reqs, logits)
-        paths: list[list[int] | None] = [None] * len(reqs)
-        if any(r.draft_parents is not None for r in reqs):
-            token_ids, num_accepted, paths = self._tree_tokens(reqs, logits)
-        elif all(p.greedy for p in params):
-            token_ids, num_accepted = self._greedy_tokens(reqs, logits)
-        else:
-            token_ids, num_accepted = self._sampled_tokens(reqs, counts, params, logits)
-        # Row (within the request's logits) of each emitted token's distribution.
-        rows_of_emitted = [list(range(num_accepted[b] + 1)) if paths[b] is None else [0] + [1 + i for i in paths[b]]
-                           for b in range(len(reqs))]
-        logprobs = self._logprobs(reqs, raw_logits, [n + 1 for n in counts], rows_of_emitted, token_ids)
-        result = {}
-        for b, r in enumerate(reqs):
-            emitted = token_ids[b][: num_accepted[b] + 1]
-            result[r.request_id] = (emitted, num_accepted[b], logprobs[b], paths[b])
-            r.draft_probs = None
-        return result
-
-    @staticmethod
-    def _adjusted_logits(reqs: list[Request], logits: torch.Tensor) -> torch.Tensor:
-        """Logit bias and penalties, each row counting the draft tokens before it
-        (``sample.penalties``); the same tensor when no request uses them."""
-        if not any(r.sampling_params.adjusts_logits for r in reqs):
-            return logits
-        out, row = logits.float().clone(), 0
-        for r in reqs:
-            n = len(r.draft_token_ids)
-            if r.sampling_params.adjusts_logits:
-                extras = [[r.draft_token_ids[i] for i in before] for before in draft_histories(n, r.draft_parents)]
-                out[row : row + n + 1] = adjust_logits(logits[row : row + n + 1], r.sampling_params,
-                                                       r.prompt_token_ids, r.output_token_ids, extras)
-            row += n + 1
-        return out
-
-    def _tree_tokens(self, reqs, logits: torch.Tensor):
-        """Trees of one-hot drafts (chains count as trees): the target's choice at every node,
-        then a walk down each tree (``tree_sampler``) -> (token_ids, num_accepted, paths)."""
-        row_params, row_generators = [], []
-        for r in reqs:
-            row_params += [r.sampling_params] * (len(r.draft_token_ids) + 1)
-            row_generators += [r.generator] * (len(r.draft_token_ids) + 1)
-        choices = target_choices(logits, row_params, row_generators)    # the one host sync of the step
-        token_ids, num_accepted, paths, row = [], [], [], 0
-        for r in reqs:
-            n = len(r.draft_token_ids)
-            parents = r.draft_parents if r.draft_parents is not None else list(range(-1, n - 1))
-            emitted, path = walk_tree(r.draft_token_ids, parents, choices[row : row + n + 1])
-            token_ids.append(emitted)
-            num_accepted.append(len(path))
-            paths.append(path)
-            row += n + 1
-        return token_ids, num_accepted, paths
-
-    def _sampled_tokens(self, reqs, counts, params, logits: torch.Tensor):
-        """The rejection sampler over processed probabilities -> (token_ids [B][K+1], num_accepted [B])."""
-        k = max(counts)
-        batch = len(reqs)
-        row_params = [p for p, n in zip(params, counts) for _ in range(n + 1)]
-        st = SamplingTensors.build(row_params, self.vocab_size, self.device)
-        probs = processed_probs(logits, st)                       # [R, V]
-        # Scatter rows into the padded [B, K+1, V] layout.
-        padded = probs.new_zeros(batch, k + 1, self.vocab_size)
-        drafts = torch.zeros(batch, k, dtype=torch.long)
-        row = 0
-        draft_probs = None
-        if any(getattr(r, "draft_probs", None) is not None for r in reqs):
-            draft_probs = probs.new_zeros(batch, k, self.vocab_size)
-        for b, r in enumerate(reqs):
-            n = counts[b]
-            padded[b, : n + 1] = probs[row : row + n + 1]
-            row += n + 1
-            if n:
-                drafts[b, :n] = torch.tensor(r.draft_token_ids)
-                if draft_probs is not None:
-                    dp = r.draft_probs
-                    if dp is None:  # a one-hot proposal inside a batch with probabilistic ones
-                        draft_probs[b, torch.arange(n), drafts[b, :n]] = 1.0
-                    else:
-                        draft_probs[b, :n] = dp[:n]
-        out = rejection_sample(
-            padded,
-            drafts.to(self.device),
-            counts,
-            draft_probs,
-            [p.greedy for p in params],
-            [r.generator for r in reqs],
-        )
-        return out.token_ids.tolist(), out.num_accepted.tolist()   # the one host sync of the step
-
-    def _greedy_tokens(self, reqs, logits: torch.Tensor):
-        """All requests greedy: the rejection sampler's exact-match path, on the host.
-
-        Each draft token is accepted while it equals the target's argmax at its
-        position; the first mismatch (or the position after the last draft)
-        emits the argmax. Skipping the probability tensors saves ~2-4 ms a step
-        at batch 16 on CPU; the tokens are those of ``rejection_sample``'s
-        greedy rows. -> (token_ids [B][accepted + 1], num_accepted [B]).
-        """
-        best = logits.argmax(dim=-1).tolist()     # [sum (n_i + 1)]: the one host sync of the step
-        token_ids, num_accepted, row = [], [], 0
-        for r in reqs:
-            n = len(r.draft_token_ids)
-            target = best[row : row + n + 1]
-            accepted = 0
-            while accepted < n and r.draft_token_ids[accepted] == target[accepted]:
-                accepted += 1
-            token_ids.append(target[: accepted + 1])
-            num_accepted.append(accepted)
-            row += n + 1
-        return token_ids, num_accepted
-
-    def _logprobs(self, reqs, logits, rows_per_req, rows_of_emitted, token_ids):
-        """Log-probabilities (of the raw target distribution) of emitted tokens and top n."""
-        out: list[list | None] = [None] * len(reqs)
-        row = 0
-        for b, r in enumerate(reqs):
-            n_top = r.sampling_params.logprobs
-            if n_top is not None:
-                emitted = token_ids[b][: len(rows_of_emitted[b])]
-                rows = torch.tensor([row + i for i in rows_of_emitted[b]], device=logits.device)
-                lps = torch.log_softmax(logits.index_select(0, rows), dim=-1)
-                chosen = lps.gather(1, torch.tensor(emitted, device=lps.device).unsqueeze(1)).squeeze(1).tolist()
-                top_lps, top_ids = lps.topk(max(n_top, 1), dim=-1) if n_top else (lps[:, :0], lps[:, :0].long())
-                out[b] = [
-                    logprob_entries(self.tokenizer, tok, chosen[i], top_ids[i].tolist(), top_lps[i].tolist())
-                    for i, tok in enumerate(emitted)
-                ]
-            row += rows_per_req[b]
-        return out
-
     # ------------------------------------------------------------------ helpers
     def get_spec_decode_stats(self) -> SpecDecodeStats:
         return self.spec_stats
@@ -630,12 +466,3 @@ def _drafts_per_depth(parents: list[int]) -> list[int]:
     for d in depths:
         counts[d] += 1
     return counts
-
-
-def _ends_at_leaf(req: Request, num_accepted: int, tree_path: list[int] | None) -> bool:
-    """Whether the step's last accepted node (the last token if none) has no draft
-    below it: then the target's final token is a bonus, else a correction."""
-    if req.draft_parents is None or tree_path is None:
-        return num_accepted == len(req.draft_token_ids)
-    last = tree_path[-1] if tree_path else -1
-    return last not in req.draft_parents

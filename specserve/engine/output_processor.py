@@ -4,7 +4,7 @@ may emit several tokens; whatever follows a stop is dropped)."""
 from __future__ import annotations
 
 from specserve.engine.request import Request, RequestStatus
-from specserve.outputs import CompletionOutput, Logprob, RequestOutput
+from specserve.outputs import CompletionOutput, RequestOutput
 
 
 class OutputProcessor:
@@ -76,13 +76,3 @@ class OutputProcessor:
                 "num_preemptions": req.num_preemptions,
             },
         )
-
-
-def logprob_entries(tokenizer, chosen: int, chosen_logprob: float, top_ids: list[int], top_lps: list[float]) -> dict[int, Logprob]:
-    entry = {chosen: Logprob(chosen_logprob, rank=None, decoded_token=tokenizer.decode([chosen]))}
-    for rank, (tid, lp) in enumerate(zip(top_ids, top_lps), start=1):
-        if tid == chosen:
-            entry[chosen].rank = rank
-        else:
-            entry[tid] = Logprob(lp, rank=rank, decoded_token=tokenizer.decode([tid]))
-    return entry

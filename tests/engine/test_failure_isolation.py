@@ -10,7 +10,7 @@ import asyncio
 import pytest
 import torch
 
-import specserve.engine.llm_engine as llm_engine_module
+import specserve.sample.verify as verify_module
 from specserve import LLM, SamplingParams
 from specserve.engine.async_engine import AsyncLLMEngine, EngineStepError, RequestFailedError
 from specserve.engine.llm_engine import StepFailedError
@@ -86,7 +86,7 @@ def test_a_fault_after_the_batch_drew_its_random_numbers_rewinds_the_generators(
     then verified alone from the same generator state, so seeded outputs are unchanged."""
     expected = alone(llm, greedy=False)
     engine = llm.engine
-    real = llm_engine_module.rejection_sample
+    real = verify_module.rejection_sample
     bad_generator = {}
 
     def failing_rejection_sample(target_probs, drafts, num_draft, draft_probs, greedy, generators):
@@ -95,12 +95,12 @@ def test_a_fault_after_the_batch_drew_its_random_numbers_rewinds_the_generators(
             raise RuntimeError("injected sampling fault")
         return out
 
-    monkeypatch.setattr(llm_engine_module, "rejection_sample", failing_rejection_sample)
+    monkeypatch.setattr(verify_module, "rejection_sample", failing_rejection_sample)
     ids = [engine.add_request(p, params_for(i, False), request_id=f"r{i}") for i, p in enumerate(PROMPTS)]
     bad_generator["g"] = engine.requests["r1"].generator
     if engine.proposer is not None:
         # n-gram requests verify on the tree path (``target_choices``); fault that one instead.
-        real_choices = llm_engine_module.target_choices
+        real_choices = verify_module.target_choices
 
         def failing_choices(logits, row_params, row_generators):
             out = real_choices(logits, row_params, row_generators)
@@ -108,7 +108,7 @@ def test_a_fault_after_the_batch_drew_its_random_numbers_rewinds_the_generators(
                 raise RuntimeError("injected sampling fault")
             return out
 
-        monkeypatch.setattr(llm_engine_module, "target_choices", failing_choices)
+        monkeypatch.setattr(verify_module, "target_choices", failing_choices)
     outs = run_all(engine, ids)
     assert outs["r1"].outputs[0].finish_reason == "error"
     assert "injected sampling fault" in str(engine.take_request_error("r1"))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from specserve import LLM, SamplingParams
-from specserve.engine.llm_engine import _ends_at_leaf
+from specserve.sample.verify import ends_at_leaf
 from specserve.outputs import TOKEN_SOURCES, step_token_sources
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -49,12 +49,12 @@ class _TreeRequest:
 def test_tree_sources_bonus_only_at_a_leaf():
     # Tree: 0 and 1 hang off the last token, 2 below 0; 1 is a leaf.
     req = _TreeRequest([5, 6, 7], [-1, -1, 0])
-    assert _ends_at_leaf(req, 2, [0, 2])          # down to leaf 2: the next token is a bonus
-    assert _ends_at_leaf(req, 1, [1])             # leaf 1
-    assert not _ends_at_leaf(req, 1, [0])         # stopped at 0, whose child 2 was rejected
-    assert not _ends_at_leaf(req, 0, [])          # both children of the root rejected
-    assert _ends_at_leaf(_TreeRequest([5, 6], None), 2, None)
-    assert not _ends_at_leaf(_TreeRequest([5, 6], None), 1, None)
+    assert ends_at_leaf(req, 2, [0, 2])          # down to leaf 2: the next token is a bonus
+    assert ends_at_leaf(req, 1, [1])             # leaf 1
+    assert not ends_at_leaf(req, 1, [0])         # stopped at 0, whose child 2 was rejected
+    assert not ends_at_leaf(req, 0, [])          # both children of the root rejected
+    assert ends_at_leaf(_TreeRequest([5, 6], None), 2, None)
+    assert not ends_at_leaf(_TreeRequest([5, 6], None), 1, None)
 
 
 def test_plain_decoding_is_all_plain(tiny_llama_dir):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import specserve.engine.llm_engine as llm_engine_module
+import specserve.sample.verify as verify_module
 from specserve import LLM, SamplingParams
 
 from chi_square import pair_p_value
@@ -82,6 +82,6 @@ def test_sampled_pairs_match_plain_sampling(plain, engines, method):
 def test_ignoring_the_drafts_before_a_row_is_detected(plain, engines, monkeypatch):
     """Power: if each row counted only the output before the step (not the accepted drafts
     before it), the pairs would differ from plain sampling, and the test says so."""
-    monkeypatch.setattr(llm_engine_module, "draft_histories", lambda n, parents=None: [[] for _ in range(n + 1)])
+    monkeypatch.setattr(verify_module, "draft_histories", lambda n, parents=None: [[] for _ in range(n + 1)])
     spec = samples(engines["draft_model"])
     assert min(pair_p_value(plain, spec, 1), pair_p_value(plain, spec, 2)) < 1e-6
