@@ -8,8 +8,8 @@
  * bytes streamed. llama.cpp quantizes activations to 8 bits and multiplies bytes with VNNI's
  * vpdpbusd (64 products a instruction); this file does the same, in specserve's own layout:
  *
- *   x row      -> per 32 values: dx = max|x| / 127, xq = round(x / dx) (int8): x is read as
- *                 xhat = dx * xq
+ *   x row      -> per 256 values: dx = max|x| / 127, xq = round(x / dx) (int8): x is read as
+ *                 xhat = dx * xq (llama.cpp's q8_K grouping)
  *   weight row -> per value: u, the unsigned quant byte as stored (0..15, 0..31, 0..63, or the
  *                 int8 quant + 128), with value = ws * (u - k) + min: ws per 16 or 32 values,
  *                 exactly ggml's dequantized value (ws and min computed as ggml computes them)
@@ -19,7 +19,7 @@
  * Scales are read in groups of 256 values into one 16-float vector per weight row, and each
  * 64-value chunk takes its lanes' scales from it with one permute (no scratch prepass).
  *
- * The weights are the file's values; only the activations are rounded (to 8 bits per 32
+ * The weights are the file's values; only the activations are rounded (to 8 bits per 256
  * values), as llama.cpp rounds them. Row-invariant like the float kernel: out[r, j] is the
  * same sequence of operations whatever the row count or the thread count, so greedy
  * speculative output stays bit for bit the plain output of the same kernel.
