@@ -19,6 +19,7 @@ import torch
 
 from specserve.config import EngineConfig, SpeculativeConfig
 from specserve.distributed.launcher import WorkerError
+from specserve.engine.drafting import Drafting, calibrate_k_policy, calibration_start
 from specserve.engine.kv_cache_manager import KVCacheManager
 from specserve.engine.output_processor import OutputProcessor
 from specserve.engine.request import Request, RequestStatus
@@ -102,7 +103,9 @@ class LLMEngine:
         self.num_speculative_tokens = k
         self.k_policy = DraftLengthPolicy(k) if spec_config is not None and spec_config.dynamic_k else None
         if self.k_policy is not None:
-            self._calibrate_k_policy()
+            table = list(range(self.kv_cache.blocks_for(calibration_start(k, self.max_model_len) + k + 1)))
+            calibrate_k_policy(self.k_policy, self.runner, getattr(self.proposer, "runner", None), k,
+                               self.max_model_len, table)
         self.scheduler = Scheduler(
             self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, num_lookahead_slots=k
         )
@@ -111,6 +114,8 @@ class LLMEngine:
         self.groups: dict[str, SampleGroup] = {}          # requests with n > 1, by their id
         self._group_of: dict[str, SampleGroup] = {}       # ... and by their children's ids
         self.spec_stats = SpecDecodeStats()
+        self.drafting = Drafting(spec_config.disable_by_batch_size if spec_config else None, self.k_policy,
+                                 self.spec_stats)
         self.request_errors: dict[str, BaseException] = {}   # finish_reason "error" -> why
         self._ids = itertools.count()
         self._seed_rng = torch.Generator().manual_seed(config.seed)
@@ -221,7 +226,7 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return []
-        self._propose_or_skip(plan.scheduled)
+        self.drafting.propose_or_skip(self.proposer, plan.scheduled)
         inputs = [self._forward_input(s) for s in plan.scheduled]
         # EAGLE-style proposers also see the target's hidden state of every kept position.
         want_hidden = self.proposer is not None and self.proposer.needs_target_hidden
@@ -250,7 +255,7 @@ class LLMEngine:
                 outputs.append(out)
         outputs = self._group_outputs(outputs)
         if decode_step:   # what the step spent besides the forward and the proposer
-            self.k_policy.record_overhead(time.perf_counter() - step_started - forward_seconds - self._propose_seconds)
+            self.k_policy.record_overhead(time.perf_counter() - step_started - forward_seconds - self.drafting.propose_seconds)
         if want_hidden:
             sizes = [len(i.token_ids) for i in inputs]
             try:
@@ -351,78 +356,6 @@ class LLMEngine:
         req.finish_time = time.monotonic()
         self.scheduler.finish(req, status)
         self.requests.pop(req.request_id, None)
-
-    def _propose_or_skip(self, scheduled: list[ScheduledRequest]) -> None:
-        """Draft, or, if the proposer fails, decode plainly this step (drafts are only
-        proposals: without them every request still gets its exact next token)."""
-        self._propose_seconds = 0.0
-        try:
-            self._propose(scheduled)
-        except Exception:  # noqa: BLE001
-            logger.exception("the proposer failed; this step runs without draft tokens")
-            for s in scheduled:
-                s.request.draft_token_ids, s.request.draft_probs, s.request.draft_parents = [], None, None
-
-    def _propose(self, scheduled: list[ScheduledRequest]) -> None:
-        if self.proposer is None:
-            return
-        decoding = [s for s in scheduled if s.num_lookahead > 0]
-        limit = self.spec_config.disable_by_batch_size
-        if limit is not None and len(decoding) >= limit:
-            return  # plain decoding this step; the reserved lookahead slots stay unused
-        if not decoding:
-            return
-        if self.k_policy is not None:
-            self._choose_draft_lengths(decoding)
-            decoding = [s for s in decoding if s.num_lookahead > 0]
-            if not decoding:
-                return
-        started = time.perf_counter()
-        proposal = self.proposer.propose(decoding)
-        if self.k_policy is not None:
-            self._propose_seconds = time.perf_counter() - started
-            self.k_policy.record_draft(max(s.num_lookahead for s in decoding), self._propose_seconds)
-        parents = proposal.parents or [None] * len(decoding)
-        for s, tokens, probs, tree in zip(decoding, proposal.token_ids, proposal.probs, parents):
-            s.request.draft_token_ids = list(tokens[: s.num_lookahead])
-            s.request.draft_probs = probs
-            # Parents come before children, so the first num_lookahead nodes are still a tree.
-            s.request.draft_parents = None if tree is None else list(tree[: s.num_lookahead])
-            if tree is not None and (probs is not None or self.proposer.needs_target_hidden):
-                raise ValueError("trees of drafts are verified for one-hot proposers without hidden states only")
-
-    def _choose_draft_lengths(self, decoding: list[ScheduledRequest]) -> None:
-        """Lower each request's lookahead to the draft length the policy picks (its slots stay
-        reserved, unused). Seeded sampled requests keep theirs: their random draws depend on k."""
-        policy = self.k_policy
-        chosen = [s for s in decoding if s.request.sampling_params.greedy or s.request.sampling_params.seed is None]
-        if not chosen:
-            return
-        prior = self.spec_stats.acceptance_by_position
-        rates = [policy.acceptance(s.request.spec_stats.accepted_per_position,
-                                   s.request.spec_stats.drafted_per_position, prior) for s in chosen]
-        probe = [policy.is_probe_step(s.request.spec_stats.num_steps) for s in chosen]
-        for s, k in zip(chosen, policy.choose(rates, [s.num_lookahead for s in chosen], probe)):
-            s.num_lookahead = k
-
-    def _calibrate_k_policy(self) -> None:
-        """Time target forwards of 1..k+1 rows (and a draft-model step) on scratch KV slots,
-        before any request exists, so the policy starts with measured costs."""
-        k = self.num_speculative_tokens
-        start = max(0, min(64, self.max_model_len - k - 2))        # a short context, as early decoding has
-        table = list(range(self.kv_cache.blocks_for(start + k + 1)))
-        self.runner.execute([ForwardInput([0] * (k + 1), start, table, k + 1)])   # warm-up, not timed
-        for rows in list(range(1, k + 2)) * 2:
-            started = time.perf_counter()
-            self.runner.execute([ForwardInput([0] * rows, start, table, rows)])
-            self.k_policy.record_forward(rows, time.perf_counter() - started)
-        draft_runner = getattr(self.proposer, "runner", None)   # a draft model's
-        if draft_runner is not None:
-            draft_runner.execute([ForwardInput([0], start, table, 1)])
-            for _ in range(2):
-                started = time.perf_counter()
-                draft_runner.execute([ForwardInput([0], start, table, 1)])
-                self.k_policy.record_draft(1, time.perf_counter() - started)
 
     def _forward_input(self, s: ScheduledRequest) -> ForwardInput:
         req = s.request

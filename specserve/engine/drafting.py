@@ -1,0 +1,102 @@
+"""The drafting half of a step: ask the proposer for each decoding request's drafts, with
+the draft length per request when ``dynamic_k`` is on (``spec_decode.k_policy``).
+
+The engine owns the proposer (training's recorder replaces ``engine.proposer``) and passes
+it in; a failing proposer only costs this step its drafts: every request still gets its
+exact next token from the target.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from specserve.engine.scheduler import ScheduledRequest
+from specserve.outputs import SpecDecodeStats
+from specserve.spec_decode.k_policy import DraftLengthPolicy
+from specserve.worker.model_runner import ForwardInput
+
+logger = logging.getLogger(__name__)
+
+
+class Drafting:
+    def __init__(self, disable_by_batch_size: int | None, k_policy: DraftLengthPolicy | None,
+                 engine_stats: SpecDecodeStats):
+        self.disable_by_batch_size = disable_by_batch_size
+        self.k_policy = k_policy
+        self.engine_stats = engine_stats      # the engine-wide acceptance (the policy's prior)
+        self.propose_seconds = 0.0            # this step's proposer time (dynamic_k's cost model)
+
+    def propose_or_skip(self, proposer, scheduled: list[ScheduledRequest]) -> None:
+        """Set each decoding request's drafts, or none if the proposer fails."""
+        self.propose_seconds = 0.0
+        try:
+            self._propose(proposer, scheduled)
+        except Exception:  # noqa: BLE001
+            logger.exception("the proposer failed; this step runs without draft tokens")
+            for s in scheduled:
+                s.request.clear_drafts()
+
+    def _propose(self, proposer, scheduled: list[ScheduledRequest]) -> None:
+        if proposer is None:
+            return
+        decoding = [s for s in scheduled if s.num_lookahead > 0]
+        limit = self.disable_by_batch_size
+        if limit is not None and len(decoding) >= limit:
+            return  # plain decoding this step; the reserved lookahead slots stay unused
+        if not decoding:
+            return
+        if self.k_policy is not None:
+            self._choose_draft_lengths(decoding)
+            decoding = [s for s in decoding if s.num_lookahead > 0]
+            if not decoding:
+                return
+        started = time.perf_counter()
+        proposal = proposer.propose(decoding)
+        if self.k_policy is not None:
+            self.propose_seconds = time.perf_counter() - started
+            self.k_policy.record_draft(max(s.num_lookahead for s in decoding), self.propose_seconds)
+        parents = proposal.parents or [None] * len(decoding)
+        for s, tokens, probs, tree in zip(decoding, proposal.token_ids, proposal.probs, parents):
+            s.request.draft_token_ids = list(tokens[: s.num_lookahead])
+            s.request.draft_probs = probs
+            # Parents come before children, so the first num_lookahead nodes are still a tree.
+            s.request.draft_parents = None if tree is None else list(tree[: s.num_lookahead])
+            if tree is not None and (probs is not None or proposer.needs_target_hidden):
+                raise ValueError("trees of drafts are verified for one-hot proposers without hidden states only")
+
+    def _choose_draft_lengths(self, decoding: list[ScheduledRequest]) -> None:
+        """Lower each request's lookahead to the draft length the policy picks (its slots stay
+        reserved, unused). Seeded sampled requests keep theirs: their random draws depend on k."""
+        policy = self.k_policy
+        chosen = [s for s in decoding if s.request.sampling_params.greedy or s.request.sampling_params.seed is None]
+        if not chosen:
+            return
+        prior = self.engine_stats.acceptance_by_position
+        rates = [policy.acceptance(s.request.spec_stats.accepted_per_position,
+                                   s.request.spec_stats.drafted_per_position, prior) for s in chosen]
+        probe = [policy.is_probe_step(s.request.spec_stats.num_steps) for s in chosen]
+        for s, k in zip(chosen, policy.choose(rates, [s.num_lookahead for s in chosen], probe)):
+            s.num_lookahead = k
+
+
+def calibration_start(k: int, max_model_len: int) -> int:
+    """The context length the calibration forwards run at: short, as early decoding has."""
+    return max(0, min(64, max_model_len - k - 2))
+
+
+def calibrate_k_policy(policy: DraftLengthPolicy, runner, draft_runner, k: int, max_model_len: int,
+                       block_table: list[int]) -> None:
+    """Time target forwards of 1..k+1 rows (and a draft-model step, given its runner) on scratch
+    KV slots (``block_table``), before any request exists, so the policy starts with measured costs."""
+    start = calibration_start(k, max_model_len)
+    runner.execute([ForwardInput([0] * (k + 1), start, block_table, k + 1)])   # warm-up, not timed
+    for rows in list(range(1, k + 2)) * 2:
+        started = time.perf_counter()
+        runner.execute([ForwardInput([0] * rows, start, block_table, rows)])
+        policy.record_forward(rows, time.perf_counter() - started)
+    if draft_runner is not None:
+        draft_runner.execute([ForwardInput([0], start, block_table, 1)])
+        for _ in range(2):
+            started = time.perf_counter()
+            draft_runner.execute([ForwardInput([0], start, block_table, 1)])
+            policy.record_draft(1, time.perf_counter() - started)
