@@ -9,6 +9,8 @@ from specserve.engine.scheduler import ScheduledRequest
 from specserve.sampling_params import SamplingParams
 from specserve.spec_decode.ngram import TREE_EXTRA_TOKENS, NgramProposer, ngram_lookup, ngram_tree
 
+from draft_trees import branches
+
 
 def test_longest_match_wins():
     # Suffix [2, 3] occurs at 1..2 (followed by 10, 11); suffix [3] alone last occurs at 6 (followed by 20).
@@ -100,17 +102,6 @@ def test_proposer_respects_each_requests_num_lookahead():
 
 
 # ------------------------------------------------------------------ trees
-def _branches(drafts, parents):
-    """Every root-to-leaf token sequence of a tree."""
-    kids = {i: [j for j, p in enumerate(parents) if p == i] for i in range(-1, len(drafts))}
-
-    def walk(node, prefix):
-        if not kids[node]:
-            return [prefix]
-        return [b for c in kids[node] for b in walk(c, prefix + [drafts[c]])]
-    return walk(-1, [])
-
-
 def test_tree_first_branch_is_the_adaptive_chain_and_others_are_earlier_continuations():
     # "7 8" occurs three times before the end, followed by 1 2, then 3 4, then 5 6.
     tokens = [7, 8, 5, 6, 11, 7, 8, 3, 4, 12, 7, 8, 1, 2, 13, 7, 8]
@@ -118,11 +109,11 @@ def test_tree_first_branch_is_the_adaptive_chain_and_others_are_earlier_continua
     assert all(-1 <= p < i for i, p in enumerate(parents))           # parents first
     chain = ngram_lookup(tokens, 1, 4, 6, adaptive=True)
     assert chain == [1, 2]
-    branches = _branches(drafts, parents)
-    assert branches[0] == chain
+    paths = branches(drafts, parents)
+    assert paths[0] == chain
     # The 2-token suffix "7 8": earlier occurrences, most recent first, 2 tokens each, until
     # the tree holds min(k, 2 + TREE_EXTRA_TOKENS) tokens.
-    assert branches == [[1, 2], [3, 4]] and len(drafts) == 2 + TREE_EXTRA_TOKENS
+    assert paths == [[1, 2], [3, 4]] and len(drafts) == 2 + TREE_EXTRA_TOKENS
 
 
 def test_tree_size_is_bounded_by_k_and_by_the_match():
@@ -140,9 +131,9 @@ def test_tree_merges_shared_prefixes_and_adds_shorter_matches():
     # "2" also occurs before 5, a third branch from a shorter match.
     tokens = [2, 5, 20, 1, 2, 3, 9, 21, 1, 2, 3, 4, 22, 1, 2]
     drafts, parents = ngram_tree(tokens, 1, 4, k=8)
-    branches = _branches(drafts, parents)
-    assert branches[0] == [3, 4]
-    assert [3, 9] in branches and [5] in branches
+    paths = branches(drafts, parents)
+    assert paths[0] == [3, 4]
+    assert [3, 9] in paths and [5] in paths
     assert drafts.count(3) == 1
 
 

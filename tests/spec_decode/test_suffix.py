@@ -16,6 +16,7 @@ from specserve.spec_decode.suffix import (GlobalSuffixCache, SuffixProposer, Suf
                                           grow_tree, is_chain)
 
 from chi_square import pair_p_value
+from draft_trees import branches
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -30,16 +31,6 @@ class FakeRequest:
 
     def append(self, *tokens):
         self.all_token_ids.extend(tokens)
-
-
-def branches(drafts, parents):
-    kids = {i: [j for j, p in enumerate(parents) if p == i] for i in range(-1, len(drafts))}
-
-    def walk(node, prefix):
-        if not kids[node]:
-            return [prefix]
-        return [b for c in kids[node] for b in walk(c, prefix + [drafts[c]])]
-    return walk(-1, [])
 
 
 def valid_tree(drafts, parents):
@@ -111,12 +102,18 @@ def test_longest_match_wins_and_needs_a_continuation():
     assert n == 5 and grow_tree(trie, node, 1, 4, 0.0)[0] == [5]
 
 
-def test_tree_is_most_frequent_first_with_valid_parents():
-    trie = SuffixTrie(depth=8)
-    # After "1 2": 3 4 three times, 3 8 once, 5 6 twice.
+def after_1_2(depth: int):
+    """A trie of a sequence where "1 2" is followed by 3 4 three times, 3 8 once, 5 6 twice
+    (and ends with "1 2"): (trie, the node of that last "1 2")."""
+    trie = SuffixTrie(depth=depth)
     seq = [1, 2, 3, 4, 0, 1, 2, 5, 6, 0, 1, 2, 3, 4, 0, 1, 2, 3, 8, 0, 1, 2, 5, 6, 0, 1, 2, 3, 4, 0, 1, 2]
     cursor = trie.extend([], seq)
     _, node = trie.longest_match(seq[-2:], cursor)
+    return trie, node
+
+
+def test_tree_is_most_frequent_first_with_valid_parents():
+    trie, node = after_1_2(depth=8)
     drafts, parents, score = grow_tree(trie, node, k=8, max_depth=2, min_token_prob=0.0)
     valid_tree(drafts, parents)
     assert branches(drafts, parents) == [[3, 4], [3, 8], [5, 6]]      # most probable first
@@ -129,10 +126,7 @@ def test_tree_is_most_frequent_first_with_valid_parents():
 
 
 def test_min_token_prob_and_depth_cap():
-    trie = SuffixTrie(depth=12)
-    seq = [1, 2, 3, 4, 0, 1, 2, 5, 6, 0, 1, 2, 3, 4, 0, 1, 2, 3, 8, 0, 1, 2, 5, 6, 0, 1, 2, 3, 4, 0, 1, 2]
-    cursor = trie.extend([], seq)
-    _, node = trie.longest_match(seq[-2:], cursor)
+    trie, node = after_1_2(depth=12)
     drafts, parents, _ = grow_tree(trie, node, k=8, max_depth=2, min_token_prob=0.4)
     assert branches(drafts, parents) == [[3, 4]]                       # 4/6 then 3/6; 5 (2/6) is out
     drafts, parents, _ = grow_tree(trie, node, k=8, max_depth=1, min_token_prob=0.0)
