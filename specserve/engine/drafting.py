@@ -79,16 +79,13 @@ class Drafting:
             s.num_lookahead = k
 
 
-def calibration_start(k: int, max_model_len: int) -> int:
-    """The context length the calibration forwards run at: short, as early decoding has."""
-    return max(0, min(64, max_model_len - k - 2))
-
-
 def calibrate_k_policy(policy: DraftLengthPolicy, runner, draft_runner, k: int, max_model_len: int,
-                       block_table: list[int]) -> None:
+                       blocks_for) -> None:
     """Time target forwards of 1..k+1 rows (and a draft-model step, given its runner) on scratch
-    KV slots (``block_table``), before any request exists, so the policy starts with measured costs."""
-    start = calibration_start(k, max_model_len)
+    KV slots, before any request exists, so the policy starts with measured costs.
+    ``blocks_for(n)``: the number of KV blocks n tokens take (``KVCacheManager.blocks_for``)."""
+    start = max(0, min(64, max_model_len - k - 2))        # a short context, as early decoding has
+    block_table = list(range(blocks_for(start + k + 1)))
     runner.execute([ForwardInput([0] * (k + 1), start, block_table, k + 1)])   # warm-up, not timed
     for rows in list(range(1, k + 2)) * 2:
         started = time.perf_counter()

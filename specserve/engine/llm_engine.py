@@ -19,7 +19,7 @@ import torch
 
 from specserve.config import EngineConfig, SpeculativeConfig
 from specserve.distributed.launcher import WorkerError
-from specserve.engine.drafting import Drafting, calibrate_k_policy, calibration_start
+from specserve.engine.drafting import Drafting, calibrate_k_policy
 from specserve.engine.kv_cache_manager import KVCacheManager
 from specserve.engine.output_processor import OutputProcessor
 from specserve.engine.request import Request, RequestStatus
@@ -103,9 +103,8 @@ class LLMEngine:
         self.num_speculative_tokens = k
         self.k_policy = DraftLengthPolicy(k) if spec_config is not None and spec_config.dynamic_k else None
         if self.k_policy is not None:
-            table = list(range(self.kv_cache.blocks_for(calibration_start(k, self.max_model_len) + k + 1)))
             calibrate_k_policy(self.k_policy, self.runner, getattr(self.proposer, "runner", None), k,
-                               self.max_model_len, table)
+                               self.max_model_len, self.kv_cache.blocks_for)
         self.scheduler = Scheduler(
             self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, num_lookahead_slots=k
         )
@@ -274,16 +273,15 @@ class LLMEngine:
         verified = emitted[req.request_id]
         if isinstance(verified, BaseException):
             raise verified
-        tokens, num_accepted, logprobs, tree_path = verified.token_ids, verified.num_accepted, verified.logprobs, verified.tree_path
         num_drafts = len(req.draft_token_ids)
         per_depth = None if req.draft_parents is None else _drafts_per_depth(req.draft_parents)
-        if tree_path is not None:
-            self._keep_tree_branch(req, tree_path, last=req.num_computed_tokens + s.num_new_tokens - 1)
-        req.commit_step(s.num_new_tokens, num_accepted)
+        if verified.tree_path is not None:
+            self._keep_tree_branch(req, verified.tree_path, last=req.num_computed_tokens + s.num_new_tokens - 1)
+        req.commit_step(s.num_new_tokens, verified.num_accepted)
         status, appended = None, 0
-        for i, token in enumerate(tokens):
+        for i, token in enumerate(verified.token_ids):
             if req.logprobs is not None:
-                req.logprobs.append(logprobs[i])
+                req.logprobs.append(verified.logprobs[i])
             appended += 1
             req.token_sources.append(verified.sources[i])
             status = self.output_processor.append(req, token)
@@ -293,8 +291,8 @@ class LLMEngine:
         # have cut the accepted drafts short): their full blocks may be shared.
         self.kv_cache.cache_full_blocks(req.request_id, req.all_token_ids, min(req.num_computed_tokens, req.num_tokens))
         if s.num_new_tokens == 1:  # a decoding (verification) step, drafts or not
-            req.spec_stats.record(num_drafts, num_accepted, appended, per_depth)
-            self.spec_stats.record(num_drafts, num_accepted, appended, per_depth)
+            req.spec_stats.record(num_drafts, verified.num_accepted, appended, per_depth)
+            self.spec_stats.record(num_drafts, verified.num_accepted, appended, per_depth)
         if status is not None:
             self._finish(req, status)
         return self.output_processor.make_output(req)

@@ -19,6 +19,7 @@ then dequantizes every tensor to float16 at load, as before.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -63,6 +64,7 @@ def supports(qtype: int) -> bool:
 INT8_ACTIVATIONS_FLAG = 256
 
 
+@functools.cache   # asked on every matmul of a matrix with the setting on; the answer never changes
 def supports_int8_activations(qtype: int, in_features: int) -> bool:
     """True when this CPU (AVX-512 VNNI) and build multiply this format with int8 activations."""
     lib = _load()

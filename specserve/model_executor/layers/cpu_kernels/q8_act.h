@@ -97,13 +97,8 @@ static inline __m512 q8_group_32(const uint8_t *row, int bytes, int has_min, int
  * -(dmin * min) is exactly -dmin * min). */
 static inline __m512 q8_group_q4_k(const uint8_t *blk) {
     const float d = half_at(blk), dmin = half_at(blk + 2);
-    uint32_t u[3];
-    memcpy(u, blk + 4, 12);
-    const __m128i packed = _mm_setr_epi32(
-        (int)(u[0] & 0x3f3f3f3fu), (int)((u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4)),
-        (int)(u[1] & 0x3f3f3f3fu), (int)(((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4)));
     const __m512 mult = _mm512_insertf32x8(_mm512_set1_ps(d), _mm256_set1_ps(-dmin), 1);
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(packed)), mult);
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(k4_scales_then_mins(blk + 4))), mult);
 }
 
 /* Q6_K: lane i, d * scale i of the 16 groups of 16 values (ggml: y = d * sc * (q - 32)). */

@@ -297,22 +297,29 @@ SCALES_32(q5_0, 22, 0)
 SCALES_32(q5_1, 24, 1)
 SCALES_32(q8_0, 34, 0)
 
+#if VEC == 16
+/* A K-quant super-block's 12 scale bytes -> bytes 0-7 its eight 6-bit scales, bytes 8-15 its
+ * eight 6-bit mins (the same bits as scale_min_k4), unpacked four at a time in 32-bit words and
+ * built in registers (four 4-byte stores read back as one 16-byte load stall). */
+static inline __m128i k4_scales_then_mins(const uint8_t *scales12) {
+    uint32_t u[3];
+    memcpy(u, scales12, 12);
+    return _mm_setr_epi32(
+        (int)(u[0] & 0x3f3f3f3fu),                                                /* scales 0-3 */
+        (int)((u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4)),          /* scales 4-7 */
+        (int)(u[1] & 0x3f3f3f3fu),                                                /* mins 0-3 */
+        (int)(((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4)));  /* mins 4-7 */
+}
+#endif
+
 /* Q4_K / Q5_K: chunk c is sub-block c % 8 of super-block c / 8; s0 = d * scale, s1 = dmin * min.
- * The eight 6-bit scales and mins are unpacked from the 12 bytes four at a time in 32-bit words
- * (the same bits as scale_min_k4), then converted and scaled 16 at a time. */
+ * The scales and mins are converted and scaled 16 at a time. */
 static inline void scales_k4(const uint8_t *row, int64_t nc, int bytes, float *s0, float *s1) {
     for (int64_t sb = 0; sb < nc / 8; sb++) {
         const uint8_t *b = row + sb * bytes;
         const float d = half_at(b), dmin = half_at(b + 2);
 #if VEC == 16
-        uint32_t u[3];
-        memcpy(u, b + 4, 12);
-        /* built in registers: four 4-byte stores read back as one 16-byte load stall */
-        const __m128i packed = _mm_setr_epi32(
-            (int)(u[0] & 0x3f3f3f3fu),                                                /* scales 0-3 */
-            (int)((u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4)),          /* scales 4-7 */
-            (int)(u[1] & 0x3f3f3f3fu),                                                /* mins 0-3 */
-            (int)(((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4)));  /* mins 4-7 */
+        const __m128i packed = k4_scales_then_mins(b + 4);
         const __m512 mult = _mm512_insertf32x8(_mm512_set1_ps(d), _mm256_set1_ps(dmin), 1);
         const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(packed)), mult);
         _mm256_storeu_ps(s0 + sb * 8, _mm512_castps512_ps256(v));
