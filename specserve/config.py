@@ -146,7 +146,7 @@ class EngineConfig:
     sized to the same number of blocks). max_num_batched_tokens is the per-step
     token budget shared by prefill chunks and decode/verification tokens.
     enable_prefix_caching: reuse the KV blocks of earlier requests' identical
-    prefixes (``engine.kv_cache_manager``); off for EAGLE, whose drafts need the
+    prefixes (``core.kv_cache_manager``); off for EAGLE, whose drafts need the
     target's hidden state at every position.
     int8_activations: with a GGUF model's blocks kept on a CPU (dtype "auto"),
     multiply them with activations rounded to 8 bits per 256 values (AVX-512 VNNI

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
 from specserve.engine.llm_engine import LLMEngine, StepFailedError
-from specserve.engine.request import RequestStatus
+from specserve.core.request import RequestStatus
 from specserve.outputs import RequestOutput
 from specserve.sampling_params import SamplingParams
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 
-from specserve.engine.scheduler import ScheduledRequest
+from specserve.core.scheduler import ScheduledRequest
 from specserve.outputs import SpecDecodeStats
 from specserve.spec_decode.k_policy import DraftLengthPolicy
 from specserve.worker.model_runner import ForwardInput

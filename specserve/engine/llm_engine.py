@@ -20,11 +20,11 @@ import torch
 from specserve.config import EngineConfig, SpeculativeConfig
 from specserve.distributed.launcher import WorkerError
 from specserve.engine.drafting import Drafting, calibrate_k_policy
-from specserve.engine.kv_cache_manager import KVCacheManager
+from specserve.core.kv_cache_manager import KVCacheManager
 from specserve.engine.output_processor import OutputProcessor
-from specserve.engine.request import Request, RequestStatus
+from specserve.core.request import Request, RequestStatus
 from specserve.engine.sample_group import SampleGroup, child_id, child_params
-from specserve.engine.scheduler import ScheduledRequest, Scheduler
+from specserve.core.scheduler import ScheduledRequest, Scheduler
 from specserve.model_executor.layers.attention import cache_slot, tree_layout
 from specserve.model_executor.loader import keeps_quantized, load_model, resolve_dtype
 from specserve.outputs import RequestOutput, SpecDecodeStats

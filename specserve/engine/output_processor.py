@@ -3,7 +3,7 @@ strings, max_tokens or max_model_len, one token at a time (a verification step
 may emit several tokens; whatever follows a stop is dropped)."""
 from __future__ import annotations
 
-from specserve.engine.request import Request, RequestStatus
+from specserve.core.request import Request, RequestStatus
 from specserve.outputs import CompletionOutput, RequestOutput
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from specserve.engine.request import Request
+from specserve.core.request import Request
 from specserve.outputs import CompletionOutput, RequestOutput, SpecDecodeStats
 from specserve.sampling_params import MAX_SEED, SamplingParams
 

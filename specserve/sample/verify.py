@@ -8,7 +8,7 @@ processed probabilities (``_sampled_tokens``, ``rejection_sampler``). Each reque
 result is a ``Verified``: the tokens to append, how many drafts were accepted, their
 log-probabilities, the accepted tree path and how each token came.
 
-``reqs`` are the engine's requests (``engine.request.Request``), read for their drafts
+``reqs`` are the engine's requests (``core.request.Request``), read for their drafts
 (``draft_token_ids``, ``draft_parents``, ``draft_probs``), ``sampling_params``,
 ``generator`` and token history; this module does not import the engine.
 """

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from specserve.engine.kv_cache_manager import KVCacheManager
-from specserve.engine.scheduler import ScheduledRequest
+from specserve.core.kv_cache_manager import KVCacheManager
+from specserve.core.scheduler import ScheduledRequest
 from specserve.sample.penalties import adjust_each_row
 from specserve.sample.sampler import SamplingTensors, processed_probs, sample_from_probs
 from specserve.spec_decode.proposer import Proposal, Proposer

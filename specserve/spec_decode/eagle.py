@@ -27,9 +27,9 @@ import weakref
 
 import torch
 
-from specserve.engine.kv_cache_manager import KVCacheManager
-from specserve.engine.request import Request
-from specserve.engine.scheduler import ScheduledRequest
+from specserve.core.kv_cache_manager import KVCacheManager
+from specserve.core.request import Request
+from specserve.core.scheduler import ScheduledRequest
 from specserve.model_executor.layers.attention import AttentionMetadata, kv_cache_dtype_for, kv_cache_shape
 from specserve.model_executor.layers.fp16_gemm import compute_dtype_for, round_to_weight_dtype, skip_row_padding
 from specserve.model_executor.layers.linear import ColumnParallelLinear

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from specserve.engine.scheduler import ScheduledRequest
+from specserve.core.scheduler import ScheduledRequest
 from specserve.spec_decode.proposer import Proposal, Proposer
 
 

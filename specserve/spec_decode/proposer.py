@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.engine.request import Request
-from specserve.engine.scheduler import ScheduledRequest
+from specserve.core.request import Request
+from specserve.core.scheduler import ScheduledRequest
 
 
 @dataclass

@@ -40,8 +40,8 @@ import heapq
 import weakref
 from collections import OrderedDict
 
-from specserve.engine.request import Request
-from specserve.engine.scheduler import ScheduledRequest
+from specserve.core.request import Request
+from specserve.core.scheduler import ScheduledRequest
 from specserve.spec_decode.proposer import Proposal, Proposer
 
 # Longest suffix matched against the tries; the tries' depth is max_match + max_depth.

@@ -26,7 +26,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from specserve.engine.scheduler import ScheduledRequest
+from specserve.core.scheduler import ScheduledRequest
 from specserve.spec_decode.proposer import Proposal, Proposer, TargetHidden
 
 logger = logging.getLogger(__name__)

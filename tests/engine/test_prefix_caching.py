@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from specserve import LLM, SamplingParams
-from specserve.engine.kv_cache_manager import KVCacheManager
-from specserve.engine.request import Request
+from specserve.core.kv_cache_manager import KVCacheManager
+from specserve.core.request import Request
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -9,7 +9,7 @@ import itertools
 import pytest
 
 from specserve import LLM, SamplingParams
-from specserve.engine.request import Request
+from specserve.core.request import Request
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

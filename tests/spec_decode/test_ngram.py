@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specserve.engine.request import Request
-from specserve.engine.scheduler import ScheduledRequest
+from specserve.core.request import Request
+from specserve.core.scheduler import ScheduledRequest
 from specserve.sampling_params import SamplingParams
 from specserve.spec_decode.ngram import TREE_EXTRA_TOKENS, NgramProposer, ngram_lookup, ngram_tree
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.engine.kv_cache_manager import KVCacheManager
-from specserve.engine.request import Request, RequestStatus
-from specserve.engine.scheduler import Scheduler, SchedulerOutput
+from specserve.core.kv_cache_manager import KVCacheManager
+from specserve.core.request import Request, RequestStatus
+from specserve.core.scheduler import Scheduler, SchedulerOutput
 from specserve.sampling_params import SamplingParams
 
 VOCAB = 1000

@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from specserve.engine.kv_cache_manager import KVCacheManager
-from specserve.engine.request import Request, RequestStatus
-from specserve.engine.scheduler import Scheduler
+from specserve.core.kv_cache_manager import KVCacheManager
+from specserve.core.request import Request, RequestStatus
+from specserve.core.scheduler import Scheduler
 from specserve.sampling_params import SamplingParams
 
 

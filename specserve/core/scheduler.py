@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from specserve.engine.kv_cache_manager import KVCacheManager
-from specserve.engine.request import Request, RequestStatus
+from specserve.core.kv_cache_manager import KVCacheManager
+from specserve.core.request import Request, RequestStatus
 
 
 @dataclass
