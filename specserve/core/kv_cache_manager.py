@@ -43,6 +43,15 @@ class KVCacheManager:
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
 
+    def prefix_cache_stats(self) -> dict:
+        """Prefix cache lookups since start-up, in tokens (vLLM's queries and hits)."""
+        return {
+            "enabled": self.enable_prefix_caching,
+            "queries": self.num_queried_tokens,
+            "hits": self.num_hit_tokens,
+            "hit_rate": self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0,
+        }
+
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)

@@ -22,6 +22,15 @@ class RequestStatus(enum.Enum):
         return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
 
 
+def request_generator(params: SamplingParams, seed_rng: torch.Generator, device) -> torch.Generator | None:
+    """A sampled request's own RNG, seeded by its seed or else by the engine's seed sequence;
+    None for greedy requests."""
+    if params.greedy:
+        return None
+    seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=seed_rng))
+    return torch.Generator(device=device).manual_seed(seed)
+
+
 class Request:
     """Token ids, how many of them have KV in the cache, and what to emit.
 

@@ -1,9 +1,10 @@
 """The drafting half of a step: ask the proposer for each decoding request's drafts, with
 the draft length per request when ``dynamic_k`` is on (``spec_decode.k_policy``).
 
-The engine owns the proposer (training's recorder replaces ``engine.proposer``) and passes
-it in; a failing proposer only costs this step its drafts: every request still gets its
-exact next token from the target.
+The engine owns the proposer and passes it in; a failing proposer only costs this step its
+drafts: every request still gets its exact next token from the target. After the target's
+forward, ``show_hidden_states`` hands proposers that ask for it (EAGLE) the target's hidden
+states of the positions kept, and ``record_step_costs`` feeds dynamic_k's cost model.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import time
 from specserve.core.scheduler import ScheduledRequest
 from specserve.outputs import SpecDecodeStats
 from specserve.spec_decode.k_policy import DraftLengthPolicy
+from specserve.spec_decode.proposer import kept_hidden_states
 from specserve.worker.model_runner import ForwardInput
 
 logger = logging.getLogger(__name__)
@@ -63,6 +65,28 @@ class Drafting:
             s.request.draft_parents = None if tree is None else list(tree[: s.num_lookahead])
             if tree is not None and (probs is not None or proposer.needs_target_hidden):
                 raise ValueError("trees of drafts are verified for one-hot proposers without hidden states only")
+
+    def record_step_costs(self, scheduled: list[ScheduledRequest], inputs: list[ForwardInput], step_started: float,
+                          forward_started: float, verified_at: float) -> None:
+        """dynamic_k's cost model learns from decoding steps only (every request one new token):
+        the forward's time by rows verified, and what the step spent besides it and the proposer."""
+        if self.k_policy is None or any(s.num_new_tokens != 1 for s in scheduled):
+            return
+        forward_seconds = verified_at - forward_started
+        self.k_policy.record_forward(sum(len(i.token_ids) for i in inputs), forward_seconds)
+        overhead = time.perf_counter() - step_started - forward_seconds - self.propose_seconds
+        self.k_policy.record_overhead(overhead)
+
+    @staticmethod
+    def show_hidden_states(proposer, scheduled: list[ScheduledRequest], inputs: list[ForwardInput],
+                           starts: list[int], all_hidden) -> None:
+        """The target's hidden states of every position each request kept, to the proposer
+        (``starts``: each request's num_computed_tokens before the step)."""
+        sizes = [len(i.token_ids) for i in inputs]
+        try:
+            proposer.observe(kept_hidden_states(scheduled, sizes, starts, all_hidden))
+        except Exception:  # noqa: BLE001 - stale proposer state only costs acceptance
+            logger.exception("the proposer failed to observe the target's hidden states")
 
     def _choose_draft_lengths(self, decoding: list[ScheduledRequest]) -> None:
         """Lower each request's lookahead to the draft length the policy picks (its slots stay

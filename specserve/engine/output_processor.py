@@ -30,6 +30,18 @@ class OutputProcessor:
             return RequestStatus.FINISHED_LENGTH
         return None
 
+    def append_verified(self, req: Request, verified) -> tuple[RequestStatus | None, int]:
+        """Append a step's ``sample.verify.Verified`` tokens (with their logprobs and sources)
+        until one finishes the request -> (finishing status or None, tokens appended)."""
+        for i, token in enumerate(verified.token_ids):
+            if req.logprobs is not None:
+                req.logprobs.append(verified.logprobs[i])
+            req.token_sources.append(verified.sources[i])
+            status = self.append(req, token)
+            if status is not None:
+                return status, i + 1
+        return None, len(verified.token_ids)
+
     def _check_stop_strings(self, req: Request) -> RequestStatus | None:
         text = self.decode(req)
         # Only the tail can hold a new match: look back a stop string's length.

@@ -65,3 +65,70 @@ class SampleGroup:
                                                if c.first_token_time is not None), default=None)),
         )
         return self.last_output
+
+
+class SampleGroups:
+    """The engine's requests with n > 1, by their own id and by their children's ids.
+
+    A child that fails fails its whole request: its siblings are aborted (``abort``, the
+    engine's) and the error is filed under the request's own id.
+    """
+
+    def __init__(self):
+        self.by_id: dict[str, SampleGroup] = {}
+        self._of_child: dict[str, SampleGroup] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.by_id)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.by_id
+
+    def add(self, group: SampleGroup) -> None:
+        self.by_id[group.request_id] = group
+        for c in group.children:
+            self._of_child[c.request_id] = group
+
+    def pop(self, request_id: str) -> SampleGroup | None:
+        group = self.by_id.pop(request_id, None)
+        for c in group.children if group is not None else []:
+            self._of_child.pop(c.request_id, None)
+        return group
+
+    def public_id(self, request_id: str) -> str:
+        """The id the user knows: a child's group's, else the request's own."""
+        group = self._of_child.get(request_id)
+        return group.request_id if group is not None else request_id
+
+    def has_held(self) -> bool:
+        return any(g.held for g in self.by_id.values())
+
+    def take_released(self) -> list[Request]:
+        """Samples 2..n of a request start once sample 1 has computed the shared prompt."""
+        released = []
+        for group in self.by_id.values():
+            if group.ready_to_release():
+                released += group.held
+                group.held.clear()
+        return released
+
+    def merge_outputs(self, outputs: list[RequestOutput], abort, errors: dict) -> list[RequestOutput]:
+        """Children's outputs -> one output per request with n > 1 (the others pass through)."""
+        merged: dict[str, RequestOutput] = {}
+        passthrough = []
+        for out in outputs:
+            group = self._of_child.get(out.request_id)
+            if group is None:
+                passthrough.append(out)
+                continue
+            if out.outputs[0].finish_reason == "error":
+                errors[group.request_id] = errors.pop(out.request_id, None)
+                for c in group.children:
+                    if c.request_id != out.request_id:
+                        abort(c.request_id)
+                group.held.clear()
+            merged[group.request_id] = group.merge(out)
+        for rid, out in merged.items():
+            if out.finished or any(o.finish_reason == "error" for o in out.outputs):
+                self.pop(rid)
+        return passthrough + list(merged.values())

@@ -42,6 +42,10 @@ class LLM:
 
     >>> llm = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4})
     >>> llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8))
+
+    ``proposer`` (specserve's own): a ``spec_decode.proposer.Proposer`` object used instead
+    of one built from the speculative settings; without those it never drafts but may
+    observe the target's hidden states (training's recorder does).
     """
 
     def __init__(
@@ -61,6 +65,7 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
         int8_activations: bool = False,
+        proposer=None,
     ):
         spec = build_speculative_config(speculative_model, num_speculative_tokens, speculative_config)
         config = EngineConfig(
@@ -77,7 +82,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             int8_activations=int8_activations,
         )
-        self.engine = LLMEngine(config, spec)
+        self.engine = LLMEngine(config, spec, proposer=proposer)
 
     def get_tokenizer(self):
         return self.engine.tokenizer

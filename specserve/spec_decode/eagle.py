@@ -37,6 +37,8 @@ from specserve.model_executor.layers.quantized import QuantizedMatrix
 from specserve.model_executor.models.eagle import EagleHead
 from specserve.sample.penalties import adjust_each_row
 from specserve.sample.sampler import SamplingTensors, processed_probs, sample_from_probs
+from specserve.spec_decode.checks import check_vocab
+from specserve.spec_decode.context import ProposerContext
 from specserve.spec_decode.proposer import Proposal, Proposer, TargetHidden
 
 logger = logging.getLogger(__name__)
@@ -227,11 +229,10 @@ class EagleProposer(Proposer):
         return Proposal(token_ids=drafts, probs=[torch.stack(p) if p else None for p in probs])
 
 
-def build_eagle_proposer(spec, engine, target_vocab: int) -> EagleProposer:
-    """SpeculativeConfig(method="eagle", model=FOLDER) + the engine -> an EagleProposer."""
+def build_eagle_proposer(spec, ctx: ProposerContext) -> EagleProposer:
+    """SpeculativeConfig(method="eagle", model=FOLDER) + the target's context -> an EagleProposer."""
     from specserve.model_executor.loader import resolve_dtype
     from specserve.model_executor.models.eagle import EagleConfig, is_eagle_folder, load_eagle_head
-    from specserve.spec_decode.factory import check_vocab
 
     folder = spec.model
     if not is_eagle_folder(folder):
@@ -239,28 +240,18 @@ def build_eagle_proposer(spec, engine, target_vocab: int) -> EagleProposer:
             f"speculative method 'eagle' needs an EAGLE head folder (with eagle_config.json), got {folder!r}; "
             "train one with `specserve train-draft --target MODEL --method eagle --out DIR`"
         )
-    if engine.config.tensor_parallel_size != 1:
+    if ctx.tensor_parallel_size != 1 or ctx.target_embed_tokens is None:
         raise ValueError("the EAGLE proposer does not support tensor_parallel_size > 1 yet")
     config = EagleConfig.load(folder)
-    check_vocab(target_vocab, config.vocab_size, folder)
-    target_hidden = engine.hf_config.hidden_size
-    if config.hidden_size != target_hidden:
+    check_vocab(ctx.target_vocab_size, config.vocab_size, folder)
+    if config.hidden_size != ctx.target_hidden_size:
         raise ValueError(
-            f"the EAGLE head {folder!r} has hidden size {config.hidden_size} but the target has {target_hidden}; "
-            "it was trained for another target"
+            f"the EAGLE head {folder!r} has hidden size {config.hidden_size} but the target has "
+            f"{ctx.target_hidden_size}; it was trained for another target"
         )
-    weight_dtype = resolve_dtype(spec.draft_dtype, engine.device) if spec.draft_dtype else engine.dtype
+    weight_dtype = resolve_dtype(spec.draft_dtype, ctx.device) if spec.draft_dtype else ctx.dtype
     head = load_eagle_head(
-        folder, compute_dtype_for(weight_dtype, engine.device), max_positions=engine.max_model_len + spec.num_speculative_tokens
+        folder, compute_dtype_for(weight_dtype, ctx.device), max_positions=ctx.max_model_len + spec.num_speculative_tokens
     )
-    target = engine.runner.model
-    return EagleProposer(
-        head,
-        target.embed_tokens,
-        target.lm_head.quantized if target.lm_head.quantized is not None else target.lm_head.weight,
-        engine.kv_cache,
-        target_vocab,
-        engine.device,
-        weight_dtype,
-        engine.config.block_size,
-    )
+    return EagleProposer(head, ctx.target_embed_tokens, ctx.target_lm_head_weight, ctx.kv_cache,
+                         ctx.target_vocab_size, ctx.device, weight_dtype, ctx.block_size)

@@ -37,7 +37,8 @@ META_FILE = "meta.json"
 class FeatureRecorder(Proposer):
     """A proposer that drafts nothing and records the target's hidden states per request.
 
-    Install it as ``engine.proposer`` of an engine built with any speculative config.
+    Pass it as ``LLM(..., proposer=recorder)``: with no speculative config it gets no
+    lookahead slots and never drafts; the engine shows it the target's hidden states.
     """
 
     needs_target_hidden = True
@@ -131,6 +132,7 @@ def generate_dataset(
         per_token *= torch.finfo(kv_dtype).bits // 8
         longest = max(len(p["prompt"]) for p in prompts) // 2 + 64 + max_tokens  # generous tokens per prompt
         kv_cache_memory = max(16 << 20, int(1.25 * per_token * longest * batch_size * len(temperatures)))
+    recorder = FeatureRecorder()
     llm = LLM(
         model=target,
         dtype=dtype,
@@ -140,14 +142,11 @@ def generate_dataset(
         kv_cache_memory=kv_cache_memory,
         max_num_seqs=batch_size * len(temperatures),
         max_num_batched_tokens=max(4096, 8 * batch_size),
-        # Speculation is configured only so the engine has a proposer; the recorder drafts nothing.
-        speculative_config={"method": "ngram", "num_speculative_tokens": 1},
+        proposer=recorder,
         # The recorder needs the target's hidden state at every position; a cached prefix has none.
         enable_prefix_caching=False,
     )
     engine = llm.engine
-    recorder = FeatureRecorder()
-    engine.proposer = recorder
     tokenizer = llm.get_tokenizer()
     meta = {
         "target": engine.model_name,

@@ -122,18 +122,16 @@ def build_executor(config, loaded, dtype: torch.dtype, device: torch.device, max
     )
 
 
-def build_draft_runner(spec, engine, loaded, dtype: torch.dtype):
-    """The draft model's runner: TP 1 in the driver process, or sharded like the target."""
-    tp = engine.config.tensor_parallel_size
-    draft_tp = spec.draft_tensor_parallel_size or 1
-    if draft_tp == 1 or tp == 1:
-        runner = ModelRunner(
-            loaded.config, loaded.state_dict, dtype, engine.device, engine.max_model_len, engine.config.block_size
-        )
+def build_draft_runner(loaded, dtype: torch.dtype, device, max_model_len: int, block_size: int,
+                       target_executor: "TensorParallelExecutor | None" = None):
+    """The draft model's runner: TP 1 in this (the driver's) process, or, given the target's
+    ``target_executor``, sharded like the target over the same ranks."""
+    if target_executor is None:
+        runner = ModelRunner(loaded.config, loaded.state_dict, dtype, device, max_model_len, block_size)
         skip_row_padding(runner.model)
         return runner
-    check_tp_splittable(loaded.config, tp, "the draft", loaded.name)
-    return engine.runner.add_model(DRAFT, loaded.config, loaded.state_dict, dtype, engine.max_model_len)
+    check_tp_splittable(loaded.config, target_executor.group.world_size, "the draft", loaded.name)
+    return target_executor.add_model(DRAFT, loaded.config, loaded.state_dict, dtype, max_model_len)
 
 
 # --------------------------------------------------------------------------- what travels

@@ -1,0 +1,32 @@
+"""A request's input checked before any work starts; every refusal is a ValueError naming it."""
+from __future__ import annotations
+
+from specserve.sampling_params import SamplingParams
+
+
+def prepare_prompt(prompt, tokenize, vocab_size: int, max_model_len: int) -> tuple[str | None, list[int]]:
+    """A prompt (text or token ids) -> (its text or None, its token ids)."""
+    if isinstance(prompt, str):
+        text, token_ids = prompt, tokenize(prompt)
+    elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+        text, token_ids = None, list(prompt)
+    else:
+        raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+    if not token_ids:
+        raise ValueError("the prompt is empty")
+    bad = [t for t in token_ids if not (0 <= t < vocab_size)]
+    if bad:
+        raise ValueError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")
+    if len(token_ids) >= max_model_len:
+        raise ValueError(
+            f"the prompt is {len(token_ids)} tokens long, but max_model_len is {max_model_len} "
+            "(at least one token must fit after it)"
+        )
+    return text, token_ids
+
+
+def check_params(params: SamplingParams, vocab_size: int) -> None:
+    """What SamplingParams cannot check alone: token ids against this model's vocabulary."""
+    bad = [t for t in params.logit_bias or {} if t >= vocab_size]
+    if bad:
+        raise ValueError(f"logit_bias token ids out of range [0, {vocab_size}): {bad[:5]}")
