@@ -16,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from specserve.bench.runner import BenchOptions, BenchPrompt, GroupResult
+from specserve.bench.engines import GroupResult
+from specserve.bench.options import BenchOptions, BenchPrompt
 
 DEFAULT_LLAMA_CPP_BIN = os.path.expanduser("~/.cache/specserve-peers/llama.cpp/build/bin")
 

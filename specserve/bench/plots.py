@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 
 from specserve.bench.report import aggregate_by_position, spec_configs
-from specserve.bench.runner import ALL
+from specserve.bench.options import ALL
 
 SPEEDUP = "speedup_by_category.png"
 ACCEPTANCE = "acceptance_by_position.png"

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import os
 
-from specserve.bench.runner import ALL
+from specserve.bench.options import ALL
 
 
 def write_json(doc: dict, path: str) -> None:

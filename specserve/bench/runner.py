@@ -8,243 +8,43 @@ unit, so a noisy machine slows all of them alike. tok/s is new tokens over the
 wall time of the group's ``generate`` call (prefill included, as Spec-Bench
 measures); "decode tok/s" counts the tokens after each request's first over the
 time after the group's last first token (specserve configurations only).
+
+This module runs the units and tallies them into the results document; what it
+runs comes from ``options.py`` (prompts, configurations, BenchOptions),
+``engines.py`` (specserve) and ``peers.py`` (transformers, llama.cpp), the
+machine facts from ``machine.py``.
 """
 from __future__ import annotations
 
 import datetime
-import json
 import os
-import platform
-import subprocess
 import sys
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from importlib import resources
 
 import torch
 
-ALL = "all"   # the category that sums the others
+from specserve.bench.engines import GroupResult, SpecserveEngine
+from specserve.bench.machine import machine_facts
+from specserve.bench.options import (
+    ALL,
+    METHODS,
+    BenchOptions,
+    BenchPrompt,
+    Config,
+    default_prompts_path,
+    load_prompts,
+    parse_configs,
+    parse_list,
+)
+
+# What tests, benchmarks/ and peers imported from this module before it was split stays importable here.
+__all__ = ["ALL", "METHODS", "BenchOptions", "BenchPrompt", "Config", "GroupResult", "SpecserveEngine", "Tally",
+           "build_engines", "default_prompts_path", "groups_of", "identical_to_plain", "load_prompts",
+           "machine_facts", "parse_configs", "parse_list", "run_bench"]
 
 
-# --------------------------------------------------------------------------- prompts
-@dataclass
-class BenchPrompt:
-    question_id: str
-    category: str
-    text: str
-    token_ids: list[int] = field(default_factory=list)
-
-
-def default_prompts_path() -> str:
-    return str(resources.files("specserve.bench").joinpath("prompts.jsonl"))
-
-
-def load_prompts(path: str | None, categories: list[str] | None = None, limit: int | None = None) -> list[BenchPrompt]:
-    """Spec-Bench's JSONL (``question_id``, ``category``, ``turns``); the first turn is the prompt.
-
-    ``limit``: at most this many prompts per category (file order).
-    """
-    path = path or default_prompts_path()
-    prompts: list[BenchPrompt] = []
-    per_cat: dict[str, int] = {}
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                cat, turns = row["category"], row["turns"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{lineno}: not a Spec-Bench question ({e})") from None
-            if categories and cat not in categories:
-                continue
-            if limit is not None and per_cat.get(cat, 0) >= limit:
-                continue
-            per_cat[cat] = per_cat.get(cat, 0) + 1
-            prompts.append(BenchPrompt(str(row.get("question_id", lineno)), cat, turns[0]))
-    if not prompts:
-        raise ValueError(f"no prompts selected from {path} (categories={categories}, limit={limit})")
-    return prompts
-
-
-# --------------------------------------------------------------------------- configurations
-@dataclass
-class Config:
-    name: str                          # as written on the command line: plain, ngram:4, draft:3, transformers
-    kind: str                          # "specserve" or "peer"
-    speculative_config: dict | None = None
-
-    def as_dict(self) -> dict:
-        return {"name": self.name, "kind": self.kind, "speculative_config": self.speculative_config}
-
-
-METHODS = {"ngram": "ngram", "draft": "draft_model", "draft_model": "draft_model", "eagle": "eagle", "suffix": "suffix"}
-
-
-def parse_configs(text: str, draft_model: str | None = None, eagle_model: str | None = None) -> list[Config]:
-    """``plain,ngram:4,draft:3,eagle:4`` -> configurations; ``plain`` is added first when missing.
-
-    ``METHOD:K`` speculates K tokens per step (``METHOD`` alone: specserve's default k);
-    more ``:OPTION`` parts may follow: ``dynamic`` chooses each step's draft length up
-    to K (``dynamic_k``), ``tree`` proposes n-gram trees (``prompt_lookup_tree``), and
-    ``KEY=VALUE`` sets any other ``SpeculativeConfig`` field (``ngram:5:prompt_lookup_max=5``;
-    VALUE true/false, a number or text). ``draft``/``eagle`` use ``draft_model``/``eagle_model``,
-    else the default model's shipped draft.
-    """
-    from specserve.config import SpeculativeConfig
-
-    configs: list[Config] = []
-    for item in (s.strip() for s in text.split(",")):
-        if not item:
-            continue
-        if item == "plain":
-            cfg = Config("plain", "specserve")
-        else:
-            method, *parts = item.split(":")
-            if method not in METHODS:
-                raise ValueError(f"unknown configuration {item!r}: use plain, ngram:K, draft:K, eagle:K or suffix:K")
-            spec: dict = {"method": METHODS[method]}
-            if parts and parts[0] not in ("dynamic", "tree") and "=" not in parts[0]:
-                try:
-                    spec["num_speculative_tokens"] = int(parts.pop(0))
-                except ValueError:
-                    raise ValueError(f"configuration {item!r}: K must be an integer") from None
-                if spec["num_speculative_tokens"] < 1:
-                    raise ValueError(f"configuration {item!r}: K must be at least 1")
-            for part in parts:
-                key, eq, value = part.partition("=")
-                if not eq and key in ("dynamic", "tree"):
-                    key, value = {"dynamic": "dynamic_k", "tree": "prompt_lookup_tree"}[key], "true"
-                elif not eq or not key or key in ("method", "num_speculative_tokens"):
-                    raise ValueError(f"configuration {item!r}: {part!r} is not dynamic, tree or KEY=VALUE "
-                                     "(a SpeculativeConfig field; K goes right after the method)")
-                spec[key] = _option_value(value)
-            model = {"draft_model": draft_model, "eagle": eagle_model}.get(spec["method"])
-            if model is not None and "model" not in spec:
-                spec["model"] = model
-            try:
-                SpeculativeConfig.from_dict(spec)
-            except (TypeError, ValueError) as e:
-                raise ValueError(f"configuration {item!r}: {e}") from None
-            cfg = Config(item, "specserve", spec)
-        if any(c.name == cfg.name for c in configs):
-            raise ValueError(f"configuration {item!r} given twice")
-        configs.append(cfg)
-    if not any(c.name == "plain" for c in configs):
-        configs.insert(0, Config("plain", "specserve"))
-    return configs
-
-
-def _option_value(text: str):
-    if text.lower() in ("true", "false"):
-        return text.lower() == "true"
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
-def parse_list(text: str, kind=float) -> list:
-    try:
-        values = [kind(s) for s in str(text).split(",") if s.strip()]
-    except ValueError:
-        raise ValueError(f"not a comma-separated list of {kind.__name__}: {text!r}") from None
-    if not values:
-        raise ValueError(f"empty list: {text!r}")
-    return values
-
-
-# --------------------------------------------------------------------------- engines
-@dataclass
-class GroupResult:
-    token_ids: list[list[int]]
-    spec_stats: list[object | None]           # SpecDecodeStats per request (specserve only)
-    decode_seconds: float | None = None       # last finish - last first token (specserve only)
-
-
-class SpecserveEngine:
-    def __init__(self, config: Config, opts: "BenchOptions"):
-        from specserve import LLM
-
-        self.name = config.name
-        self.llm = LLM(
-            model=opts.model,
-            dtype=opts.dtype,
-            device=opts.device,
-            max_model_len=opts.max_model_len,
-            kv_cache_memory=opts.kv_cache_memory,
-            seed=opts.seed,
-            speculative_config=config.speculative_config,
-            max_num_seqs=max(64, max(opts.batch_sizes)),
-            # Off for every configuration: cycled prompts and warm-ups would otherwise
-            # skip prefill for some configurations (EAGLE turns it off) and not others.
-            enable_prefix_caching=False,
-        )
-        spec = self.llm.engine.spec_config if hasattr(self.llm.engine, "spec_config") else None
-        self.resolved = _spec_as_dict(spec)
-
-    def tokenizer(self):
-        return self.llm.get_tokenizer()
-
-    def run(self, prompts: list[BenchPrompt], max_tokens: int, temperature: float, seeds: list[int],
-            ignore_eos: bool) -> GroupResult:
-        from specserve import SamplingParams
-
-        params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=ignore_eos,
-                                 seed=None if temperature == 0 else s) for s in seeds]
-        outs = self.llm.generate([p.token_ids for p in prompts], params, use_tqdm=False)
-        first = [o.metrics.get("first_token_time") for o in outs]
-        finish = [o.metrics.get("finish_time") for o in outs]
-        decode = max(finish) - max(first) if None not in first and None not in finish else None
-        return GroupResult([list(o.outputs[0].token_ids) for o in outs], [o.spec_decode_stats for o in outs], decode)
-
-    def close(self) -> None:
-        pass
-
-
-def _spec_as_dict(spec) -> dict | None:
-    if spec is None:
-        return None
-    try:
-        import dataclasses
-
-        d = dataclasses.asdict(spec)
-    except TypeError:
-        return None
-    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if isinstance(d.get("model"), str) and d["model"].startswith(pkg + os.sep):   # a shipped draft
-        d["model"] = "specserve/" + os.path.relpath(d["model"], pkg)
-    return {k: v for k, v in d.items() if v is not None and not callable(v)}
-
-
-# --------------------------------------------------------------------------- options and tallies
-@dataclass
-class BenchOptions:
-    model: str | None = None
-    dtype: str = "auto"
-    device: str | None = None
-    configs: list[Config] = field(default_factory=lambda: [Config("plain", "specserve")])
-    peers: list[str] = field(default_factory=list)
-    llama_cpp_bin: str | None = None
-    transformers_dtype: str = "bfloat16"
-    prompts_path: str | None = None
-    categories: list[str] | None = None
-    limit: int | None = None
-    batch_sizes: list[int] = field(default_factory=lambda: [1])
-    temperatures: list[float] = field(default_factory=lambda: [0.0])
-    max_tokens: int = 128
-    stop_at_eos: bool = False
-    max_model_len: int = 2048
-    kv_cache_memory: int = 1 << 30
-    seed: int = 0
-    threads: int | None = None
-    progress: bool = True
-    command: str = ""
-
-
+# --------------------------------------------------------------------------- tallies
 class Tally:
     def __init__(self):
         from specserve.outputs import SpecDecodeStats
@@ -276,54 +76,6 @@ def groups_of(prompts: list[BenchPrompt], batch_size: int) -> list[list[BenchPro
     n = -(-len(prompts) // batch_size) * batch_size
     cycled = [prompts[i % len(prompts)] for i in range(n)]
     return [cycled[i:i + batch_size] for i in range(0, n, batch_size)]
-
-
-# --------------------------------------------------------------------------- machine facts
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def git_revision() -> str:
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                              timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "specserve"], cwd=root, capture_output=True,
-                               text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return (head or "unknown") + ("+dirty" if dirty else "") if head else "unknown"
-
-
-def machine_facts() -> dict:
-    import specserve
-
-    versions = {"python": platform.python_version(), "torch": torch.__version__, "specserve": specserve.__version__}
-    try:
-        import transformers
-
-        versions["transformers"] = transformers.__version__
-    except ImportError:
-        pass
-    facts = {
-        "cpu": cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "platform": platform.platform(),
-        "loadavg_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-        "versions": versions,
-        "git": git_revision(),
-    }
-    return facts
 
 
 # --------------------------------------------------------------------------- the run

@@ -5,92 +5,13 @@ import argparse
 import json
 import sys
 
-from specserve.bench.cli import add_bench_parser
+from specserve.bench.command import add_bench_parser
+from specserve.entrypoints.engine_args import (  # speculative_config_from_args: still importable from here
+    add_model_args,
+    build_llm,
+    speculative_config_from_args,  # noqa: F401
+)
 from specserve.training.cli import add_train_draft_parser
-
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """Options shared by every subcommand that builds an engine."""
-    p.add_argument("--model", default=None, help="a .gguf file, a Hugging Face folder, a catalog name (`specserve models`) or a cached hub id (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="auto", help="auto (float16 weights with float32 activations on x86 CPUs, else float32; bfloat16 on GPU), bfloat16, float16 or float32")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes of KV cache")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--speculative-model", default=None, help="draft model (anything --model accepts)")
-    p.add_argument("--speculative-method", default=None, choices=["draft_model", "ngram", "eagle", "suffix"])
-    p.add_argument("--num-speculative-tokens", type=int, default=None, help="k, draft tokens per step")
-    p.add_argument("--prompt-lookup-max", type=int, default=None, help="ngram: longest suffix to match")
-    p.add_argument("--prompt-lookup-min", type=int, default=None, help="ngram: shortest suffix to match")
-    p.add_argument("--prompt-lookup-adaptive", action=argparse.BooleanOptionalAction, default=None,
-                   help="ngram: propose min(k, match length) tokens (default) rather than always k")
-    p.add_argument("--prompt-lookup-tree", action=argparse.BooleanOptionalAction, default=None,
-                   help="ngram: propose several earlier continuations as a tree of at most k tokens")
-    p.add_argument("--suffix-max-depth", type=int, default=None, help="suffix: the draft tree's depth at most")
-    p.add_argument("--suffix-min-token-prob", type=float, default=None,
-                   help="suffix: smallest (count-based) probability of a draft token")
-    p.add_argument("--suffix-max-cached-requests", type=int, default=None,
-                   help="suffix: recent requests the global suffix trie keeps (0: only each request's own)")
-    p.add_argument("--suffix-max-spec-factor", type=float, default=None,
-                   help="suffix: at most this many draft tokens per matched token (default 1)")
-    p.add_argument("--speculative-dynamic-k", action=argparse.BooleanOptionalAction, default=None,
-                   help="choose each request's draft length every step from measured costs and acceptance "
-                        "(--num-speculative-tokens is the maximum)")
-    p.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
-                   help="skip drafting in steps with at least this many decoding requests")
-    p.add_argument("--draft-tensor-parallel-size", type=int, default=None)
-    p.add_argument("--draft-vocab-size", type=int, default=None,
-                   help="draft_model: the draft proposes only the first N token ids (a cheaper LM head)")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse the KV blocks of earlier requests' identical prefixes (default: on; off with EAGLE)")
-    p.add_argument("--int8-activations", action=argparse.BooleanOptionalAction, default=False,
-                   help="CPU, GGUF blocks: multiply with activations rounded to 8 bits (AVX-512 VNNI; faster, "
-                        "llama.cpp's numbers rather than float32 activations)")
-    p.add_argument("--draft-int8-activations", action=argparse.BooleanOptionalAction, default=None,
-                   help="draft_model: the same for the draft (default: on; the draft only guesses, output is unchanged)")
-
-
-def speculative_config_from_args(args) -> dict | None:
-    values = {
-        "method": args.speculative_method,
-        "model": args.speculative_model,
-        "num_speculative_tokens": args.num_speculative_tokens,
-        "prompt_lookup_max": args.prompt_lookup_max,
-        "prompt_lookup_min": args.prompt_lookup_min,
-        "prompt_lookup_adaptive": args.prompt_lookup_adaptive,
-        "prompt_lookup_tree": args.prompt_lookup_tree,
-        "suffix_max_depth": getattr(args, "suffix_max_depth", None),
-        "suffix_min_token_prob": getattr(args, "suffix_min_token_prob", None),
-        "suffix_max_cached_requests": getattr(args, "suffix_max_cached_requests", None),
-        "suffix_max_spec_factor": getattr(args, "suffix_max_spec_factor", None),
-        "draft_tensor_parallel_size": args.draft_tensor_parallel_size,
-        "draft_vocab_size": getattr(args, "draft_vocab_size", None),
-        "draft_int8_activations": getattr(args, "draft_int8_activations", None),
-        "disable_by_batch_size": args.speculative_disable_by_batch_size,
-        "dynamic_k": getattr(args, "speculative_dynamic_k", None),
-    }
-    values = {k: v for k, v in values.items() if v is not None}
-    if not values:
-        return None
-    if "method" not in values and "model" not in values:
-        raise SystemExit("error: --num-speculative-tokens needs --speculative-model or --speculative-method")
-    return values
-
-
-def build_llm(args):
-    from specserve import LLM
-
-    return LLM(
-        model=args.model,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        kv_cache_memory=args.kv_cache_memory,
-        device=args.device,
-        tensor_parallel_size=args.tensor_parallel_size,
-        speculative_config=speculative_config_from_args(args),
-        enable_prefix_caching=args.enable_prefix_caching,
-        int8_activations=args.int8_activations,
-    )
 
 
 def cmd_generate(args) -> int:
@@ -254,7 +175,7 @@ def cmd_models(args) -> int:
 def cmd_serve(args) -> int:
     import logging
 
-    from specserve.entrypoints.openai.api_server import run_server
+    from specserve.entrypoints.openai.serve import run_server
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return run_server(args)

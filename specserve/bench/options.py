@@ -1,0 +1,169 @@
+"""What a ``specserve bench`` run is asked to do: the prompts, the configurations, the options.
+
+``load_prompts`` reads Spec-Bench's JSONL (default: the shipped ``prompts.jsonl``);
+``parse_configs`` turns ``plain,ngram:4,draft:3:dynamic`` into ``Config``s (each
+checked as a SpeculativeConfig); ``BenchOptions`` holds everything else
+``bench/cli.py`` parsed. Nothing here loads a model.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from importlib import resources
+
+ALL = "all"   # the category that sums the others
+
+
+# --------------------------------------------------------------------------- prompts
+@dataclass
+class BenchPrompt:
+    question_id: str
+    category: str
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+
+
+def default_prompts_path() -> str:
+    return str(resources.files("specserve.bench").joinpath("prompts.jsonl"))
+
+
+def load_prompts(path: str | None, categories: list[str] | None = None, limit: int | None = None) -> list[BenchPrompt]:
+    """Spec-Bench's JSONL (``question_id``, ``category``, ``turns``); the first turn is the prompt.
+
+    ``limit``: at most this many prompts per category (file order).
+    """
+    path = path or default_prompts_path()
+    prompts: list[BenchPrompt] = []
+    per_cat: dict[str, int] = {}
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                cat, turns = row["category"], row["turns"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{lineno}: not a Spec-Bench question ({e})") from None
+            if categories and cat not in categories:
+                continue
+            if limit is not None and per_cat.get(cat, 0) >= limit:
+                continue
+            per_cat[cat] = per_cat.get(cat, 0) + 1
+            prompts.append(BenchPrompt(str(row.get("question_id", lineno)), cat, turns[0]))
+    if not prompts:
+        raise ValueError(f"no prompts selected from {path} (categories={categories}, limit={limit})")
+    return prompts
+
+
+# --------------------------------------------------------------------------- configurations
+@dataclass
+class Config:
+    name: str                          # as written on the command line: plain, ngram:4, draft:3, transformers
+    kind: str                          # "specserve" or "peer"
+    speculative_config: dict | None = None
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "kind": self.kind, "speculative_config": self.speculative_config}
+
+
+METHODS = {"ngram": "ngram", "draft": "draft_model", "draft_model": "draft_model", "eagle": "eagle", "suffix": "suffix"}
+
+
+def parse_configs(text: str, draft_model: str | None = None, eagle_model: str | None = None) -> list[Config]:
+    """``plain,ngram:4,draft:3,eagle:4`` -> configurations; ``plain`` is added first when missing.
+
+    ``METHOD:K`` speculates K tokens per step (``METHOD`` alone: specserve's default k);
+    more ``:OPTION`` parts may follow: ``dynamic`` chooses each step's draft length up
+    to K (``dynamic_k``), ``tree`` proposes n-gram trees (``prompt_lookup_tree``), and
+    ``KEY=VALUE`` sets any other ``SpeculativeConfig`` field (``ngram:5:prompt_lookup_max=5``;
+    VALUE true/false, a number or text). ``draft``/``eagle`` use ``draft_model``/``eagle_model``,
+    else the default model's shipped draft.
+    """
+    from specserve.config import SpeculativeConfig
+
+    configs: list[Config] = []
+    for item in (s.strip() for s in text.split(",")):
+        if not item:
+            continue
+        if item == "plain":
+            cfg = Config("plain", "specserve")
+        else:
+            method, *parts = item.split(":")
+            if method not in METHODS:
+                raise ValueError(f"unknown configuration {item!r}: use plain, ngram:K, draft:K, eagle:K or suffix:K")
+            spec: dict = {"method": METHODS[method]}
+            if parts and parts[0] not in ("dynamic", "tree") and "=" not in parts[0]:
+                try:
+                    spec["num_speculative_tokens"] = int(parts.pop(0))
+                except ValueError:
+                    raise ValueError(f"configuration {item!r}: K must be an integer") from None
+                if spec["num_speculative_tokens"] < 1:
+                    raise ValueError(f"configuration {item!r}: K must be at least 1")
+            for part in parts:
+                key, eq, value = part.partition("=")
+                if not eq and key in ("dynamic", "tree"):
+                    key, value = {"dynamic": "dynamic_k", "tree": "prompt_lookup_tree"}[key], "true"
+                elif not eq or not key or key in ("method", "num_speculative_tokens"):
+                    raise ValueError(f"configuration {item!r}: {part!r} is not dynamic, tree or KEY=VALUE "
+                                     "(a SpeculativeConfig field; K goes right after the method)")
+                spec[key] = _option_value(value)
+            model = {"draft_model": draft_model, "eagle": eagle_model}.get(spec["method"])
+            if model is not None and "model" not in spec:
+                spec["model"] = model
+            try:
+                SpeculativeConfig.from_dict(spec)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"configuration {item!r}: {e}") from None
+            cfg = Config(item, "specserve", spec)
+        if any(c.name == cfg.name for c in configs):
+            raise ValueError(f"configuration {item!r} given twice")
+        configs.append(cfg)
+    if not any(c.name == "plain" for c in configs):
+        configs.insert(0, Config("plain", "specserve"))
+    return configs
+
+
+def _option_value(text: str):
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_list(text: str, kind=float) -> list:
+    try:
+        values = [kind(s) for s in str(text).split(",") if s.strip()]
+    except ValueError:
+        raise ValueError(f"not a comma-separated list of {kind.__name__}: {text!r}") from None
+    if not values:
+        raise ValueError(f"empty list: {text!r}")
+    return values
+
+
+# --------------------------------------------------------------------------- options
+@dataclass
+class BenchOptions:
+    model: str | None = None
+    dtype: str = "auto"
+    device: str | None = None
+    configs: list[Config] = field(default_factory=lambda: [Config("plain", "specserve")])
+    peers: list[str] = field(default_factory=list)
+    llama_cpp_bin: str | None = None
+    transformers_dtype: str = "bfloat16"
+    prompts_path: str | None = None
+    categories: list[str] | None = None
+    limit: int | None = None
+    batch_sizes: list[int] = field(default_factory=lambda: [1])
+    temperatures: list[float] = field(default_factory=lambda: [0.0])
+    max_tokens: int = 128
+    stop_at_eos: bool = False
+    max_model_len: int = 2048
+    kv_cache_memory: int = 1 << 30
+    seed: int = 0
+    threads: int | None = None
+    progress: bool = True
+    command: str = ""

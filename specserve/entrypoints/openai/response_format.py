@@ -1,0 +1,143 @@
+"""The pieces of a completion response: one choice's streaming state and its JSON parts.
+
+``ChoiceState`` tracks what a choice has sent (``hold_back`` keeps back a partial
+UTF-8 character or a possible stop string's start); ``completion_logprobs`` and
+``chat_logprobs`` are OpenAI's two logprobs shapes; ``usage`` counts tokens;
+``sse`` is one server-sent event and ``SSEResponse`` a stream that always
+cleans up after itself.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from typing import Any
+
+from fastapi.responses import StreamingResponse
+
+from specserve.outputs import RequestOutput
+
+MIN_LOGPROB = -9999.0   # JSON has no -Infinity
+
+
+def clean_logprob(x: float) -> float:
+    return x if math.isfinite(x) else MIN_LOGPROB
+
+
+def hold_back(text: str, stops: list[str]) -> str:
+    """The part of unfinished text that is safe to send: no trailing U+FFFD (a
+    partial UTF-8 character) and no tail that could be the start of a stop string."""
+    text = text.rstrip("\ufffd")
+    cut = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), cut, -1):
+            if text.endswith(stop[:k]):
+                cut = k
+                break
+    return text[: len(text) - cut] if cut else text
+
+
+class ChoiceState:
+    """Streaming state of one choice: what was sent, timings for the metrics."""
+
+    def __init__(self, index: int, stops: list[str], arrival: float, counts_prompt: bool = True):
+        self.index = index
+        self.counts_prompt = counts_prompt   # the first sample of its prompt (usage counts a prompt once)
+        self.stops = stops
+        self.arrival = arrival
+        self.sent_text = ""
+        self.num_tokens_sent = 0
+        self.first_token_time: float | None = None
+        self.output: RequestOutput | None = None
+
+    def update(self, out: RequestOutput) -> None:
+        self.output = out
+        if self.first_token_time is None and out.outputs[0].token_ids:
+            self.first_token_time = time.monotonic()
+
+    def next_delta(self) -> tuple[str, int, int] | None:
+        """(text delta, first token index, end token index) to send now, or None."""
+        out = self.output
+        completion = out.outputs[0]
+        text = completion.text if out.finished else hold_back(completion.text, self.stops)
+        delta = text[len(self.sent_text):] if len(text) > len(self.sent_text) else ""
+        if not delta and not out.finished:
+            return None
+        self.sent_text += delta
+        start, end = self.num_tokens_sent, len(completion.token_ids)
+        self.num_tokens_sent = end
+        return delta, start, end
+
+
+def completion_logprobs(tokenizer, completion, start: int, end: int, num_top: int, text_offset: int) -> dict | None:
+    if completion.logprobs is None:
+        return None
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for tid, entry in zip(completion.token_ids[start:end], completion.logprobs[start:end]):
+        chosen = entry[tid]
+        tok = chosen.decoded_token if chosen.decoded_token is not None else tokenizer.decode([tid])
+        tokens.append(tok)
+        token_lps.append(clean_logprob(chosen.logprob))
+        offsets.append(text_offset)
+        text_offset += len(tok)
+        if num_top:
+            ranked = sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= num_top), key=lambda lp: lp.rank)
+            tops.append({lp.decoded_token: clean_logprob(lp.logprob) for lp in ranked})
+        else:
+            tops.append(None)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(tokenizer, completion, start: int, end: int, num_top: int) -> dict | None:
+    if completion.logprobs is None:
+        return None
+    content = []
+    for tid, entry in zip(completion.token_ids[start:end], completion.logprobs[start:end]):
+        chosen = entry[tid]
+        tok = chosen.decoded_token if chosen.decoded_token is not None else tokenizer.decode([tid])
+        ranked = sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= num_top), key=lambda lp: lp.rank)
+        content.append(
+            {
+                "token": tok,
+                "logprob": clean_logprob(chosen.logprob),
+                "bytes": list(tok.encode("utf-8")),
+                "top_logprobs": [
+                    {"token": lp.decoded_token, "logprob": clean_logprob(lp.logprob), "bytes": list((lp.decoded_token or "").encode("utf-8"))}
+                    for lp in ranked
+                ],
+            }
+        )
+    return {"content": content}
+
+
+def usage(choices: list[ChoiceState]) -> dict:
+    prompt = sum(len(c.output.prompt_token_ids) for c in choices if c.output is not None and c.counts_prompt)
+    completion = sum(len(c.output.outputs[0].token_ids) for c in choices if c.output is not None)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """A streaming response that always closes its generator and then calls
+    ``on_close``, so an early end (client gone, even before the first chunk;
+    server shutting down) aborts the requests at once, not at garbage collection."""
+
+    def __init__(self, *args, on_close=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                try:
+                    await aclose()
+                except BaseException:  # noqa: BLE001 - best effort while unwinding
+                    pass
+            if self.on_close is not None:
+                self.on_close()

@@ -1,0 +1,38 @@
+"""``specserve serve``: build the engine from the command line's arguments, then serve until interrupted."""
+from __future__ import annotations
+
+import logging
+import os
+
+import uvicorn
+
+from specserve.entrypoints.engine_args import build_llm
+from specserve.entrypoints.openai.api_server import build_app
+from specserve.entrypoints.openai.connection import uvicorn_config
+from specserve.entrypoints.openai.limits import OPTIONS as LIMIT_OPTIONS, ServerLimits
+
+logger = logging.getLogger(__name__)
+
+
+def run_server(args) -> int:
+    """``specserve serve``: build the engine, then serve until interrupted."""
+    api_key = args.api_key or os.environ.get("SPECSERVE_API_KEY") or None
+    limits = ServerLimits.from_env(**{o.field: getattr(args, o.field, None) for o in LIMIT_OPTIONS})
+    llm = build_llm(args)
+    engine = llm.engine
+    names = list(args.served_model_name or []) or [engine.model_name]
+    if args.model and args.model not in names:
+        names.append(args.model)
+    app = build_app(llm, names, api_key=api_key, limits=limits)
+    async_engine = app.state.async_engine
+    async_engine.start()
+    spec = engine.spec_config
+    logger.info(
+        "serving %s on http://%s:%d (speculation: %s)", names[0], args.host, args.port,
+        f"{spec.method}, k={spec.num_speculative_tokens}" if spec else "off",
+    )
+    try:
+        uvicorn.Server(uvicorn_config(app, host=args.host, port=args.port, log_level=args.log_level)).run()
+    finally:
+        async_engine.shutdown(timeout=5)
+    return 0

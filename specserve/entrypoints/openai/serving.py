@@ -1,0 +1,250 @@
+"""The completions and chat handlers: a checked request in, a JSON body or a stream of events out.
+
+``OpenAIServing`` checks what the engine cannot (the model name, the chat template,
+vocabulary-sized fields, prompts per request), queues the prompts
+(``request_streams.py``) and answers with one body or, for ``stream`` true,
+server-sent events ``data: {...}`` ending with ``data: [DONE]``; it records the
+server's metrics (``metrics.py``) as the choices finish. An engine failure in a
+stream becomes one error event (``errors.py``) before ``[DONE]``.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from specserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineStepError, RequestFailedError
+from specserve.entrypoints.openai.errors import engine_error, error_body, sampling_error
+from specserve.entrypoints.openai.limits import APIError, ServerLimits
+from specserve.entrypoints.openai.metrics import ServerMetrics
+from specserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, now, random_id
+from specserve.entrypoints.openai.provenance import choice_extension, token_entries
+from specserve.entrypoints.openai.request_streams import choice_outputs, collect, start_requests
+from specserve.entrypoints.openai.response_format import (
+    ChoiceState,
+    SSEResponse,
+    chat_logprobs,
+    completion_logprobs,
+    sse,
+    usage,
+)
+
+
+class OpenAIServing:
+    """The handlers of one app over one engine (``build_app`` makes one per app)."""
+
+    def __init__(self, async_engine: AsyncLLMEngine, served_model_names: list[str], limits: ServerLimits | None = None):
+        self.async_engine = async_engine
+        self.limits = limits or ServerLimits()
+        self.engine = async_engine.engine
+        self.tokenizer = self.engine.tokenizer
+        self.served_model_names = served_model_names
+        self.model_name = served_model_names[0]
+        self.metrics = ServerMetrics(async_engine, self.model_name)
+
+    # ------------------------------------------------------- model facts, checks
+    def info(self) -> dict:
+        """``GET /v1/specserve/info``: the served model and how it speculates (the chat page shows it)."""
+        engine = self.engine
+        spec = engine.spec_config
+        speculative = None if spec is None else {
+            "method": spec.method,
+            "num_speculative_tokens": spec.num_speculative_tokens,
+            "draft_model": spec.model,
+            "dynamic_k": bool(spec.dynamic_k),
+        }
+        return {"model": self.model_name, "max_model_len": engine.max_model_len, "speculative": speculative}
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.served_model_names:
+            raise APIError(
+                404,
+                f"the model {model!r} does not exist; this server serves {self.served_model_names}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def chat_prompt(self, request: ChatCompletionRequest) -> str:
+        tok = self.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise APIError(400, f"the model {self.model_name!r} has no chat template; use /v1/completions", param="messages")
+        conversation = [m.to_template_dict() for m in request.messages]
+        try:
+            return tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=request.add_generation_prompt)
+        except Exception as e:  # noqa: BLE001 - a template that rejects the conversation
+            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+
+    # --------------------------------------------------------------- endpoints
+    def sampling_params(self, request):
+        """The request's SamplingParams, checked against this model (vocabulary-sized fields)."""
+        try:
+            params = request.to_sampling_params()
+        except ValueError as e:
+            raise sampling_error(e) from None
+        vocab = self.engine.vocab_size
+        if params.top_k > vocab:
+            raise APIError(400, f"top_k must be at most the vocabulary size {vocab} (or -1/0: off), got {params.top_k}",
+                           param="top_k", code="invalid_value")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias or {}))):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise APIError(400, f"{name} token ids out of range [0, {vocab}): {bad[:5]}", param=name,
+                               code="invalid_value")
+        return params
+
+    async def completions(self, request: CompletionRequest, raw: Request) -> Response:
+        self.check_model(request.model)
+        arrival = time.monotonic()
+        params = self.sampling_params(request)
+        prompts = request.prompts()
+        if len(prompts) > self.limits.max_prompts:
+            raise APIError(400, f"at most {self.limits.max_prompts} prompts per request, got {len(prompts)}",
+                           param="prompt", code="too_many_prompts")
+        streams = await start_requests(self.async_engine, prompts, params, "prompt")
+        return await self._respond(request, raw, streams, params, arrival, chat=False)
+
+    async def chat_completions(self, request: ChatCompletionRequest, raw: Request) -> Response:
+        self.check_model(request.model)
+        arrival = time.monotonic()
+        params = self.sampling_params(request)
+        prompt = await self.async_engine.run_off_thread(self.chat_prompt, request)
+        streams = await start_requests(self.async_engine, [prompt], params, "messages")
+        return await self._respond(request, raw, streams, params, arrival, chat=True)
+
+    async def _respond(self, request, raw: Request, streams, params, arrival: float, chat: bool) -> Response:
+        m, ln = self.metrics, self.model_name
+        m.requests.labels(ln, "chat" if chat else "completions").inc()
+        n = params.n
+        choices = [ChoiceState(i, list(params.stop), arrival, counts_prompt=i % n == 0) for i in range(len(streams) * n)]
+        if request.stream:
+            def abort_unfinished():
+                for s in streams:
+                    if not s.finished:
+                        self.async_engine.abort(s.request_id)
+
+            return SSEResponse(self._stream(request, streams, choices, params, chat, n), media_type="text/event-stream",
+                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}, on_close=abort_unfinished)
+        m.running.labels(ln).inc(len(streams))
+        try:
+            completed = await collect(self.async_engine, streams, choices, raw, m.record_finish, n)
+        finally:
+            m.running.labels(ln).dec(len(streams))
+        if not completed:  # nobody to answer: the requests were aborted
+            m.finished.labels(ln, "abort").inc(len(streams))
+            return Response(status_code=499)
+        for c in choices:
+            if c.counts_prompt:
+                m.prompt_tokens.labels(ln).inc(len(c.output.prompt_token_ids))
+        created, rid = now(), random_id("chatcmpl" if chat else "cmpl")
+        body_choices = []
+        num_top = params.logprobs or 0
+        for c in choices:
+            completion = c.output.outputs[0]
+            n = len(completion.token_ids)
+            if chat:
+                choice = {
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": completion.text},
+                    "logprobs": chat_logprobs(self.tokenizer, completion, 0, n, num_top),
+                    "finish_reason": completion.finish_reason,
+                    "stop_reason": completion.stop_reason,
+                }
+            else:
+                choice = {
+                    "index": c.index,
+                    "text": completion.text,
+                    "logprobs": completion_logprobs(self.tokenizer, completion, 0, n, num_top, 0),
+                    "finish_reason": completion.finish_reason,
+                    "stop_reason": completion.stop_reason,
+                }
+            if request.wants_provenance:
+                tokens = token_entries(self.tokenizer, completion, 0, n, params.skip_special_tokens)
+                choice["specserve"] = choice_extension(tokens, completion)
+            body_choices.append(choice)
+        return JSONResponse({
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": created,
+            "model": self.model_name,
+            "choices": body_choices,
+            "usage": usage(choices),
+        })
+
+    async def _stream(self, request, streams, choices: list[ChoiceState], params, chat: bool, n: int = 1) -> AsyncIterator[str]:
+        m, ln = self.metrics, self.model_name
+        created, rid = now(), random_id("chatcmpl" if chat else "cmpl")
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        include_usage = request.include_usage
+        num_top = params.logprobs or 0
+        provenance = request.wants_provenance
+        offsets = [0] * len(choices)
+        counted_prompt = [False] * len(choices)
+
+        def chunk(choice_list: list[dict], usage: Any = None, with_usage: bool = False) -> str:
+            body = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choice_list}
+            if include_usage:
+                body["usage"] = usage if with_usage else None
+            return sse(body)
+
+        m.running.labels(ln).inc(len(streams))
+        try:
+            if chat:
+                for c in choices:
+                    yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+            async for i, out in choice_outputs(self.async_engine, streams, n):
+                c = choices[i]
+                c.update(out)
+                if not counted_prompt[i] and c.counts_prompt:
+                    counted_prompt[i] = True
+                    m.prompt_tokens.labels(ln).inc(len(out.prompt_token_ids))
+                step = c.next_delta()
+                if step is None:
+                    continue
+                delta, start, end = step
+                completion = out.outputs[0]
+                finish = completion.finish_reason if out.finished else None
+                tokens = (token_entries(self.tokenizer, completion, start, end, params.skip_special_tokens)
+                          if provenance else None)
+                if chat:
+                    if delta or (start < end and (completion.logprobs is not None or provenance)):
+                        choice = {
+                            "index": c.index,
+                            "delta": {"content": delta},
+                            "logprobs": chat_logprobs(self.tokenizer, completion, start, end, num_top),
+                            "finish_reason": None,
+                        }
+                        if provenance:
+                            choice["specserve"] = choice_extension(tokens)
+                            tokens = []
+                        yield chunk([choice])
+                    if finish is not None:
+                        choice = {"index": c.index, "delta": {}, "logprobs": None, "finish_reason": finish,
+                                  "stop_reason": completion.stop_reason}
+                        if provenance:
+                            choice["specserve"] = choice_extension(tokens, completion)
+                        yield chunk([choice])
+                else:
+                    lp = completion_logprobs(self.tokenizer, completion, start, end, num_top, offsets[i])
+                    offsets[i] += len(delta)
+                    choice = {"index": c.index, "text": delta, "logprobs": lp, "finish_reason": finish}
+                    if finish is not None:
+                        choice["stop_reason"] = completion.stop_reason
+                    if provenance:
+                        choice["specserve"] = choice_extension(tokens, completion if finish is not None else None)
+                    yield chunk([choice])
+                if out.finished:
+                    m.record_finish(c)
+            if include_usage:
+                yield chunk([], usage(choices), with_usage=True)
+        except (EngineStepError, EngineDeadError, RequestFailedError) as e:
+            err = engine_error(e)
+            m.errors.labels(ln, str(err.status)).inc()
+            yield sse(error_body(err.message, err.type, err.param, err.code))
+        finally:
+            m.running.labels(ln).dec(len(streams))
+            for c in choices:  # left early (client gone): those requests were aborted
+                if c.output is None or not c.output.finished:
+                    m.finished.labels(ln, "abort").inc()
+        yield "data: [DONE]\n\n"
