@@ -58,8 +58,10 @@ def processed_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         sorted_probs = sorted_logits.softmax(dim=-1)
         # Drop a token when the tokens ranked above it already cover top_p; never the
         # first one (a top_p of 1e-300 is 0.0 in float32, and 0 >= 0).
+        # Rows without top-p drop nothing, even where float32 sums reach 1.0 early: a row's
+        # distribution never depends on whether another row of the batch asked for a sort.
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop = (mass_before >= st.top_p[:, None]) & (ranks[None, :] > 0)
+        drop = (mass_before >= st.top_p[:, None]) & (ranks[None, :] > 0) & (st.top_p < 1.0)[:, None]
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     probs = logits.softmax(dim=-1)
@@ -88,3 +90,27 @@ def sample_from_probs(probs: torch.Tensor, generators: list[torch.Generator | No
     """probs [N, V] -> tokens [N]."""
     noise = exponential_noise(probs.shape[0], probs.shape[1], generators, probs.device)
     return (probs / noise).argmax(dim=-1)
+
+
+@dataclass
+class Choice:
+    tokens: list[int]                 # [N] one token per row
+    probs: torch.Tensor | None        # [N, V] every row's processed probabilities; None when all rows are greedy
+
+
+def choose_tokens(logits: torch.Tensor, params: list[SamplingParams],
+                  generators: list[torch.Generator | None]) -> Choice:
+    """The one way specserve picks a token from a row of logits, wherever it does: the target's
+    choice at every node of a tree of drafts, and each proposer's drafts. Greedy rows take the
+    argmax; the others an exponential-race sample from their processed probabilities, drawn
+    from their request's generator (so a row's token never depends on the other rows).
+    logits [N, V] fp32 (bias and penalties already applied); one host sync."""
+    tokens = logits.argmax(dim=-1)                                            # [N]
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if not sampled:
+        return Choice(tokens.tolist(), None)
+    probs = processed_probs(logits, SamplingTensors.build(params, logits.shape[-1], logits.device))   # [N, V]
+    rows = torch.tensor(sampled, device=logits.device)
+    drawn = sample_from_probs(probs.index_select(0, rows), [generators[i] for i in sampled])      # [S]
+    tokens = tokens.index_copy(0, rows, drawn)
+    return Choice(tokens.tolist(), probs)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.sample.sampler import SamplingTensors, exponential_noise, processed_probs
+from specserve.sample.sampler import choose_tokens
 from specserve.sampling_params import SamplingParams
 
 
@@ -34,15 +34,7 @@ def target_choices(
     row_generators: list[torch.Generator | None],  # [R] each row's request's generator
 ) -> list[int]:
     """The target's token at every row: argmax for greedy rows, a sample elsewhere (one host sync)."""
-    choice = logits.argmax(dim=-1)                                        # [R]
-    sampled = [i for i, p in enumerate(row_params) if not p.greedy]
-    if sampled:
-        rows = torch.tensor(sampled, device=logits.device)
-        st = SamplingTensors.build([row_params[i] for i in sampled], logits.shape[-1], logits.device)
-        probs = processed_probs(logits.index_select(0, rows), st)         # [S, V]
-        noise = exponential_noise(len(sampled), logits.shape[-1], [row_generators[i] for i in sampled], logits.device)
-        choice = choice.index_copy(0, rows, (probs / noise).argmax(dim=-1))
-    return choice.tolist()
+    return choose_tokens(logits, row_params, row_generators).tokens
 
 
 def walk_tree(draft_tokens: list[int], parents: list[int], choices: list[int]) -> tuple[list[int], list[int]]:

@@ -17,7 +17,7 @@ import torch
 from specserve.core.kv_cache_manager import KVCacheManager
 from specserve.core.scheduler import ScheduledRequest
 from specserve.sample.penalties import adjust_each_row
-from specserve.sample.sampler import SamplingTensors, processed_probs, sample_from_probs
+from specserve.sample.sampler import choose_tokens
 from specserve.spec_decode.proposer import Proposal, Proposer
 from specserve.worker.model_runner import ForwardInput, ModelRunner
 
@@ -33,7 +33,6 @@ class DraftModelProposer(Proposer):
         reqs = [s.request for s in scheduled]
         budgets = [s.num_lookahead for s in scheduled]
         params = [r.sampling_params for r in reqs]
-        st = SamplingTensors.build(params, self.vocab_size, self.runner.device)
         drafts: list[list[int]] = [[] for _ in reqs]
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
         # Step 1: catch up on unseen tokens; the last one's logits give draft 1.
@@ -48,19 +47,12 @@ class DraftModelProposer(Proposer):
                 logits = torch.nn.functional.pad(logits, (0, self.vocab_size - logits.shape[1]), value=float("-inf"))
             logits = adjust_each_row(logits, [params[i] for i in active], [reqs[i].prompt_token_ids for i in active],
                                      [reqs[i].output_token_ids + drafts[i] for i in active])
-            sub = SamplingTensors(
-                st.temperature[active], st.top_k[active], st.top_p[active], st.min_p[active], st.need_sort, st.need_min_p
-            )
-            q = processed_probs(logits, sub)                                      # [len(active), V]
-            greedy_tokens = q.argmax(dim=-1)
-            sampled = sample_from_probs(q, [reqs[i].generator for i in active])
-            is_greedy = torch.tensor([params[i].greedy for i in active], device=q.device)
-            tokens = torch.where(is_greedy, greedy_tokens, sampled).tolist()
+            choice = choose_tokens(logits, [params[i] for i in active], [reqs[i].generator for i in active])
             for row, i in enumerate(active):
                 reqs[i].proposer_num_computed_tokens += len(inputs[row].token_ids)
-                drafts[i].append(tokens[row])
+                drafts[i].append(choice.tokens[row])
                 if not params[i].greedy:
-                    probs[i].append(q[row])
+                    probs[i].append(choice.probs[row])                            # [V]
             # Next step: feed each new draft token to requests that want more.
             active = [i for i in active if len(drafts[i]) < budgets[i]]
             inputs = [

@@ -36,7 +36,7 @@ from specserve.model_executor.layers.linear import ColumnParallelLinear
 from specserve.model_executor.layers.quantized import QuantizedMatrix
 from specserve.model_executor.models.eagle import EagleHead
 from specserve.sample.penalties import adjust_each_row
-from specserve.sample.sampler import SamplingTensors, processed_probs, sample_from_probs
+from specserve.sample.sampler import choose_tokens
 from specserve.spec_decode.checks import check_vocab
 from specserve.spec_decode.context import ProposerContext
 from specserve.spec_decode.proposer import Proposal, Proposer, TargetHidden
@@ -134,8 +134,7 @@ class EagleProposer(Proposer):
         embeds = self.embed_tokens(ids).to(self.dtype)
         return self.head(features.to(self.dtype), embeds, pos, self.kv, meta)   # [T, H]
 
-    def _choose(self, hidden: torch.Tensor, rows: list[int], reqs: list[Request], st: SamplingTensors,
-                drafts: list[list[int]]):
+    def _choose(self, hidden: torch.Tensor, rows: list[int], reqs: list[Request], drafts: list[list[int]]):
         """hidden [n, H] of requests ``rows`` -> (tokens, probs [n, V] or None when all greedy).
 
         ``drafts``: every request's draft tokens so far (penalties count them)."""
@@ -154,22 +153,13 @@ class EagleProposer(Proposer):
             logits = adjust_each_row(logits, [reqs[i].sampling_params for i in rows],
                                      [reqs[i].prompt_token_ids for i in rows],
                                      [reqs[i].output_token_ids + drafts[i] for i in rows])
-        if all(greedy):
-            return logits.argmax(dim=-1).tolist(), None
-        sub = SamplingTensors(
-            st.temperature[rows], st.top_k[rows], st.top_p[rows], st.min_p[rows], st.need_sort, st.need_min_p
-        )
-        q = processed_probs(logits, sub)                                               # [n, V]
-        sampled = sample_from_probs(q, [reqs[i].generator for i in rows])
-        is_greedy = torch.tensor(greedy, device=q.device)
-        tokens = torch.where(is_greedy, q.argmax(dim=-1), sampled)
-        return tokens.tolist(), q
+        choice = choose_tokens(logits, [reqs[i].sampling_params for i in rows], [reqs[i].generator for i in rows])
+        return choice.tokens, choice.probs                                             # probs [n, V] or None
 
     @torch.inference_mode()
     def propose(self, scheduled: list[ScheduledRequest]) -> Proposal:
         reqs = [s.request for s in scheduled]
         budgets = [s.num_lookahead for s in scheduled]
-        st = SamplingTensors.build([r.sampling_params for r in reqs], self.vocab_size, self.device)
         drafts: list[list[int]] = [[] for _ in reqs]
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
 
@@ -206,7 +196,7 @@ class EagleProposer(Proposer):
         # 2. Draft: each step's output feature and token feed the next position.
         step = 0
         while True:
-            tokens, q = self._choose(hidden, active, reqs, st, drafts)
+            tokens, q = self._choose(hidden, active, reqs, drafts)
             for row, i in enumerate(active):
                 drafts[i].append(tokens[row])
                 if q is not None and not reqs[i].sampling_params.greedy:

@@ -192,3 +192,28 @@ def test_sample_from_probs_samples_from_p():
     # The same check rejects a nearby wrong distribution (power check of the bound).
     wrong = torch.softmax(logits * 1.2, dim=-1)
     assert 0.5 * (counts / n - wrong.double()).abs().sum().item() > bound
+
+
+def test_choose_tokens_takes_the_argmax_for_greedy_rows_and_samples_the_rest():
+    from specserve.sample.sampler import choose_tokens
+
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(6))
+    greedy, hot = SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_k=5)
+    params = [greedy, hot, greedy, hot]
+    a = choose_tokens(logits, params, [None, _gens([1])[0], None, _gens([2])[0]])
+    assert a.tokens[0] == logits[0].argmax().item() and a.tokens[2] == logits[2].argmax().item()
+    assert torch.equal(a.probs, run_processed(logits, params))
+    # a sampled row draws from its own generator, as sample_from_probs does alone
+    assert a.tokens[3] == sample_from_probs(a.probs[3:4], _gens([2])).item()
+    assert all(a.probs[i, t] > 0 for i, t in enumerate(a.tokens))
+    assert choose_tokens(logits, [greedy] * 4, [None] * 4).probs is None
+
+
+def test_a_row_without_top_p_keeps_its_whole_distribution_beside_a_row_with_it():
+    """Sorting for another row's top-p must not drop this row's tail where float32 sums reach 1."""
+    logits = torch.cat([torch.full((1, V), -30.0), torch.randn(1, V)])
+    logits[0, 0] = 30.0                               # row 0: one token holds nearly all the mass
+    plain = SamplingParams(temperature=1.0)
+    alone = run_processed(logits[:1], [plain])
+    beside = run_processed(logits, [plain, SamplingParams(temperature=1.0, top_p=0.5)])[:1]
+    assert torch.equal(alone, beside) and (alone > 0).all()
