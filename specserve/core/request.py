@@ -70,6 +70,8 @@ class Request:
         self.spec_stats = SpecDecodeStats()
         # Output bookkeeping.
         self.output_text = ""
+        self.detok_prefix_offset = 0           # stop strings: output_text is decoded incrementally
+        self.detok_read_offset = 0             # from these (engine.output_processor)
         self.token_sources: list[str] = []     # how each output token came (outputs.TOKEN_SOURCE_*)
         self.logprobs: list[dict[int, Logprob]] | None = [] if sampling_params.logprobs is not None else None
         self.stop_reason: str | int | None = None

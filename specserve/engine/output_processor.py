@@ -1,6 +1,8 @@
 """Appending emitted tokens: detokenize, then stop on EOS, stop tokens, stop
 strings, max_tokens or max_model_len, one token at a time (a verification step
-may emit several tokens; whatever follows a stop is dropped)."""
+may emit several tokens; whatever follows a stop is dropped). The text grows by
+decoding only the newest tokens (O(1) per token); a finished output is decoded
+whole once."""
 from __future__ import annotations
 
 from specserve.core.request import Request, RequestStatus
@@ -43,17 +45,30 @@ class OutputProcessor:
         return None, len(verified.token_ids)
 
     def _check_stop_strings(self, req: Request) -> RequestStatus | None:
-        text = self.decode(req)
+        previous = len(req.output_text)
+        text = self._decode_new_tokens(req)
         # Only the tail can hold a new match: look back a stop string's length.
         window = max(len(s) for s in req.sampling_params.stop) + 16
         for stop in req.sampling_params.stop:
-            at = text.find(stop, max(0, len(req.output_text) - window))
+            at = text.find(stop, max(0, previous - window))
             if at >= 0:
                 req.output_text = text[:at]
                 req.stop_reason = stop
                 return RequestStatus.FINISHED_STOPPED
-        req.output_text = text
         return None
+
+    def _decode_new_tokens(self, req: Request) -> str:
+        """``req.output_text`` grown by the text of the tokens since the last call, decoding a
+        few tokens each time instead of the whole output (vLLM's prefix and read offsets): the
+        tokens from ``prefix_offset`` give the context a token's text depends on, and text is
+        only taken once it does not end in a partial UTF-8 character."""
+        ids, skip = req.output_token_ids, req.sampling_params.skip_special_tokens
+        before = self.tokenizer.decode(ids[req.detok_prefix_offset : req.detok_read_offset], skip_special_tokens=skip)
+        after = self.tokenizer.decode(ids[req.detok_prefix_offset :], skip_special_tokens=skip)
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            req.output_text += after[len(before):]
+            req.detok_prefix_offset, req.detok_read_offset = req.detok_read_offset, len(ids)
+        return req.output_text
 
     def decode(self, req: Request) -> str:
         return self.tokenizer.decode(req.output_token_ids, skip_special_tokens=req.sampling_params.skip_special_tokens)
@@ -61,8 +76,9 @@ class OutputProcessor:
     def make_output(self, req: Request, error: BaseException | None = None) -> RequestOutput:
         """The request's cumulative output. With ``error`` (the request failed on its
         own): finish_reason "error" and the text as last decoded (decoding may be what failed)."""
-        if error is None and (req.stop_reason is None or not isinstance(req.stop_reason, str)):
-            req.output_text = self.decode(req)
+        if error is None and not isinstance(req.stop_reason, str):   # a stop string has cut the text already
+            # a few tokens decoded per step; the whole output once, when it is final
+            req.output_text = self.decode(req) if req.is_finished() else self._decode_new_tokens(req)
         finish = "error" if error is not None else req.status.value if req.is_finished() else None
         completion = CompletionOutput(
             index=0,

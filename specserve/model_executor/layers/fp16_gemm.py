@@ -43,7 +43,11 @@ import torch
 
 from specserve.model_executor.layers import cpu_gemm
 
-EXACT_GEMM = os.environ.get("SPECSERVE_EXACT_GEMM", "1") != "0"
+def exact_gemm() -> bool:
+    """``SPECSERVE_EXACT_GEMM`` (default on), read at each call, so a setting made after
+    import (a test, an embedding application) is honoured."""
+    return os.environ.get("SPECSERVE_EXACT_GEMM", "1") != "0"
+
 
 # Row counts up to this are padded to an exact count; larger calls (long prefill
 # chunks) run as they are: plain and speculative engines chunk a prompt alike.
@@ -112,7 +116,7 @@ def _probe_exact_row_counts(limit: int = EXACT_ROWS_LIMIT) -> tuple[bool, ...]:
 
 def exact_row_count(rows: int) -> int:
     """The row count to run a ``rows``-row call at so that each row's bits do not depend on ``rows``."""
-    if rows > EXACT_ROWS_LIMIT or not EXACT_GEMM:
+    if rows > EXACT_ROWS_LIMIT or not exact_gemm():
         return rows
     exact = _probe_exact_row_counts()
     return next((m for m in range(rows, EXACT_ROWS_LIMIT + 1) if exact[m]), rows)

@@ -96,7 +96,7 @@ def test_a_rows_bits_do_not_depend_on_the_rows_sharing_its_call(shape, gemm_path
     requests) gets the bits it gets alone. Unpadded, fbgemm's 1- and 2-row kernels differ in
     the last bits from its 3-6-row ones, so rows failed this at 1, 2, 7, 14, 31, 32, ... rows;
     specserve's kernel sums every row alike by construction."""
-    if gemm_path == "fbgemm" and not fp16_gemm.EXACT_GEMM:
+    if gemm_path == "fbgemm" and not fp16_gemm.exact_gemm():
         pytest.skip("SPECSERVE_EXACT_GEMM=0 turns the fbgemm path's padding off")
     out_features, in_features = shape
     torch.manual_seed(0)
@@ -108,9 +108,16 @@ def test_a_rows_bits_do_not_depend_on_the_rows_sharing_its_call(shape, gemm_path
 
 
 @needs_fbgemm
-@pytest.mark.skipif(not fp16_gemm.EXACT_GEMM, reason="SPECSERVE_EXACT_GEMM=0")
+@pytest.mark.skipif(not fp16_gemm.exact_gemm(), reason="SPECSERVE_EXACT_GEMM=0")
 def test_exact_row_count_pads_only_what_it_must():
     counts = [fp16_gemm.exact_row_count(m) for m in range(1, 9)]
     assert counts[0] >= 1 and all(c >= m for c, m in zip(counts, range(1, 9)))
     assert counts[2:6] == [3, 4, 5, 6]                    # 3-6 rows run as they are
     assert fp16_gemm.exact_row_count(fp16_gemm.EXACT_ROWS_LIMIT + 5) == fp16_gemm.EXACT_ROWS_LIMIT + 5
+
+
+def test_the_exact_gemm_setting_is_read_when_used(monkeypatch):
+    monkeypatch.setenv("SPECSERVE_EXACT_GEMM", "0")
+    assert not fp16_gemm.exact_gemm() and fp16_gemm.exact_row_count(1) == 1
+    monkeypatch.setenv("SPECSERVE_EXACT_GEMM", "1")
+    assert fp16_gemm.exact_gemm()
