@@ -1,0 +1,265 @@
+/* GGUF blocks, 32 values at a time straight into registers: the fused few-row path's loaders.
+ *
+ * Included by quant_blocks.h (after its block_<fmt> unpackers, whose values these reproduce
+ * exactly) and used by its DEFINE_FUSED matmul. Split out of quant_blocks.h to keep each file
+ * to one role: that one unpacks whole blocks and multiplies, this one loads chunks.
+ */
+#ifndef SPECSERVE_QUANT_CHUNKS_H
+#define SPECSERVE_QUANT_CHUNKS_H
+
+/* ---- 32 values of a row straight into registers, for the fused few-row path ----
+ * Per output row, a prepass (scales_<fmt>) turns each 32-value chunk's scale and offset into
+ * float32 (s0[c], s1[c]); then chunk_<fmt>(row, c, s0[c], s1[c], w) sets w[0 .. 32 / VEC) to
+ * values [32 c, 32 c + 32) of the row. The values are exactly block_<fmt>'s: every product of a
+ * scale and a quant is exact in float32, so q * d + m rounds once whether computed as a
+ * multiply and an add or as one FMA (the table of a chunk's 16 or 32 possible values below).
+ * With AVX-512 the 4- and 5-bit formats look their values up in that table (vpermps), which
+ * costs one instruction per 16 weights instead of a conversion and two arithmetic ones. */
+#define NV (32 / VEC)
+/* Bytes ahead of a weight row's read position that the fused path prefetches into L1. */
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 1024
+#endif
+
+#if VEC == 16
+static inline __m512 as_m512(vecf v) { __m512 r; memcpy(&r, &v, sizeof r); return r; }
+static inline vecf from_m512(__m512 v) { vecf r; memcpy(&r, &v, sizeof r); return r; }
+static inline __m512i as_m512i(veci v) { __m512i r; memcpy(&r, &v, sizeof r); return r; }
+static const float IOTA[32] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
+                               16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31};
+/* table[i] = i * d + m for i in [first, first + 16), exactly (i * d is exact). */
+static inline __m512 value_table(float first, float d, float m) {
+    return _mm512_fmadd_ps(_mm512_add_ps(_mm512_loadu_ps(IOTA), _mm512_set1_ps(first)), _mm512_set1_ps(d),
+                           _mm512_set1_ps(m));
+}
+#endif
+
+/* The float16 at byte offset off of each of n blocks of `bytes` bytes -> dst[0..n) float32. */
+static inline void halves_to_float(const uint8_t *row, int64_t n, int bytes, int off, float *dst) {
+    uint16_t h[16];
+    for (int64_t c0 = 0; c0 < n; c0 += 16) {
+        const int64_t m = n - c0 < 16 ? n - c0 : 16;
+        for (int64_t i = 0; i < m; i++) memcpy(&h[i], row + (c0 + i) * bytes + off, 2);
+        for (int64_t i = m; i < 16; i++) h[i] = 0;
+#if VEC == 16
+        _mm512_storeu_ps(dst + c0, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h)));
+#else
+        _mm256_storeu_ps(dst + c0, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)));
+        _mm256_storeu_ps(dst + c0 + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 8))));
+#endif
+    }
+}
+
+/* 32-value block formats: s0 = d, s1 = m (0 where the format has none). Arrays hold nc
+ * rounded up to 16. */
+#define SCALES_32(fmt, bytes, has_min)                                                                 \
+    static inline void scales_##fmt(const uint8_t *row, int64_t nc, float *s0, float *s1) {           \
+        halves_to_float(row, nc, bytes, 0, s0);                                                        \
+        if (has_min) halves_to_float(row, nc, bytes, 2, s1);                                           \
+    }
+SCALES_32(q4_0, 18, 0)
+SCALES_32(q4_1, 20, 1)
+SCALES_32(q5_0, 22, 0)
+SCALES_32(q5_1, 24, 1)
+SCALES_32(q8_0, 34, 0)
+
+#if VEC == 16
+/* A K-quant super-block's 12 scale bytes -> bytes 0-7 its eight 6-bit scales, bytes 8-15 its
+ * eight 6-bit mins (the same bits as scale_min_k4), unpacked four at a time in 32-bit words and
+ * built in registers (four 4-byte stores read back as one 16-byte load stall). */
+static inline __m128i k4_scales_then_mins(const uint8_t *scales12) {
+    uint32_t u[3];
+    memcpy(u, scales12, 12);
+    return _mm_setr_epi32(
+        (int)(u[0] & 0x3f3f3f3fu),                                                /* scales 0-3 */
+        (int)((u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4)),          /* scales 4-7 */
+        (int)(u[1] & 0x3f3f3f3fu),                                                /* mins 0-3 */
+        (int)(((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4)));  /* mins 4-7 */
+}
+#endif
+
+/* Q4_K / Q5_K: chunk c is sub-block c % 8 of super-block c / 8; s0 = d * scale, s1 = dmin * min.
+ * The scales and mins are converted and scaled 16 at a time. */
+static inline void scales_k4(const uint8_t *row, int64_t nc, int bytes, float *s0, float *s1) {
+    for (int64_t sb = 0; sb < nc / 8; sb++) {
+        const uint8_t *b = row + sb * bytes;
+        const float d = half_at(b), dmin = half_at(b + 2);
+#if VEC == 16
+        const __m128i packed = k4_scales_then_mins(b + 4);
+        const __m512 mult = _mm512_insertf32x8(_mm512_set1_ps(d), _mm256_set1_ps(dmin), 1);
+        const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(packed)), mult);
+        _mm256_storeu_ps(s0 + sb * 8, _mm512_castps512_ps256(v));
+        _mm256_storeu_ps(s1 + sb * 8, _mm512_extractf32x8_ps(v, 1));
+#else
+        for (int s = 0; s < 8; s++) {
+            float sc, mn;
+            scale_min_k4(s, b + 4, &sc, &mn);
+            s0[sb * 8 + s] = d * sc;
+            s1[sb * 8 + s] = dmin * mn;
+        }
+#endif
+    }
+}
+static inline void scales_q4_k(const uint8_t *row, int64_t nc, float *s0, float *s1) { scales_k4(row, nc, 144, s0, s1); }
+static inline void scales_q5_k(const uint8_t *row, int64_t nc, float *s0, float *s1) { scales_k4(row, nc, 176, s0, s1); }
+
+/* Q6_K: chunk c is group c % 4 of half (c % 8) / 4, i.e. s = c % 8 uses scales 2 s and 2 s + 1:
+ * s0, s1 = d * those (each covers 16 values). */
+static inline void scales_q6_k(const uint8_t *row, int64_t nc, float *s0, float *s1) {
+    for (int64_t sb = 0; sb < nc / 8; sb++) {
+        const uint8_t *b = row + sb * 210;
+        const int8_t *sc = (const int8_t *)(b + 192);
+        const float d = half_at(b + 208);
+        float t[16];
+#if VEC == 16
+        _mm512_storeu_ps(t, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)sc))),
+                                          _mm512_set1_ps(d)));
+#else
+        for (int i = 0; i < 16; i++) t[i] = d * (float)sc[i];
+#endif
+        for (int s = 0; s < 8; s++) {
+            s0[sb * 8 + s] = t[2 * s];
+            s1[sb * 8 + s] = t[2 * s + 1];
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void chunk_q4_0(const uint8_t *row, int64_t c, float d, float m, vecf *w) {
+    (void)m;
+    const uint8_t *b = row + c * 18;
+#if VEC == 16
+    const __m512 tab = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(IOTA), _mm512_set1_ps(8.0f)), _mm512_set1_ps(d));
+    const __m512i q = as_m512i(load_u8(b + 2));
+    w[0] = from_m512(_mm512_permutexvar_ps(q, tab));   /* uses the index's low 4 bits */
+    w[1] = from_m512(_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), tab));
+#else
+    for (int v = 0; v < 16; v += VEC) {
+        const veci q = load_u8(b + 2 + v);
+        w[v / VEC] = to_float((q & 0x0F) - 8) * d;
+        w[(16 + v) / VEC] = to_float((q >> 4) - 8) * d;
+    }
+#endif
+}
+
+static inline __attribute__((always_inline)) void chunk_q4_1(const uint8_t *row, int64_t c, float d, float m, vecf *w) {
+    const uint8_t *b = row + c * 20;
+#if VEC == 16
+    const __m512 tab = value_table(0.0f, d, m);
+    const __m512i q = as_m512i(load_u8(b + 4));
+    w[0] = from_m512(_mm512_permutexvar_ps(q, tab));
+    w[1] = from_m512(_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), tab));
+#else
+    for (int v = 0; v < 16; v += VEC) {
+        const veci q = load_u8(b + 4 + v);
+        w[v / VEC] = to_float(q & 0x0F) * d + m;
+        w[(16 + v) / VEC] = to_float(q >> 4) * d + m;
+    }
+#endif
+}
+
+/* Q5_0 / Q5_1: 5-bit values q = nibble | fifth bit << 4, then (q - 16) * d or q * d + m. */
+static inline __attribute__((always_inline)) void chunk_q5(const uint8_t *b, int qs_off, int qh_off, float first,
+                                                          float d, float m, vecf *w) {
+    uint32_t qh;
+    memcpy(&qh, b + qh_off, sizeof qh);
+#if VEC == 16
+    const __m512 lo = value_table(first, d, m), hi = value_table(first + 16.0f, d, m);
+    veci hi0, hi1;
+    fifth_bits(qh, 0, &hi0, &hi1);
+    const veci q = load_u8(b + qs_off);
+    w[0] = from_m512(_mm512_permutex2var_ps(lo, as_m512i((q & 0x0F) | hi0), hi));   /* low 5 bits */
+    w[1] = from_m512(_mm512_permutex2var_ps(lo, as_m512i((q >> 4) | hi1), hi));
+#else
+    for (int v = 0; v < 16; v += VEC) {
+        veci hi0, hi1;
+        fifth_bits(qh, v, &hi0, &hi1);
+        const veci q = load_u8(b + qs_off + v);
+        w[v / VEC] = to_float(((q & 0x0F) | hi0) + (int)first) * d + m;
+        w[(16 + v) / VEC] = to_float(((q >> 4) | hi1) + (int)first) * d + m;
+    }
+#endif
+}
+
+static inline __attribute__((always_inline)) void chunk_q5_0(const uint8_t *row, int64_t c, float d, float m, vecf *w) {
+    (void)m;
+    chunk_q5(row + c * 22, 6, 2, -16.0f, d, 0.0f, w);   /* (q - 16) * d + 0: exact, as (q - 16) * d */
+}
+
+static inline __attribute__((always_inline)) void chunk_q5_1(const uint8_t *row, int64_t c, float d, float m, vecf *w) {
+    chunk_q5(row + c * 24, 8, 4, 0.0f, d, m, w);
+}
+
+static inline __attribute__((always_inline)) void chunk_q8_0(const uint8_t *row, int64_t c, float d, float m, vecf *w) {
+    (void)m;
+    const uint8_t *b = row + c * 34;
+    for (int v = 0; v < 32; v += VEC) w[v / VEC] = to_float(load_i8(b + 2 + v)) * d;
+}
+
+/* Sub-block s (0..7) of super-block c / 8: its 32 values are the low (s even) or high nibbles of
+ * 32 bytes: q * (d * scale_s) - dmin * min_s. */
+static inline __attribute__((always_inline)) void chunk_q4_k(const uint8_t *row, int64_t c, float d1, float m1, vecf *w) {
+    const int s = (int)(c % 8);
+    const uint8_t *q = row + (c / 8) * 144 + 16 + 32 * (s / 2);
+#if VEC == 16
+    const __m512 tab = value_table(0.0f, d1, -m1);
+    for (int l = 0; l < 32; l += 16) {
+        const __m512i v = as_m512i(load_u8(q + l));
+        w[l / 16] = from_m512(_mm512_permutexvar_ps((s & 1) ? _mm512_srli_epi32(v, 4) : v, tab));
+    }
+#else
+    for (int l = 0; l < 32; l += VEC) {
+        const veci v = load_u8(q + l);
+        w[l / VEC] = to_float((s & 1) ? v >> 4 : v & 0x0F) * d1 - m1;
+    }
+#endif
+}
+
+static inline __attribute__((always_inline)) void chunk_q5_k(const uint8_t *row, int64_t c, float d1, float m1, vecf *w) {
+    const uint8_t *b = row + (c / 8) * 176;
+    const int s = (int)(c % 8);
+    const uint8_t *ql = b + 48 + 32 * (s / 2), *qh = b + 16;
+#if VEC == 16
+    const __m512 lo = value_table(0.0f, d1, -m1), hi = value_table(16.0f, d1, -m1);
+    for (int l = 0; l < 32; l += 16) {
+        const veci v = load_u8(ql + l), h = load_u8(qh + l);
+        const veci q = ((s & 1) ? v >> 4 : v & 0x0F) | (((h >> s) & 1) << 4);
+        w[l / 16] = from_m512(_mm512_permutex2var_ps(lo, as_m512i(q), hi));
+    }
+#else
+    for (int l = 0; l < 32; l += VEC) {
+        const veci v = load_u8(ql + l), h = load_u8(qh + l);
+        w[l / VEC] = to_float(((s & 1) ? v >> 4 : v & 0x0F) + (((h >> s) & 1) << 4)) * d1 - m1;
+    }
+#endif
+}
+
+/* Group g (0..3) of half n of super-block c / 8: low (g < 2) or high nibbles of ql bytes
+ * [64 n + 32 (g & 1), + 32), bits 2 g and 2 g + 1 of qh[32 n ..] as bits 4 and 5. */
+static inline __attribute__((always_inline)) void chunk_q6_k(const uint8_t *row, int64_t c, float ds0, float ds1, vecf *w) {
+    const uint8_t *b = row + (c / 8) * 210;
+    const int n = (int)(c % 8) / 4, g = (int)(c % 4);
+    const uint8_t *ql = b + 64 * n + 32 * (g & 1), *qh = b + 128 + 32 * n;
+#if VEC == 16
+    /* q = nibble | two high bits << 4: h shifted so its two bits sit at bits 4-5, one bitwise
+     * select (vpternlogd) takes bits 0-3 from the nibble and the rest from h, then & 63.
+     * (q - 32) * ds == fma(q, ds, -32 ds) exactly: the product is exact in float32. */
+    const int shift = 4 - 2 * g;
+    for (int l = 0; l < 32; l += 16) {
+        __m512i a = as_m512i(load_u8(ql + l)), h = as_m512i(load_u8(qh + l));
+        if (g >> 1) a = _mm512_srli_epi32(a, 4);
+        h = shift >= 0 ? _mm512_slli_epi32(h, shift) : _mm512_srli_epi32(h, -shift);
+        const __m512i q = _mm512_and_si512(_mm512_ternarylogic_epi32(_mm512_set1_epi32(0x0F), a, h, 0xCA),
+                                           _mm512_set1_epi32(63));   /* 0xCA: mask ? a : h, bit by bit */
+        const float ds = l < 16 ? ds0 : ds1;
+        w[l / 16] = from_m512(_mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(ds), _mm512_set1_ps(-32.0f * ds)));
+    }
+#else
+    for (int l = 0; l < 32; l += VEC) {
+        const veci a = load_u8(ql + l), h = load_u8(qh + l);
+        const veci q = ((g >> 1) ? a >> 4 : a & 0x0F) | (((h >> (2 * g)) & 3) << 4);
+        w[l / VEC] = to_float(q - 32) * (l < 16 ? ds0 : ds1);
+    }
+#endif
+}
+
+#endif /* SPECSERVE_QUANT_CHUNKS_H */
