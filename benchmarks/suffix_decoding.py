@@ -1,13 +1,20 @@
 """Suffix decoding on a repeated-task (agentic) workload: plain vs n-gram vs suffix at batch 1.
 
-The same code-editing instruction ("rename a variable") is applied to many small,
-programmatically varied Python functions, one request after another, greedy, on
-the default model. Requests are interleaved: request i runs on every config, in an
+Two tasks (``--task``), each many similar requests one after another, greedy, on the
+default model:
+
+- ``rename``: the same code-editing instruction ("rename a variable") applied to small,
+  programmatically varied Python functions (short answers: ~31 tokens);
+- ``json``: a tool step of an agent: a few customer records, given as text, converted to
+  a JSON list with fixed keys (answers of ~100-200 tokens, the same structure every time,
+  the values copied from the prompt).
+ Requests are interleaved: request i runs on every config, in an
 order rotated per request, so a slow spell of the shared machine hits them alike.
 Suffix decoding's global trie learns from the earlier answers; n-gram lookup
 sees only the current request.
 
     python benchmarks/suffix_decoding.py --requests 60 --max-tokens 96 --suffix-max-spec-factor 1 2
+    python benchmarks/suffix_decoding.py --task json --requests 60 --max-tokens 256
 
 Printed: per config tokens/s (output tokens over the wall time of the requests,
 prefill included), the ratio to plain, tau (tokens per decode step) and the
@@ -46,8 +53,32 @@ def make_prompts(num: int, seed: int = 0) -> list[str]:
     return prompts
 
 
+FIRST = ["Alice", "Bob", "Carol", "Dan", "Erin", "Frank", "Grace", "Heidi", "Ivan", "Judy", "Mallory", "Niaj"]
+LAST = ["Smith", "Jones", "White", "Brown", "Taylor", "Clark", "Lewis", "Walker", "Young", "King"]
+CITIES = ["Paris", "Berlin", "Madrid", "Rome", "Lisbon", "Vienna", "Prague", "Dublin", "Oslo", "Athens"]
+STATUS = ["active", "inactive", "pending"]
+
+
+def make_json_prompts(num: int, seed: int = 0, records: int = 3) -> list[str]:
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(num):
+        lines = []
+        for _ in range(records):
+            first, last = rng.choice(FIRST), rng.choice(LAST)
+            lines.append(f"Name: {first} {last}\nAge: {rng.randint(18, 80)}\nCity: {rng.choice(CITIES)}\n"
+                         f"Email: {first.lower()}.{last.lower()}@example.com\nStatus: {rng.choice(STATUS)}\n")
+        prompts.append("Convert these customer records to a JSON list of objects with the keys name, age, city, "
+                       "email and status. Reply with only the JSON.\n\n" + "\n".join(lines))
+    return prompts
+
+
+TASKS = {"rename": make_prompts, "json": make_json_prompts}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--task", choices=sorted(TASKS), default="rename")
     p.add_argument("--requests", type=int, default=60)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--ngram-k", type=int, default=4)
@@ -73,10 +104,10 @@ def main() -> None:
     engines = {name: LLM(speculative_config=spec) if spec else LLM() for name, spec in configs.items()}
     first = next(iter(engines.values()))
     print(f"model: {first.engine.model_name}, torch threads: {torch.get_num_threads()}, "
-          f"{args.requests} requests, max_tokens {args.max_tokens}, greedy, batch 1")
+          f"task {args.task}, {args.requests} requests, max_tokens {args.max_tokens}, greedy, batch 1")
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     ids = [first.apply_chat_template([{"role": "user", "content": t}])
-           for t in make_prompts(args.requests + args.warmup)]
+           for t in TASKS[args.task](args.requests + args.warmup)]
     for llm in engines.values():
         for prompt in ids[args.requests:]:
             llm.generate([prompt], params, use_tqdm=False)
