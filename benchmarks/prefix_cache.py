@@ -7,6 +7,9 @@ on and off) in alternating order, request by request:
   turns) as conversations. Turn 1 is answered (greedy, ``--answer-tokens``), then turn 2
   resends the whole conversation, as chat clients do. Reported: turn 2's time to first
   token (TTFT) on each engine, per category and in all.
+- ``long-chat``: conversations of ``--turns`` user turns (this file's QUESTIONS, a
+  different rotation per conversation), each turn answered greedily and the whole
+  conversation resent for the next. Reported: TTFT by turn number (2, 3, ...).
 - ``system-prompt``: one long system prompt (an agent's instructions, ~700 tokens)
   with ``--limit`` different short questions after it, one request after another.
 
@@ -14,6 +17,7 @@ TTFT is the wall time of a request with ``max_tokens=1``: tokenized prompt in, f
 token out (prefill plus one sample), on one thread of the engine.
 
     python benchmarks/prefix_cache.py --limit 16 --answer-tokens 64
+    python benchmarks/prefix_cache.py --workloads long-chat --limit 6 --turns 5
     python benchmarks/prefix_cache.py --model qwen2.5-coder-1.5b-instruct --limit 8
 """
 from __future__ import annotations
@@ -88,6 +92,26 @@ def multi_turn(engines: dict, args) -> dict:
     return {"times": times, "prompt_tokens": statistics.mean(prompt_lens), "requests": len(rows)}
 
 
+def long_chat(engines: dict, args) -> dict:
+    """Turns 2..N of conversations of N user turns: TTFT by turn number."""
+    times: dict[str, dict[str, list[float]]] = {name: defaultdict(list) for name in engines}
+    prompt_lens = []
+    for c in range(args.limit):
+        questions = [QUESTIONS[(c * 3 + t) % len(QUESTIONS)] for t in range(args.turns)]
+        order = list(engines) if c % 2 == 0 else list(reversed(engines))
+        for name in order:
+            llm, messages = engines[name], []
+            for t, q in enumerate(questions):
+                messages.append({"role": "user", "content": q})
+                if t > 0:
+                    ids = chat_ids(llm, messages)
+                    times[name][f"turn {t + 1}"].append(ttft(llm, ids))
+                    if name == order[0]:
+                        prompt_lens.append(len(ids))
+                messages.append({"role": "assistant", "content": answer(llm, messages, args.answer_tokens)})
+    return {"times": times, "prompt_tokens": statistics.mean(prompt_lens), "requests": len(prompt_lens)}
+
+
 def system_prompt(engines: dict, args) -> dict:
     times = {name: {"all": []} for name in engines}
     prompt_lens = []
@@ -125,7 +149,8 @@ def main() -> None:
     p.add_argument("--prompts", default=SPEC_BENCH, help="Spec-Bench JSONL (two-turn questions are used)")
     p.add_argument("--limit", type=int, default=16, help="requests per workload")
     p.add_argument("--answer-tokens", type=int, default=64, help="tokens of each turn-1 answer")
-    p.add_argument("--workloads", default="multi-turn,system-prompt")
+    p.add_argument("--workloads", default="multi-turn,system-prompt", help="any of multi-turn, long-chat, system-prompt")
+    p.add_argument("--turns", type=int, default=5, help="user turns per long-chat conversation")
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args()
 
@@ -141,6 +166,8 @@ def main() -> None:
     workloads = args.workloads.split(",")
     if "multi-turn" in workloads:
         report("multi-turn chat: turn 2", multi_turn(engines, args))
+    if "long-chat" in workloads:
+        report(f"long chat: turns 2-{args.turns}", long_chat(engines, args))
     if "system-prompt" in workloads:
         report("shared system prompt", system_prompt(engines, args))
     for name, llm in engines.items():
