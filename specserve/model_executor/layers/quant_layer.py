@@ -13,6 +13,12 @@ default model those took more than half of a decode step (docs/benchmarks.md,
 Used by ``LlamaForCausalLM`` when every layer's four matrices are ``QuantizedMatrix`` at
 tensor-parallel size 1 on a CPU (``QuantizedLayerKernel.for_layer``); anything
 else runs the PyTorch path. ``SPECSERVE_CPU_QUANT_LAYER=off`` turns it off.
+
+``QuantizedLayerStack``: when the compiled attention kernel serves every request of a
+step (decoding and verification; ``AttentionMetadata.kernel.covers_all``), all layers
+run in ONE call (``specserve_qmodel_layers``), which calls the same two halves and the
+same attention kernel with the same arguments, so the bits are those of the per-layer
+path; what it saves is the Python and ctypes work of ~3 calls per layer.
 """
 from __future__ import annotations
 
@@ -39,6 +45,15 @@ class _QLayer(ctypes.Structure):
                 ("qkv", _QMatrix), ("o", _QMatrix), ("gate_up", _QMatrix), ("down", _QMatrix)]
 
 
+class _QAttention(ctypes.Structure):
+    """quant_layer.c's qattention: what every layer's attention call of one step shares."""
+    _fields_ = [("attend", ctypes.c_void_p), ("block_tables", ctypes.c_void_p), ("max_blocks", ctypes.c_int64),
+                ("query_start", ctypes.c_void_p), ("query_lens", ctypes.c_void_p), ("context_lens", ctypes.c_void_p),
+                ("tree_masks", ctypes.c_void_p), ("slot_mapping", ctypes.c_void_p), ("num_blocks", ctypes.c_int64),
+                ("num_reqs", ctypes.c_int32), ("block_size", ctypes.c_int32), ("cache_half", ctypes.c_int32),
+                ("scale", ctypes.c_float)]
+
+
 def _setup(lib: ctypes.CDLL) -> None:
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     sizes = (ctypes.c_int64 * 2)()
@@ -48,6 +63,10 @@ def _setup(lib: ctypes.CDLL) -> None:
     lib.specserve_qlayer_attn_in.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, c_int]
     lib.specserve_qlayer_mlp.argtypes = [ptr, ptr, i64, ptr, i64, ptr, ptr, c_int]
     lib.specserve_qlayer_attn_in.restype = lib.specserve_qlayer_mlp.restype = c_int
+    lib.specserve_qattention_struct_size.restype = c_int
+    lib.specserve_qmodel_layers.argtypes = [ptr, c_int, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr,
+                                            c_int]
+    lib.specserve_qmodel_layers.restype = c_int
 
 
 LIBRARY = LazyLibrary("quant_layer.c", COMPILE_FLAGS, _setup, "SPECSERVE_CPU_QUANT_LAYER", "off", "the PyTorch path")
@@ -112,3 +131,65 @@ class QuantizedLayerKernel:
         check_status(self._lib.specserve_qlayer_mlp(self._ref, x.data_ptr(), x.shape[0], attn_out.data_ptr(),
                                               attn_out.stride(0), scratch.data_ptr(), gate_up.data_ptr(),
                                               torch.get_num_threads()), "a layer's MLP")
+
+
+class QuantizedLayerStack:
+    """Every layer's kernel in one call per step, attention included (module docstring)."""
+
+    def __init__(self, kernels: list[QuantizedLayerKernel]):
+        self._lib = LIBRARY.get()
+        self.kernels = kernels
+        self._layers = (ctypes.c_void_p * len(kernels))(*(ctypes.addressof(k._struct) for k in kernels))
+        self._caches: tuple | None = None     # (the caches' data pointers, their K and V pointer arrays)
+        first = kernels[0]._struct
+        self.num_heads, self.num_kv_heads, self.head_dim = first.num_heads, first.num_kv_heads, first.head_dim
+
+    @staticmethod
+    def build(kernels: list[QuantizedLayerKernel]) -> "QuantizedLayerStack | None":
+        """None where the one-call path cannot run: no attention kernel, or a build without F16C."""
+        from specserve.model_executor.layers import cpu_attention
+
+        lib = LIBRARY.get()
+        if lib is None or cpu_attention.LIBRARY.get() is None:
+            return None
+        if lib.specserve_qattention_struct_size() != ctypes.sizeof(_QAttention):
+            return None
+        return QuantizedLayerStack(kernels)
+
+    def _cache_pointers(self, kv_caches: list[torch.Tensor]):
+        key = tuple(c.data_ptr() for c in kv_caches)
+        if self._caches is None or self._caches[0] != key:
+            ks = (ctypes.c_void_p * len(kv_caches))(*(c[0].data_ptr() for c in kv_caches))
+            vs = (ctypes.c_void_p * len(kv_caches))(*(c[1].data_ptr() for c in kv_caches))
+            self._caches = (key, ks, vs)
+        return self._caches[1], self._caches[2]
+
+    def run(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            kv_caches: list[torch.Tensor], meta, scale: float, scratch: torch.Tensor, gate_up: torch.Tensor) -> None:
+        """x [T, hidden] float32 through every layer, in place; ``meta.kernel`` must cover the step
+        (each kv cache [2, Hk, num_blocks, block_size, hd], contiguous, float32 or float16)."""
+        from specserve.model_executor.layers import cpu_attention
+
+        kn, cache = meta.kernel, kv_caches[0]
+        assert kn is not None and kn.covers_all and all(c.is_contiguous() for c in kv_caches)
+        a = _QAttention()
+        a.attend = ctypes.cast(cpu_attention.LIBRARY.get().specserve_paged_attention, ctypes.c_void_p).value
+        a.block_tables, a.max_blocks = kn.block_tables.data_ptr(), kn.block_tables.shape[1]
+        a.query_start, a.query_lens = kn.query_start.data_ptr(), kn.query_lens.data_ptr()
+        a.context_lens, a.slot_mapping = kn.context_lens.data_ptr(), meta.slot_mapping.data_ptr()
+        a.tree_masks = kn.tree_masks.data_ptr() if kn.tree_masks is not None else None
+        a.num_blocks, a.block_size = cache.shape[2], cache.shape[3]
+        a.num_reqs, a.cache_half, a.scale = kn.block_tables.shape[0], int(cache.dtype == torch.float16), scale
+        tokens = x.shape[0]
+        qkv = torch.empty(tokens, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim)   # [T, (Hq + 2 Hk) hd]
+        attn = torch.empty(tokens, self.num_heads * self.head_dim)                            # [T, Hq hd]
+        ks, vs = self._cache_pointers(kv_caches)
+        status = self._lib.specserve_qmodel_layers(
+            self._layers, len(self.kernels), ks, vs, ctypes.byref(a), x.data_ptr(), tokens, positions.data_ptr(),
+            cos.data_ptr(), sin.data_ptr(), scratch.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gate_up.data_ptr(),
+            torch.get_num_threads())
+        if status == 1002:
+            raise RuntimeError("this build of the paged attention kernel cannot read a float16 cache (no F16C)")
+        if status > 1000:
+            raise MemoryError("paged attention kernel: scratch allocation failed")
+        check_status(status, "the layers")

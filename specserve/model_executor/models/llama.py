@@ -16,7 +16,7 @@ from specserve.distributed.parallel_state import SINGLE, TensorParallelGroup
 from specserve.model_executor.layers.attention import AttentionMetadata, paged_attention
 from specserve.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 from specserve.model_executor.layers.norm import RMSNorm
-from specserve.model_executor.layers.quant_layer import QuantizedLayerKernel
+from specserve.model_executor.layers.quant_layer import QuantizedLayerKernel, QuantizedLayerStack
 from specserve.model_executor.layers.rotary import RotaryEmbedding, apply_rotary, rope_theta_of
 from specserve.model_executor.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 
@@ -103,6 +103,7 @@ class LlamaForCausalLM(nn.Module):
         self.head_dim = first.head_dim
         self.rotary = RotaryEmbedding(self.head_dim, max_positions, rope_theta_of(config))
         self.layer_kernels: list[QuantizedLayerKernel] | None = None   # set by use_cpu_layer_kernels
+        self.layer_stack: QuantizedLayerStack | None = None            # ... and all of them in one call
 
     def use_cpu_layer_kernels(self) -> bool:
         """Run every layer through ``quant_layer``'s two compiled calls when all of them can
@@ -110,6 +111,7 @@ class LlamaForCausalLM(nn.Module):
         kernels = [QuantizedLayerKernel.for_layer(layer, layer.input_layernorm.eps, self.tp.world_size)
                    for layer in self.layers]
         self.layer_kernels = kernels if kernels and all(k is not None for k in kernels) else None
+        self.layer_stack = QuantizedLayerStack.build(kernels) if self.layer_kernels is not None else None
         return self.layer_kernels is not None
 
     def forward(
@@ -136,6 +138,11 @@ class LlamaForCausalLM(nn.Module):
         tokens = x.shape[0]
         scratch = torch.empty_like(x)                                              # [T, hidden]
         gate_up = torch.empty(tokens, 2 * self.config.intermediate_size)   # [T, 2 I] (TP 1 only)
+        if self.layer_stack is not None and meta.kernel is not None and meta.kernel.covers_all:
+            # decoding and verification steps: every layer, attention included, in one call
+            self.layer_stack.run(x, positions, self.rotary.cos, self.rotary.sin, kv_caches, meta,
+                                 self.layers[0].self_attn.scale, scratch, gate_up)
+            return x
         for layer, kernel, kv_cache in zip(self.layers, self.layer_kernels, kv_caches):
             attn = layer.self_attn
             qkv = kernel.attn_in(x, positions, self.rotary.cos, self.rotary.sin, scratch)   # [T, (Hq + 2 Hk) hd]

@@ -7,6 +7,12 @@
  *   specserve_qlayer_mlp:      x += attn @ Wo.T ; h = rms_norm(x) ; gu = h @ Wgate_up.T ;
  *                              a = silu(gate) * up ; x += a @ Wdown.T
  *
+ * and, when the compiled paged-attention kernel serves every request of the step (decoding
+ * and verification steps), all layers in one call: specserve_qmodel_layers runs, per layer,
+ * attn_in, that kernel (through the function pointer Python hands it, with the same
+ * arguments the Python path gives it) and mlp. Same functions, same inputs: the same bits
+ * as the per-layer calls, without ~3 ctypes calls and their Python per layer.
+ *
  * Why: a batch-1 decode step of the default model is ~30 small PyTorch calls per layer outside
  * the matmuls (norms, rotary, residual adds, activation), each paying dispatch, and each matmul
  * its own OpenMP fork and join. Here each half is one call and one parallel region, the phases
@@ -128,6 +134,55 @@ int specserve_qlayer_mlp(const qlayer *L, float *x, int64_t T, const float *attn
     return status;
 }
 
+/* paged_attention.c's specserve_paged_attention (its own library; Python passes its address). */
+typedef int (*attention_fn)(const float *q, int64_t q_token_stride, const void *k_cache, const void *v_cache,
+                            float *out, const int64_t *block_tables, int64_t max_blocks, const int64_t *query_start,
+                            const int64_t *query_lens, const int64_t *context_lens, int num_reqs, int num_heads,
+                            int num_kv_heads, int hd, int block_size, int64_t num_blocks, float scale,
+                            int num_threads, int cache_half, const uint32_t *tree_masks, const float *k_new,
+                            int64_t k_token_stride, const float *v_new, int64_t v_token_stride,
+                            const int64_t *slot_mapping);
+
+/* What every layer's attention call of one step shares. */
+typedef struct {
+    attention_fn attend;
+    const int64_t *block_tables; /* [num_reqs, max_blocks] */
+    int64_t max_blocks;
+    const int64_t *query_start, *query_lens, *context_lens; /* [num_reqs] */
+    const uint32_t *tree_masks;  /* [T] or NULL */
+    const int64_t *slot_mapping; /* [T] */
+    int64_t num_blocks;
+    int32_t num_reqs, block_size, cache_half;
+    float scale;
+} qattention;
+
+int specserve_qattention_struct_size(void) { return (int)sizeof(qattention); }
+
+/* Every layer: x [T, hidden] in place. k_caches[l], v_caches[l]: layer l's K and V caches
+ * [Hk, num_blocks, block_size, hd]; h [T, hidden], qkv [T, (Hq + 2 Hk) hd], attn [T, Hq hd] and
+ * gu [T, 2 intermediate] scratch. Returns 0; a layer function's status; or 1000 - the
+ * attention kernel's status (-2: no F16C for a float16 cache, else scratch). */
+int specserve_qmodel_layers(const qlayer *const *layers, int num_layers, const void *const *k_caches,
+                            const void *const *v_caches, const qattention *A, float *x, int64_t T,
+                            const int64_t *positions, const float *cos_table, const float *sin_table, float *h,
+                            float *qkv, float *attn, float *gu, int num_threads) {
+    for (int l = 0; l < num_layers; l++) {
+        const qlayer *L = layers[l];
+        const int64_t hd = L->head_dim, n_qkv = (L->num_heads + 2 * L->num_kv_heads) * hd;
+        int status = specserve_qlayer_attn_in(L, x, T, positions, cos_table, sin_table, h, qkv, num_threads);
+        if (status) return status;
+        const float *k_new = qkv + L->num_heads * hd, *v_new = k_new + L->num_kv_heads * hd;
+        status = A->attend(qkv, n_qkv, k_caches[l], v_caches[l], attn, A->block_tables, A->max_blocks,
+                           A->query_start, A->query_lens, A->context_lens, A->num_reqs, (int)L->num_heads,
+                           (int)L->num_kv_heads, (int)hd, A->block_size, A->num_blocks, A->scale, num_threads,
+                           A->cache_half, A->tree_masks, k_new, n_qkv, v_new, n_qkv, A->slot_mapping);
+        if (status) return 1000 - status;
+        status = specserve_qlayer_mlp(L, x, T, attn, L->num_heads * hd, h, gu, num_threads);
+        if (status) return status;
+    }
+    return 0;
+}
+
 #else /* no F16C */
 
 int specserve_qlayer_attn_in(const qlayer *L, const float *x, int64_t T, const int64_t *positions,
@@ -140,6 +195,17 @@ int specserve_qlayer_attn_in(const qlayer *L, const float *x, int64_t T, const i
 int specserve_qlayer_mlp(const qlayer *L, float *x, int64_t T, const float *attn, int64_t ld_attn, float *h,
                          float *gu, int num_threads) {
     (void)L, (void)x, (void)T, (void)attn, (void)ld_attn, (void)h, (void)gu, (void)num_threads;
+    return -2;
+}
+
+int specserve_qattention_struct_size(void) { return -1; }
+
+int specserve_qmodel_layers(const void *const *layers, int num_layers, const void *const *k_caches,
+                            const void *const *v_caches, const void *A, float *x, int64_t T,
+                            const int64_t *positions, const float *cos_table, const float *sin_table, float *h,
+                            float *qkv, float *attn, float *gu, int num_threads) {
+    (void)layers, (void)num_layers, (void)k_caches, (void)v_caches, (void)A, (void)x, (void)T, (void)positions;
+    (void)cos_table, (void)sin_table, (void)h, (void)qkv, (void)attn, (void)gu, (void)num_threads;
     return -2;
 }
 
