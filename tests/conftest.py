@@ -5,11 +5,20 @@ from __future__ import annotations
 import json
 import os
 
-import pytest
-import torch
-from safetensors.torch import save_file
+# Before torch loads OpenMP (libgomp reads this once): waiting threads sleep instead of
+# spinning. On the shared 2-core machines the suite runs on, a spinning OpenMP thread takes
+# the core its partner (or another job) needs: we measured the layer tests (fp16_gemm +
+# attention) at 42 s with spinning and 2.4 s without when one other process was busy, and
+# ~4 s either way on an idle machine. Scheduling only: every result is the same.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from specserve.model_executor.loader import load_model
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+from specserve.model_executor.loader import load_model  # noqa: E402
+
+from model_cache import share_folder, shared_folder_loads  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -48,14 +57,29 @@ def write_truncated_draft(folder: str, num_layers: int, dtype=torch.float32) -> 
 
 @pytest.fixture(scope="session")
 def truncated_draft_dir(tmp_path_factory) -> str:
-    return write_truncated_draft(str(tmp_path_factory.mktemp("draft4")), num_layers=4)
+    return share_folder(write_truncated_draft(str(tmp_path_factory.mktemp("draft4")), num_layers=4))
 
 
-def write_tiny_llama(folder: str, seed: int) -> str:
+@pytest.fixture(scope="session", autouse=True)
+def _shared_folder_loads():
+    """Folders passed to ``share_folder`` (the session's tiny models, ...) have their tokenizer
+    and config read once per session (``model_cache.shared_folder_loads``)."""
+    with shared_folder_loads():
+        yield
+
+
+@pytest.fixture(scope="session")
+def default_model_tokenizer():
+    """The default model's tokenizer (from the converted-GGUF cache), loaded once."""
+    return load_model(None, torch.float32, load_weights=False).tokenizer
+
+
+def write_tiny_llama(folder: str, seed: int, tokenizer=None) -> str:
     """A 2-layer, width-64 random Llama with the default model's tokenizer: loads in a second."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tokenizer = load_model(None, torch.float32, load_weights=False).tokenizer
+    if tokenizer is None:
+        tokenizer = load_model(None, torch.float32, load_weights=False).tokenizer
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
@@ -68,11 +92,13 @@ def write_tiny_llama(folder: str, seed: int) -> str:
 
 
 @pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory) -> str:
-    return write_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")), seed=0)
+def tiny_llama_dir(tmp_path_factory, default_model_tokenizer) -> str:
+    folder = str(tmp_path_factory.mktemp("tiny-llama"))
+    return share_folder(write_tiny_llama(folder, seed=0, tokenizer=default_model_tokenizer))
 
 
 @pytest.fixture(scope="session")
-def tiny_draft_dir(tmp_path_factory) -> str:
+def tiny_draft_dir(tmp_path_factory, default_model_tokenizer) -> str:
     """Another tiny random Llama (seed 1), a draft that often disagrees with ``tiny_llama_dir``."""
-    return write_tiny_llama(str(tmp_path_factory.mktemp("tiny-draft")), seed=1)
+    folder = str(tmp_path_factory.mktemp("tiny-draft"))
+    return share_folder(write_tiny_llama(folder, seed=1, tokenizer=default_model_tokenizer))

@@ -22,6 +22,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+try:  # transformers 5
+    from transformers.initialization import no_init_weights
+except ImportError:  # transformers 4
+    from transformers.modeling_utils import no_init_weights
+
 from specserve.model_executor.layers import cpu_attention, quant_gemm
 from specserve.model_executor.loader import load_model
 from specserve.worker.model_runner import ForwardInput, ModelRunner
@@ -73,8 +78,8 @@ def save_tiny(model, folder, tokenizer) -> str:
 
 
 @pytest.fixture(scope="module")
-def default_tokenizer():
-    return load_model(None, torch.float32, load_weights=False).tokenizer
+def default_tokenizer(default_model_tokenizer):
+    return default_model_tokenizer
 
 
 def tiny_llama() -> LlamaForCausalLM:
@@ -166,7 +171,8 @@ def test_tiny_flat_batch_equals_each_alone(tiny_pair):
 @pytest.fixture(scope="module")
 def default_pair():
     loaded = load_model(None, torch.float32)
-    hf = AutoModelForCausalLM.from_config(loaded.config)
+    with no_init_weights():  # every weight is loaded next: skip the random init (~3 s for 135M)
+        hf = AutoModelForCausalLM.from_config(loaded.config)
     missing, unexpected = hf.load_state_dict(loaded.state_dict, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embeddings
     hf.tie_weights()

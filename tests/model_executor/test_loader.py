@@ -18,7 +18,42 @@ def cache_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def default_model(cache_dir):
+def gguf_parsed_once():
+    """Each GGUF file's metadata parsed once for this module. ``gguf.GGUFReader`` parses every
+    field in Python, the 49152-token vocabulary and its merges included (~4 s for the default
+    model), and transformers' ``load_gguf_checkpoint`` turns them all into Python values (~2 s);
+    transformers' conversion runs that once for the config and once for the tokenizer, and the
+    reference weights below open another reader. A reader is a read-only view of the file; each
+    caller gets its own copy of the parsed values."""
+    import copy
+
+    import gguf
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
+    real_reader, real_parse = gguf.GGUFReader, hf_gguf.load_gguf_checkpoint
+    readers, parsed = {}, {}
+
+    def reader_once(path, mode="r"):
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = real_reader(path, mode)
+        return readers[key]
+
+    def parse_once(path, return_tensors=False, *args, **kwargs):
+        if return_tensors or args or kwargs:
+            return real_parse(path, return_tensors, *args, **kwargs)
+        key = os.path.realpath(path)
+        if key not in parsed:
+            parsed[key] = real_parse(path)
+        return copy.deepcopy(parsed[key])
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", reader_once)
+        mp.setattr(hf_gguf, "load_gguf_checkpoint", parse_once)
+        yield
+
+
+@pytest.fixture(scope="module")
+def default_model(cache_dir, gguf_parsed_once):
     """The default model, loaded once with an empty config/tokenizer cache."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SPECSERVE_CACHE_DIR", cache_dir)

@@ -28,22 +28,25 @@ from specserve.spec_decode.proposer import Proposer
 from specserve.training.data import FeatureRecorder
 from specserve.training.train_eagle import EagleTask
 
+from model_cache import share_folder
+
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ----------------------------------------------------------------------------- tiny target
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(tmp_path_factory, default_model_tokenizer):
     """(target folder, EAGLE folder): a random 2-layer target and a head made from its last layer."""
     root = tmp_path_factory.mktemp("eagle-tiny")
     target = str(root / "target")
-    tokenizer = load_model(None, torch.float32, load_weights=False).tokenizer
+    tokenizer = default_model_tokenizer
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                          tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(target)
     tokenizer.save_pretrained(target)
+    share_folder(target)   # the engines below read its tokenizer once
     loaded = load_model(target, torch.float32)
     task = EagleTask(loaded.config, loaded.state_dict, torch.arange(0, 49152, 7), "tiny")
     with torch.no_grad():  # make it a head whose drafts depend on both of its inputs

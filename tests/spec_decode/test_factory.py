@@ -6,14 +6,17 @@ check that waited for the weights would fail on the missing files instead.
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig
+from transformers import LlamaConfig
 
 from specserve import LLM, catalog
 from specserve.model_executor.loader import ModelNotFoundError
 from specserve.spec_decode.factory import VocabularyMismatchError, check_draft_config
+
+from model_cache import share_folder
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -22,9 +25,11 @@ def weightless_draft(folder, tiny_llama_dir, **config) -> str:
     """A Llama config (``config`` overriding the tiny target's) and the target's tokenizer, no weights."""
     base = LlamaConfig.from_pretrained(tiny_llama_dir).to_dict()
     LlamaConfig(**{**base, **config}).save_pretrained(folder)
-    AutoTokenizer.from_pretrained(tiny_llama_dir).save_pretrained(folder)
+    for name in os.listdir(tiny_llama_dir):   # the target's tokenizer files, as saved
+        if name.startswith(("tokenizer", "special_tokens", "chat_template", "vocab", "merges")):
+            shutil.copy(os.path.join(tiny_llama_dir, name), folder)
     assert not any(n.endswith((".safetensors", ".bin")) for n in os.listdir(folder))
-    return str(folder)
+    return share_folder(str(folder))   # the start-up check and the load that follows read it once
 
 
 def engine_with_draft(target: str, draft: str) -> LLM:

@@ -10,12 +10,10 @@ import json
 import os
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from specserve import LLM, SamplingParams
 from specserve.entrypoints.cli import main as cli_main
-from specserve.model_executor.loader import load_model
 from specserve.model_executor.models.eagle import EAGLE_CONFIG_NAME, EagleConfig
 from specserve.training.prompts import PROMPTS_FILE, build_prompts, load_prompts
 
@@ -23,18 +21,9 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def tiny_target(tmp_path_factory) -> str:
-    folder = str(tmp_path_factory.mktemp("tiny-target"))
-    tokenizer = load_model(None, torch.float32, load_weights=False).tokenizer
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+def tiny_target(tiny_llama_dir) -> str:
+    """conftest's tiny Llama (the default model's tokenizer, 2 layers of width 64, seed 0)."""
+    return tiny_llama_dir
 
 
 COMMON = ["--num-prompts", "4", "--max-tokens", "12", "--gen-batch-size", "2", "--epochs", "2",
