@@ -3,13 +3,25 @@ as ``specserve serve`` configures it (``uvicorn_config``: the header limits)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import socket
 import threading
 import time
 
+import httpx
 import uvicorn
 
 from specserve.entrypoints.openai.connection import uvicorn_config
+
+
+class local_http:
+    """httpx for the plain-http loopback servers of these tests, without loading a CA bundle:
+    httpx builds one per client (~30 ms), and these modules make hundreds of calls."""
+
+    post = staticmethod(functools.partial(httpx.post, verify=False))
+    get = staticmethod(functools.partial(httpx.get, verify=False))
+    stream = staticmethod(functools.partial(httpx.stream, verify=False))
+    Client = staticmethod(functools.partial(httpx.Client, verify=False))
 
 
 def wait_until(predicate, timeout: float = 60.0, interval: float = 0.02) -> bool:

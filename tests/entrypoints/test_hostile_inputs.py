@@ -25,14 +25,14 @@ from specserve import LLM
 from specserve.entrypoints.openai.api_server import build_app
 from specserve.entrypoints.openai.limits import ServerLimits
 
-from server_util import running_server, wait_until
+from server_util import local_http, running_server, wait_until
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 MODEL = "tiny"
 LIMITS = ServerLimits(max_body_bytes=256 << 10, body_timeout_s=1.5, header_timeout_s=1.0, max_header_bytes=16 << 10,
                       max_json_depth=32, max_prompts=8)
-WITNESS = {"model": MODEL, "prompt": "The witness request says", "max_tokens": 48, "temperature": 0,
+WITNESS = {"model": MODEL, "prompt": "The witness request says", "max_tokens": 16, "temperature": 0,
            "ignore_eos": True, "stream": True}
 ANY = object()
 
@@ -68,7 +68,7 @@ def idle(llm) -> bool:
 def stream_text(base: str, body: dict, first_chunk: threading.Event | None = None) -> str:
     """The concatenated text of a streamed completion; fails on an error event."""
     text = []
-    with httpx.Client(timeout=60) as http, http.stream("POST", f"{base}/v1/completions", json=body) as r:
+    with local_http.Client(timeout=60) as http, http.stream("POST", f"{base}/v1/completions", json=body) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -106,6 +106,12 @@ def with_witness(base: str, expected: str, send):
         thread.join(60)
         assert "error" not in result, result.get("error")
         assert result["text"] == expected
+
+
+def every_nth_fast(cases: list[tuple], n: int) -> list:
+    """pytest params of ``cases`` (ids from their first field): every n-th in the fast tier, the
+    others marked slow. The full suite runs them all; the fast tier a spread of each kind."""
+    return [pytest.param(c, id=c[0], marks=() if i % n == 0 else pytest.mark.slow) for i, c in enumerate(cases)]
 
 
 def assert_error_shape(r: httpx.Response, status: int, param=ANY, code=ANY) -> dict:
@@ -278,14 +284,14 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("case", every_nth_fast(CASES, 3))
 def test_hostile_request_gets_a_clear_4xx_and_a_concurrent_stream_is_unharmed(base, witness_alone, case):
     _, path, body, status, param, code = case
     if isinstance(body, bytes):
         kw = {"content": body, "headers": {"Content-Type": "application/json"}}
     else:
         kw = {"json": body}
-    r = with_witness(base, witness_alone, lambda: httpx.post(f"{base}{path}", timeout=60, **kw))
+    r = with_witness(base, witness_alone, lambda: local_http.post(f"{base}{path}", timeout=60, **kw))
     assert_error_shape(r, status, param, code)
 
 
@@ -298,12 +304,12 @@ def test_there_are_many_cases():
                                           "multipart/form-data; boundary=x", "application/jsonx"])
 def test_post_bodies_must_be_application_json(base, content_type):
     headers = {} if content_type is None else {"Content-Type": content_type}
-    r = httpx.post(f"{base}/v1/completions", content=json.dumps(comp()).encode(), headers=headers)
+    r = local_http.post(f"{base}/v1/completions", content=json.dumps(comp()).encode(), headers=headers)
     assert_error_shape(r, 415, None, "unsupported_media_type")
 
 
 def test_application_json_with_a_charset_is_fine(base):
-    r = httpx.post(f"{base}/v1/completions", content=json.dumps(comp(temperature=0)).encode(),
+    r = local_http.post(f"{base}/v1/completions", content=json.dumps(comp(temperature=0)).encode(),
                    headers={"Content-Type": "application/json; charset=utf-8"})
     assert r.status_code == 200, r.text
 
@@ -311,7 +317,7 @@ def test_application_json_with_a_charset_is_fine(base):
 def test_a_body_over_the_limit_is_413_at_once(base, witness_alone):
     big = json.dumps(comp(prompt="ab " * 200_000)).encode()            # 600 KB > 256 KiB
     t0 = time.monotonic()
-    r = with_witness(base, witness_alone, lambda: httpx.post(f"{base}/v1/completions", content=big,
+    r = with_witness(base, witness_alone, lambda: local_http.post(f"{base}/v1/completions", content=big,
                                                              headers={"Content-Type": "application/json"}))
     assert_error_shape(r, 413, None, "request_too_large")
     assert time.monotonic() - t0 < 30
@@ -324,21 +330,21 @@ def test_a_chunked_body_over_the_limit_is_413(base):
             yield b"a" * 4096
         yield b'"}'
 
-    r = httpx.post(f"{base}/v1/completions", content=chunks(), headers={"Content-Type": "application/json"})
+    r = local_http.post(f"{base}/v1/completions", content=chunks(), headers={"Content-Type": "application/json"})
     assert_error_shape(r, 413, None, "request_too_large")
 
 
 def test_a_body_just_under_the_limit_is_served(base):
     body = json.dumps(comp(prompt=[1] * 3, user="u" * (LIMITS.max_body_bytes - 200), temperature=0)).encode()
     assert len(body) < LIMITS.max_body_bytes
-    r = httpx.post(f"{base}/v1/completions", content=body, headers={"Content-Type": "application/json"})
+    r = local_http.post(f"{base}/v1/completions", content=body, headers={"Content-Type": "application/json"})
     assert r.status_code == 200, r.text[:300]
 
 
 def test_wrong_method_and_unknown_route_have_the_error_shape(base):
-    r = httpx.get(f"{base}/v1/completions")
+    r = local_http.get(f"{base}/v1/completions")
     assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
-    r = httpx.get(f"{base}/v1/nothing")
+    r = local_http.get(f"{base}/v1/nothing")
     assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
 
 
@@ -384,14 +390,14 @@ RAW_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", RAW_CASES, ids=[c[0] for c in RAW_CASES])
+@pytest.mark.parametrize("case", every_nth_fast(RAW_CASES, 3))
 def test_http_level_garbage_is_rejected_and_the_server_carries_on(base, witness_alone, case):
     _, data, statuses = case
     out = with_witness(base, witness_alone, lambda: raw_exchange(base, data))
     status_line = out.split(b"\r\n", 1)[0]
     assert any(status_line.startswith(f"HTTP/1.1 {s}".encode()) or status_line.startswith(f"HTTP/1.0 {s}".encode())
                for s in statuses), out[:300]
-    assert httpx.get(f"{base}/health").status_code == 200
+    assert local_http.get(f"{base}/health").status_code == 200
 
 
 def test_pipelined_requests_are_answered_in_order(base):
@@ -401,7 +407,7 @@ def test_pipelined_requests_are_answered_in_order(base):
 
 
 def _metric(base: str, name: str, label: str) -> float:
-    text = httpx.get(f"{base}/metrics").text
+    text = local_http.get(f"{base}/metrics").text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(name + "{") and label in line)
 
@@ -483,7 +489,7 @@ PARTIAL_HEADS = [
 ]
 
 
-@pytest.mark.parametrize("case", PARTIAL_HEADS, ids=[c[0] for c in PARTIAL_HEADS])
+@pytest.mark.parametrize("case", every_nth_fast(PARTIAL_HEADS, 4))
 def test_a_partial_head_then_silence_is_408_and_closed(base, witness_alone, case):
     """Connections that never finish their head go away (uvicorn alone keeps them open forever)."""
     _, data = case
@@ -493,7 +499,7 @@ def test_a_partial_head_then_silence_is_408_and_closed(base, witness_alone, case
     assert out.startswith(b"HTTP/1.1 200" if data.startswith(HEALTH) else b"HTTP/1.1 408"), out[:200]
     assert out.count(b"HTTP/1.1 408 Request Timeout") == 1, out[:300]
     assert LIMITS.header_timeout_s - 0.2 <= elapsed < LIMITS.header_timeout_s + 10
-    assert httpx.get(f"{base}/health").status_code == 200
+    assert local_http.get(f"{base}/health").status_code == 200
 
 
 def test_a_partial_head_on_a_kept_alive_connection_is_408(base):
@@ -527,7 +533,7 @@ def test_an_oversized_head_sent_in_pieces_is_431_and_closed(base, witness_alone)
 
 
 def test_a_head_just_under_the_limit_is_served(base):
-    r = httpx.get(f"{base}/health", headers={"X-Big": "a" * (LIMITS.max_header_bytes - 500)})
+    r = local_http.get(f"{base}/health", headers={"X-Big": "a" * (LIMITS.max_header_bytes - 500)})
     assert r.status_code == 200
 
 
@@ -536,7 +542,7 @@ def test_several_slow_heads_do_not_stop_a_request(base, witness_alone):
     try:
         for s in socks:
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
-        r = with_witness(base, witness_alone, lambda: httpx.post(f"{base}/v1/completions",
+        r = with_witness(base, witness_alone, lambda: local_http.post(f"{base}/v1/completions",
                                                                  json=comp(temperature=0), timeout=60))
         assert r.status_code == 200, r.text
         assert all(read_until_closed(s)[0].startswith(b"HTTP/1.1 408") for s in socks)
@@ -570,7 +576,7 @@ def test_tokenization_runs_off_the_engine_thread(server, llm, monkeypatch):
     thread = threading.Thread(target=lambda: result.setdefault("text", stream_text(base, long_stream, started)))
     thread.start()
     assert started.wait(30)
-    slow = httpx.post(f"{base}/v1/completions", json=comp(prompt="SLOW prompt", temperature=0), timeout=60)
+    slow = local_http.post(f"{base}/v1/completions", json=comp(prompt="SLOW prompt", temperature=0), timeout=60)
     thread.join(60)
     assert slow.status_code == 200
     assert seen["thread"].startswith("specserve-tokenize")
@@ -579,7 +585,7 @@ def test_tokenization_runs_off_the_engine_thread(server, llm, monkeypatch):
 
 
 # ----------------------------------------------------------------- disconnect storm
-@pytest.mark.parametrize("spec", [False, True], ids=["plain", "ngram"])
+@pytest.mark.parametrize("spec", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["plain", "ngram"])
 def test_disconnect_storm_leaves_no_block_in_use_and_greedy_output_unchanged(tiny_llama_dir, llm, spec):
     storm_llm = make_llm(tiny_llama_dir, spec) if spec else llm
     app = build_app(storm_llm, MODEL, limits=LIMITS)
@@ -607,14 +613,14 @@ def test_disconnect_storm_leaves_no_block_in_use_and_greedy_output_unchanged(tin
 
     try:
         with running_server(app) as base:
-            before = httpx.post(f"{base}/v1/completions", json=probe, timeout=60).json()["choices"][0]["text"]
+            before = local_http.post(f"{base}/v1/completions", json=probe, timeout=60).json()["choices"][0]["text"]
             results = asyncio.run(storm(base))
             assert results.count("done") >= 32
             assert wait_until(lambda: idle(storm_llm), 30), (
                 storm_llm.engine.kv_cache.num_free_blocks, storm_llm.engine.kv_cache.num_blocks)
-            after = httpx.post(f"{base}/v1/completions", json=probe, timeout=60).json()["choices"][0]["text"]
+            after = local_http.post(f"{base}/v1/completions", json=probe, timeout=60).json()["choices"][0]["text"]
             assert after == before
-            assert httpx.get(f"{base}/health").status_code == 200
+            assert local_http.get(f"{base}/health").status_code == 200
     finally:
         if spec:
             app.state.async_engine.shutdown()
@@ -635,8 +641,8 @@ def test_a_request_failing_in_the_engine_gets_a_500_and_the_others_carry_on(serv
     monkeypatch.setattr(engine.output_processor, "append", append)
 
     def send_both():
-        r = httpx.post(f"{base}/v1/completions", json=comp(prompt="POISON a", max_tokens=8), timeout=60)
-        with httpx.stream("POST", f"{base}/v1/completions", json=comp(prompt="POISON b", stream=True), timeout=60) as s:
+        r = local_http.post(f"{base}/v1/completions", json=comp(prompt="POISON a", max_tokens=8), timeout=60)
+        with local_http.stream("POST", f"{base}/v1/completions", json=comp(prompt="POISON b", stream=True), timeout=60) as s:
             events = [json.loads(line[6:]) for line in s.iter_lines()
                       if line.startswith("data: ") and line != "data: [DONE]"]
         return r, events

@@ -19,6 +19,8 @@ from specserve.engine.async_engine import AsyncLLMEngine, EngineStepError
 from specserve.entrypoints.openai.api_server import build_app, hold_back
 from specserve.entrypoints.openai.connection import uvicorn_config
 
+from server_util import local_http
+
 pytestmark = pytest.mark.slow
 
 MODEL = "smollm2-test"
@@ -89,7 +91,7 @@ def test_hold_back_partial_characters_and_stop_prefixes():
 
 # ---------------------------------------------------------------- basic routes
 def test_health_and_models(base_url, client):
-    assert httpx.get(f"{base_url}/health").json() == {"status": "ok"}
+    assert local_http.get(f"{base_url}/health").json() == {"status": "ok"}
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
 
@@ -219,7 +221,7 @@ def test_client_disconnect_aborts_and_frees_kv_blocks(base_url, llm):
     body = {"model": MODEL, "prompt": "Write a very long story about a dragon.", "max_tokens": 200,
             "temperature": 0, "ignore_eos": True, "stream": True}
     got = 0
-    with httpx.Client(timeout=60) as http:
+    with local_http.Client(timeout=60) as http:
         with http.stream("POST", f"{base_url}/v1/completions", json=body) as response:
             assert response.status_code == 200
             for line in response.iter_lines():
@@ -269,7 +271,7 @@ BAD_REQUESTS = [
 @pytest.mark.parametrize("path,body,param", BAD_REQUESTS, ids=[f"{i}" for i in range(len(BAD_REQUESTS))])
 def test_bad_input_is_a_400_in_openai_shape(base_url, path, body, param):
     kw = {"content": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, bytes) else {"json": body}
-    r = httpx.post(f"{base_url}{path}", timeout=60, **kw)
+    r = local_http.post(f"{base_url}{path}", timeout=60, **kw)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
@@ -287,7 +289,7 @@ def test_openai_client_sees_bad_request_and_server_carries_on(client, llm):
 
 
 def test_unknown_route_is_404_in_openai_shape(base_url):
-    r = httpx.get(f"{base_url}/v1/nothing")
+    r = local_http.get(f"{base_url}/v1/nothing")
     assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
 
 
@@ -347,7 +349,7 @@ def _metric(text: str, name: str) -> float:
 
 def test_metrics(base_url, client):
     _greedy(client, "Metrics please", max_tokens=4)
-    r = httpx.get(f"{base_url}/metrics")
+    r = local_http.get(f"{base_url}/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     text = r.text
     assert _metric(text, "specserve_requests_total") >= 1

@@ -13,7 +13,7 @@ from specserve.entrypoints.openai.api_server import build_app
 from specserve.entrypoints.openai.provenance import token_pieces
 from specserve.outputs import TOKEN_SOURCES
 
-from server_util import running_server
+from server_util import local_http, running_server
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -32,12 +32,12 @@ def base_url(tiny_llama_dir, tiny_draft_dir):
 
 
 def post(base_url, path, body) -> httpx.Response:
-    return httpx.post(f"{base_url}{path}", json=body, timeout=120)
+    return local_http.post(f"{base_url}{path}", json=body, timeout=120)
 
 
 def stream_chunks(base_url, path, body) -> list[dict]:
     chunks = []
-    with httpx.stream("POST", f"{base_url}{path}", json=dict(body, stream=True), timeout=120) as r:
+    with local_http.stream("POST", f"{base_url}{path}", json=dict(body, stream=True), timeout=120) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -113,7 +113,7 @@ def test_unknown_extension_keys_are_a_400(base_url):
 
 
 def test_info_names_the_model_and_the_proposer(base_url):
-    info = httpx.get(f"{base_url}/v1/specserve/info").json()
+    info = local_http.get(f"{base_url}/v1/specserve/info").json()
     assert info["model"] == MODEL and info["max_model_len"] == 256
     assert info["speculative"]["method"] == "draft_model" and info["speculative"]["num_speculative_tokens"] == K
 

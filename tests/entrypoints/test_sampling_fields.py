@@ -12,7 +12,7 @@ import pytest
 from specserve import LLM, SamplingParams
 from specserve.entrypoints.openai.api_server import build_app
 
-from server_util import running_server
+from server_util import local_http, running_server
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -41,7 +41,7 @@ def base_url(llm):
 
 
 def post(base_url, path, body) -> httpx.Response:
-    return httpx.post(f"{base_url}{path}", json=body, timeout=120)
+    return local_http.post(f"{base_url}{path}", json=body, timeout=120)
 
 
 def lone(llm, prompt, **kw) -> list[int]:
@@ -68,7 +68,7 @@ def test_n_choices_stream(base_url):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2, "max_tokens": 5,
             "temperature": 1.0, "seed": 5, "stream": True}
     texts, finishes = {0: "", 1: ""}, {}
-    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=120) as r:
+    with local_http.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=120) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
