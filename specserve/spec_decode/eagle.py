@@ -139,9 +139,9 @@ class EagleProposer(Proposer):
 
         ``drafts``: every request's draft tokens so far (penalties count them)."""
         logits = self.lm_head(hidden).float()                                           # [n, Vd]
-        greedy = [reqs[i].sampling_params.greedy for i in rows]
-        adjusts = any(reqs[i].sampling_params.adjusts_logits for i in rows)
-        if all(greedy) and not adjusts:
+        params = [reqs[i].sampling_params for i in rows]
+        adjusts = any(p.adjusts_logits for p in params)
+        if all(p.greedy for p in params) and not adjusts:
             best = logits.argmax(dim=-1)
             tokens = self.draft_vocab[best] if self.draft_vocab is not None else best
             return tokens.tolist(), None
@@ -150,10 +150,9 @@ class EagleProposer(Proposer):
             full[:, self.draft_vocab] = logits
             logits = full
         if adjusts:
-            logits = adjust_each_row(logits, [reqs[i].sampling_params for i in rows],
-                                     [reqs[i].prompt_token_ids for i in rows],
+            logits = adjust_each_row(logits, params, [reqs[i].prompt_token_ids for i in rows],
                                      [reqs[i].output_token_ids + drafts[i] for i in rows])
-        choice = choose_tokens(logits, [reqs[i].sampling_params for i in rows], [reqs[i].generator for i in rows])
+        choice = choose_tokens(logits, params, [reqs[i].generator for i in rows])
         return choice.tokens, choice.probs                                             # probs [n, V] or None
 
     @torch.inference_mode()

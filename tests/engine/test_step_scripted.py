@@ -100,7 +100,8 @@ def engine_with(tiny_llama_dir, script=None, **kw):
     return engine
 
 
-def run(engine, prompts, params) -> dict[str, object]:
+def run(engine, prompts, params) -> list:
+    """Each request's final RequestOutput, in the order of ``prompts``."""
     ids = [engine.add_request(p, params[i] if isinstance(params, list) else params) for i, p in enumerate(prompts)]
     final = {}
     while engine.has_unfinished_requests():

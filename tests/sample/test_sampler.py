@@ -9,7 +9,7 @@ import pytest
 import torch
 from scipy import stats
 
-from specserve.sample.sampler import SamplingTensors, processed_probs, sample_from_probs
+from specserve.sample.sampler import SamplingTensors, choose_tokens, processed_probs, sample_from_probs
 from specserve.sampling_params import SamplingParams
 
 V = 40
@@ -195,8 +195,6 @@ def test_sample_from_probs_samples_from_p():
 
 
 def test_choose_tokens_takes_the_argmax_for_greedy_rows_and_samples_the_rest():
-    from specserve.sample.sampler import choose_tokens
-
     logits = torch.randn(4, V, generator=torch.Generator().manual_seed(6))
     greedy, hot = SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_k=5)
     params = [greedy, hot, greedy, hot]

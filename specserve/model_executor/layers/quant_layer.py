@@ -26,6 +26,7 @@ import ctypes
 
 import torch
 
+from specserve.model_executor.layers import cpu_attention
 from specserve.model_executor.layers.kernel_build import LazyLibrary
 from specserve.model_executor.layers.quant_gemm import COMPILE_FLAGS, check_status
 from specserve.model_executor.layers.quantized import QuantizedMatrix
@@ -143,12 +144,12 @@ class QuantizedLayerStack:
         self._caches: tuple | None = None     # (the caches' data pointers, their K and V pointer arrays)
         first = kernels[0]._struct
         self.num_heads, self.num_kv_heads, self.head_dim = first.num_heads, first.num_kv_heads, first.head_dim
+        # the attention kernel's address, which the one call invokes per layer
+        self._attend = ctypes.cast(cpu_attention.LIBRARY.get().specserve_paged_attention, ctypes.c_void_p).value
 
     @staticmethod
     def build(kernels: list[QuantizedLayerKernel]) -> "QuantizedLayerStack | None":
         """None where the one-call path cannot run: no attention kernel, or a build without F16C."""
-        from specserve.model_executor.layers import cpu_attention
-
         lib = LIBRARY.get()
         if lib is None or cpu_attention.LIBRARY.get() is None:
             return None
@@ -168,12 +169,10 @@ class QuantizedLayerStack:
             kv_caches: list[torch.Tensor], meta, scale: float, scratch: torch.Tensor, gate_up: torch.Tensor) -> None:
         """x [T, hidden] float32 through every layer, in place; ``meta.kernel`` must cover the step
         (each kv cache [2, Hk, num_blocks, block_size, hd], contiguous, float32 or float16)."""
-        from specserve.model_executor.layers import cpu_attention
-
         kn, cache = meta.kernel, kv_caches[0]
         assert kn is not None and kn.covers_all and all(c.is_contiguous() for c in kv_caches)
         a = _QAttention()
-        a.attend = ctypes.cast(cpu_attention.LIBRARY.get().specserve_paged_attention, ctypes.c_void_p).value
+        a.attend = self._attend
         a.block_tables, a.max_blocks = kn.block_tables.data_ptr(), kn.block_tables.shape[1]
         a.query_start, a.query_lens = kn.query_start.data_ptr(), kn.query_lens.data_ptr()
         a.context_lens, a.slot_mapping = kn.context_lens.data_ptr(), meta.slot_mapping.data_ptr()
