@@ -1,6 +1,13 @@
 """The drafting half of a step: ask the proposer for each decoding request's drafts, with
 the draft length per request when ``dynamic_k`` is on (``spec_decode.k_policy``).
 
+With ``dynamic_k``, a proposer whose drafts cost nothing (``Proposer.drafts_are_free``:
+n-gram, suffix) proposes the full K first; the policy then keeps the part of each proposal
+that pays, and every proposal is scored against the tokens the target emits next
+(``spec_decode.shadow_drafts``), so acceptance is learned without drafting to measure it.
+A proposer that costs a forward per draft (draft model, EAGLE) is asked for the lengths the
+policy picks beforehand, from the acceptance of verified drafts and periodic probes.
+
 The engine owns the proposer and passes it in; a failing proposer only costs this step its
 drafts: every request still gets its exact next token from the target. After the target's
 forward, ``show_hidden_states`` hands proposers that ask for it (EAGLE) the target's hidden
@@ -9,12 +16,14 @@ states of the positions kept, and ``record_step_costs`` feeds dynamic_k's cost m
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 
 from specserve.core.scheduler import ScheduledRequest
 from specserve.outputs import SpecDecodeStats
 from specserve.spec_decode.k_policy import DraftLengthPolicy
 from specserve.spec_decode.proposer import kept_hidden_states
+from specserve.spec_decode.shadow_drafts import ShadowDrafts
 from specserve.worker.model_runner import ForwardInput
 
 logger = logging.getLogger(__name__)
@@ -27,6 +36,7 @@ class Drafting:
         self.k_policy = k_policy
         self.engine_stats = engine_stats      # the engine-wide acceptance (the policy's prior)
         self.propose_seconds = 0.0            # this step's proposer time (dynamic_k's cost model)
+        self.shadows = ShadowDrafts() if k_policy is not None else None   # free proposers' scored proposals
 
     def propose_or_skip(self, proposer, scheduled: list[ScheduledRequest]) -> None:
         """Set each decoding request's drafts, or none if the proposer fails."""
@@ -47,6 +57,9 @@ class Drafting:
             return  # plain decoding this step; the reserved lookahead slots stay unused
         if not decoding:
             return
+        if self.k_policy is not None and proposer.drafts_are_free:
+            self._propose_then_trim(proposer, decoding)
+            return
         if self.k_policy is not None:
             self._choose_draft_lengths(decoding)
             decoding = [s for s in decoding if s.num_lookahead > 0]
@@ -57,6 +70,10 @@ class Drafting:
         if self.k_policy is not None:
             self.propose_seconds = time.perf_counter() - started
             self.k_policy.record_draft(max(s.num_lookahead for s in decoding), self.propose_seconds)
+        self._set_drafts(proposer, decoding, proposal)
+
+    @staticmethod
+    def _set_drafts(proposer, decoding: list[ScheduledRequest], proposal) -> None:
         parents = proposal.parents or [None] * len(decoding)
         for s, tokens, probs, tree in zip(decoding, proposal.token_ids, proposal.probs, parents):
             s.request.draft_token_ids = list(tokens[: s.num_lookahead])
@@ -65,6 +82,32 @@ class Drafting:
             s.request.draft_parents = None if tree is None else list(tree[: s.num_lookahead])
             if tree is not None and (probs is not None or proposer.needs_target_hidden):
                 raise ValueError("trees of drafts are verified for one-hot proposers without hidden states only")
+
+    def _propose_then_trim(self, proposer, decoding: list[ScheduledRequest]) -> None:
+        """A free proposer's full proposals, each remembered for scoring, then cut to the
+        lengths the policy picks (their lookahead slots stay reserved, unused). Seeded sampled
+        requests keep theirs whole: their random draws depend on k."""
+        proposal = proposer.propose(decoding)
+        parents = proposal.parents or [None] * len(decoding)
+        for s, tokens, tree in zip(decoding, proposal.token_ids, parents):
+            self.shadows.remember(s.request, tokens[: s.num_lookahead], None if tree is None else tree[: s.num_lookahead])
+        chosen = [i for i, s in enumerate(decoding)
+                  if s.request.sampling_params.greedy or s.request.sampling_params.seed is None]
+        if chosen:
+            policy, rates = self.k_policy, []
+            limits = [min(len(proposal.token_ids[i]), decoding[i].num_lookahead) for i in chosen]
+            for i, size in zip(chosen, limits):
+                own = self.shadows.of(decoding[i].request, size)
+                rates.append(policy.acceptance(own.gained, own.proposed, self.shadows.engine(size).rates()))
+            for i, k in zip(chosen, policy.choose(rates, limits, [False] * len(chosen))):
+                decoding[i].num_lookahead = k
+        self._set_drafts(proposer, decoding, proposal)
+
+    def score_proposals(self, scheduled: list[ScheduledRequest]) -> None:
+        """After a step's tokens are appended: score the remembered proposals they decide."""
+        if self.shadows is not None:
+            for s in scheduled:
+                self.shadows.score(s.request)
 
     def record_step_costs(self, scheduled: list[ScheduledRequest], inputs: list[ForwardInput], step_started: float,
                           forward_started: float, verified_at: float) -> None:
@@ -111,10 +154,14 @@ def calibrate_k_policy(policy: DraftLengthPolicy, runner, draft_runner, k: int, 
     start = max(0, min(64, max_model_len - k - 2))        # a short context, as early decoding has
     block_table = list(range(blocks_for(start + k + 1)))
     runner.execute([ForwardInput([0] * (k + 1), start, block_table, k + 1)])   # warm-up, not timed
-    for rows in list(range(1, k + 2)) * 2:
-        started = time.perf_counter()
-        runner.execute([ForwardInput([0] * rows, start, block_table, rows)])
-        policy.record_forward(rows, time.perf_counter() - started)
+    timings: dict[int, list[float]] = {rows: [] for rows in range(1, k + 2)}
+    for _ in range(3):                     # the median of three per row count: one spike is ignored
+        for rows in timings:
+            started = time.perf_counter()
+            runner.execute([ForwardInput([0] * rows, start, block_table, rows)])
+            timings[rows].append(time.perf_counter() - started)
+    for rows, seconds in timings.items():
+        policy.record_forward(rows, statistics.median(seconds))
     if draft_runner is not None:
         draft_runner.execute([ForwardInput([0], start, block_table, 1)])
         for _ in range(2):

@@ -195,6 +195,7 @@ class LLMEngine:
             if out is not None:
                 outputs.append(out)
         outputs = self.groups.merge_outputs(outputs, self.abort_request, self.request_errors)
+        self.drafting.score_proposals(plan.scheduled)
         self.drafting.record_step_costs(plan.scheduled, inputs, step_started, started, verified_at)
         if want_hidden:
             self.drafting.show_hidden_states(self.proposer, plan.scheduled, inputs, starts, result.all_hidden)

@@ -51,6 +51,12 @@ class RowCost:
         return len(self.seconds) >= 2
 
     def __call__(self, rows: int) -> float:
+        """The cost of ``rows`` rows, never below that of fewer rows: a noisy measurement
+        (or a stale one: counts the policy stops choosing are not measured again) must not
+        make more rows look cheaper than fewer."""
+        return max([self._raw(r) for r in self.seconds if r < rows] + [self._raw(rows)])
+
+    def _raw(self, rows: int) -> float:
         if rows in self.seconds:
             return self.seconds[rows]
         xs = sorted(self.seconds)

@@ -60,6 +60,10 @@ class Proposer(ABC):
     #: True when the proposer needs the target's hidden states (EAGLE): the engine
     #: then asks the runner for every new token's hidden state and calls ``observe``.
     needs_target_hidden: bool = False
+    #: True when drafts cost (next to) nothing to propose and are one-hot (n-gram, suffix):
+    #: ``dynamic_k`` then proposes the full K and verifies the part that pays
+    #: (``spec_decode.shadow_drafts``). False when each draft position costs a forward.
+    drafts_are_free: bool = False
 
     @abstractmethod
     def propose(self, scheduled: list[ScheduledRequest]) -> Proposal: ...

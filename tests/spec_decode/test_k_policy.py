@@ -32,6 +32,13 @@ def test_row_costs_are_measured_interpolated_and_extended():
     assert cost(9) == pytest.approx(0.022)            # beyond: the last two points' slope
 
 
+def test_more_rows_never_look_cheaper_than_fewer():
+    cost = RowCost()
+    for rows, seconds in {1: 0.020, 2: 0.015, 3: 0.030, 5: 0.025}.items():   # noisy measurements
+        cost.add(rows, seconds)
+    assert [cost(r) for r in (1, 2, 3, 4, 5)] == [0.020, 0.020, 0.030, 0.030, 0.030]
+
+
 def test_a_flat_stretch_of_the_cost_is_used():
     """2 to 5 rows cost alike (a fused kernel path): drafting 4 beats drafting 1."""
     p = DraftLengthPolicy(6)
