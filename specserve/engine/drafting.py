@@ -161,7 +161,7 @@ def calibrate_k_policy(policy: DraftLengthPolicy, runner, draft_runner, k: int, 
             runner.execute([ForwardInput([0] * rows, start, block_table, rows)])
             timings[rows].append(time.perf_counter() - started)
     for rows, seconds in timings.items():
-        policy.record_forward(rows, statistics.median(seconds))
+        policy.calibrate_forward(rows, statistics.median(seconds))
     if draft_runner is not None:
         draft_runner.execute([ForwardInput([0], start, block_table, 1)])
         for _ in range(2):

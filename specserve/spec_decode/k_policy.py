@@ -3,7 +3,8 @@
 Two things are measured online, every step, from the engine's own timings:
 
 - **cost**: the target forward's time by the number of rows it verifies
-  (``RowCost``: measured per row count at start-up and every verification step),
+  (``RowCost``: its shape over 1..K+1 rows timed at start-up, scaled by every
+  verification step's timing; larger row counts measured as they occur),
   and the proposer's time per draft position (a draft model runs one forward per
   position; n-gram lookup costs ~0);
 - **acceptance**: for each request, the chance that its i-th draft token is
@@ -35,39 +36,58 @@ class RowCost:
 
     Not a line: on a CPU the matmul kernels take rows in groups (one row, a fused
     path for a few, tiles beyond), so 2 rows can cost as much as 5 and 7 much more
-    than 6 (measured, docs/speculative_decoding.md). Each row count keeps a moving
-    average; a count never measured is interpolated between its measured neighbours,
-    or extended from the last two beyond them.
+    than 6 (measured, docs/speculative_decoding.md). Two sources:
+
+    - ``shape``: the row counts timed at start-up (``calibrate``). Later timings of
+      those counts move one ``scale`` for all of them (a longer context, a busier
+      machine slow every row count alike), so a count the policy stopped choosing
+      never goes stale at a figure of the past;
+    - ``seconds``: row counts beyond the calibrated ones (larger batches), each a
+      moving average of its own timings.
+
+    A count never measured is interpolated between its measured neighbours, or
+    extended from the last two beyond them; no count is read as cheaper than a
+    smaller one.
     """
 
-    weight: float = 0.2          # of a new measurement in the moving average
+    weight: float = 0.2          # of a new measurement in the moving averages
+    shape: dict[int, float] = field(default_factory=dict)
+    scale: float = 1.0
     seconds: dict[int, float] = field(default_factory=dict)
 
+    def calibrate(self, rows: int, seconds: float) -> None:
+        self.shape[rows] = seconds / self.scale
+
     def add(self, rows: int, seconds: float) -> None:
+        if rows in self.shape:
+            self.scale = (1 - self.weight) * self.scale + self.weight * seconds / self.shape[rows]
+            return
         old = self.seconds.get(rows)
         self.seconds[rows] = seconds if old is None else (1 - self.weight) * old + self.weight * seconds
 
     def known(self) -> bool:
-        return len(self.seconds) >= 2
+        return len(self.shape) + len(self.seconds) >= 2
+
+    def points(self) -> dict[int, float]:
+        return {**{r: t * self.scale for r, t in self.shape.items()}, **self.seconds}
 
     def __call__(self, rows: int) -> float:
-        """The cost of ``rows`` rows, never below that of fewer rows: a noisy measurement
-        (or a stale one: counts the policy stops choosing are not measured again) must not
-        make more rows look cheaper than fewer."""
-        return max([self._raw(r) for r in self.seconds if r < rows] + [self._raw(rows)])
+        points = self.points()
+        return max([_interpolate(points, r) for r in points if r < rows] + [_interpolate(points, rows)])
 
-    def _raw(self, rows: int) -> float:
-        if rows in self.seconds:
-            return self.seconds[rows]
-        xs = sorted(self.seconds)
-        below = [x for x in xs if x < rows]
-        above = [x for x in xs if x > rows]
-        if below and above:
-            a, b = below[-1], above[0]
-            return self.seconds[a] + (self.seconds[b] - self.seconds[a]) * (rows - a) / (b - a)
-        a, b = (xs[-2], xs[-1]) if below else (xs[0], xs[1])
-        slope = max((self.seconds[b] - self.seconds[a]) / (b - a), 0.0)
-        return max(self.seconds[b if below else a] + slope * (rows - (b if below else a)), 1e-9)
+
+def _interpolate(points: dict[int, float], rows: int) -> float:
+    if rows in points:
+        return points[rows]
+    xs = sorted(points)
+    below = [x for x in xs if x < rows]
+    above = [x for x in xs if x > rows]
+    if below and above:
+        a, b = below[-1], above[0]
+        return points[a] + (points[b] - points[a]) * (rows - a) / (b - a)
+    a, b = (xs[-2], xs[-1]) if below else (xs[0], xs[1])
+    slope = max((points[b] - points[a]) / (b - a), 0.0)
+    return max(points[b if below else a] + slope * (rows - (b if below else a)), 1e-9)
 
 
 @dataclass
@@ -88,6 +108,9 @@ class DraftLengthPolicy:
     # ---------------------------------------------------------------- measuring
     def record_forward(self, rows: int, seconds: float) -> None:
         self.forward.add(rows, seconds)
+
+    def calibrate_forward(self, rows: int, seconds: float) -> None:
+        self.forward.calibrate(rows, seconds)
 
     def record_draft(self, positions: int, seconds: float) -> None:
         if positions > 0:

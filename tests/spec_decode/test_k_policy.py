@@ -32,6 +32,18 @@ def test_row_costs_are_measured_interpolated_and_extended():
     assert cost(9) == pytest.approx(0.022)            # beyond: the last two points' slope
 
 
+def test_timings_of_one_calibrated_count_rescale_them_all():
+    """A count the policy stopped choosing does not keep a figure of the past: a slower
+    machine (or a longer context) measured at 1 row slows 2-5 rows alike."""
+    cost = RowCost(weight=0.5)
+    for rows, seconds in {1: 0.010, 2: 0.013, 5: 0.018}.items():
+        cost.calibrate(rows, seconds)
+    cost.add(1, 0.030)                                   # three times slower: scale 1 -> 2
+    assert [cost(r) for r in (1, 2, 5)] == pytest.approx([0.020, 0.026, 0.036])
+    cost.add(8, 0.050)                                   # beyond the calibrated counts: its own figure
+    assert cost(8) == pytest.approx(0.050) and cost(6) == pytest.approx(0.036 + (0.050 - 0.036) / 3)
+
+
 def test_more_rows_never_look_cheaper_than_fewer():
     cost = RowCost()
     for rows, seconds in {1: 0.020, 2: 0.015, 3: 0.030, 5: 0.025}.items():   # noisy measurements

@@ -65,7 +65,7 @@ PROMPTS = ["one two three one two three one two", "a b c a b c a b", "the cat sa
 def fixed_costs(llm: LLM, seconds_by_rows: dict[int, float]) -> None:
     """Pin the policy's forward costs (the engine's own timings are then ignored)."""
     policy = llm.engine.k_policy
-    policy.forward.seconds = dict(seconds_by_rows)
+    policy.forward.shape, policy.forward.seconds = {}, dict(seconds_by_rows)
     policy.record_forward = lambda rows, seconds: None
     policy.overhead_seconds, policy.record_overhead = 0.0, lambda seconds: None
 
