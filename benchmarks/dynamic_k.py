@@ -114,10 +114,10 @@ def main() -> int:
                                                               for i, a in enumerate(after)],
                                     "same_as_plain": None if reference is None else tokens == reference})
         print(f"# batch {batch} done after {time.time() - started:.0f} s, load {os.getloadavg()[0]:.1f}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "records": records}, f, indent=1)
-    report(records, names, args.rounds)
+        if args.json:   # after every batch size: a long run that stops still leaves its figures
+            with open(args.json, "w") as f:
+                json.dump({"args": vars(args), "records": records}, f, indent=1)
+        report([r for r in records if r["batch"] == batch], names, args.rounds)
     return 0
 
 
@@ -127,7 +127,7 @@ def report(records: list[dict], names: list[str], rounds: int) -> None:
     mismatches = [r for r in records if r["same_as_plain"] is False]
     for batch in sorted({r["batch"] for r in records}):
         print(f"\n## batch {batch}\n")
-        print("| category | plain | " + " | ".join(fixed) + f" | {dynamic} | best fixed | dynamic / best fixed "
+        print("| category | plain | " + "".join(f"{n} | " for n in fixed) + f"{dynamic} | best fixed | dynamic / best fixed "
               "| dynamic / plain | dynamic's steps by drafts |")
         print("|---|" + "---|" * (len(fixed) + 6))
         ratios_best, ratios_plain, totals = [], [], {n: [0, 0.0] for n in names}
@@ -143,12 +143,12 @@ def report(records: list[dict], names: list[str], rounds: int) -> None:
             best = max(fixed, key=lambda n: rate[n]) if fixed else "plain"
             ratios_best.append(rate[dynamic] / rate[best])
             ratios_plain.append(rate[dynamic] / rate["plain"])
-            print(f"| {category} | {rate['plain']:.1f} | " + " | ".join(f"{rate[n]:.1f}" for n in fixed)
-                  + f" | {rate[dynamic]:.1f} | {best} | {ratios_best[-1]:.2f}x | {ratios_plain[-1]:.2f}x | {steps} |")
+            print(f"| {category} | {rate['plain']:.1f} | " + "".join(f"{rate[n]:.1f} | " for n in fixed)
+                  + f"{rate[dynamic]:.1f} | {best} | {ratios_best[-1]:.2f}x | {ratios_plain[-1]:.2f}x | {steps} |")
         whole = {n: t / s for n, (t, s) in totals.items()}
-        print(f"| **all** | {whole['plain']:.1f} | " + " | ".join(f"{whole[n]:.1f}" for n in fixed)
-              + f" | {whole[dynamic]:.1f} | | min {min(ratios_best):.2f}x | min {min(ratios_plain):.2f}x | |")
-    print(f"\n{rounds} rounds per cell; greedy outputs differing from plain: {len(mismatches)}")
+        print(f"| **all** | {whole['plain']:.1f} | " + "".join(f"{whole[n]:.1f} | " for n in fixed)
+              + f"{whole[dynamic]:.1f} | | min {min(ratios_best):.2f}x | min {min(ratios_plain):.2f}x | |")
+    print(f"\n{rounds} rounds per cell; greedy outputs differing from plain: {len(mismatches)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,22 @@ def test_row_costs_are_measured_interpolated_and_extended():
     assert cost.known()
     assert cost(5) == pytest.approx(0.016)
     assert cost(3) == pytest.approx(0.013)            # between 1 and 5
-    assert cost(9) == pytest.approx(0.022)            # beyond: the last two points' slope
+    assert cost(9) == pytest.approx(0.016 + 4 * 0.75 * 0.016 / 5)   # beyond: 0.75 of an average row,
+    steep = RowCost()                                                 # or the last two's slope if more
+    steep.add(1, 0.010)
+    steep.add(5, 0.030)
+    assert steep(9) == pytest.approx(0.030 + 4 * 0.005)
+
+
+def test_far_beyond_the_measured_counts_rows_are_not_free():
+    """4 and 5 rows cost alike (one fused kernel call); carried out to a batch of 32 that flat
+    slope would make drafts look free: each row costs at least 0.75 of an average one."""
+    cost = RowCost()
+    for rows, seconds in {1: 0.014, 4: 0.025, 5: 0.025}.items():
+        cost.calibrate(rows, seconds)
+    assert cost(32) == pytest.approx(0.025 + 27 * 0.75 * 0.025 / 5)
+    cost.add(32, 0.094)                               # then measured: interpolated below it
+    assert cost(20) == pytest.approx(0.025 + (0.094 - 0.025) * 15 / 27)
 
 
 def test_timings_of_one_calibrated_count_rescale_them_all():
