@@ -240,19 +240,26 @@ static inline __attribute__((always_inline)) void chunk_q6_k(const uint8_t *row,
     const int n = (int)(c % 8) / 4, g = (int)(c % 4);
     const uint8_t *ql = b + 64 * n + 32 * (g & 1), *qh = b + 128 + 32 * n;
 #if VEC == 16
-    /* q = nibble | two high bits << 4: h shifted so its two bits sit at bits 4-5, one bitwise
-     * select (vpternlogd) takes bits 0-3 from the nibble and the rest from h, then & 63.
-     * (q - 32) * ds == fma(q, ds, -32 ds) exactly: the product is exact in float32. */
+    /* All 32 values in byte lanes first (one 256-bit op serves 32 weights): h shifted so its
+     * two bits sit at bits 4-5 of each byte (16-bit shifts of at most 4 never carry a byte's
+     * wanted bits in from its neighbour), one bitwise select (vpternlogd) takes bits 0-3 from
+     * the nibble and the rest from h, & 63, - 32; then 16 at a time sign-extended, converted
+     * and scaled. (q - 32) * ds is exact in float32, as in block_q6_k. */
     const int shift = 4 - 2 * g;
-    for (int l = 0; l < 32; l += 16) {
-        __m512i a = as_m512i(load_u8(ql + l)), h = as_m512i(load_u8(qh + l));
-        if (g >> 1) a = _mm512_srli_epi32(a, 4);
-        h = shift >= 0 ? _mm512_slli_epi32(h, shift) : _mm512_srli_epi32(h, -shift);
-        const __m512i q = _mm512_and_si512(_mm512_ternarylogic_epi32(_mm512_set1_epi32(0x0F), a, h, 0xCA),
-                                           _mm512_set1_epi32(63));   /* 0xCA: mask ? a : h, bit by bit */
-        const float ds = l < 16 ? ds0 : ds1;
-        w[l / 16] = from_m512(_mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(ds), _mm512_set1_ps(-32.0f * ds)));
-    }
+    __m256i a = _mm256_loadu_si256((const __m256i *)ql), h = _mm256_loadu_si256((const __m256i *)qh);
+    if (g >> 1) a = _mm256_srli_epi16(a, 4);
+    h = shift >= 0 ? _mm256_slli_epi16(h, (unsigned)shift) : _mm256_srli_epi16(h, (unsigned)-shift);
+#if defined(__AVX512VL__)
+    const __m256i q6 = _mm256_and_si256(_mm256_ternarylogic_epi32(_mm256_set1_epi8(0x0F), a, h, 0xCA),
+                                        _mm256_set1_epi8(63));   /* 0xCA: mask ? a : h, bit by bit */
+#else
+    const __m256i q6 = _mm256_or_si256(_mm256_and_si256(a, _mm256_set1_epi8(0x0F)), _mm256_and_si256(h, _mm256_set1_epi8(0x30)));
+#endif
+    const __m256i q = _mm256_sub_epi8(q6, _mm256_set1_epi8(32));
+    w[0] = from_m512(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))),
+                                   _mm512_set1_ps(ds0)));
+    w[1] = from_m512(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))),
+                                   _mm512_set1_ps(ds1)));
 #else
     for (int l = 0; l < 32; l += VEC) {
         const veci a = load_u8(ql + l), h = load_u8(qh + l);
