@@ -30,18 +30,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SPEC_BENCH = os.path.join(HERE, "..", "..", "shared", "data", "spec_bench", "question.jsonl")
 
 
-def questions_by_category(path: str, per_category: int) -> dict[str, list[str]]:
-    out: dict[str, list[str]] = {}
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                row = json.loads(line)
-                qs = out.setdefault(row["category"], [])
-                if len(qs) < per_category:
-                    qs.append(row["turns"][0])
-    return out
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--method", default="ngram", choices=["ngram", "suffix", "draft_model", "eagle"])
@@ -62,11 +50,12 @@ def main() -> int:
     import torch
 
     from specserve import LLM, SamplingParams
+    from specserve.bench.options import load_prompts
     torch.set_num_threads(args.threads)
 
-    by_category = questions_by_category(args.prompts, args.questions)
-    if args.categories:
-        by_category = {c: by_category[c] for c in args.categories.split(",")}
+    by_category: dict[str, list[str]] = {}
+    for q in load_prompts(args.prompts, args.categories.split(",") if args.categories else None, args.questions):
+        by_category.setdefault(q.category, []).append(q.text)
     spec_base = {"method": args.method}
     if args.method == "draft_model" and args.draft_model:
         spec_base["model"] = args.draft_model

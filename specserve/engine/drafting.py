@@ -91,8 +91,7 @@ class Drafting:
         parents = proposal.parents or [None] * len(decoding)
         for s, tokens, tree in zip(decoding, proposal.token_ids, parents):
             self.shadows.remember(s.request, tokens[: s.num_lookahead], None if tree is None else tree[: s.num_lookahead])
-        chosen = [i for i, s in enumerate(decoding)
-                  if s.request.sampling_params.greedy or s.request.sampling_params.seed is None]
+        chosen = [i for i, s in enumerate(decoding) if _policy_may_shorten(s)]
         if chosen:
             policy, rates = self.k_policy, []
             limits = [min(len(proposal.token_ids[i]), decoding[i].num_lookahead) for i in chosen]
@@ -135,7 +134,7 @@ class Drafting:
         """Lower each request's lookahead to the draft length the policy picks (its slots stay
         reserved, unused). Seeded sampled requests keep theirs: their random draws depend on k."""
         policy = self.k_policy
-        chosen = [s for s in decoding if s.request.sampling_params.greedy or s.request.sampling_params.seed is None]
+        chosen = [s for s in decoding if _policy_may_shorten(s)]
         if not chosen:
             return
         prior = self.engine_stats.acceptance_by_position
@@ -144,6 +143,12 @@ class Drafting:
         probe = [policy.is_probe_step(s.request.spec_stats.num_steps) for s in chosen]
         for s, k in zip(chosen, policy.choose(rates, [s.num_lookahead for s in chosen], probe)):
             s.num_lookahead = k
+
+
+def _policy_may_shorten(s: ScheduledRequest) -> bool:
+    """Greedy and unseeded requests: a seeded sampled request's draws depend on k, so it keeps its own."""
+    params = s.request.sampling_params
+    return params.greedy or params.seed is None
 
 
 def calibrate_k_policy(policy: DraftLengthPolicy, runner, draft_runner, k: int, max_model_len: int,

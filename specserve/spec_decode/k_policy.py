@@ -73,7 +73,7 @@ class RowCost:
 
     def __call__(self, rows: int) -> float:
         points = self.points()
-        return max([_interpolate(points, r) for r in points if r < rows] + [_interpolate(points, rows)])
+        return max([t for r, t in points.items() if r < rows] + [_interpolate(points, rows)])
 
 
 def _interpolate(points: dict[int, float], rows: int) -> float:

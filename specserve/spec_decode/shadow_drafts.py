@@ -125,16 +125,11 @@ class ShadowDrafts:
         keep = []
         for p in pending:
             emitted = tokens[p.start : p.start + p.depth]
-            if len(emitted) < p.depth and not done and _may_still_match(p, emitted):
+            gains = gains_by_node(p.tokens, p.parents, emitted)
+            # Still open while every emitted token so far is on a branch: more may match.
+            if len(emitted) < p.depth and not done and sum(gains) == len(emitted):
                 keep.append(p)
                 continue
-            gains = gains_by_node(p.tokens, p.parents, emitted)
             self.of(request, len(p.tokens)).add(gains)
             self.engine(len(p.tokens)).add(gains)
         self._pending[request] = keep
-
-
-def _may_still_match(p: _Pending, emitted: list[int]) -> bool:
-    """False once the emitted tokens have left every branch (the score is then final)."""
-    gains = gains_by_node(p.tokens, p.parents, emitted)
-    return sum(gains) == len(emitted)
