@@ -14,6 +14,11 @@ each request's blocks through its block table and runs scaled-dot-product
 attention with queries padded to the longest query run and a mask that is
 causal at each query's absolute position.
 
+On a CPU with float32 queries the compiled kernel (``cpu_attention``) serves
+every request of a step instead; each row's result there depends on its own
+position alone, so chunked prefill, prefix caching, preemption and speculation
+never change a token's bits (see docs/architecture.md, "Chunk boundaries").
+
 A verification run may also be a *tree* of drafts (several continuations
 sharing prefixes, verified at once): its new tokens come with their parents
 (``tree_parents``) and each attends to the cached context, its ancestors and
@@ -206,13 +211,12 @@ class ContextGroup:
 
 @dataclass
 class KernelInputs:
-    """What the compiled CPU kernel (``cpu_attention``) reads, for the requests it serves."""
+    """What the compiled CPU kernel (``cpu_attention``) reads: every request of the step."""
 
     block_tables: torch.Tensor   # [B_k, max_blocks] int64, 0-padded
     query_start: torch.Tensor    # [B_k] int64: first row of each request's new tokens in the flat batch
     query_lens: torch.Tensor     # [B_k] int64
     context_lens: torch.Tensor   # [B_k] int64
-    covers_all: bool             # every request of the step is served by the kernel
     tree_masks: torch.Tensor | None = None  # [T] int32 ancestor bitmask per row (trees in the step), else None
 
 
@@ -220,22 +224,22 @@ class KernelInputs:
 class AttentionMetadata:
     """Per-step tensors shared by every layer (built once per step, not per layer).
 
-    On a CPU with float32 queries (and a float32 or float16 cache), requests with at
-    most ``cpu_attention.MAX_QUERY_LEN`` new tokens (decoding, verification) go to
-    the compiled kernel; the rest
-    (prefill chunks), and every request elsewhere, to SDPA in context groups.
-    The groups are built on first use: a step the kernel serves whole never
-    needs them.
+    On a CPU with float32 queries (and a float32 or float16 cache), the compiled
+    kernel serves every request of the step, prefill chunks included: each row's
+    result is then fixed by its own position alone, so a prompt gives the same
+    bits however it is cut into chunks, and a token the same bits whether it is
+    decoded, verified or recomputed in a prefill. Elsewhere (GPUs, other dtypes,
+    no compiler) requests go to SDPA in context groups, built on first use.
     """
 
     slot_mapping: torch.Tensor          # [T] cache slot where each new token's K/V is written
-    kernel: KernelInputs | None         # requests served by the compiled CPU kernel, if any
+    kernel: KernelInputs | None         # the compiled CPU kernel's inputs, when it serves the step
     _group_args: tuple = field(repr=False)
     _groups: list[ContextGroup] | None = field(default=None, repr=False)
 
     @property
     def groups(self) -> list[ContextGroup]:
-        """One SDPA call each; together they cover every token the kernel does not."""
+        """One SDPA call each; together they cover every token (steps the kernel does not serve)."""
         if self._groups is None:
             self._groups = _build_groups(*self._group_args)
         return self._groups
@@ -264,26 +268,20 @@ class AttentionMetadata:
         for b, (q_len, ctx) in enumerate(zip(query_lens, context_lens)):
             token_start.append(len(slots))
             slots.extend(cache_slot(block_tables[b], p, block_size) for p in range(ctx - q_len, ctx))
-        everyone = list(range(len(query_lens)))
-        on_kernel: list[int] = []
-        if cpu_attention.usable(device, dtype, cache_dtype):
-            on_kernel = [b for b in everyone if query_lens[b] <= cpu_attention.MAX_QUERY_LEN]
         kernel = None
-        if on_kernel:
+        if cpu_attention.usable(device, dtype, cache_dtype):
+            everyone = list(range(len(query_lens)))
             kernel = KernelInputs(
-                block_tables=_padded_block_table(block_tables, on_kernel, context_lens, block_size),
-                query_start=torch.tensor([token_start[b] for b in on_kernel], dtype=torch.long),
-                query_lens=torch.tensor([query_lens[b] for b in on_kernel], dtype=torch.long),
-                context_lens=torch.tensor([context_lens[b] for b in on_kernel], dtype=torch.long),
-                covers_all=len(on_kernel) == len(everyone),
+                block_tables=_padded_block_table(block_tables, everyone, context_lens, block_size),
+                query_start=torch.tensor(token_start, dtype=torch.long),
+                query_lens=torch.tensor(query_lens, dtype=torch.long),
+                context_lens=torch.tensor(context_lens, dtype=torch.long),
                 tree_masks=None if tree_masks is None else _row_masks(tree_masks, query_lens),
             )
-        served = set(on_kernel)
-        on_sdpa = [b for b in everyone if b not in served]
         return cls(
             slot_mapping=torch.tensor(slots, dtype=torch.long).to(device),
             kernel=kernel,
-            _group_args=(on_sdpa, len(everyone), query_lens, context_lens, token_start, block_tables,
+            _group_args=(len(query_lens), query_lens, context_lens, token_start, block_tables,
                          block_size, device, dtype, tree_masks),
         )
 
@@ -307,18 +305,17 @@ def _padded_block_table(block_tables: list[list[int]], members: list[int], conte
     return table
 
 
-def _build_groups(requests, num_requests, query_lens, context_lens, token_start, block_tables,
+def _build_groups(num_requests, query_lens, context_lens, token_start, block_tables,
                   block_size, device, dtype, tree_masks) -> list[ContextGroup]:
-    """Context groups over ``requests`` (indices into the step's requests)."""
-    if not requests:
+    """Context groups over the step's requests."""
+    if not num_requests:
         return []
-    split = [[requests[i] for i in members]
-             for members in split_by_context_length([context_lens[b] for b in requests], block_size)]
+    split = split_by_context_length(context_lens, block_size)
     groups = []
     for members in split:
         table = _padded_block_table(block_tables, members, context_lens, block_size)
         token_index = None  # None: the group is the whole step, rows in order
-        if len(split) > 1 or len(requests) < num_requests:
+        if len(split) > 1:
             token_index = torch.tensor(
                 [token_start[b] + i for b in members for i in range(query_lens[b])], dtype=torch.long
             )
@@ -340,7 +337,7 @@ def paged_attention(
 ) -> torch.Tensor:           # [T, Hq, hd]
     num_kv_heads, head_dim = kv_cache.shape[1], kv_cache.shape[4]
     kn = meta.kernel
-    if kn is not None and kn.covers_all:
+    if kn is not None:
         # The kernel writes the new tokens' K/V itself, then attends.
         out = q.new_empty(q.shape)
         cpu_attention.paged_attention_cpu(q, kv_cache, out, kn.block_tables, kn.query_start, kn.query_lens,
@@ -350,13 +347,9 @@ def paged_attention(
     slots = kv_cache.view(2, num_kv_heads, -1, head_dim)   # [2, Hk, num_blocks * block_size, hd]
     slots[0].index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(kv_cache.dtype))
     slots[1].index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(kv_cache.dtype))
-    if kn is None and len(meta.groups) == 1:
+    if len(meta.groups) == 1:
         return _attend_group(q, kv_cache, meta.groups[0], scale)
     out = q.new_empty(q.shape)
-    if kn is not None:
-        cpu_attention.paged_attention_cpu(
-            q, kv_cache, out, kn.block_tables, kn.query_start, kn.query_lens, kn.context_lens, scale, kn.tree_masks
-        )
     for g in meta.groups:
         out.index_copy_(0, g.token_index, _attend_group(q.index_select(0, g.token_index), kv_cache, g, scale))
     return out

@@ -31,10 +31,6 @@ import torch
 
 from specserve.model_executor.layers.kernel_build import LazyLibrary
 
-# Requests with more new tokens than this (prefill chunks) take the PyTorch path, whose
-# SDPA runs them as matrix products; decoding and verification (k + 1 tokens) take the kernel.
-MAX_QUERY_LEN = 16
-
 # Part of the cache key: a build with other flags is another file. -ffp-contract=off: the
 # kernel's bitwise promises (a row's bits do not depend on the other rows of its step, nor a
 # tree node's on the other branches) rest on every sum being computed exactly as written.

@@ -15,7 +15,7 @@ tensor-parallel size 1 on a CPU (``QuantizedLayerKernel.for_layer``); anything
 else runs the PyTorch path. ``SPECSERVE_CPU_QUANT_LAYER=off`` turns it off.
 
 ``QuantizedLayerStack``: when the compiled attention kernel serves every request of a
-step (decoding and verification; ``AttentionMetadata.kernel.covers_all``), all layers
+step (every step on a CPU in float32: ``AttentionMetadata.kernel``), all layers
 run in ONE call (``specserve_qmodel_layers``), which calls the same two halves and the
 same attention kernel with the same arguments, so the bits are those of the per-layer
 path; what it saves is the Python and ctypes work of ~3 calls per layer.
@@ -170,7 +170,7 @@ class QuantizedLayerStack:
         """x [T, hidden] float32 through every layer, in place; ``meta.kernel`` must cover the step
         (each kv cache [2, Hk, num_blocks, block_size, hd], contiguous, float32 or float16)."""
         kn, cache = meta.kernel, kv_caches[0]
-        assert kn is not None and kn.covers_all and all(c.is_contiguous() for c in kv_caches)
+        assert kn is not None and all(c.is_contiguous() for c in kv_caches)
         a = _QAttention()
         a.attend = self._attend
         a.block_tables, a.max_blocks = kn.block_tables.data_ptr(), kn.block_tables.shape[1]

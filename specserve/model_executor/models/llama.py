@@ -138,8 +138,8 @@ class LlamaForCausalLM(nn.Module):
         tokens = x.shape[0]
         scratch = torch.empty_like(x)                                              # [T, hidden]
         gate_up = torch.empty(tokens, 2 * self.config.intermediate_size)   # [T, 2 I] (TP 1 only)
-        if self.layer_stack is not None and meta.kernel is not None and meta.kernel.covers_all:
-            # decoding and verification steps: every layer, attention included, in one call
+        if self.layer_stack is not None and meta.kernel is not None:
+            # every layer, attention included, in one call
             self.layer_stack.run(x, positions, self.rotary.cos, self.rotary.sin, kv_caches, meta,
                                  self.layers[0].self_attn.scale, scratch, gate_up)
             return x

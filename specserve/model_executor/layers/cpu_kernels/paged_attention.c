@@ -109,135 +109,194 @@ ALWAYS_INLINE float kv1(const void *base, int64_t i, const int half) {
     return half ? half1(((const uint16_t *)base)[i]) : ((const float *)base)[i];
 }
 
-static inline float hsum(f32x8 v) {
-    /* A tree, not a chain of 7 dependent adds. */
-    return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
+/* 16 floats: one AVX-512 register, two AVX ones. Scores and weighted values are computed
+ * with one lane per output (a key's score, an output dim), each lane its own chain of
+ * fused multiply-adds in a fixed order, so neither the vector width nor which rows share
+ * a call changes a single bit. */
+typedef float f32x16 __attribute__((vector_size(64)));
+#define KEYS_PER_CHUNK 32  /* keys scored per chunk (two vectors) */
+
+static inline f32x16 load16(const float *p) {
+    f32x16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+static inline void store16(float *p, f32x16 v) { memcpy(p, &v, sizeof v); }
+static inline f32x16 splat16(float x) { return (f32x16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+/* acc + a * b per lane, one rounding where the CPU has FMA (as fma1 and fma8). */
+static inline f32x16 fma16(f32x16 a, f32x16 b, f32x16 acc) {
+#if defined(__AVX512F__)
+    __m512 x, y, z;
+    memcpy(&x, &a, sizeof x);
+    memcpy(&y, &b, sizeof y);
+    memcpy(&z, &acc, sizeof z);
+    z = _mm512_fmadd_ps(x, y, z);
+    memcpy(&acc, &z, sizeof acc);
+    return acc;
+#elif defined(__FMA__)
+    __m256 x[2], y[2], z[2];
+    memcpy(x, &a, sizeof x);
+    memcpy(y, &b, sizeof y);
+    memcpy(z, &acc, sizeof z);
+    z[0] = _mm256_fmadd_ps(x[0], y[0], z[0]);
+    z[1] = _mm256_fmadd_ps(x[1], y[1], z[1]);
+    memcpy(&acc, z, sizeof acc);
+    return acc;
+#else
+    return acc + a * b;
+#endif
 }
 
-/* q . k for the key at element offset k of the cache kc. Every score, whichever function
- * computes it, sums in this order (8-wide chunks in sequence, then the lanes, then the
- * tail), so a row's scores are the same bits whether its step decodes one token or
- * verifies several. */
-ALWAYS_INLINE float dot(const float *q, const void *kc, int64_t k, int n, const int half) {
-    f32x8 acc = {0};
+/* The scalar lane of fma16: the same bits as any one of its lanes. */
+static inline float fma1(float a, float b, float acc) {
+#if defined(__FMA__)
+    return __builtin_fmaf(a, b, acc);
+#else
+    return acc + a * b;
+#endif
+}
+
+/* 16 elements of a cache (float32, or float16 converted exactly) as float32. */
+ALWAYS_INLINE f32x16 kv16(const void *base, int64_t i, const int half) {
+    if (!half) return load16((const float *)base + i);
+#if defined(__AVX512F__)
+    const __m512 f = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i)));
+    f32x16 v;
+    memcpy(&v, &f, sizeof v);
+    return v;
+#else
+    const f32x8 lo = kv8(base, i, 1), hi = kv8(base, i + 8, 1);
+    f32x16 v;
+    memcpy(&v, &lo, sizeof lo);
+    memcpy((char *)&v + sizeof lo, &hi, sizeof hi);
+    return v;
+#endif
+}
+
+/* kt[d * 32 + o] = dim d of key o (o < n), 0 for o >= n: a chunk of 32 keys, at element
+ * offsets off[o] of the cache kc, laid out so that two vectors hold a dim of all 32 keys.
+ * A copy: exact, whichever way it is done. */
+ALWAYS_INLINE void transpose_keys(const void *kc, const int64_t *off, int n, int hd, float *kt, const int half) {
     int d = 0;
-    for (; d + 8 <= n; d += 8) acc = fma8(load8(q + d), kv8(kc, k + d, half), acc);
-    float t = hsum(acc);
-    for (; d < n; d++) t += q[d] * kv1(kc, k + d, half);
-    return t;
-}
-
-/* The end of four chains of q . k (keys at offsets k + u stride, u < 4): their lanes,
- * then the tail dims d .. n - 1, into out[0..3]. dot4 and dot4x2 both finish here. */
-ALWAYS_INLINE void finish4(const float *q, const void *kc, int64_t k, int64_t stride, int d, int n,
-                           f32x8 a0, f32x8 a1, f32x8 a2, f32x8 a3, float *out, const int half) {
-    float t0 = hsum(a0), t1 = hsum(a1), t2 = hsum(a2), t3 = hsum(a3);
-    for (; d < n; d++) {
-        t0 += q[d] * kv1(kc, k + d, half);
-        t1 += q[d] * kv1(kc, k + stride + d, half);
-        t2 += q[d] * kv1(kc, k + 2 * stride + d, half);
-        t3 += q[d] * kv1(kc, k + 3 * stride + d, half);
+#if defined(__AVX512F__)
+    for (; d + 16 <= hd; d += 16) {
+        for (int h = 0; h < KEYS_PER_CHUNK; h += 16) {
+            __m512 r[16], t[16];
+            for (int o = 0; o < 16; o++) {
+                const f32x16 v = h + o < n ? kv16(kc, off[h + o] + d, half) : splat16(0.0f);
+                memcpy(&r[o], &v, sizeof v);
+            }
+            /* 16 x 16 transpose: pairs of keys interleaved, then quads, then 128-bit blocks. */
+            for (int i = 0; i < 16; i += 2) {
+                t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+                t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+            }
+            for (int g = 0; g < 16; g += 4) {  /* r[g + m], 128-bit block L: dim 4L + m of keys g .. g + 3 */
+                r[g] = _mm512_shuffle_ps(t[g], t[g + 2], 0x44);
+                r[g + 1] = _mm512_shuffle_ps(t[g], t[g + 2], 0xEE);
+                r[g + 2] = _mm512_shuffle_ps(t[g + 1], t[g + 3], 0x44);
+                r[g + 3] = _mm512_shuffle_ps(t[g + 1], t[g + 3], 0xEE);
+            }
+            float *dst = kt + (int64_t)d * KEYS_PER_CHUNK + h;
+            for (int m = 0; m < 4; m++) {
+                const __m512 lo01 = _mm512_shuffle_f32x4(r[m], r[4 + m], 0x44);
+                const __m512 hi01 = _mm512_shuffle_f32x4(r[m], r[4 + m], 0xEE);
+                const __m512 lo23 = _mm512_shuffle_f32x4(r[8 + m], r[12 + m], 0x44);
+                const __m512 hi23 = _mm512_shuffle_f32x4(r[8 + m], r[12 + m], 0xEE);
+                _mm512_storeu_ps(dst + m * KEYS_PER_CHUNK, _mm512_shuffle_f32x4(lo01, lo23, 0x88));
+                _mm512_storeu_ps(dst + (4 + m) * KEYS_PER_CHUNK, _mm512_shuffle_f32x4(lo01, lo23, 0xDD));
+                _mm512_storeu_ps(dst + (8 + m) * KEYS_PER_CHUNK, _mm512_shuffle_f32x4(hi01, hi23, 0x88));
+                _mm512_storeu_ps(dst + (12 + m) * KEYS_PER_CHUNK, _mm512_shuffle_f32x4(hi01, hi23, 0xDD));
+            }
+        }
     }
-    out[0] = t0, out[1] = t1, out[2] = t2, out[3] = t3;
+#endif
+    for (; d < hd; d++)
+        for (int o = 0; o < KEYS_PER_CHUNK; o++) kt[d * KEYS_PER_CHUNK + o] = o < n ? kv1(kc, off[o] + d, half) : 0.0f;
 }
 
-/* q . k for four keys at element offsets k, k + stride, k + 2 stride, k + 3 stride of
- * the cache kc: four independent chains. */
-ALWAYS_INLINE void dot4(const float *q, const void *kc, int64_t k, int64_t stride, int n, float *out,
-                        const int half) {
-    f32x8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-    int d = 0;
-    for (; d + 8 <= n; d += 8) {
-        const f32x8 qv = load8(q + d);
-        a0 = fma8(qv, kv8(kc, k + d, half), a0);
-        a1 = fma8(qv, kv8(kc, k + stride + d, half), a1);
-        a2 = fma8(qv, kv8(kc, k + 2 * stride + d, half), a2);
-        a3 = fma8(qv, kv8(kc, k + 3 * stride + d, half), a3);
+/* s_u[o] = q_u . key o for R <= 4 query rows and the 32 keys of kt: each score is one
+ * chain of fused multiply-adds over d = 0 .. hd - 1 in order. (Eight chains at once: an
+ * FMA's latency is about four of its issue slots.) */
+ALWAYS_INLINE void score_chunk(const float *const *q, const int R, const float *kt, int hd, float *const *s) {
+    f32x16 a[4][2] = {{{0}}};
+    for (int d = 0; d < hd; d++) {
+        const f32x16 k0 = load16(kt + d * KEYS_PER_CHUNK), k1 = load16(kt + d * KEYS_PER_CHUNK + 16);
+        for (int u = 0; u < R; u++) {
+            const f32x16 x = splat16(q[u][d]);
+            a[u][0] = fma16(x, k0, a[u][0]);
+            a[u][1] = fma16(x, k1, a[u][1]);
+        }
     }
-    finish4(q, kc, k, stride, d, n, a0, a1, a2, a3, out, half);
-}
-
-/* Two query rows against four keys: eight chains, each summed exactly as dot4 (and dot)
- * sums it, so a score has the same bits whichever function computed it. Each key vector
- * loaded (and, from a float16 cache, converted) serves both rows. */
-ALWAYS_INLINE void dot4x2(const float *q0, const float *q1, const void *kc, int64_t k, int64_t stride, int n,
-                          float *out0, float *out1, const int half) {
-    f32x8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
-    int d = 0;
-    for (; d + 8 <= n; d += 8) {
-        const f32x8 k0 = kv8(kc, k + d, half), k1 = kv8(kc, k + stride + d, half);
-        const f32x8 k2 = kv8(kc, k + 2 * stride + d, half), k3 = kv8(kc, k + 3 * stride + d, half);
-        const f32x8 x = load8(q0 + d), y = load8(q1 + d);
-        a0 = fma8(x, k0, a0), a1 = fma8(x, k1, a1), a2 = fma8(x, k2, a2), a3 = fma8(x, k3, a3);
-        b0 = fma8(y, k0, b0), b1 = fma8(y, k1, b1), b2 = fma8(y, k2, b2), b3 = fma8(y, k3, b3);
-    }
-    finish4(q0, kc, k, stride, d, n, a0, a1, a2, a3, out0, half);
-    finish4(q1, kc, k, stride, d, n, b0, b1, b2, b3, out1, half);
-}
-
-/* score[j] = q . key j for j in [from, to), keys found through the block table. */
-ALWAYS_INLINE void score_range(const float *qr, float *score, const void *k_cache, int64_t head_offset,
-                               const int64_t *table, int64_t from, int64_t to, int hd, int block_size,
-                               const int half) {
-    int64_t j = from;
-    while (j < to) {
-        const int64_t in_block = j % block_size;
-        const int64_t n = to - j < block_size - in_block ? to - j : block_size - in_block;
-        const int64_t k = head_offset + (table[j / block_size] * block_size + in_block) * hd;
-        int64_t o = 0;
-        for (; o + 4 <= n; o += 4) dot4(qr, k_cache, k + o * hd, hd, hd, score + j + o, half);
-        for (; o < n; o++) score[j + o] = dot(qr, k_cache, k + o * hd, hd, half);
-        j += n;
+    for (int u = 0; u < R; u++) {
+        store16(s[u], a[u][0]);
+        store16(s[u] + 16, a[u][1]);
     }
 }
 
-typedef int32_t i32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
 
-/* e^x for x <= 0, 8 at a time (Cephes' expf polynomial; ~1 ulp): 2^n * e^r with
+/* e^x for x <= 0, 16 at a time (Cephes' expf polynomial; ~1 ulp): 2^n * e^r with
  * n = round(x / ln 2) and |r| <= ln 2 / 2. Underflows to 0 below -87. */
-static inline f32x8 exp8_nonpositive(f32x8 x) {
-    const f32x8 lo = x - x - 87.0f;
-    const i32x8 below = x < lo;                              /* lanes of -1 (true) or 0 */
-    i32x8 xb, lob;
+static inline f32x16 exp16_nonpositive(f32x16 x) {
+    const f32x16 lo = splat16(-87.0f);
+    const i32x16 below = x < lo;                             /* lanes of -1 (true) or 0 */
+    i32x16 xb, lob;
     memcpy(&xb, &x, sizeof xb);
     memcpy(&lob, &lo, sizeof lob);
     xb = (below & lob) | (~below & xb);                      /* x = max(x, -87) */
     memcpy(&x, &xb, sizeof x);
-    const f32x8 t = fma8(x, splat8(1.44269504088896341f), splat8(-0.5f));  /* t <= -0.5: truncation rounds x / ln 2 */
-    const i32x8 n = __builtin_convertvector(t, i32x8);
-    const f32x8 nf = __builtin_convertvector(n, f32x8);
-    const f32x8 r = fma8(nf, splat8(2.12194440e-4f), fma8(nf, splat8(-0.693359375f), x));
-    f32x8 p = fma8(r, splat8(1.9875691500e-4f), splat8(1.3981999507e-3f));
-    p = fma8(p, r, splat8(8.3334519073e-3f));
-    p = fma8(p, r, splat8(4.1665795894e-2f));
-    p = fma8(p, r, splat8(1.6666665459e-1f));
-    p = fma8(p, r, splat8(5.0000001201e-1f));
-    p = fma8(p * r, r, r) + 1.0f;
-    const i32x8 bits = (n + 127) << 23;                      /* 2^n as a float */
-    f32x8 scale;
+    const f32x16 t = fma16(x, splat16(1.44269504088896341f), splat16(-0.5f));  /* t <= -0.5: truncation rounds x / ln 2 */
+    const i32x16 n = __builtin_convertvector(t, i32x16);
+    const f32x16 nf = __builtin_convertvector(n, f32x16);
+    const f32x16 r = fma16(nf, splat16(2.12194440e-4f), fma16(nf, splat16(-0.693359375f), x));
+    f32x16 p = fma16(r, splat16(1.9875691500e-4f), splat16(1.3981999507e-3f));
+    p = fma16(p, r, splat16(8.3334519073e-3f));
+    p = fma16(p, r, splat16(4.1665795894e-2f));
+    p = fma16(p, r, splat16(1.6666665459e-1f));
+    p = fma16(p, r, splat16(5.0000001201e-1f));
+    p = fma16(p * r, r, r) + 1.0f;
+    const i32x16 bits = (n + 127) << 23;                     /* 2^n as a float */
+    f32x16 scale;
     memcpy(&scale, &bits, sizeof scale);
     return p * scale;
 }
 
-/* s[0..n) <- exp(s - max) / sum, in place. */
+/* s[0..n) <- exp(s - max) / sum, in place: 16 at a time, the last n % 16 one by one; the
+ * sum's order depends on n alone. */
 static void softmax_in_place(float *s, int64_t n) {
-    float m = s[0];
-    for (int64_t j = 1; j < n; j++) m = s[j] > m ? s[j] : m;
-    float sum = 0.0f;
+    f32x16 mv = splat16(s[0]);
     int64_t j = 0;
-    f32x8 acc = {0};
-    for (; j + 8 <= n; j += 8) {
-        f32x8 e = exp8_nonpositive(load8(s + j) - m);
-        memcpy(s + j, &e, sizeof e);
+    for (; j + 16 <= n; j += 16) {  /* max is exact in any order */
+        const f32x16 x = load16(s + j);
+        const i32x16 gt = x > mv;
+        i32x16 xb, mb;
+        memcpy(&xb, &x, sizeof xb);
+        memcpy(&mb, &mv, sizeof mb);
+        mb = (gt & xb) | (~gt & mb);
+        memcpy(&mv, &mb, sizeof mv);
+    }
+    float m = mv[0];
+    for (int u = 1; u < 16; u++) m = mv[u] > m ? mv[u] : m;
+    for (; j < n; j++) m = s[j] > m ? s[j] : m;
+    f32x16 acc = {0};
+    const f32x16 mm = splat16(m);
+    for (j = 0; j + 16 <= n; j += 16) {
+        const f32x16 e = exp16_nonpositive(load16(s + j) - mm);
+        store16(s + j, e);
         acc += e;
     }
+    float sum = 0.0f;
     for (; j < n; j++) {
         s[j] = expf(s[j] - m);
         sum += s[j];
     }
-    for (int u = 0; u < 8; u++) sum += acc[u];
+    for (int u = 0; u < 16; u++) sum += acc[u];
     const float inv = 1.0f / sum;
-    for (j = 0; j < n; j++) s[j] *= inv;
+    const f32x16 iv = splat16(inv);
+    for (j = 0; j + 16 <= n; j += 16) store16(s + j, load16(s + j) * iv);
+    for (; j < n; j++) s[j] *= inv;
 }
 
 /* Bit (j - new_start) of allowed says whether key j >= new_start may be seen. */
@@ -265,9 +324,15 @@ static void softmax_in_place_masked(float *s, int64_t n, int64_t new_start, uint
         s[j] = key_allowed(j, new_start, allowed) ? packed[--kept] : 0.0f;
 }
 
-/* Scratch for one (request, KV head) pair, sized for the largest pair of the call. */
+/* A request's new tokens are attended in tiles of this many (trees of drafts: whole), so a
+ * long prefill chunk is shared out over the threads like many short requests. A row's bits
+ * do not depend on its tile. */
+#define TILE_TOKENS 32
+
+/* Scratch for one work unit (request, KV head, tile), sized for the largest unit of the call. */
 typedef struct {
-    float *scores;        /* [rows, ctx] */
+    float *scores;        /* [rows, ctx rounded up to KEYS_PER_CHUNK] */
+    float *kt;            /* [hd, 32] a chunk of keys, transposed (transpose_keys) */
     const float **q_row;  /* [rows] query vector of each row */
     float **out_row;      /* [rows] where each row's output goes */
     int64_t *last_key;    /* [rows] last slot each row may attend to */
@@ -275,12 +340,40 @@ typedef struct {
     float *packed;        /* [ctx] a tree row's allowed scores, packed (softmax_in_place_masked) */
 } Scratch;
 
+/* Weighted values for R <= 4 rows (weights p[u][j], zero past a row's last key) over keys
+ * 0 .. visible - 1, output dims d0 .. d0 + 16 * V - 1 (V = 1 or 2 vectors): each output is
+ * one chain of fused multiply-adds over the keys in order. */
+ALWAYS_INLINE void weigh_values(const float *const *p, const int R, const int V, const void *v_cache,
+                                int64_t head_offset, const int64_t *table, int64_t visible, int hd, int block_size,
+                                int d0, float *const *dst, const int half) {
+    f32x16 a[4][2] = {{{0}}};
+    for (int64_t j0 = 0; j0 < visible; j0 += block_size) {
+        int64_t v = head_offset + table[j0 / block_size] * block_size * hd + d0;
+        const int64_t n = visible - j0 < block_size ? visible - j0 : block_size;
+        for (int64_t o = 0; o < n; o++, v += hd) {
+            const f32x16 v0 = kv16(v_cache, v, half);
+            const f32x16 v1 = V > 1 ? kv16(v_cache, v + 16, half) : v0;
+            for (int u = 0; u < R; u++) {
+                const f32x16 x = splat16(p[u][j0 + o]);
+                a[u][0] = fma16(x, v0, a[u][0]);
+                if (V > 1) a[u][1] = fma16(x, v1, a[u][1]);
+            }
+        }
+    }
+    for (int u = 0; u < R; u++) {
+        store16(dst[u] + d0, a[u][0]);
+        if (V > 1) store16(dst[u] + d0 + 16, a[u][1]);
+    }
+}
+
 ALWAYS_INLINE void attend_one(const float *q, int64_t q_token_stride, const void *k_cache, const void *v_cache,
                               float *out, const int64_t *table, int64_t q_first, int q_len, int64_t ctx,
                               int kv_head, int group, int num_heads, int hd, int block_size, int64_t num_blocks,
                               float scale, const uint32_t *tree_masks, Scratch *w, const int half) {
-    /* Row r = new token r / group, query head kv_head * group + r % group (the heads sharing this KV head). */
+    /* Row r = new token r / group, query head kv_head * group + r % group (the heads sharing
+     * this KV head); rows are in position order. */
     const int rows = q_len * group;
+    const int64_t stride = (ctx + KEYS_PER_CHUNK - 1) / KEYS_PER_CHUNK * KEYS_PER_CHUNK;  /* of a score row */
     for (int i = 0, r = 0; i < q_len; i++) {
         for (int g = 0; g < group; g++, r++) {
             const int head = kv_head * group + g;
@@ -291,101 +384,86 @@ ALWAYS_INLINE void attend_one(const float *q, int64_t q_token_stride, const void
         }
     }
     const int64_t head_offset = (int64_t)kv_head * num_blocks * block_size * hd;
-    /* Scores, two rows at a time over the keys both see (4 keys at a time), then the
-     * second row's extra keys alone (rows are in position order, so it sees at least as
-     * many). Every score sums as dot() does: the grouping changes no bits. */
-    int r = 0;
-    for (; r + 1 < rows; r += 2) {
-        float *s0 = w->scores + (int64_t)r * ctx, *s1 = s0 + ctx;
-        const int64_t both = w->last_key[r] + 1, visible1 = w->last_key[r + 1] + 1;
-        for (int64_t j0 = 0; j0 < both; j0 += block_size) {
-            const int64_t k = head_offset + table[j0 / block_size] * block_size * hd;
-            const int64_t n = both - j0 < block_size ? both - j0 : block_size;
-            int64_t o = 0;
-            for (; o + 4 <= n; o += 4)
-                dot4x2(w->q_row[r], w->q_row[r + 1], k_cache, k + o * hd, hd, hd, s0 + j0 + o, s1 + j0 + o, half);
-            for (; o < n; o++) {
-                s0[j0 + o] = dot(w->q_row[r], k_cache, k + o * hd, hd, half);
-                s1[j0 + o] = dot(w->q_row[r + 1], k_cache, k + o * hd, hd, half);
+    /* Scores, one chunk of 32 keys at a time: transposed once, then scored for every group
+     * of 4 rows that sees any of it (lanes past a row's last key are computed and ignored). */
+    int first_group = 0;  /* groups before it see none of the chunk: their last row is too early */
+    for (int64_t j0 = 0; j0 <= w->last_key[rows - 1]; j0 += KEYS_PER_CHUNK) {
+        int64_t off[KEYS_PER_CHUNK];
+        const int n = ctx - j0 < KEYS_PER_CHUNK ? (int)(ctx - j0) : KEYS_PER_CHUNK;
+        for (int o = 0; o < n; o++)
+            off[o] = head_offset + (table[(j0 + o) / block_size] * block_size + (j0 + o) % block_size) * hd;
+        transpose_keys(k_cache, off, n, hd, w->kt, half);
+        while (w->last_key[(first_group + 1) * 4 - 1 < rows ? (first_group + 1) * 4 - 1 : rows - 1] < j0)
+            first_group++;
+        for (int r = first_group * 4; r < rows; r += 4) {
+            const float *qs[4];
+            float *ss[4];
+            const int R = rows - r < 4 ? rows - r : 4;
+            for (int u = 0; u < R; u++) qs[u] = w->q_row[r + u], ss[u] = w->scores + (r + u) * stride + j0;
+            switch (R) {
+                case 4: score_chunk(qs, 4, w->kt, hd, ss); break;
+                case 3: score_chunk(qs, 3, w->kt, hd, ss); break;
+                case 2: score_chunk(qs, 2, w->kt, hd, ss); break;
+                default: score_chunk(qs, 1, w->kt, hd, ss); break;
             }
         }
-        score_range(w->q_row[r + 1], s1, k_cache, head_offset, table, both, visible1, hd, block_size, half);
-    }
-    if (r < rows)
-        score_range(w->q_row[r], w->scores + (int64_t)r * ctx, k_cache, head_offset, table, 0,
-                    w->last_key[r] + 1, hd, block_size, half);
-    for (r = 0; r < rows; r++) {
-        float *score = w->scores + (int64_t)r * ctx;
-        for (int64_t j = 0; j <= w->last_key[r]; j++) score[j] *= scale;
     }
     /* Softmax per row, in place; keys a row may not see get weight 0. */
     for (int r = 0; r < rows; r++) {
-        float *score = w->scores + (int64_t)r * ctx;
+        float *score = w->scores + r * stride;
         const int64_t visible = w->last_key[r] + 1;
+        for (int64_t j = 0; j < visible; j++) score[j] *= scale;
         if (tree_masks)
             softmax_in_place_masked(score, visible, ctx - q_len, w->allowed[r], w->packed);
         else
             softmax_in_place(score, visible);
         memset(score + visible, 0, (size_t)(ctx - visible) * sizeof(float));
     }
-    /* Weighted values, two rows and 32 output dims at a time held in registers: each value
-     * vector loaded feeds both rows. A row's sums run over keys in order, the same with or
-     * without a partner row (a partner's invisible keys have weight 0 and add exact zeros). */
-    for (int r = 0; r < rows; r += 2) {
-        const int pair = r + 1 < rows;
-        const float *p0 = w->scores + (int64_t)r * ctx;
-        const float *p1 = pair ? p0 + ctx : p0;
-        const int64_t visible = w->last_key[pair ? r + 1 : r] + 1;  /* rows are in position order */
-        float *dst0 = w->out_row[r], *dst1 = w->out_row[pair ? r + 1 : r];
+    /* Weighted values, 4 rows and 32 output dims at a time held in registers: each value
+     * vector loaded feeds 4 rows. A row's sums run over keys in order, the same whatever its
+     * partners (a partner's invisible keys have weight 0 and add exact zeros). */
+    for (int r = 0; r < rows; r += 4) {
+        const float *ps[4];
+        float *dst[4];
+        const int R = rows - r < 4 ? rows - r : 4;
+        for (int u = 0; u < R; u++) ps[u] = w->scores + (r + u) * stride, dst[u] = w->out_row[r + u];
+        const int64_t visible = w->last_key[r + R - 1] + 1;  /* rows are in position order */
         int d0 = 0;
         for (; d0 + 32 <= hd; d0 += 32) {
-            f32x8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
-            for (int64_t j0 = 0; j0 < visible; j0 += block_size) {
-                int64_t v = head_offset + table[j0 / block_size] * block_size * hd + d0;
-                const int64_t n = visible - j0 < block_size ? visible - j0 : block_size;
-                for (int64_t o = 0; o < n; o++, v += hd) {
-                    const f32x8 v0 = kv8(v_cache, v, half), v1 = kv8(v_cache, v + 8, half);
-                    const f32x8 v2 = kv8(v_cache, v + 16, half), v3 = kv8(v_cache, v + 24, half);
-                    const f32x8 x = splat8(p0[j0 + o]), y = splat8(p1[j0 + o]);
-                    a0 = fma8(x, v0, a0), a1 = fma8(x, v1, a1), a2 = fma8(x, v2, a2), a3 = fma8(x, v3, a3);
-                    b0 = fma8(y, v0, b0), b1 = fma8(y, v1, b1), b2 = fma8(y, v2, b2), b3 = fma8(y, v3, b3);
-                }
-            }
-            memcpy(dst0 + d0, &a0, sizeof a0);
-            memcpy(dst0 + d0 + 8, &a1, sizeof a1);
-            memcpy(dst0 + d0 + 16, &a2, sizeof a2);
-            memcpy(dst0 + d0 + 24, &a3, sizeof a3);
-            if (pair) {
-                memcpy(dst1 + d0, &b0, sizeof b0);
-                memcpy(dst1 + d0 + 8, &b1, sizeof b1);
-                memcpy(dst1 + d0 + 16, &b2, sizeof b2);
-                memcpy(dst1 + d0 + 24, &b3, sizeof b3);
+            switch (R) {
+                case 4: weigh_values(ps, 4, 2, v_cache, head_offset, table, visible, hd, block_size, d0, dst, half); break;
+                case 3: weigh_values(ps, 3, 2, v_cache, head_offset, table, visible, hd, block_size, d0, dst, half); break;
+                case 2: weigh_values(ps, 2, 2, v_cache, head_offset, table, visible, hd, block_size, d0, dst, half); break;
+                default: weigh_values(ps, 1, 2, v_cache, head_offset, table, visible, hd, block_size, d0, dst, half); break;
             }
         }
-        for (; d0 < hd; d0++) {  /* head_dim not a multiple of 32 */
-            for (int u = 0; u <= pair; u++) {
-                const float *pu = u ? p1 : p0;
-                const int64_t vis = w->last_key[r + u] + 1;
+        for (; d0 + 16 <= hd; d0 += 16)
+            weigh_values(ps, R, 1, v_cache, head_offset, table, visible, hd, block_size, d0, dst, half);
+        for (; d0 < hd; d0++) {  /* head_dim not a multiple of 16: the same chains, one lane each */
+            for (int u = 0; u < R; u++) {
                 float acc = 0.0f;
-                for (int64_t j = 0; j < vis; j++)
-                    acc += pu[j] * kv1(v_cache, head_offset + (table[j / block_size] * block_size + j % block_size) * hd + d0, half);
-                (u ? dst1 : dst0)[d0] = acc;
+                for (int64_t j = 0; j < visible; j++)
+                    acc = fma1(ps[u][j], kv1(v_cache, head_offset + (table[j / block_size] * block_size + j % block_size) * hd + d0, half), acc);
+                dst[u][d0] = acc;
             }
         }
     }
 }
 
-/* Attention for num_reqs requests: the (request, KV head) pairs are shared out over
- * num_threads OpenMP threads, each pair computed whole by one thread with its own scratch,
- * so a row's result never depends on the thread count or on the other requests.
+/* Attention for num_reqs requests. Work units are (request, KV head, tile of TILE_TOKENS new
+ * tokens; a tree of drafts is one tile), shared out over num_threads OpenMP threads, each
+ * unit computed whole by one thread with its own scratch. Every row's scores, softmax and
+ * weighted values are computed in an order fixed by its own position alone, so a row's result
+ * never depends on the thread count, on the other requests, on how many new tokens its
+ * request has (a decode step, a verification, a prefill chunk cut anywhere) or on its tile.
  * Built with -fopenmp, the library's libgomp.so.1 is the one torch already loaded, so these
  * are torch's own worker threads (still spinning from the last matmul), not a second pool.
  * query_start[b] is the first row of request b in q and out; it has query_lens[b] rows.
- * With k_new / v_new ([T, Hk, hd] float32, token strides k_token_stride / v_token_stride), each pair first
- * writes its request's new K/V of its head into the cache at slot_mapping[t] (saves the
- * caller two scatters and a conversion per layer). Returns 0; -1 when scratch memory could
- * not be allocated (out is then incomplete); -2 when cache_half is asked of a build without
- * F16C. */
+ * With k_new / v_new ([T, Hk, hd] float32, token strides k_token_stride / v_token_stride), the
+ * requests' new K/V are first written into the cache at slot_mapping[t] (saves the caller two
+ * scatters and a conversion per layer), one (request, KV head) pair per thread, before any
+ * unit attends. Returns 0; -1 when scratch memory could not be allocated (out is then
+ * incomplete); -2 when cache_half is asked of a build without F16C. */
 int specserve_paged_attention(const float *q, int64_t q_token_stride, const void *k_cache,
                               const void *v_cache, float *out, const int64_t *block_tables,
                               int64_t max_blocks, const int64_t *query_start, const int64_t *query_lens,
@@ -396,55 +474,79 @@ int specserve_paged_attention(const float *q, int64_t q_token_stride, const void
                               const int64_t *slot_mapping) {
     if (cache_half && !specserve_paged_attention_has_f16()) return -2;
     const int group = num_heads / num_kv_heads;
+    const int64_t tile = tree_masks ? INT64_MAX / 2 : TILE_TOKENS;
+    /* unit_first[b]: index of request b's first unit; its units are head-major, then tile. */
+    int64_t *unit_first = malloc((size_t)(num_reqs + 1) * sizeof(int64_t));
+    if (!unit_first) return -1;
     int64_t max_rows = 1, max_scores = 1, max_ctx = 1;
+    unit_first[0] = 0;
     for (int b = 0; b < num_reqs; b++) {
+        const int64_t tiles = (query_lens[b] + tile - 1) / tile;
+        unit_first[b + 1] = unit_first[b] + tiles * num_kv_heads;
         max_ctx = context_lens[b] > max_ctx ? context_lens[b] : max_ctx;
-        const int64_t rows = query_lens[b] * group;
+        const int64_t rows = (query_lens[b] < tile ? query_lens[b] : tile) * group;
+        const int64_t stride = (context_lens[b] + KEYS_PER_CHUNK - 1) / KEYS_PER_CHUNK * KEYS_PER_CHUNK;
         max_rows = rows > max_rows ? rows : max_rows;
-        max_scores = rows * context_lens[b] > max_scores ? rows * context_lens[b] : max_scores;
+        max_scores = rows * stride > max_scores ? rows * stride : max_scores;
     }
+    const int64_t num_units = unit_first[num_reqs];
     const int num_pairs = num_reqs * num_kv_heads;
-    if (num_threads > num_pairs) num_threads = num_pairs;
+    if (num_threads > num_units) num_threads = (int)num_units;  /* pairs with K/V to write have units too */
     if (num_threads < 1) num_threads = 1;
     int status = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : status)
     {
-        Scratch w;
-        w.scores = malloc((size_t)max_scores * sizeof(float));
-        w.q_row = malloc((size_t)max_rows * sizeof(*w.q_row));
-        w.out_row = malloc((size_t)max_rows * sizeof(*w.out_row));
-        w.last_key = malloc((size_t)max_rows * sizeof(*w.last_key));
-        w.allowed = malloc((size_t)max_rows * sizeof(*w.allowed));
-        w.packed = tree_masks ? malloc((size_t)max_ctx * sizeof(float)) : NULL;
-        const int ok = w.scores && w.q_row && w.out_row && w.last_key && w.allowed && (w.packed || !tree_masks);
-        if (!ok) status = -1;
-#pragma omp for schedule(dynamic, 1)
-        for (int pair = 0; pair < num_pairs; pair++) {
-            const int b = pair / num_kv_heads, h = pair % num_kv_heads;
-            if (!ok || query_lens[b] == 0) continue;
-            const int64_t *table = block_tables + (int64_t)b * max_blocks;
-            if (k_new) {
-                /* This pair's new K/V first: only this pair reads its request's slots of head h. */
+        if (k_new) {
+            /* The new K/V first, each (request, KV head) pair's slots by one thread. */
+#pragma omp for schedule(static)
+            for (int pair = 0; pair < num_pairs; pair++) {
+                const int b = pair / num_kv_heads, h = pair % num_kv_heads;
                 const int64_t head_offset = (int64_t)h * num_blocks * block_size * hd;
                 for (int64_t t = query_start[b]; t < query_start[b] + query_lens[b]; t++) {
                     const int64_t dst = head_offset + slot_mapping[t] * hd;
                     store_kv((void *)k_cache, dst, k_new + t * k_token_stride + (int64_t)h * hd, hd, cache_half);
                     store_kv((void *)v_cache, dst, v_new + t * v_token_stride + (int64_t)h * hd, hd, cache_half);
                 }
-            }
+            }  /* the implicit barrier: every unit below reads keys that any pair wrote */
+        }
+        Scratch w;
+        w.scores = malloc((size_t)max_scores * sizeof(float));
+        w.kt = malloc((size_t)hd * KEYS_PER_CHUNK * sizeof(float));
+        w.q_row = malloc((size_t)max_rows * sizeof(*w.q_row));
+        w.out_row = malloc((size_t)max_rows * sizeof(*w.out_row));
+        w.last_key = malloc((size_t)max_rows * sizeof(*w.last_key));
+        w.allowed = malloc((size_t)max_rows * sizeof(*w.allowed));
+        w.packed = tree_masks ? malloc((size_t)max_ctx * sizeof(float)) : NULL;
+        const int ok = w.scores && w.kt && w.q_row && w.out_row && w.last_key && w.allowed && (w.packed || !tree_masks);
+        if (!ok) status = -1;
+        int b = 0;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t unit = 0; unit < num_units; unit++) {
+            if (!ok) continue;
+            while (unit_first[b + 1] <= unit) b++;  /* units come in order to each thread */
+            while (unit_first[b] > unit) b--;
+            const int64_t tiles = (query_lens[b] + tile - 1) / tile;
+            const int h = (int)((unit - unit_first[b]) / tiles);
+            const int64_t t0 = (unit - unit_first[b]) % tiles * tile;
+            const int len = (int)(query_lens[b] - t0 < tile ? query_lens[b] - t0 : tile);
+            /* The tile's rows see the context up to its last token: ctx - q_len + t0 + len. */
+            const int64_t ctx = context_lens[b] - query_lens[b] + t0 + len;
+            const int64_t *table = block_tables + (int64_t)b * max_blocks;
             if (cache_half)
-                attend_one(q, q_token_stride, k_cache, v_cache, out, table, query_start[b], (int)query_lens[b],
-                           context_lens[b], h, group, num_heads, hd, block_size, num_blocks, scale, tree_masks, &w, 1);
+                attend_one(q, q_token_stride, k_cache, v_cache, out, table, query_start[b] + t0, len, ctx, h, group,
+                           num_heads, hd, block_size, num_blocks, scale, tree_masks, &w, 1);
             else
-                attend_one(q, q_token_stride, k_cache, v_cache, out, table, query_start[b], (int)query_lens[b],
-                           context_lens[b], h, group, num_heads, hd, block_size, num_blocks, scale, tree_masks, &w, 0);
+                attend_one(q, q_token_stride, k_cache, v_cache, out, table, query_start[b] + t0, len, ctx, h, group,
+                           num_heads, hd, block_size, num_blocks, scale, tree_masks, &w, 0);
         }
         free(w.scores);
+        free(w.kt);
         free(w.q_row);
         free(w.out_row);
         free(w.last_key);
         free(w.allowed);
         free(w.packed);
     }
+    free(unit_first);
     return status;
 }
