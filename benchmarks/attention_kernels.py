@@ -10,7 +10,7 @@ default model's attention shapes (9 query heads, 3 KV heads, head_dim 64,
 - the kernel over a float16 cache on torch's threads (what ``dtype="auto"`` runs).
 
 A step is B requests with q new tokens each: decoding (q = 1), verification of
-5 drafts (q = 6) and a prefill (q = 100, which every variant hands to SDPA).
+5 drafts (q = 6) and prefill chunks (q = 100).
 Contexts are 60-260 tokens (decode and verify). Each call uses the next of
 ``--layers`` caches, as a forward does, and each variant has its own, so K/V
 are read from memory rather than from the CPU's caches. Reports the median and minimum microseconds

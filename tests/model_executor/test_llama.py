@@ -248,3 +248,35 @@ def test_default_dtype_verified_rows_have_the_bits_of_decoding_alone(keep_quanti
         ForwardInput(generated, n, [2, 3], num_logits=6),
     ]).logits[1:]                                                                            # [6, V]
     assert torch.equal(verified, alone)
+
+
+@pytest.mark.parametrize("keep_quantized", [True, False], ids=["gguf-blocks", "float16"])
+def test_default_dtype_prompt_logits_do_not_depend_on_chunking(keep_quantized):
+    """A prompt prefilled whole, in chunks cut anywhere (what the token budget, a prefix-cache
+    hit or a speculative engine's lookahead slots do), or one token at a time, alongside
+    another request, gets exactly the same logits at every position in the CPU default
+    dtype: greedy answers cannot depend on where a prompt was cut."""
+    if not cpu_attention.usable("cpu", torch.float32):
+        pytest.skip("the compiled attention kernel (what promises chunk-invariant attention) did not build")
+    if keep_quantized and not quant_gemm.available():
+        pytest.skip("the quantized matmul kernel did not build")
+    loaded = load_model(None, torch.float16, keep_quantized=keep_quantized)
+    runner = ModelRunner(loaded.config, loaded.state_dict, torch.float16, torch.device("cpu"), 256, BLOCK_SIZE)
+    runner.allocate_kv_cache(24)
+    tok = loaded.tokenizer
+    text = tok.apply_chat_template([{"role": "user", "content": "Write a haiku about paged attention."}],
+                                   tokenize=False, add_generation_prompt=True)
+    tokens = tok.encode(text, add_special_tokens=False)
+    n = len(tokens)
+    assert n > 2 * BLOCK_SIZE
+    whole = run_chunks(runner, tokens, [n], block_table=[0, 1, 2, 3])
+    cut = run_chunks(runner, tokens, [13, 21, 1, n - 35], block_table=[4, 5, 6, 7])
+    assert torch.equal(cut, whole)
+    # One token at a time, each step shared with another request's prefill.
+    other = tok.encode("Once upon a time", add_special_tokens=False)
+    single = []
+    for p in range(n):
+        out = runner.execute([ForwardInput(other, 0, [8, 9], num_logits=1),
+                              ForwardInput(tokens[p:p + 1], p, [10, 11, 12, 13], num_logits=1)]).logits
+        single.append(out[1])
+    assert torch.equal(torch.stack(single), whole)

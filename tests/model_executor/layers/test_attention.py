@@ -114,9 +114,9 @@ def test_paged_attention_matches_dense_reference(monkeypatch, group_cost, path, 
 def test_kernel_row_does_not_depend_on_the_other_rows_of_its_step(hd, cache_dtype, cached):
     """Verifying [t, d1..d4] and decoding t alone give the same bits for t's row (and
     each draft's row equals decoding it after the previous ones), so speculative and
-    plain decoding see identical attention outputs. (A key's score is summed by one of
-    three functions depending on the layout; built with FMA contraction, they rounded
-    differently for some alignments.)"""
+    plain decoding see identical attention outputs. (An earlier kernel summed a key's score
+    in one of three functions depending on the layout; built with FMA contraction, they
+    rounded differently for some alignments.)"""
     torch.manual_seed(0)
     heads, kv_heads, num_blocks, new = 9, 3, 40, 5
     table = torch.randperm(num_blocks)[:12].tolist()
