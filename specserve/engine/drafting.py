@@ -5,6 +5,10 @@ With ``dynamic_k``, a proposer whose drafts cost nothing (``Proposer.drafts_are_
 n-gram, suffix) proposes the full K first; the policy then keeps the part of each proposal
 that pays, and every proposal is scored against the tokens the target emits next
 (``spec_decode.shadow_drafts``), so acceptance is learned without drafting to measure it.
+Where the lookups cost a measurable share of the forward (large batches), a request whose
+proposals the policy keeps cutting to nothing is looked up only every ``LOOKUP_EVERY``
+steps (``LookupBackoff``), so such steps cost about what plain decoding costs; a lookup
+that pays again brings it back at once.
 A proposer that costs a forward per draft (draft model, EAGLE) is asked for the lengths the
 policy picks beforehand, from the acceptance of verified drafts and periodic probes.
 
@@ -18,7 +22,9 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from weakref import WeakKeyDictionary
 
+from specserve.core.request import Request
 from specserve.core.scheduler import ScheduledRequest
 from specserve.outputs import SpecDecodeStats
 from specserve.spec_decode.k_policy import DraftLengthPolicy
@@ -27,6 +33,44 @@ from specserve.spec_decode.shadow_drafts import ShadowDrafts
 from specserve.worker.model_runner import ForwardInput
 
 logger = logging.getLogger(__name__)
+
+# A request whose proposal the policy cut to 0 tokens this many steps in a row (a proposal
+# there, but verifying it does not pay) is then looked up once every LOOKUP_EVERY steps,
+# in steps where the lookups (and their bookkeeping) cost at least LOOKUP_SHARE of the
+# forward: at batch 1 they cost ~0.7% of it (0.10 of ~15 ms), at batch 8 and 64 ~2%.
+CUTS_BEFORE_BACKOFF = 2
+LOOKUP_EVERY = 4
+LOOKUP_SHARE = 0.01
+
+
+class LookupBackoff:
+    """Which decoding requests a free proposer looks up this step (dynamic_k only).
+
+    At batch 64 a lookup and its bookkeeping cost ~3.5 ms a step (about 2% of it), spent
+    for nothing when the policy verifies none of it. Requests with no proposal at all keep
+    being looked up every step: a match can start at any token, and it is cheap to miss.
+    """
+
+    def __init__(self) -> None:
+        self._cuts: WeakKeyDictionary[Request, int] = WeakKeyDictionary()   # consecutive cuts to 0
+        self._wait: WeakKeyDictionary[Request, int] = WeakKeyDictionary()   # steps left to sit out
+
+    def skips(self, request: Request) -> bool:
+        """True when ``request`` sits this step out (counts the step)."""
+        wait = self._wait.get(request, 0)
+        if wait > 0:
+            self._wait[request] = wait - 1
+            return True
+        return False
+
+    def chosen(self, request: Request, proposed: int, kept: int) -> None:
+        """The policy kept ``kept`` of the ``proposed`` tokens looked up for ``request``."""
+        if proposed > 0 and kept == 0:
+            cuts = self._cuts[request] = self._cuts.get(request, 0) + 1
+            if cuts >= CUTS_BEFORE_BACKOFF:
+                self._wait[request] = LOOKUP_EVERY - 1
+        elif kept > 0:
+            self._cuts[request] = 0
 
 
 class Drafting:
@@ -37,6 +81,8 @@ class Drafting:
         self.engine_stats = engine_stats      # the engine-wide acceptance (the policy's prior)
         self.propose_seconds = 0.0            # this step's proposer time (dynamic_k's cost model)
         self.shadows = ShadowDrafts() if k_policy is not None else None   # free proposers' scored proposals
+        self.backoff = LookupBackoff()
+        self.lookup_seconds_per_request = 0.0   # the last lookup step's, bookkeeping included
 
     def propose_or_skip(self, proposer, scheduled: list[ScheduledRequest]) -> None:
         """Set each decoding request's drafts, or none if the proposer fails."""
@@ -86,21 +132,36 @@ class Drafting:
     def _propose_then_trim(self, proposer, decoding: list[ScheduledRequest]) -> None:
         """A free proposer's full proposals, each remembered for scoring, then cut to the
         lengths the policy picks (their lookahead slots stay reserved, unused). Seeded sampled
-        requests keep theirs whole: their random draws depend on k."""
-        proposal = proposer.propose(decoding)
-        parents = proposal.parents or [None] * len(decoding)
-        for s, tokens, tree in zip(decoding, proposal.token_ids, parents):
+        requests keep theirs whole: their random draws depend on k. Requests the back-off
+        sits out this step get no lookup and no drafts."""
+        started = time.perf_counter()
+        policy, asked = self.k_policy, []
+        back_off = (policy.forward.known() and self.lookup_seconds_per_request * len(decoding)
+                    >= LOOKUP_SHARE * policy.forward(len(decoding)))
+        for s in decoding:
+            if back_off and _policy_may_shorten(s) and self.backoff.skips(s.request):
+                s.num_lookahead = 0
+                s.request.clear_drafts()
+            else:
+                asked.append(s)
+        if not asked:
+            return
+        proposal = proposer.propose(asked)
+        parents = proposal.parents or [None] * len(asked)
+        for s, tokens, tree in zip(asked, proposal.token_ids, parents):
             self.shadows.remember(s.request, tokens[: s.num_lookahead], None if tree is None else tree[: s.num_lookahead])
-        chosen = [i for i, s in enumerate(decoding) if _policy_may_shorten(s)]
+        chosen = [i for i, s in enumerate(asked) if _policy_may_shorten(s)]
         if chosen:
-            policy, rates = self.k_policy, []
-            limits = [min(len(proposal.token_ids[i]), decoding[i].num_lookahead) for i in chosen]
+            rates = []
+            limits = [min(len(proposal.token_ids[i]), asked[i].num_lookahead) for i in chosen]
             for i, size in zip(chosen, limits):
-                own = self.shadows.of(decoding[i].request, size)
+                own = self.shadows.of(asked[i].request, size)
                 rates.append(policy.acceptance(own.gained, own.proposed, self.shadows.engine(size).rates()))
-            for i, k in zip(chosen, policy.choose(rates, limits, [False] * len(chosen))):
-                decoding[i].num_lookahead = k
-        self._set_drafts(proposer, decoding, proposal)
+            for i, size, k in zip(chosen, limits, policy.choose(rates, limits, [False] * len(chosen))):
+                asked[i].num_lookahead = k
+                self.backoff.chosen(asked[i].request, size, k)
+        self._set_drafts(proposer, asked, proposal)
+        self.lookup_seconds_per_request = (time.perf_counter() - started) / len(asked)
 
     def score_proposals(self, scheduled: list[ScheduledRequest]) -> None:
         """After a step's tokens are appended: score the remembered proposals they decide."""
