@@ -273,6 +273,29 @@ def test_greedy_equals_plain_in_default_dtype(prompts, int8_activations):
         gc.collect()
 
 
+def test_greedy_equals_plain_in_default_dtype_wherever_prompts_are_cut(prompts):
+    """A 40-token budget cuts the longer prompts into prefill chunks, and a speculative
+    engine cuts them elsewhere than a plain one (its decoding requests' lookahead slots
+    count against the budget); in the default dtype on a CPU every row's attention is
+    independent of the cut, so greedy answers are the unchunked plain ones all the same."""
+    if not cpu_attention.usable("cpu", torch.float32):
+        pytest.skip("the compiled attention kernel (what makes prefill chunk-invariant) did not build")
+    kw = dict(ENGINE_KW, dtype="auto")
+    whole = LLM(**kw, max_num_batched_tokens=2048)
+    want = [o.outputs[0].token_ids for o in whole.generate(prompts, GREEDY)]
+    del whole
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 3}):
+        llm = LLM(**kw, max_num_batched_tokens=40, speculative_config=spec)
+        steps = []
+        execute = llm.engine.runner.execute
+        llm.engine.runner.execute = lambda inputs: steps.append(inputs) or execute(inputs)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == want, spec
+        # some prompt really was cut: a prefill chunk that ends before its prompt does
+        assert any(i.num_logits == 0 for inputs in steps for i in inputs)
+        del llm
+        gc.collect()
+
+
 def test_reduced_draft_vocabulary_is_lossless(prompts, ref, monkeypatch):
     """draft_vocab_size: the draft's LM head keeps the first 2048 token ids, so it never proposes
     the others; greedy output is still plain output, and seeded sampling reproduces itself."""
