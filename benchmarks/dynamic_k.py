@@ -14,6 +14,9 @@ against it and against plain, and how many decode steps carried 0, 1, 2, ... dra
     python benchmarks/dynamic_k.py --method ngram --fixed-ks 1,2,3,4 --max-k 4 --batch-sizes 1
     python benchmarks/dynamic_k.py --method ngram --fixed-ks 4 --max-k 4 --batch-sizes 8,32,64 --max-tokens 48
 
+``--control`` adds a second plain engine, timed like the others: its ratio to plain shows
+how far identical work moves on this machine within the run (the noise floor of a cell).
+
 ``--json FILE`` also writes every measurement.
 """
 from __future__ import annotations
@@ -28,6 +31,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SPEC_BENCH = os.path.join(HERE, "..", "..", "shared", "data", "spec_bench", "question.jsonl")
+CONTROL = "plain (control)"
 
 
 def main() -> int:
@@ -45,6 +49,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompts", default=SPEC_BENCH)
     p.add_argument("--json", default=None)
+    p.add_argument("--control", action="store_true", help="a second plain engine: the noise floor")
     args = p.parse_args()
 
     import torch
@@ -62,6 +67,8 @@ def main() -> int:
     fixed = [int(k) for k in args.fixed_ks.split(",") if k]
     configs = {"plain": None}
     configs.update({f"k={k}": {**spec_base, "num_speculative_tokens": k, "dynamic_k": False} for k in fixed})
+    if args.control:
+        configs[CONTROL] = None
     configs[f"dynamic k<={args.max_k}"] = {**spec_base, "num_speculative_tokens": args.max_k, "dynamic_k": True}
     engines = {name: LLM(model=args.model, speculative_config=spec, max_model_len=2048, kv_cache_memory=1 << 30,
                          enable_prefix_caching=False)
@@ -89,14 +96,14 @@ def main() -> int:
                 shift = (rnd + ci) % len(names)
                 for name in names[shift:] + names[:shift]:
                     llm = engines[name]
-                    before = llm.get_spec_decode_stats().as_dict()["steps_by_draft_length"] if name != "plain" else []
+                    before = llm.get_spec_decode_stats().as_dict()["steps_by_draft_length"] if configs[name] else []
                     t = time.perf_counter()
                     outs = [o for requests in groups for o in llm.generate(requests, params, use_tqdm=False)]
                     seconds = time.perf_counter() - t
                     tokens = [o.outputs[0].token_ids for o in outs]
                     if name == "plain":
                         reference = reference or tokens
-                    after = llm.get_spec_decode_stats().as_dict()["steps_by_draft_length"] if name != "plain" else []
+                    after = llm.get_spec_decode_stats().as_dict()["steps_by_draft_length"] if configs[name] else []
                     records.append({"batch": batch, "category": category, "round": rnd, "config": name,
                                     "tokens": sum(len(t) for t in tokens), "seconds": seconds,
                                     "steps_by_draft_length": [a - (before[i] if i < len(before) else 0)
@@ -112,13 +119,14 @@ def main() -> int:
 
 def report(records: list[dict], names: list[str], rounds: int) -> None:
     dynamic = names[-1]
-    fixed = names[1:-1]
+    fixed = [n for n in names[1:-1] if n != CONTROL]
+    control = [CONTROL] if CONTROL in names else []
     mismatches = [r for r in records if r["same_as_plain"] is False]
     for batch in sorted({r["batch"] for r in records}):
         print(f"\n## batch {batch}\n")
         print("| category | plain | " + "".join(f"{n} | " for n in fixed) + f"{dynamic} | best fixed | dynamic / best fixed "
-              "| dynamic / plain | dynamic's steps by drafts |")
-        print("|---|" + "---|" * (len(fixed) + 6))
+              "| dynamic / plain | " + "".join(f"{n} / plain | " for n in control) + "dynamic's steps by drafts |")
+        print("|---|" + "---|" * (len(fixed) + len(control) + 6))
         ratios_best, ratios_plain, totals = [], [], {n: [0, 0.0] for n in names}
         for category in dict.fromkeys(r["category"] for r in records if r["batch"] == batch):
             rate, steps = {}, []
@@ -132,11 +140,13 @@ def report(records: list[dict], names: list[str], rounds: int) -> None:
             best = max(fixed, key=lambda n: rate[n]) if fixed else "plain"
             ratios_best.append(rate[dynamic] / rate[best])
             ratios_plain.append(rate[dynamic] / rate["plain"])
+            controls = "".join(f"{rate[n] / rate['plain']:.2f}x | " for n in control)
             print(f"| {category} | {rate['plain']:.1f} | " + "".join(f"{rate[n]:.1f} | " for n in fixed)
-                  + f"{rate[dynamic]:.1f} | {best} | {ratios_best[-1]:.2f}x | {ratios_plain[-1]:.2f}x | {steps} |")
+                  + f"{rate[dynamic]:.1f} | {best} | {ratios_best[-1]:.2f}x | {ratios_plain[-1]:.2f}x | {controls}{steps} |")
         whole = {n: t / s for n, (t, s) in totals.items()}
+        controls = "".join(f"{whole[n] / whole['plain']:.2f}x | " for n in control)
         print(f"| **all** | {whole['plain']:.1f} | " + "".join(f"{whole[n]:.1f} | " for n in fixed)
-              + f"{whole[dynamic]:.1f} | | min {min(ratios_best):.2f}x | min {min(ratios_plain):.2f}x | |")
+              + f"{whole[dynamic]:.1f} | | min {min(ratios_best):.2f}x | min {min(ratios_plain):.2f}x | {controls}|")
     print(f"\n{rounds} rounds per cell; greedy outputs differing from plain: {len(mismatches)}", flush=True)
 
 
