@@ -14,8 +14,9 @@ torch's own workers, still spinning after the last matmul. (Two Python threads
 measured no faster inside a real forward at batch 16: torch's workers spun on
 the second core while the kernel ran.) At batch 16 this took a decode forward
 from 142 to 116 ms (median; min 103 to 95) against one thread.
-When it serves every request of a step (decoding and verification steps), the
-kernel also writes the step's new K/V into the cache itself, each (request, KV
+It serves every request of a step (decoding, verification and prefill chunks,
+since 2026-12-02: a row's result then depends on its position alone, however its
+prompt was cut) and writes the step's new K/V into the cache itself, each (request, KV
 head) pair its own, instead of torch's two ``index_copy_`` of converted views:
 77 against 128 us per layer call at batch 1 (``benchmarks/attention_kernels.py``).
 Without a compiler, when the build fails, or with

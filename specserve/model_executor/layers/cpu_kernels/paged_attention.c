@@ -3,9 +3,11 @@
  * Called from specserve/model_executor/layers/cpu_attention.py through ctypes.
  * The PyTorch path gathers every request's blocks into a padded copy and then
  * runs SDPA over it, reading the context twice and paying per-(head, request)
- * set-up inside SDPA; here each (request, KV head) pair reads its keys and
- * values once, straight from the block table, for all the query rows that
- * share that KV head (grouped-query attention) and all its new tokens.
+ * set-up inside SDPA; here each (request, KV head, tile of new tokens) reads its
+ * keys and values once, straight from the block table, for all the query rows
+ * that share that KV head (grouped-query attention). It serves decoding,
+ * verification and prefill chunks alike, and a row's result depends on its
+ * position alone (see specserve_paged_attention).
  *
  * Layouts (all contiguous float32 / int64 unless a stride is given):
  *   q            [T, Hq, hd]  token stride q_token_stride (q is a view of the fused qkv output)
@@ -30,7 +32,7 @@
 #include <immintrin.h>
 #endif
 
-/* 8 floats: one AVX register, two SSE/NEON ones; GCC and Clang lower it for any target. */
+/* 8 floats: one AVX register (a float16 cache is converted 8 at a time without AVX-512). */
 typedef float f32x8 __attribute__((vector_size(32)));
 
 static inline f32x8 load8(const float *p) {
@@ -38,26 +40,6 @@ static inline f32x8 load8(const float *p) {
     memcpy(&v, p, sizeof v);  /* unaligned load */
     return v;
 }
-
-/* acc + a * b. Built with -ffp-contract=off the compiler fuses nothing on its own (it used
- * to fuse some multiply-adds and not others, so one key's score depended in the last bit
- * on which function summed it); the vector sums fuse here, explicitly and everywhere alike,
- * with one rounding where the CPU has FMA, and scalar tails always round twice. */
-static inline f32x8 fma8(f32x8 a, f32x8 b, f32x8 acc) {
-#if defined(__FMA__)
-    __m256 x, y, z;
-    memcpy(&x, &a, sizeof x);
-    memcpy(&y, &b, sizeof y);
-    memcpy(&z, &acc, sizeof z);
-    z = _mm256_fmadd_ps(x, y, z);
-    memcpy(&acc, &z, sizeof acc);
-    return acc;
-#else
-    return acc + a * b;
-#endif
-}
-
-static inline f32x8 splat8(float x) { return (f32x8){x, x, x, x, x, x, x, x}; }
 
 /* A float16 cache is read through F16C's conversion (exact), so the arithmetic is the
  * float32 kernel's on the stored values. Without F16C the half variant is not built:
@@ -124,7 +106,10 @@ static inline f32x16 load16(const float *p) {
 static inline void store16(float *p, f32x16 v) { memcpy(p, &v, sizeof v); }
 static inline f32x16 splat16(float x) { return (f32x16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
-/* acc + a * b per lane, one rounding where the CPU has FMA (as fma1 and fma8). */
+/* acc + a * b per lane, one rounding where the CPU has FMA (fma1: the same for one lane).
+ * Built with -ffp-contract=off the compiler fuses nothing on its own (it once fused some
+ * multiply-adds and not others, so a key's score depended in the last bit on which function
+ * summed it); every sum fuses here, explicitly and everywhere alike. */
 static inline f32x16 fma16(f32x16 a, f32x16 b, f32x16 acc) {
 #if defined(__AVX512F__)
     __m512 x, y, z;
