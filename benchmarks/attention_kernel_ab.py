@@ -66,7 +66,7 @@ def time_case(libs: dict, case: tuple, repeats: int, layers: int) -> dict[str, f
     times: dict[str, list[float]] = {name: [] for name in libs}
     for _ in range(repeats):
         for name, lib in libs.items():
-            cpu_attention.LIBRARY.get = lambda lib=lib: lib
+            cpu_attention._load = lambda lib=lib: lib   # what usable() and paged_attention_cpu call
             start = time.perf_counter()
             for cache in caches:
                 paged_attention(q, k, v, cache, meta, hd ** -0.5)
@@ -85,10 +85,9 @@ def main() -> None:
     current = cpu_attention.LIBRARY.get()
     if current is None or not cpu_attention.reads_float16_cache():
         raise SystemExit("the CPU attention kernel did not build here (or reads no float16 cache)")
-    real_get = cpu_attention.LIBRARY.get
+    real_load = cpu_attention._load
     with tempfile.TemporaryDirectory() as tmp:
         libs = {"baseline": build_baseline(args.baseline, Path(tmp)), "this checkout": current}
-        cpu_attention._load = lambda: cpu_attention.LIBRARY.get()
         print(f"torch threads {args.threads}; median microseconds per layer call, float16 cache")
         print("| model shape | batch | new tokens | context | baseline | this checkout | baseline / this |")
         print("|---|---|---|---|---|---|---|")
@@ -100,8 +99,7 @@ def main() -> None:
                     print(f"| {label} | {batch} | {q_len} | {ctx} | {t['baseline']:.0f} | {t['this checkout']:.0f} "
                           f"| {t['baseline'] / t['this checkout']:.2f}x |", flush=True)
         finally:
-            cpu_attention.LIBRARY.get = real_get
-            cpu_attention._load = real_get
+            cpu_attention._load = real_load
 
 
 if __name__ == "__main__":

@@ -4,20 +4,16 @@ from __future__ import annotations
 import pytest
 
 from specserve import LLM, SamplingParams
-from specserve.core.request import Request
 from specserve.engine import drafting
 from specserve.engine.drafting import CUTS_BEFORE_BACKOFF, LOOKUP_EVERY, LookupBackoff
 
-KW = dict(dtype="float32", max_model_len=256, kv_cache_memory=8 << 20)
-PROMPTS = ["one two three one two three one two", "a b c a b c a b", "the cat sat on the mat the cat"]
-
-
-def _request() -> Request:
-    return Request("r", None, [1, 2, 3], SamplingParams(max_tokens=8), None, None)
+from dynamic_k_setup import REPEATING_PROMPTS as PROMPTS
+from dynamic_k_setup import TINY_ENGINE_KW as KW
+from dynamic_k_setup import bare_request, pin_forward_costs
 
 
 def test_cut_proposals_back_off_and_a_paying_one_comes_back():
-    backoff, req = LookupBackoff(), _request()
+    backoff, req = LookupBackoff(), bare_request([1, 2, 3])
     for _ in range(CUTS_BEFORE_BACKOFF - 1):
         assert not backoff.skips(req)
         backoff.chosen(req, proposed=3, kept=0)
@@ -29,7 +25,7 @@ def test_cut_proposals_back_off_and_a_paying_one_comes_back():
 
 
 def test_no_proposal_is_no_reason_to_back_off():
-    backoff, req = LookupBackoff(), _request()
+    backoff, req = LookupBackoff(), bare_request([1, 2, 3])
     for _ in range(10):
         assert not backoff.skips(req)
         backoff.chosen(req, proposed=0, kept=0)
@@ -47,10 +43,7 @@ def test_costly_rows_look_up_one_step_in_lookup_every(tiny_llama_dir, monkeypatc
     want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params, use_tqdm=False)]
     llm = LLM(model=tiny_llama_dir, **KW,
               speculative_config={"method": "ngram", "num_speculative_tokens": 4, "dynamic_k": True})
-    policy = llm.engine.k_policy
-    policy.forward.shape, policy.forward.seconds = {}, {1: 0.01, 2: 0.02, 3: 0.03}
-    policy.record_forward = lambda rows, seconds: None
-    policy.overhead_seconds, policy.record_overhead = 0.0, lambda seconds: None
+    pin_forward_costs(llm, {1: 0.01, 2: 0.02, 3: 0.03})
     looked_up = []
     proposer = llm.engine.proposer
     real_propose = proposer.propose

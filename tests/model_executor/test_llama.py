@@ -212,6 +212,21 @@ def test_default_model_chunked_and_batched(default_pair):
     assert (batch[n:] - alone_other).abs().max() < REAL_ATOL
 
 
+def default_dtype_runner(keep_quantized: bool, num_blocks: int):
+    """The default model in the CPU default dtype (its GGUF blocks, or float16 weights), with
+    ``num_blocks`` KV blocks, and its tokenizer; skips where the row-independent,
+    chunk-invariant kernels did not build."""
+    if not cpu_attention.usable("cpu", torch.float32):
+        pytest.skip("the compiled attention kernel (what promises row-independent, chunk-invariant attention) "
+                    "did not build")
+    if keep_quantized and not quant_gemm.available():
+        pytest.skip("the quantized matmul kernel did not build")
+    loaded = load_model(None, torch.float16, keep_quantized=keep_quantized)
+    runner = ModelRunner(loaded.config, loaded.state_dict, torch.float16, torch.device("cpu"), 256, BLOCK_SIZE)
+    runner.allocate_kv_cache(num_blocks)
+    return runner, loaded.tokenizer
+
+
 @pytest.mark.parametrize("keep_quantized", [True, False], ids=["gguf-blocks", "float16"])
 def test_default_dtype_verified_rows_have_the_bits_of_decoding_alone(keep_quantized):
     """Lossless greedy speculation rests on this, near-tie or not: in the CPU default dtype
@@ -219,14 +234,7 @@ def test_default_dtype_verified_rows_have_the_bits_of_decoding_alone(keep_quanti
     and dtype="float16", float16 weights) a token verified together with drafts, in a step
     shared with another request, gets exactly the logits it gets when decoded alone, through
     the whole forward (matmuls, attention, norms, LM head)."""
-    if not cpu_attention.usable("cpu", torch.float32):
-        pytest.skip("the compiled attention kernel (what promises row-independent attention) did not build")
-    if keep_quantized and not quant_gemm.available():
-        pytest.skip("the quantized matmul kernel did not build")
-    loaded = load_model(None, torch.float16, keep_quantized=keep_quantized)
-    runner = ModelRunner(loaded.config, loaded.state_dict, torch.float16, torch.device("cpu"), 256, BLOCK_SIZE)
-    runner.allocate_kv_cache(16)
-    tok = loaded.tokenizer
+    runner, tok = default_dtype_runner(keep_quantized, num_blocks=16)
     prompt_ids = tok.encode("The three primary colors are", add_special_tokens=False)
     other_ids = tok.encode("Once upon a time", add_special_tokens=False)
     n = len(prompt_ids)
@@ -256,14 +264,7 @@ def test_default_dtype_prompt_logits_do_not_depend_on_chunking(keep_quantized):
     hit or a speculative engine's lookahead slots do), or one token at a time, alongside
     another request, gets exactly the same logits at every position in the CPU default
     dtype: greedy answers cannot depend on where a prompt was cut."""
-    if not cpu_attention.usable("cpu", torch.float32):
-        pytest.skip("the compiled attention kernel (what promises chunk-invariant attention) did not build")
-    if keep_quantized and not quant_gemm.available():
-        pytest.skip("the quantized matmul kernel did not build")
-    loaded = load_model(None, torch.float16, keep_quantized=keep_quantized)
-    runner = ModelRunner(loaded.config, loaded.state_dict, torch.float16, torch.device("cpu"), 256, BLOCK_SIZE)
-    runner.allocate_kv_cache(24)
-    tok = loaded.tokenizer
+    runner, tok = default_dtype_runner(keep_quantized, num_blocks=24)
     text = tok.apply_chat_template([{"role": "user", "content": "Write a haiku about paged attention."}],
                                    tokenize=False, add_generation_prompt=True)
     tokens = tok.encode(text, add_special_tokens=False)

@@ -6,8 +6,12 @@ from __future__ import annotations
 import pytest
 
 from specserve import LLM, SamplingParams
-from specserve.core.request import Request, RequestStatus
+from specserve.core.request import RequestStatus
 from specserve.spec_decode.shadow_drafts import ShadowDrafts, gains_by_node, tree_depth
+
+from dynamic_k_setup import REPEATING_PROMPTS as PROMPTS
+from dynamic_k_setup import TINY_ENGINE_KW as KW
+from dynamic_k_setup import bare_request, pin_forward_costs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -26,12 +30,8 @@ def test_a_tree_earns_the_branch_the_target_followed():
     assert tree_depth(parents, 5) == 3 and tree_depth(parents, 2) == 1 and tree_depth(None, 4) == 4
 
 
-def request(tokens: list[int]) -> Request:
-    return Request("r", None, tokens, SamplingParams(max_tokens=8), None, None)
-
-
 def test_proposals_are_scored_once_decided():
-    shadows, req = ShadowDrafts(), request([1, 2, 3])
+    shadows, req = ShadowDrafts(), bare_request([1, 2, 3])
     shadows.remember(req, [4, 5, 6], None)          # guesses positions 3, 4, 5
     req.append_token(4)
     shadows.score(req)
@@ -46,7 +46,7 @@ def test_proposals_are_scored_once_decided():
 
 
 def test_a_miss_decides_early_and_a_finished_request_decides_everything():
-    shadows, req = ShadowDrafts(), request([1])
+    shadows, req = ShadowDrafts(), bare_request([1])
     shadows.remember(req, [2, 3, 4, 5], None)
     req.append_token(7)                              # misses at once: final with 1 token
     shadows.score(req)
@@ -58,18 +58,6 @@ def test_a_miss_decides_early_and_a_finished_request_decides_everything():
     assert shadows.of(req, 2).gained == [1, 0]
 
 
-KW = dict(dtype="float32", max_model_len=256, kv_cache_memory=8 << 20)
-PROMPTS = ["one two three one two three one two", "a b c a b c a b", "the cat sat on the mat the cat"]
-
-
-def fixed_costs(llm: LLM, seconds_by_rows: dict[int, float]) -> None:
-    """Pin the policy's forward costs (the engine's own timings are then ignored)."""
-    policy = llm.engine.k_policy
-    policy.forward.shape, policy.forward.seconds = {}, dict(seconds_by_rows)
-    policy.record_forward = lambda rows, seconds: None
-    policy.overhead_seconds, policy.record_overhead = 0.0, lambda seconds: None
-
-
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
 def test_free_rows_verify_every_proposal_as_a_fixed_k_does(tiny_llama_dir, method):
     """Rows that cost nothing: each proposal is kept whole, so the steps are those of a fixed k."""
@@ -78,7 +66,7 @@ def test_free_rows_verify_every_proposal_as_a_fixed_k_does(tiny_llama_dir, metho
     fixed = LLM(model=tiny_llama_dir, **KW, speculative_config=spec)
     fixed_out = [o.outputs[0].token_ids for o in fixed.generate(PROMPTS, params, use_tqdm=False)]
     dynamic = LLM(model=tiny_llama_dir, **KW, speculative_config={**spec, "dynamic_k": True})
-    fixed_costs(dynamic, {1: 0.01, 64: 0.01})
+    pin_forward_costs(dynamic, {1: 0.01, 64: 0.01})
     assert [o.outputs[0].token_ids for o in dynamic.generate(PROMPTS, params, use_tqdm=False)] == fixed_out
     a, b = fixed.get_spec_decode_stats(), dynamic.get_spec_decode_stats()
     assert a.num_draft_tokens > 0
@@ -94,7 +82,7 @@ def test_costly_rows_verify_nothing_yet_every_proposal_is_scored(tiny_llama_dir)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params, use_tqdm=False)]
     llm = LLM(model=tiny_llama_dir, **KW, speculative_config=spec)
-    fixed_costs(llm, {1: 0.01, 2: 0.02, 3: 0.03})
+    pin_forward_costs(llm, {1: 0.01, 2: 0.02, 3: 0.03})
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == want
     stats = llm.get_spec_decode_stats()
     assert stats.num_draft_tokens == 0 and stats.num_steps > 100   # past step 16, where a probe would draft
@@ -109,7 +97,7 @@ def test_sampled_requests_learn_and_keep_their_distribution_path(tiny_llama_dir)
     fixed = LLM(model=tiny_llama_dir, **KW, speculative_config=spec)
     want = fixed.generate(PROMPTS[0], seeded, use_tqdm=False)[0].outputs[0].token_ids
     dynamic = LLM(model=tiny_llama_dir, **KW, speculative_config={**spec, "dynamic_k": True})
-    fixed_costs(dynamic, {1: 0.01, 2: 0.02, 3: 0.03})
+    pin_forward_costs(dynamic, {1: 0.01, 2: 0.02, 3: 0.03})
     assert dynamic.generate(PROMPTS[0], seeded, use_tqdm=False)[0].outputs[0].token_ids == want
     unseeded = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
     before = dynamic.get_spec_decode_stats().num_draft_tokens
