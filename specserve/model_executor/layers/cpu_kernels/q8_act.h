@@ -46,10 +46,24 @@ static inline int q8_act_supported(int qtype, int64_t in) {
     }
 }
 
-/* ---- activations: one row -> xq [in] int8, scaled per group of 256 values (the last group may
- * be shorter): xd [ngroups] the group's dx; xl [in / 4] each vpdpbusd lane's xq sum (4 values);
- * xm [ngroups][16] lanes 8-15 the xq sums of the group's 32-value blocks, lanes 0-7 zero ---- */
-static void q8_quantize_row(const float *x, int64_t in, int8_t *xq, float *xd, int32_t *xl, float *xm) {
+/* ---- activations: rows x in values -> per row, scaled per group of 256 values (the last group
+ * may be shorter) ---- */
+typedef struct {
+    const int8_t *xq;    /* [rows][in] the rounded values */
+    const float *xd;     /* [rows][ngroups] each group's dx */
+    const int32_t *xl;   /* [rows][in / 4] each vpdpbusd lane's xq sum (4 values) */
+    const float *xm;     /* [rows][ngroups][16] lanes 8-15 the xq sums of the group's 32-value blocks, 0-7 zero */
+    const int32_t *xs;   /* [rows][ngroups][16] the xq sums of the group's 16-value blocks */
+} q8_acts;
+
+static inline q8_acts q8_acts_row(const q8_acts *a, int64_t r, int64_t in) {   /* the same arrays from row r on */
+    const int64_t ngroups = (in + 255) / 256;
+    const q8_acts out = {a->xq + r * in, a->xd + r * ngroups, a->xl + r * (in / 4), a->xm + r * 16 * ngroups,
+                         a->xs + r * 16 * ngroups};
+    return out;
+}
+
+static void q8_quantize_row(const float *x, int64_t in, int8_t *xq, float *xd, int32_t *xl, float *xm, int32_t *xs) {
     const __m512 sign = _mm512_set1_ps(-0.0f);
     const int64_t ngroups = (in + 255) / 256;
     for (int64_t g = 0; g < ngroups; g++) {
@@ -59,12 +73,15 @@ static void q8_quantize_row(const float *x, int64_t in, int8_t *xq, float *xd, i
         const float m = _mm512_reduce_max_ps(amax);
         const float d = m / 127.0f, id = m > 0.0f ? 127.0f / m : 0.0f;
         float sums[16] = {0};
+        int32_t sums16[16] = {0};
         for (int64_t v = v0; v < v1; v += 32) {
             const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + v), _mm512_set1_ps(id)));
             const __m512i qe = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + v + 16), _mm512_set1_ps(id)));
             _mm_storeu_si128((__m128i *)(xq + v), _mm512_cvtsepi32_epi8(qa));   /* round to nearest even */
             _mm_storeu_si128((__m128i *)(xq + v + 16), _mm512_cvtsepi32_epi8(qe));
-            sums[8 + (v - v0) / 32] = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qe));
+            sums16[(v - v0) / 16] = _mm512_reduce_add_epi32(qa);
+            sums16[(v - v0) / 16 + 1] = _mm512_reduce_add_epi32(qe);
+            sums[8 + (v - v0) / 32] = (float)(sums16[(v - v0) / 16] + sums16[(v - v0) / 16 + 1]);
         }
         for (int64_t v = v0; v < v1; v += 64) {
             const __m512i q = _mm512_loadu_si512((const void *)(xq + v));
@@ -72,6 +89,7 @@ static void q8_quantize_row(const float *x, int64_t in, int8_t *xq, float *xd, i
         }
         xd[g] = d;
         memcpy(xm + 16 * g, sums, sizeof sums);
+        memcpy(xs + 16 * g, sums16, sizeof sums16);
     }
 }
 
@@ -91,20 +109,6 @@ static inline __m512 q8_group_32(const uint8_t *row, int bytes, int has_min, int
     const __m512i even_then_odd = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
     const __m512 v = _mm512_permutexvar_ps(even_then_odd, halves);
     return has_min ? v : _mm512_maskz_mov_ps((__mmask16)0x00ff, v);
-}
-
-/* Q4_K: lanes 0-7 d * scale of the 8 sub-blocks, lanes 8-15 -(dmin * min) (ggml: y = d1 q - m1;
- * -(dmin * min) is exactly -dmin * min). */
-static inline __m512 q8_group_q4_k(const uint8_t *blk) {
-    const float d = half_at(blk), dmin = half_at(blk + 2);
-    const __m512 mult = _mm512_insertf32x8(_mm512_set1_ps(d), _mm256_set1_ps(-dmin), 1);
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(k4_scales_then_mins(blk + 4))), mult);
-}
-
-/* Q6_K: lane i, d * scale i of the 16 groups of 16 values (ggml: y = d * sc * (q - 32)). */
-static inline __m512 q8_group_q6_k(const uint8_t *blk) {
-    const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192))));
-    return _mm512_mul_ps(_mm512_set1_ps(half_at(blk + 208)), sc);
 }
 
 static inline __m512i q8_nibbles_of_32(const uint8_t *p) { /* 32 bytes -> their 32 low then 32 high nibbles */
@@ -169,59 +173,52 @@ static inline int q8_u_offset(const int qtype) {
 }
 static inline int q8_has_min(const int qtype) { return qtype == Q4_1 || qtype == Q4_K; }
 
-/* ---- R rows x J outputs. Per (row, output, 256-value group): the group's scales times the
- * row's dx, and the mins against the blocks' xq sums; per (row, output, 64-value chunk): one
- * vpdpbusd, its lanes' scales picked by one permute, one FMA. Each output's operations do not
- * depend on R or J. ---- */
+/* ---- 32-value block formats (Q4_1, Q5_0, Q8_0), R rows x J outputs. Per (row, output,
+ * 256-value group): the blocks' scales times the row's dx, and the mins against the blocks' xq
+ * sums; per (row, output, 64-value chunk): one vpdpbusd, its lanes' scales picked by one
+ * permute, one FMA. Each output's operations do not depend on R or J. ---- */
 static inline __attribute__((always_inline)) void q8_tile(const int qtype, const uint8_t *w0, int64_t row_bytes,
-                                                          int64_t in, const int8_t *xq, const float *xd,
-                                                          const int32_t *xl, const float *xm, const float *bias,
+                                                          int64_t in, const q8_acts *x, const float *bias,
                                                           float *out, int64_t ldo, const int R, const int J) {
-    const int64_t nc = in / 64, ngroups = (nc + 3) / 4, xs = in / 4, ms = 16 * ((in + 255) / 256);
+    const int64_t nc = in / 64, ngroups = (nc + 3) / 4, ls = in / 4, ms = 16 * ngroups;
     const int k_off = q8_u_offset(qtype), has_min = q8_has_min(qtype);
-    const int shift_off = k_off == 128 ? 7 : k_off == 32 ? 5 : 4;
+    const int shift_off = k_off == 128 ? 7 : 4;
     const int64_t pf_step = row_bytes / nc;   /* about a chunk's bytes: prefetch is a hint */
     const int64_t pf_ahead = Q8_PF_ROWS * row_bytes > 1024 ? Q8_PF_ROWS * row_bytes : 1024;   /* bytes */
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    /* lane l of a chunk holds values 4 l .. 4 l + 3: its scale is group lane 2 cc + l / 8 (32-value
-     * blocks, Q4_K sub-blocks) or 4 cc + l / 4 (Q6_K's 16-value groups), cc the chunk in the group */
-    const __m512i lane_group = qtype == Q6_K ? _mm512_srli_epi32(lane, 2) : _mm512_srli_epi32(lane, 3);
-    const int per_chunk = qtype == Q6_K ? 4 : 2;
+    /* lane l of a chunk holds values 4 l .. 4 l + 3: its scale is group lane 2 cc + l / 8, cc the
+     * chunk in the group */
+    const __m512i lane_group = _mm512_srli_epi32(lane, 3);
     __m512 acc[4][4];
     for (int r = 0; r < R; r++)
         for (int j = 0; j < J; j++) acc[r][j] = _mm512_setzero_ps();
     for (int64_t g = 0; g < ngroups; g++) {
         __m512 gs[4];
         for (int j = 0; j < J; j++) {
-            const uint8_t *row = w0 + j * row_bytes;
-            if (qtype == Q4_K) gs[j] = q8_group_q4_k(row + g * 144);
-            else if (qtype == Q6_K) gs[j] = q8_group_q6_k(row + g * 210);
-            else {
-                const int64_t nb = in / 32 - 8 * g;
-                gs[j] = q8_group_32(row, qblock_bytes(qtype), has_min, g, nb < 8 ? (int)nb : 8);
-            }
+            const int64_t nb = in / 32 - 8 * g;
+            gs[j] = q8_group_32(w0 + j * row_bytes, qblock_bytes(qtype), has_min, g, nb < 8 ? (int)nb : 8);
         }
         __m512 gsx[4][4];   /* [r][j]: the group's scales (and mins) times the row's dx */
         for (int r = 0; r < R; r++) {
-            const __m512 dx = _mm512_set1_ps(xd[r * ((in + 255) / 256) + g]);
+            const __m512 dx = _mm512_set1_ps(x->xd[r * ngroups + g]);
             for (int j = 0; j < J; j++) {
                 gsx[r][j] = _mm512_mul_ps(gs[j], dx);
-                if (has_min)   /* Q4_1: value = d u + m; Q4_K: value = d1 u - m1 (lanes 8-15 of gs) */
-                    acc[r][j] = _mm512_fmadd_ps(gsx[r][j], _mm512_loadu_ps(xm + r * ms + 16 * g), acc[r][j]);
+                if (has_min)   /* Q4_1: value = d u + m (lanes 8-15 of gs) */
+                    acc[r][j] = _mm512_fmadd_ps(gsx[r][j], _mm512_loadu_ps(x->xm + r * ms + 16 * g), acc[r][j]);
             }
         }
         const int64_t c_end = 4 * g + 4 < nc ? 4 * g + 4 : nc;
         for (int64_t c = 4 * g; c < c_end; c++) {
-            const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(per_chunk * (int)(c - 4 * g)), lane_group);
+            const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(2 * (int)(c - 4 * g)), lane_group);
             __m512i u[4];
             for (int j = 0; j < J; j++) {
                 _mm_prefetch((const char *)(w0 + j * row_bytes + c * pf_step + pf_ahead), _MM_HINT_T1);
                 u[j] = q8_chunk(qtype, w0 + j * row_bytes, c);
             }
             for (int r = 0; r < R; r++) {
-                const __m512i xv = _mm512_loadu_si512((const void *)(xq + r * in + 64 * c));
+                const __m512i xv = _mm512_loadu_si512((const void *)(x->xq + r * in + 64 * c));
                 const __m512i init = k_off ? _mm512_sub_epi32(_mm512_setzero_si512(),
-                                                              _mm512_slli_epi32(_mm512_loadu_si512((const void *)(xl + r * xs + 16 * c)), shift_off))
+                                                              _mm512_slli_epi32(_mm512_loadu_si512((const void *)(x->xl + r * ls + 16 * c)), shift_off))
                                            : _mm512_setzero_si512();
                 for (int j = 0; j < J; j++) {
                     const __m512i dot = _mm512_dpbusd_epi32(init, u[j], xv);
@@ -240,17 +237,14 @@ static inline __attribute__((always_inline)) void q8_tile(const int qtype, const
 
 /* rows x J (<= 4) outputs in tiles of up to 4 rows; outputs of a J < 4 tail one at a time
  * (each output's operations are the same either way). */
-static inline __attribute__((always_inline)) void q8_tile_rows(
-    const int qtype, const uint8_t *w0, int64_t row_bytes, int64_t in, const int8_t *xq, const float *xd,
-    const int32_t *xl, const float *xm, const float *bias, float *out, int64_t ldo, int64_t rows, int J) {
-    const int64_t ngroups = (in + 255) / 256;
+static inline __attribute__((always_inline)) void q8_tile_rows(const int qtype, const uint8_t *w0, int64_t row_bytes,
+                                                               int64_t in, const q8_acts *x, const float *bias,
+                                                               float *out, int64_t ldo, int64_t rows, int J) {
     for (int64_t r = 0; r < rows;) {
         const int R = rows - r >= 4 ? 4 : (int)(rows - r);
-        const int8_t *xq_r = xq + r * in;
-        const float *xd_r = xd + r * ngroups, *xm_r = xm + r * 16 * ngroups;
-        const int32_t *xl_r = xl + r * (in / 4);
+        const q8_acts x_r = q8_acts_row(x, r, in);
         float *out_r = out + r * ldo;
-#define Q8_T(R_, J_, w_, b_, o_) q8_tile(qtype, w_, row_bytes, in, xq_r, xd_r, xl_r, xm_r, b_, o_, ldo, R_, J_)
+#define Q8_T(R_, J_, w_, b_, o_) q8_tile(qtype, w_, row_bytes, in, &x_r, b_, o_, ldo, R_, J_)
         if (J == 4) {
             switch (R) {
             case 4: Q8_T(4, 4, w0, bias, out_r); break;
@@ -275,21 +269,115 @@ static inline __attribute__((always_inline)) void q8_tile_rows(
     }
 }
 
-/* One copy of the tile loop per format, so the chunk unpacking is inlined without a switch. */
-#define Q8_DEFINE_ROWS(name, qt)                                                                          \
-    static void name(const uint8_t *w0, int64_t row_bytes, int64_t in, const int8_t *xq, const float *xd, \
-                     const int32_t *xl, const float *xm, const float *bias, float *out, int64_t ldo,    \
-                     int64_t rows, int J) {                                                               \
-        q8_tile_rows(qt, w0, row_bytes, in, xq, xd, xl, xm, bias, out, ldo, rows, J);                     \
-    }
-Q8_DEFINE_ROWS(q8_rows_q4_1, Q4_1)
-Q8_DEFINE_ROWS(q8_rows_q5_0, Q5_0)
-Q8_DEFINE_ROWS(q8_rows_q8_0, Q8_0)
-Q8_DEFINE_ROWS(q8_rows_q4_k, Q4_K)
-Q8_DEFINE_ROWS(q8_rows_q6_k, Q6_K)
+/* ---- K-quants (Q4_K, Q6_K): integer sums over a whole 256-value super-block, one output and
+ * up to 8 rows at a time. Their sub-block scales are small integers (Q4_K 6 bits, Q6_K int8),
+ * so each chunk's vpdpbusd lanes (|dot| < 2^15: 4 products of u <= 63 and |xq| <= 128) are
+ * multiplied by their lane's scale and summed in int32 by one vpdpwssd (a scale vector whose
+ * high words are 0 reads the dot's low word only: lo(dot) * scale + hi(dot) * 0). The float
+ * work, a conversion and the super-block's d times the row's dx, comes once per super-block:
+ * per (row, output, super-block) 4 vpdpbusd + 4 vpdpwssd + 3-5 other operations, where q8_tile
+ * spends 4 x (vpdpbusd, conversion, scale permute, FMA) + 2. The chunks' bytes and scale
+ * vectors are built once per output and super-block and shared by the tile's rows. The sums are
+ * exact integers until the conversion, and each output's operations do not depend on how many
+ * rows share the tile or on the thread count: row-invariant like q8_tile. ---- */
+#define Q8K_MAX_ROWS 8
 
-typedef void (*q8_rows_fn)(const uint8_t *, int64_t, int64_t, const int8_t *, const float *, const int32_t *,
-                           const float *, const float *, float *, int64_t, int64_t, int);
+static inline __attribute__((always_inline)) void q8k_tile(const int qtype, const uint8_t *wrow, int64_t row_bytes,
+                                                           int64_t in, const q8_acts *x, const float *bias,
+                                                           float *out, int64_t ldo, const int R) {
+    const int64_t ngroups = in / 256, ms = 16 * ngroups, blk_bytes = qtype == Q4_K ? 144 : 210;
+    const int64_t pf_ahead = Q8_PF_ROWS * row_bytes > 1024 ? Q8_PF_ROWS * row_bytes : 1024;   /* bytes */
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    /* chunk c's lane l holds values 64 c + 4 l .. + 3: sub-block 2 c + l / 8 (Q4_K, 32 values) or
+     * 4 c + l / 4 (Q6_K, 16 values) */
+    const __m512i lane_sub = qtype == Q6_K ? _mm512_srli_epi32(lane, 2) : _mm512_srli_epi32(lane, 3);
+    const int per_chunk = qtype == Q6_K ? 4 : 2;
+    const __m512i low_words = _mm512_set1_epi32(0xffff);
+    __m512 acc[Q8K_MAX_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < ngroups; g++) {
+        const uint8_t *blk = wrow + g * blk_bytes;
+        for (int64_t b = 0; b < blk_bytes; b += 64) _mm_prefetch((const char *)(blk + pf_ahead + b), _MM_HINT_T1);
+        __m512i sc32, u[4], s[4];   /* sc32: one scale (or min) per int32 lane, high words 0 */
+        __m512 d, mins = _mm512_setzero_ps();
+        if (qtype == Q4_K) {   /* lanes 0-7 the 6-bit scales, 8-15 the mins; y = d * sc * q - dmin * m */
+            sc32 = _mm512_cvtepu8_epi32(k4_scales_then_mins(blk + 4));
+            d = _mm512_set1_ps(half_at(blk));
+            mins = _mm512_maskz_mul_ps((__mmask16)0xff00, _mm512_cvtepi32_ps(sc32), _mm512_set1_ps(-half_at(blk + 2)));
+        } else {               /* the 16 int8 scales; y = d * sc * (u - 32) */
+            sc32 = _mm512_and_si512(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192))), low_words);
+            d = _mm512_set1_ps(half_at(blk + 208));
+        }
+        for (int c = 0; c < 4; c++) {
+            u[c] = q8_chunk(qtype, wrow, 4 * g + c);
+            s[c] = _mm512_permutexvar_epi32(_mm512_add_epi32(_mm512_set1_epi32(per_chunk * c), lane_sub), sc32);
+        }
+        for (int r = 0; r < R; r++) {
+            const int8_t *xq = x->xq + r * in + 256 * g;
+            /* Q6_K: the offset, -32 * sum over blocks of sc * (the block's xq sum); |xq sum| < 2^15 */
+            __m512i sum = qtype == Q6_K
+                ? _mm512_slli_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), sc32,
+                                                        _mm512_sub_epi32(_mm512_setzero_si512(),
+                                                                         _mm512_loadu_si512((const void *)(x->xs + r * ms + 16 * g)))), 5)
+                : _mm512_setzero_si512();
+            for (int c = 0; c < 4; c++) {
+                const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[c], _mm512_loadu_si512((const void *)(xq + 64 * c)));
+                sum = _mm512_dpwssd_epi32(sum, dot, s[c]);
+            }
+            __m512 t = _mm512_cvtepi32_ps(sum);
+            t = qtype == Q4_K ? _mm512_fmadd_ps(t, d, _mm512_mul_ps(mins, _mm512_loadu_ps(x->xm + r * ms + 16 * g)))
+                              : _mm512_mul_ps(t, d);
+            acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(x->xd[r * ngroups + g]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float v = _mm512_reduce_add_ps(acc[r]);
+        if (bias) v += bias[0];
+        out[r * ldo] = v;
+    }
+}
+
+/* rows x J (<= 4) outputs of a K-quant: each output in tiles of up to 8 rows. */
+static inline __attribute__((always_inline)) void q8k_tile_rows(const int qtype, const uint8_t *w0, int64_t row_bytes,
+                                                                int64_t in, const q8_acts *x, const float *bias,
+                                                                float *out, int64_t ldo, int64_t rows, int J) {
+    for (int j = 0; j < J; j++) {
+        const uint8_t *wj = w0 + j * row_bytes;
+        const float *bj = bias ? bias + j : NULL;
+        for (int64_t r = 0; r < rows;) {
+            const int R = rows - r >= Q8K_MAX_ROWS ? Q8K_MAX_ROWS : (int)(rows - r);
+            const q8_acts x_r = q8_acts_row(x, r, in);
+            float *o = out + r * ldo + j;
+#define Q8K_T(R_) q8k_tile(qtype, wj, row_bytes, in, &x_r, bj, o, ldo, R_)
+            switch (R) {
+            case 8: Q8K_T(8); break;
+            case 7: Q8K_T(7); break;
+            case 6: Q8K_T(6); break;
+            case 5: Q8K_T(5); break;
+            case 4: Q8K_T(4); break;
+            case 3: Q8K_T(3); break;
+            case 2: Q8K_T(2); break;
+            default: Q8K_T(1); break;
+            }
+#undef Q8K_T
+            r += R;
+        }
+    }
+}
+
+/* One copy of the tile loop per format, so the chunk unpacking is inlined without a switch. */
+typedef void (*q8_rows_fn)(const uint8_t *, int64_t, int64_t, const q8_acts *, const float *, float *, int64_t,
+                           int64_t, int);
+#define Q8_DEFINE_ROWS(name, qt, tiles)                                                                    \
+    static void name(const uint8_t *w0, int64_t row_bytes, int64_t in, const q8_acts *x, const float *bias, \
+                     float *out, int64_t ldo, int64_t rows, int J) {                                        \
+        tiles(qt, w0, row_bytes, in, x, bias, out, ldo, rows, J);                                           \
+    }
+Q8_DEFINE_ROWS(q8_rows_q4_1, Q4_1, q8_tile_rows)
+Q8_DEFINE_ROWS(q8_rows_q5_0, Q5_0, q8_tile_rows)
+Q8_DEFINE_ROWS(q8_rows_q8_0, Q8_0, q8_tile_rows)
+Q8_DEFINE_ROWS(q8_rows_q4_k, Q4_K, q8k_tile_rows)
+Q8_DEFINE_ROWS(q8_rows_q6_k, Q6_K, q8k_tile_rows)
 
 static q8_rows_fn q8_rows_of(int qtype) {
     switch (qtype) {
@@ -302,7 +390,7 @@ static q8_rows_fn q8_rows_of(int qtype) {
     }
 }
 
-/* A thread's scratch: a row tile's quantized activations and 4 weight rows' scales. */
+/* A thread's scratch: a row tile's quantized activations. */
 static __thread uint8_t *q8_scratch;
 static __thread int64_t q8_scratch_len;
 
@@ -326,25 +414,26 @@ static int q8_gemm_team(const float *x, int64_t ldx, int64_t rows, const uint8_t
     const int64_t blocks = (out_features + 3) / 4, tile = rows < Q8_ROW_TILE ? rows : Q8_ROW_TILE;
     const q8_rows_fn run = q8_rows_of(qtype);
     const int64_t ngroups = (in + 255) / 256;
-    /* xq, xl (in / 4 int32), xd (ngroups floats), xm (16 ngroups floats), per row */
-    uint8_t *buf = q8_scratch_for(tile * (2 * in + 17 * 4 * ngroups) + 64);
+    /* per row: xq (in bytes), xl (in / 4 int32), xd (ngroups floats), xm and xs (16 ngroups each) */
+    uint8_t *buf = q8_scratch_for(tile * (2 * in + 33 * 4 * ngroups) + 64);
     const int ok = buf != NULL;
     int8_t *xq = (int8_t *)buf;
     int32_t *xl = (int32_t *)(buf + tile * in);
     float *xd = (float *)(xl + tile * (in / 4)), *xm = xd + tile * ngroups;
+    int32_t *xs = (int32_t *)(xm + tile * 16 * ngroups);
+    const q8_acts acts = {xq, xd, xl, xm, xs};
     for (int64_t row0 = 0; row0 < rows; row0 += Q8_ROW_TILE) {
         const int64_t n = rows - row0 < Q8_ROW_TILE ? rows - row0 : Q8_ROW_TILE;
         if (ok)
             for (int64_t r = 0; r < n; r++)
                 q8_quantize_row(x + (row0 + r) * ldx, in, xq + r * in, xd + r * ngroups, xl + r * (in / 4),
-                                xm + r * 16 * ngroups);
+                                xm + r * 16 * ngroups, xs + r * 16 * ngroups);
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
             if (!ok) continue;
             const int64_t j = b * 4;
             const int nj = j + 4 <= out_features ? 4 : (int)(out_features - j);
-            run(w + j * row_bytes, row_bytes, in, xq, xd, xl, xm, bias ? bias + j : NULL, out + row0 * ldo + j, ldo, n,
-                nj);
+            run(w + j * row_bytes, row_bytes, in, &acts, bias ? bias + j : NULL, out + row0 * ldo + j, ldo, n, nj);
         }
     }
     return ok ? 0 : -3;
