@@ -16,8 +16,11 @@
  *   out[r, j]  = sum over 64-value chunks of lanes(ws * dx * (u . xq - k * sum xq) + min * xhat)
  *              = dequantize(w[j]) . xhat[r], up to float32 rounding of the sums
  *
- * Scales are read in groups of 256 values into one 16-float vector per weight row, and each
- * 64-value chunk takes its lanes' scales from it with one permute (no scratch prepass).
+ * 32-value block formats (Q4_1, Q5_0, Q8_0, q8_tile): scales are read in groups of 256 values
+ * into one 16-float vector per weight row, and each 64-value chunk takes its lanes' scales
+ * from it with one permute (no scratch prepass). K-quants (Q4_K, Q6_K, q8k_tile): their
+ * integer sub-block scales multiply the byte products in int32, and the float work comes once
+ * per 256-value super-block, so extra rows (verifying k + 1 tokens) cost less each.
  *
  * The weights are the file's values; only the activations are rounded (to 8 bits per 256
  * values), as llama.cpp rounds them. Row-invariant like the float kernel: out[r, j] is the
@@ -63,7 +66,14 @@ static inline q8_acts q8_acts_row(const q8_acts *a, int64_t r, int64_t in) {   /
     return out;
 }
 
-static void q8_quantize_row(const float *x, int64_t in, int8_t *xq, float *xd, int32_t *xl, float *xm, int32_t *xs) {
+/* Q4_K's order of a 256-value group (q8k_tile): its 16 pieces of 16 values as a 4 x 4
+ * transpose, piece p at place 4 (p % 4) + p / 4, so that 64 stored values are pieces a, a + 4,
+ * a + 8, a + 12 (the same values of the sub-blocks 0/1, 2/3, 4/5, 6/7). */
+static inline int64_t q8_k4_place(int64_t piece) { return 4 * (piece % 4) + piece / 4; }
+
+/* One row; with k4_order (Q4_K) xq is stored in q8_k4_place's order (xl then follows it). */
+static void q8_quantize_row(const float *x, int64_t in, int8_t *xq, float *xd, int32_t *xl, float *xm, int32_t *xs,
+                            int k4_order) {
     const __m512 sign = _mm512_set1_ps(-0.0f);
     const int64_t ngroups = (in + 255) / 256;
     for (int64_t g = 0; g < ngroups; g++) {
@@ -77,8 +87,11 @@ static void q8_quantize_row(const float *x, int64_t in, int8_t *xq, float *xd, i
         for (int64_t v = v0; v < v1; v += 32) {
             const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + v), _mm512_set1_ps(id)));
             const __m512i qe = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + v + 16), _mm512_set1_ps(id)));
-            _mm_storeu_si128((__m128i *)(xq + v), _mm512_cvtsepi32_epi8(qa));   /* round to nearest even */
-            _mm_storeu_si128((__m128i *)(xq + v + 16), _mm512_cvtsepi32_epi8(qe));
+            const int64_t piece = (v - v0) / 16;
+            const int64_t at_a = v0 + 16 * (k4_order ? q8_k4_place(piece) : piece);
+            const int64_t at_e = v0 + 16 * (k4_order ? q8_k4_place(piece + 1) : piece + 1);
+            _mm_storeu_si128((__m128i *)(xq + at_a), _mm512_cvtsepi32_epi8(qa));   /* round to nearest even */
+            _mm_storeu_si128((__m128i *)(xq + at_e), _mm512_cvtsepi32_epi8(qe));
             sums16[(v - v0) / 16] = _mm512_reduce_add_epi32(qa);
             sums16[(v - v0) / 16 + 1] = _mm512_reduce_add_epi32(qe);
             sums[8 + (v - v0) / 32] = (float)(sums16[(v - v0) / 16] + sums16[(v - v0) / 16 + 1]);
@@ -111,12 +124,6 @@ static inline __m512 q8_group_32(const uint8_t *row, int bytes, int has_min, int
     return has_min ? v : _mm512_maskz_mov_ps((__mmask16)0x00ff, v);
 }
 
-static inline __m512i q8_nibbles_of_32(const uint8_t *p) { /* 32 bytes -> their 32 low then 32 high nibbles */
-    const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)p));
-    const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
-    return _mm512_and_si512(_mm512_srlv_epi16(v, shift), _mm512_set1_epi8(0x0f));
-}
-
 static inline __m512i q8_nibbles_of_two_16(const uint8_t *a, const uint8_t *b) {
     /* 16 bytes of block a, 16 of block b -> a's low, a's high, b's low, b's high nibbles */
     const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)a))),
@@ -126,7 +133,7 @@ static inline __m512i q8_nibbles_of_two_16(const uint8_t *a, const uint8_t *b) {
     return _mm512_and_si512(_mm512_srlv_epi16(v, shift), _mm512_set1_epi8(0x0f));
 }
 
-/* Values [64 c, 64 c + 64) of a row as unsigned bytes u, in order. */
+/* Values [64 c, 64 c + 64) of a row as unsigned bytes u, in order (Q4_K: q8k_tile unpacks its own order). */
 static inline __attribute__((always_inline)) __m512i q8_chunk(const int qtype, const uint8_t *row, int64_t c) {
     switch (qtype) {
     case Q4_1: {
@@ -147,8 +154,6 @@ static inline __attribute__((always_inline)) __m512i q8_chunk(const int qtype, c
                                              _mm256_loadu_si256((const __m256i *)(b + 2)), 1);
         return _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80));        /* int8 q -> q + 128 */
     }
-    case Q4_K:
-        return q8_nibbles_of_32(row + (c / 4) * 144 + 16 + 32 * (c % 4));
     case Q6_K: {
         /* chunk p of half n: values 128 n + 64 p + [0, 64): low (p = 0) or high nibbles of
          * ql[64 n, 64 n + 64), with two bits of qh[32 n + l] (shifts 0, 2 or 4, 6) above them */
@@ -275,8 +280,9 @@ static inline __attribute__((always_inline)) void q8_tile_rows(const int qtype, 
  * multiplied by their lane's scale and summed in int32 by one vpdpwssd (a scale vector whose
  * high words are 0 reads the dot's low word only: lo(dot) * scale + hi(dot) * 0). The float
  * work, a conversion and the super-block's d times the row's dx, comes once per super-block:
- * per (row, output, super-block) 4 vpdpbusd + 4 vpdpwssd + 3-5 other operations, where q8_tile
- * spends 4 x (vpdpbusd, conversion, scale permute, FMA) + 2. The chunks' bytes and scale
+ * per (row, output, super-block) 4 vpdpbusd, 4 vpdpwssd (Q6_K) or 2 (Q4_K, whose lanes are
+ * ordered so that two chunks share their scales) and 3-5 other operations, where q8_tile spends
+ * 4 x (vpdpbusd, conversion, scale permute, FMA) + 2. The chunks' bytes and scale
  * vectors are built once per output and super-block and shared by the tile's rows. The sums are
  * exact integers until the conversion, and each output's operations do not depend on how many
  * rows share the tile or on the thread count: row-invariant like q8_tile. ---- */
@@ -288,10 +294,6 @@ static inline __attribute__((always_inline)) void q8k_tile(const int qtype, cons
     const int64_t ngroups = in / 256, ms = 16 * ngroups, blk_bytes = qtype == Q4_K ? 144 : 210;
     const int64_t pf_ahead = Q8_PF_ROWS * row_bytes > 1024 ? Q8_PF_ROWS * row_bytes : 1024;   /* bytes */
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    /* chunk c's lane l holds values 64 c + 4 l .. + 3: sub-block 2 c + l / 8 (Q4_K, 32 values) or
-     * 4 c + l / 4 (Q6_K, 16 values) */
-    const __m512i lane_sub = qtype == Q6_K ? _mm512_srli_epi32(lane, 2) : _mm512_srli_epi32(lane, 3);
-    const int per_chunk = qtype == Q6_K ? 4 : 2;
     const __m512i low_words = _mm512_set1_epi32(0xffff);
     __m512 acc[Q8K_MAX_ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
@@ -308,9 +310,26 @@ static inline __attribute__((always_inline)) void q8k_tile(const int qtype, cons
             sc32 = _mm512_and_si512(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192))), low_words);
             d = _mm512_set1_ps(half_at(blk + 208));
         }
-        for (int c = 0; c < 4; c++) {
-            u[c] = q8_chunk(qtype, wrow, 4 * g + c);
-            s[c] = _mm512_permutexvar_epi32(_mm512_add_epi32(_mm512_set1_epi32(per_chunk * c), lane_sub), sc32);
+        if (qtype == Q4_K) {
+            /* qs bytes 32 p + i hold value i of sub-block 2 p (low nibble) and 2 p + 1 (high). Two
+             * qword permutes gather bytes 0-15 (u[0], u[2]) and 16-31 (u[1], u[3]) of each 32-byte
+             * piece, so the lanes' sub-blocks are the same in u[0] and u[1] (0, 2, 4, 6, four lanes
+             * each) and in u[2] and u[3] (1, 3, 5, 7): two vpdpbusd add up in one int32 vector
+             * before one scale vector multiplies it (xq is stored in the same order) */
+            const __m512i r0 = _mm512_loadu_si512((const void *)(blk + 16)), r1 = _mm512_loadu_si512((const void *)(blk + 80));
+            const __m512i m0 = _mm512_permutex2var_epi64(r0, _mm512_setr_epi64(0, 1, 4, 5, 8, 9, 12, 13), r1);
+            const __m512i m1 = _mm512_permutex2var_epi64(r0, _mm512_setr_epi64(2, 3, 6, 7, 10, 11, 14, 15), r1);
+            const __m512i nib = _mm512_set1_epi8(0x0f);
+            u[0] = _mm512_and_si512(m0, nib), u[1] = _mm512_and_si512(m1, nib);
+            u[2] = _mm512_and_si512(_mm512_srli_epi16(m0, 4), nib), u[3] = _mm512_and_si512(_mm512_srli_epi16(m1, 4), nib);
+            const __m512i even = _mm512_slli_epi32(_mm512_srli_epi32(lane, 2), 1);   /* 2 (l / 4) */
+            s[0] = _mm512_permutexvar_epi32(even, sc32);
+            s[1] = _mm512_permutexvar_epi32(_mm512_add_epi32(even, _mm512_set1_epi32(1)), sc32);
+        } else {   /* Q6_K: chunk c's lane l holds values 64 c + 4 l .. + 3, sub-block 4 c + l / 4 */
+            for (int c = 0; c < 4; c++) {
+                u[c] = q8_chunk(qtype, wrow, 4 * g + c);
+                s[c] = _mm512_permutexvar_epi32(_mm512_add_epi32(_mm512_set1_epi32(4 * c), _mm512_srli_epi32(lane, 2)), sc32);
+            }
         }
         for (int r = 0; r < R; r++) {
             const int8_t *xq = x->xq + r * in + 256 * g;
@@ -320,9 +339,17 @@ static inline __attribute__((always_inline)) void q8k_tile(const int qtype, cons
                                                         _mm512_sub_epi32(_mm512_setzero_si512(),
                                                                          _mm512_loadu_si512((const void *)(x->xs + r * ms + 16 * g)))), 5)
                 : _mm512_setzero_si512();
-            for (int c = 0; c < 4; c++) {
-                const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[c], _mm512_loadu_si512((const void *)(xq + 64 * c)));
-                sum = _mm512_dpwssd_epi32(sum, dot, s[c]);
+            if (qtype == Q4_K) {   /* |dot| <= 8 x 15 x 128 < 2^15 */
+                for (int h = 0; h < 2; h++) {
+                    __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[2 * h], _mm512_loadu_si512((const void *)(xq + 128 * h)));
+                    dot = _mm512_dpbusd_epi32(dot, u[2 * h + 1], _mm512_loadu_si512((const void *)(xq + 128 * h + 64)));
+                    sum = _mm512_dpwssd_epi32(sum, dot, s[h]);
+                }
+            } else {
+                for (int c = 0; c < 4; c++) {
+                    const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[c], _mm512_loadu_si512((const void *)(xq + 64 * c)));
+                    sum = _mm512_dpwssd_epi32(sum, dot, s[c]);
+                }
             }
             __m512 t = _mm512_cvtepi32_ps(sum);
             t = qtype == Q4_K ? _mm512_fmadd_ps(t, d, _mm512_mul_ps(mins, _mm512_loadu_ps(x->xm + r * ms + 16 * g)))
@@ -427,7 +454,7 @@ static int q8_gemm_team(const float *x, int64_t ldx, int64_t rows, const uint8_t
         if (ok)
             for (int64_t r = 0; r < n; r++)
                 q8_quantize_row(x + (row0 + r) * ldx, in, xq + r * in, xd + r * ngroups, xl + r * (in / 4),
-                                xm + r * 16 * ngroups, xs + r * 16 * ngroups);
+                                xm + r * 16 * ngroups, xs + r * 16 * ngroups, qtype == Q4_K);
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
             if (!ok) continue;
