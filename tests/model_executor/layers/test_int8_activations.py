@@ -4,6 +4,7 @@ values), rows are bitwise independent of the row count and the thread count, and
 stacks keep the setting. Skipped on CPUs without AVX-512 VNNI."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
@@ -53,6 +54,35 @@ def test_product_is_the_files_weights_times_the_rounded_activations(qtype, rows)
     # and it is not the float32-activation product: the rounding is real
     exact = x.double() @ dense.double().T + bias.double()
     assert (got.double() - exact).abs().max() > 1e-4 * exact.abs().max()
+
+
+@pytest.mark.parametrize("qtype", INT8_FORMATS, ids=lambda q: q.name)
+def test_extreme_quants_scales_and_activations_do_not_overflow(qtype):
+    """Every quant byte and scale byte 0x00 or 0xff (Q4_K: u = 15 and 6-bit scales and mins 63;
+    Q6_K: q = 31 or -32 and int8 scales -1 or 127...), activations at +-max of their group (|xq| =
+    127): the K-quant kernel's int16 reading of each chunk's byte products (q8k_tile) and its
+    int32 super-block sums stay exact, so the product still equals the reference."""
+    in_features = 768 if qtype in (T.Q4_K, T.Q6_K) else 576
+    blocks = random_blocks(qtype, 12, in_features, seed=5)
+    rng = np.random.default_rng(5)
+    extreme = rng.integers(0, 2, size=blocks.shape).astype(np.uint8) * 255
+    halves = {T.Q4_1: [0, 2], T.Q5_0: [0], T.Q8_0: [0], T.Q4_K: [0, 2], T.Q6_K: [208]}[qtype]
+    elems, nbytes = quant_gemm.block_geometry(int(qtype))
+    per_row = in_features // elems
+    keep = np.zeros(nbytes, dtype=bool)
+    for off in halves:
+        keep[off : off + 2] = True   # the float16 d / m stay finite, everything else is extreme
+    tiled = np.tile(keep, per_row)
+    blocks = np.where(tiled[None, :], blocks, extreme)
+    blocks[:3] = np.where(tiled[None, :], blocks[:3], 255)   # rows of all-ones bytes
+    blocks[3:6] = np.where(tiled[None, :], blocks[3:6], 0)
+    m = QuantizedMatrix.from_blocks(torch.from_numpy(blocks), int(qtype), in_features)
+    m.int8_activations = True
+    dense = gguf_values(blocks, qtype, in_features)
+    signs = torch.from_numpy(rng.integers(0, 2, size=(3, in_features)).astype(np.float32) * 2 - 1)
+    x = torch.cat([torch.ones(1, in_features), -torch.ones(1, in_features), signs])
+    want = x.double() @ dense.double().T   # |x| = max everywhere: the rounding is exact
+    torch.testing.assert_close(m.matmul(x).double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
 @pytest.mark.parametrize("qtype", INT8_FORMATS, ids=lambda q: q.name)
