@@ -5,7 +5,9 @@ format; default ``prompts/coding.jsonl``, the project's own 20 coding prompts) a
 batch 1 with ``--max-tokens`` new tokens, prompt by prompt, the configurations in
 rotating order (a noisy machine slows all of them alike). Reported per configuration:
 whole-answer tok/s (new tokens over the wall time of the request, prompt included),
-the ratio to specserve's plain decoding, and mean acceptance length.
+the ratio to specserve's plain decoding, and mean acceptance length; at temperature 0,
+how many answers of each configuration equal plain decoding's with the same
+activations (``plain`` or ``plain+int8``) token for token.
 
 specserve configurations: ``plain``, ``draft:K`` (the draft model, k = K; with
 ``--draft-vocab-size N`` its LM head keeps the first N tokens), ``ngram:K``; a
@@ -112,7 +114,7 @@ def main() -> int:
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0)
     for llm in engines.values():   # warm-up: kernels built, weights paged in
         llm.generate("def f(", SamplingParams(temperature=0, max_tokens=4))
-    tokens, seconds, taus = defaultdict(int), defaultdict(float), defaultdict(list)
+    tokens, seconds, taus, answers = defaultdict(int), defaultdict(float), defaultdict(list), defaultdict(list)
     by_cat = defaultdict(lambda: defaultdict(lambda: [0, 0.0]))
     names = configs + (["llama.cpp spec"] if args.llama_bin else [])
     for i, row in enumerate(prompts):
@@ -128,6 +130,7 @@ def main() -> int:
                 t = time.perf_counter()
                 out = llm.generate(text, params)[0]
                 dt, n = time.perf_counter() - t, len(out.outputs[0].token_ids)
+                answers[name].append(list(out.outputs[0].token_ids))
                 if out.spec_decode_stats is not None and out.spec_decode_stats.num_steps:
                     taus[name].append(out.spec_decode_stats.mean_acceptance_length)
             tokens[name] += n
@@ -149,6 +152,13 @@ def main() -> int:
     print("|---|" + "---|" * len(names))
     for cat, per in by_cat.items():
         print(f"| {cat} | " + " | ".join(f"{per[n][0] / per[n][1]:.2f}" for n in names) + " |")
+    if args.temperature == 0:   # lossless: each configuration against plain decoding with the same activations
+        print()
+        for name in configs:
+            plain = "plain+int8" if name.endswith("+int8") else "plain"
+            if name != plain and plain in answers:
+                same = sum(a == b for a, b in zip(answers[name], answers[plain]))
+                print(f"greedy answers of {name} equal to {plain}'s: {same} of {len(prompts)}")
     return 0
 
 
