@@ -5,7 +5,8 @@ were at ``--baseline``, with this checkout's flags and compiler, next to this
 checkout's, and times both in one process, alternated round by round:
 
 ``--matrices``: the quantized matmul alone on random blocks of a model's shapes
-(Qwen2.5-Coder-1.5B's by default: Q4_K q/k/v/o and gate/up, Q6_K down), cycling
+(``--shapes``: Qwen2.5-Coder-1.5B's by default, Q4_K q/k/v/o and gate/up, Q6_K down;
+the 0.5B draft's, Q5_0 and Q8_0; the default model's, Q4_1), cycling
 through enough copies that the weights stream from memory, for each row count
 (1 = a decode step, k + 1 = a verification); G weight-rows/s (median).
 
@@ -38,7 +39,15 @@ from specserve.model_executor.layers.kernel_build import KERNEL_DIR
 
 HERE = Path(__file__).resolve().parent
 # (name, ggml type, out features, in features): Qwen2.5-Coder-1.5B's matmuls of one layer
-SHAPES_15B = [("qkv", 12, 2048, 1536), ("o", 12, 1536, 1536), ("gate_up", 12, 17920, 1536), ("down", 14, 1536, 8960)]
+SHAPES = {
+    "qwen2.5-coder-1.5b": [("qkv", 12, 2048, 1536), ("o", 12, 1536, 1536), ("gate_up", 12, 17920, 1536),
+                           ("down", 14, 1536, 8960)],
+    # the 0.5B draft: Q5_0 layers (Q8_0 v), Q6_K down, a Q8_0 LM head
+    "qwen2.5-coder-0.5b": [("q", 6, 1024, 896), ("o", 6, 896, 896), ("gate_up", 6, 9728, 896), ("down", 14, 896, 4864),
+                           ("lm_head", 8, 151936, 896)],
+    # the default model, Q4_1 (576 values: a last group of 64)
+    "smollm2-135m": [("qkv", 3, 960, 576), ("o", 3, 576, 576), ("gate_up", 3, 3072, 576), ("down", 3, 576, 1536)],
+}
 
 
 def build_baseline(revision: str, workdir: Path) -> dict[str, ctypes.CDLL]:
@@ -139,6 +148,7 @@ def main() -> int:
     p.add_argument("--baseline", required=True, help="git revision whose kernels are the baseline")
     p.add_argument("--matrices", action="store_true")
     p.add_argument("--model", default=None, help="a catalog name or path: forward time by row count")
+    p.add_argument("--shapes", choices=sorted(SHAPES), default="qwen2.5-coder-1.5b")
     p.add_argument("--int8-activations", action="store_true")
     p.add_argument("--rows", default="1,2,4,5,8")
     p.add_argument("--rounds", type=int, default=5)
@@ -152,7 +162,7 @@ def main() -> int:
         print(f"{'int8' if args.int8_activations else 'float32'} activations, {args.threads} threads, "
               f"{args.rounds} rounds alternated; ratio = this checkout over the baseline (above 1: faster)")
         if args.matrices:
-            matrices(builds, SHAPES_15B, rows_list, args.rounds, args.int8_activations)
+            matrices(builds, SHAPES[args.shapes], rows_list, args.rounds, args.int8_activations)
         if args.model:
             model_forward(builds, args.model, rows_list, args.rounds, args.int8_activations)
     return 0
