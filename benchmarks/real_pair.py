@@ -13,7 +13,9 @@ specserve configurations: ``plain``, ``draft:K`` (the draft model, k = K; with
 ``--draft-vocab-size N`` its LM head keeps the first N tokens), ``ngram:K``; a
 ``+int8`` suffix (``plain+int8``, ``draft:3+int8``) runs target and draft with
 ``int8_activations=True``; ``+f32draft`` runs the draft with float32 activations
-(``draft_int8_activations=False``; by default the draft uses int8 activations).
+(``draft_int8_activations=False``; by default the draft uses int8 activations); a
+``+q4_1`` (or ``+q4_0``, ``+q5_0``, ``+q5_1``, ``+q8_0``) suffix requantizes the draft
+to that format at load (``draft_quantization``). Suffixes combine: ``draft:3+int8+q4_1``.
 With ``--llama-bin``, llama.cpp's own ``llama-speculative-simple`` (a peer measured
 from outside, built by ``../shared/peers/build-llamacpp.sh``) answers the same
 chat-formatted prompts with the same files, k, threads and max tokens; its whole
@@ -50,16 +52,20 @@ def load_prompts(path: str, categories: str | None, limit: int | None) -> list[d
 def build(config: str, args):
     from specserve import LLM
 
-    config, _, variant = config.partition("+")
-    kw = dict(model=args.target, max_model_len=2048, kv_cache_memory=1 << 28, int8_activations=variant == "int8")
-    if variant not in ("", "int8", "f32draft"):
-        raise SystemExit(f"unknown configuration suffix {variant!r} (+int8 or +f32draft)")
+    config, *variants = config.split("+")
+    quantization = [v for v in variants if v in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")]
+    unknown = set(variants) - {"int8", "f32draft", *quantization}
+    if unknown or len(quantization) > 1:
+        raise SystemExit(f"unknown configuration suffixes {sorted(unknown) or quantization} "
+                         "(+int8, +f32draft, one draft format +q4_0 ... +q8_0)")
+    kw = dict(model=args.target, max_model_len=2048, kv_cache_memory=1 << 28, int8_activations="int8" in variants)
     if config == "plain":
         return LLM(**kw)
     method, k = config.split(":")
     if method == "draft":
         spec = {"model": args.draft, "num_speculative_tokens": int(k), "draft_vocab_size": args.draft_vocab_size,
-                "draft_int8_activations": variant != "f32draft"}
+                "draft_int8_activations": "f32draft" not in variants,
+                "draft_quantization": quantization[0] if quantization else None}
     elif method == "ngram":
         spec = {"method": "ngram", "num_speculative_tokens": int(k)}
     else:

@@ -64,6 +64,10 @@ class SpeculativeConfig:
     # proposes the others. Its cost drops by the rest of the head; output stays the target's
     # (docs/real_models.md). None: the whole vocabulary.
     draft_vocab_size: int | None = None
+    # draft_model: the draft's GGUF blocks requantized at load to this format ("q4_0", "q4_1",
+    # "q5_0", "q5_1", "q8_0"), fewer bytes streamed per draft step; its guesses change a little,
+    # the output never (docs/real_models.md). None: the file's formats.
+    draft_quantization: str | None = None
     # Skip drafting in steps with at least this many decoding requests: a large
     # batch already uses the hardware well, and verifying k+1 positions per
     # request then costs more than it saves (vLLM's disable_by_batch_size).
@@ -74,6 +78,8 @@ class SpeculativeConfig:
     dynamic_k: bool = False
 
     METHODS = ("draft_model", "ngram", "eagle", "suffix")
+    # the names of quantized.REQUANTIZE_FORMATS (config sits below model_executor)
+    DRAFT_QUANTIZATIONS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
 
     def __post_init__(self) -> None:
         if self.method is None:
@@ -97,6 +103,12 @@ class SpeculativeConfig:
             raise ValueError(f"draft_vocab_size must be a positive integer, got {v!r}")
         if v is not None and self.method != "draft_model":
             raise ValueError(f"draft_vocab_size is a draft_model option, not for method {self.method!r}")
+        q = self.draft_quantization
+        if q is not None:
+            if q not in self.DRAFT_QUANTIZATIONS:
+                raise ValueError(f"draft_quantization must be one of {list(self.DRAFT_QUANTIZATIONS)}, got {q!r}")
+            if self.method != "draft_model":
+                raise ValueError(f"draft_quantization is a draft_model option, not for method {self.method!r}")
         d = self.draft_tensor_parallel_size
         if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 1):
             raise ValueError(f"draft_tensor_parallel_size must be a positive integer, got {d!r}")

@@ -40,6 +40,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-tensor-parallel-size", type=int, default=None)
     p.add_argument("--draft-vocab-size", type=int, default=None,
                    help="draft_model: the draft proposes only the first N token ids (a cheaper LM head)")
+    p.add_argument("--draft-quantization", choices=["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"], default=None,
+                   help="draft_model: requantize the draft's GGUF blocks to this format at load (fewer bytes "
+                        "a draft step; output unchanged)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of earlier requests' identical prefixes (default: on; off with EAGLE)")
     p.add_argument("--int8-activations", action=argparse.BooleanOptionalAction, default=False,
@@ -64,6 +67,7 @@ def speculative_config_from_args(args) -> dict | None:
         "suffix_max_spec_factor": getattr(args, "suffix_max_spec_factor", None),
         "draft_tensor_parallel_size": args.draft_tensor_parallel_size,
         "draft_vocab_size": getattr(args, "draft_vocab_size", None),
+        "draft_quantization": getattr(args, "draft_quantization", None),
         "draft_int8_activations": getattr(args, "draft_int8_activations", None),
         "disable_by_batch_size": args.speculative_disable_by_batch_size,
         "dynamic_k": getattr(args, "speculative_dynamic_k", None),

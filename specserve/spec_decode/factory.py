@@ -2,8 +2,14 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
+
+from tqdm import tqdm
 
 from specserve.config import DEFAULT_SPECULATIVE_TOKENS, SpeculativeConfig
+from specserve.model_executor.layers.quantized import REQUANTIZE_FORMATS
+from specserve.model_executor.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from specserve.model_executor.loader import keeps_quantized, load_model, resolve_dtype
 from specserve.spec_decode.checks import VocabularyMismatchError, check_draft_config, check_vocab  # noqa: F401 - re-exported
 from specserve.spec_decode.context import ProposerContext
@@ -11,6 +17,8 @@ from specserve.spec_decode.draft_model import DraftModelProposer
 from specserve.spec_decode.ngram import NgramProposer
 from specserve.spec_decode.proposer import Proposer
 from specserve.worker.tp_executor import build_draft_runner
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_speculative_config(spec: SpeculativeConfig, target_model: str | None) -> SpeculativeConfig:
@@ -54,6 +62,27 @@ def build_proposer(spec: SpeculativeConfig, ctx: ProposerContext) -> Proposer:
     raise ValueError(f"speculative method {spec.method!r} is not available yet")
 
 
+def requantize_draft(runner, name: str) -> None:
+    """Every quantized matmul of the draft (its layers and LM head) in format ``name``
+    (``SpeculativeConfig.draft_quantization``), then its compiled layer kernels rebuilt on
+    the new blocks. TP 1 only; the draft must hold GGUF blocks (a .gguf file, dtype auto)."""
+    model = getattr(runner, "model", None)
+    if model is None or model.tp.world_size != 1:
+        raise ValueError("draft_quantization needs the draft at tensor-parallel size 1")
+    linears = [m for m in model.modules() if getattr(m, "quantized", None) is not None
+               and (isinstance(m, ParallelLMHead) or not isinstance(m, VocabParallelEmbedding))]   # not the lookup
+    if not linears:
+        raise ValueError("draft_quantization needs a GGUF draft kept in its blocks (a .gguf file, "
+                         "dtype auto on a CPU)")
+    qtype = REQUANTIZE_FORMATS[name]
+    start = time.perf_counter()
+    for m in tqdm(linears, desc=f"requantizing the draft to {name}", unit="matrix", leave=False):
+        m.quantized = m.quantized.requantize(qtype)
+    if model.layer_kernels is not None:   # they point at the old blocks
+        model.use_cpu_layer_kernels()
+    logger.info("draft requantized to %s in %.1f s", name, time.perf_counter() - start)
+
+
 def build_draft_model_proposer(spec: SpeculativeConfig, ctx: ProposerContext) -> DraftModelProposer:
     dtype = resolve_dtype(spec.draft_dtype, ctx.device) if spec.draft_dtype else ctx.dtype
     check_draft_config(spec.model, ctx.target_vocab_size, ctx.max_model_len, dtype)
@@ -68,5 +97,7 @@ def build_draft_model_proposer(spec: SpeculativeConfig, ctx: ProposerContext) ->
         if not hasattr(runner, "model") or runner.model.tp.world_size != 1:
             raise ValueError("draft_vocab_size needs the draft at tensor-parallel size 1")
         runner.model.lm_head.keep_first_tokens(spec.draft_vocab_size)
+    if spec.draft_quantization is not None:
+        requantize_draft(runner, spec.draft_quantization)
     runner.allocate_kv_cache(ctx.kv_cache.num_blocks)
     return DraftModelProposer(runner, ctx.kv_cache, ctx.target_vocab_size)

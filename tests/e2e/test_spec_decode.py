@@ -31,7 +31,7 @@ import torch
 
 from specserve import LLM, SamplingParams
 from specserve.model_executor import loader
-from specserve.model_executor.layers import cpu_attention
+from specserve.model_executor.layers import cpu_attention, quant_gemm
 from specserve.outputs import SpecDecodeStats
 
 from model_cache import cached_model_loads
@@ -319,6 +319,25 @@ def test_reduced_draft_vocabulary_is_lossless(prompts, ref, monkeypatch):
     seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=MAX_TOKENS)
     first = [o.outputs[0].token_ids for o in llm.generate(prompts[:2], seeded)]
     assert [o.outputs[0].token_ids for o in llm.generate(prompts[:2], seeded)] == first
+
+
+def test_requantized_draft_is_lossless(prompts, ref):
+    """draft_quantization: the draft (the default model, in its GGUF blocks: draft_dtype auto)
+    requantized from Q4_1 to Q4_0 at load, its layer kernels rebuilt on the new blocks; greedy
+    output is still plain output and its drafts are still accepted."""
+    if not quant_gemm.available():
+        pytest.skip("the quantized matmul kernel did not build")
+    llm = LLM(**ENGINE_KW, speculative_config={"method": "draft_model", "model": loader.default_model_path(),
+                                               "num_speculative_tokens": 3, "draft_dtype": "auto",
+                                               "draft_quantization": "q4_0"})
+    draft = llm.engine.proposer.runner.model
+    assert draft.lm_head.quantized.qtypes == [2]
+    assert {q for layer in draft.layers for q in layer.mlp.down_proj.quantized.qtypes} == {2}
+    if draft.layer_kernels is not None:   # rebuilt: they hold the new blocks
+        assert draft.layer_kernels[0]._struct.down.qtype[0] & 0xff == 2
+    outs, delta = run_and_check(llm, prompts, GREEDY, 3)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert delta.num_accepted_tokens > 0
 
 
 NEAR_TIE_QUESTION = ("Consider a satellite that is in a circular orbit around the Earth. The speed of the "

@@ -23,6 +23,11 @@ import torch
 from specserve.model_executor.layers import quant_gemm
 
 
+# Formats a matrix can be requantized to (``QuantizedMatrix.requantize``): those ``gguf``'s Python
+# quantizer writes and specserve's kernels multiply. Name -> ggml type id.
+REQUANTIZE_FORMATS = {"q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8}
+
+
 class BlockAlignmentError(ValueError):
     """A cut along the input dimension that does not fall on a block boundary."""
 
@@ -161,6 +166,28 @@ class QuantizedMatrix:
         s = self.segments[0]
         return quant_gemm.dequantize_rows(s.data, s.qtype, self.in_features, ids.reshape(-1)).view(
             *ids.shape, self.in_features)
+
+    def requantize(self, qtype: int, rows_at_a_time: int = 4096) -> "QuantizedMatrix":
+        """This matrix in another block format (a ``REQUANTIZE_FORMATS`` id): each segment's values
+        (exactly the file's) quantized again by ``gguf``'s own quantizer, ``rows_at_a_time`` rows
+        at a time (bounded memory for a 151,936-row LM head). Segments already in ``qtype`` are
+        kept. Lossy: for a draft model, whose numbers only change its guesses (docs/real_models.md)."""
+        from gguf import GGMLQuantizationType, quants
+
+        if qtype not in REQUANTIZE_FORMATS.values():
+            raise ValueError(f"cannot requantize to ggml type {qtype}; formats: {REQUANTIZE_FORMATS}")
+        segments = []
+        for s in self.segments:
+            if s.qtype == qtype:
+                segments.append(s)
+                continue
+            parts = []
+            for start in range(0, s.data.shape[0], rows_at_a_time):
+                ids = torch.arange(start, min(start + rows_at_a_time, s.data.shape[0]))
+                values = quant_gemm.dequantize_rows(s.data, s.qtype, self.in_features, ids).numpy()  # [n, in] float32
+                parts.append(torch.from_numpy(quants.quantize(values, GGMLQuantizationType(qtype))))
+            segments.append(QuantSegment(int(qtype), torch.cat(parts).contiguous()))
+        return self._like(segments)
 
     def dequantize(self) -> torch.Tensor:
         """The whole matrix [out, in] float32, exactly the file's values."""
