@@ -161,7 +161,7 @@ def main() -> int:
     if args.temperature == 0:   # lossless: each configuration against plain decoding with the same activations
         print()
         for name in configs:
-            plain = "plain+int8" if name.endswith("+int8") else "plain"
+            plain = "plain+int8" if "int8" in name.split("+")[1:] else "plain"
             if name != plain and plain in answers:
                 same = sum(a == b for a, b in zip(answers[name], answers[plain]))
                 print(f"greedy answers of {name} equal to {plain}'s: {same} of {len(prompts)}")

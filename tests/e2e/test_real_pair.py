@@ -89,3 +89,13 @@ def test_reduced_draft_vocabulary_keeps_the_pair_lossless(chats, want):
     spec = LLM(**KW, speculative_config={"model": DRAFT, "num_speculative_tokens": 4, "draft_vocab_size": 32768})
     got = [o.outputs[0].token_ids for o in spec.generate(chats, SamplingParams(temperature=0, max_tokens=24))]
     assert got == want
+
+
+def test_requantized_draft_keeps_the_pair_lossless(chats, want):
+    """The 0.5B draft (Q5_0, Q8_0, Q4_K, Q6_K) requantized to Q4_1 at load, with its reduced head."""
+    spec = LLM(**KW, speculative_config={"model": DRAFT, "num_speculative_tokens": 3, "draft_vocab_size": 32768,
+                                         "draft_quantization": "q4_1"})
+    assert spec.engine.proposer.runner.model.lm_head.quantized.qtypes == [3]
+    got = [o.outputs[0].token_ids for o in spec.generate(chats, SamplingParams(temperature=0, max_tokens=24))]
+    assert got == want
+    assert spec.get_spec_decode_stats().num_accepted_tokens > 0
