@@ -306,11 +306,6 @@ static inline __attribute__((always_inline)) void q8k_tile(const int qtype, cons
             sc32 = _mm512_cvtepu8_epi32(k4_scales_then_mins(blk + 4));
             d = _mm512_set1_ps(half_at(blk));
             mins = _mm512_maskz_mul_ps((__mmask16)0xff00, _mm512_cvtepi32_ps(sc32), _mm512_set1_ps(-half_at(blk + 2)));
-        } else {               /* the 16 int8 scales; y = d * sc * (u - 32) */
-            sc32 = _mm512_and_si512(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192))), low_words);
-            d = _mm512_set1_ps(half_at(blk + 208));
-        }
-        if (qtype == Q4_K) {
             /* qs bytes 32 p + i hold value i of sub-block 2 p (low nibble) and 2 p + 1 (high). Two
              * qword permutes gather bytes 0-15 (u[0], u[2]) and 16-31 (u[1], u[3]) of each 32-byte
              * piece, so the lanes' sub-blocks are the same in u[0] and u[1] (0, 2, 4, 6, four lanes
@@ -325,7 +320,10 @@ static inline __attribute__((always_inline)) void q8k_tile(const int qtype, cons
             const __m512i even = _mm512_slli_epi32(_mm512_srli_epi32(lane, 2), 1);   /* 2 (l / 4) */
             s[0] = _mm512_permutexvar_epi32(even, sc32);
             s[1] = _mm512_permutexvar_epi32(_mm512_add_epi32(even, _mm512_set1_epi32(1)), sc32);
-        } else {   /* Q6_K: chunk c's lane l holds values 64 c + 4 l .. + 3, sub-block 4 c + l / 4 */
+        } else {   /* Q6_K: the 16 int8 scales; y = d * sc * (u - 32) */
+            sc32 = _mm512_and_si512(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192))), low_words);
+            d = _mm512_set1_ps(half_at(blk + 208));
+            /* chunk c's lane l holds values 64 c + 4 l .. + 3, sub-block 4 c + l / 4 */
             for (int c = 0; c < 4; c++) {
                 u[c] = q8_chunk(qtype, wrow, 4 * g + c);
                 s[c] = _mm512_permutexvar_epi32(_mm512_add_epi32(_mm512_set1_epi32(4 * c), _mm512_srli_epi32(lane, 2)), sc32);
