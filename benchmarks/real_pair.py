@@ -51,9 +51,10 @@ def load_prompts(path: str, categories: str | None, limit: int | None) -> list[d
 
 def build(config: str, args):
     from specserve import LLM
+    from specserve.config import SpeculativeConfig
 
     config, *variants = config.split("+")
-    quantization = [v for v in variants if v in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")]
+    quantization = [v for v in variants if v in SpeculativeConfig.DRAFT_QUANTIZATIONS]
     unknown = set(variants) - {"int8", "f32draft", *quantization}
     if unknown or len(quantization) > 1:
         raise SystemExit(f"unknown configuration suffixes {sorted(unknown) or quantization} "

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 
+from specserve.config import SpeculativeConfig
+
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """Options shared by every subcommand that builds an engine."""
@@ -40,7 +42,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-tensor-parallel-size", type=int, default=None)
     p.add_argument("--draft-vocab-size", type=int, default=None,
                    help="draft_model: the draft proposes only the first N token ids (a cheaper LM head)")
-    p.add_argument("--draft-quantization", choices=["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"], default=None,
+    p.add_argument("--draft-quantization", choices=SpeculativeConfig.DRAFT_QUANTIZATIONS, default=None,
                    help="draft_model: requantize the draft's GGUF blocks to this format at load (fewer bytes "
                         "a draft step; output unchanged)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,

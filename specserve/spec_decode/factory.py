@@ -62,13 +62,19 @@ def build_proposer(spec: SpeculativeConfig, ctx: ProposerContext) -> Proposer:
     raise ValueError(f"speculative method {spec.method!r} is not available yet")
 
 
+def draft_model_at_tp1(runner, option: str):
+    """The draft's model, for an option that rewrites its weights in the driver process (TP 1)."""
+    model = getattr(runner, "model", None)
+    if model is None or model.tp.world_size != 1:
+        raise ValueError(f"{option} needs the draft at tensor-parallel size 1")
+    return model
+
+
 def requantize_draft(runner, name: str) -> None:
     """Every quantized matmul of the draft (its layers and LM head) in format ``name``
     (``SpeculativeConfig.draft_quantization``), then its compiled layer kernels rebuilt on
     the new blocks. TP 1 only; the draft must hold GGUF blocks (a .gguf file, dtype auto)."""
-    model = getattr(runner, "model", None)
-    if model is None or model.tp.world_size != 1:
-        raise ValueError("draft_quantization needs the draft at tensor-parallel size 1")
+    model = draft_model_at_tp1(runner, "draft_quantization")
     linears = [m for m in model.modules() if getattr(m, "quantized", None) is not None
                and (isinstance(m, ParallelLMHead) or not isinstance(m, VocabParallelEmbedding))]   # not the lookup
     if not linears:
@@ -94,9 +100,7 @@ def build_draft_model_proposer(spec: SpeculativeConfig, ctx: ProposerContext) ->
     runner = build_draft_runner(loaded, dtype, ctx.device, ctx.max_model_len, ctx.block_size,
                                 ctx.tp_group if sharded_like_target else None)
     if spec.draft_vocab_size is not None:
-        if not hasattr(runner, "model") or runner.model.tp.world_size != 1:
-            raise ValueError("draft_vocab_size needs the draft at tensor-parallel size 1")
-        runner.model.lm_head.keep_first_tokens(spec.draft_vocab_size)
+        draft_model_at_tp1(runner, "draft_vocab_size").lm_head.keep_first_tokens(spec.draft_vocab_size)
     if spec.draft_quantization is not None:
         requantize_draft(runner, spec.draft_quantization)
     runner.allocate_kv_cache(ctx.kv_cache.num_blocks)

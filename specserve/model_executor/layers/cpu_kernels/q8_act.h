@@ -171,12 +171,16 @@ static inline __attribute__((always_inline)) __m512i q8_chunk(const int qtype, c
     }
 }
 
-/* The offset every u carries, when it is a multiple of the scale (value = ws * (u - k)):
- * folded into the integer dot as - k * (the lane's xq sum). 0 for formats with a min. */
-static inline int q8_u_offset(const int qtype) {
-    return qtype == Q8_0 ? 128 : qtype == Q5_0 ? 16 : qtype == Q6_K ? 32 : 0;
+/* 32-value block formats (q8_tile): the offset every u carries, when it is a multiple of the
+ * scale (value = ws * (u - k)), folded into the integer dot as - k * (the lane's xq sum); 0 for
+ * Q4_1, which has a min instead. (q8k_tile handles Q6_K's offset and Q4_K's mins itself.) */
+static inline int q8_u_offset(const int qtype) { return qtype == Q8_0 ? 128 : qtype == Q5_0 ? 16 : 0; }
+static inline int q8_has_min(const int qtype) { return qtype == Q4_1; }
+
+/* How far ahead of a weight row's read position the tiles prefetch: Q8_PF_ROWS rows, at least 1 KB. */
+static inline int64_t q8_prefetch_ahead(int64_t row_bytes) {
+    return Q8_PF_ROWS * row_bytes > 1024 ? Q8_PF_ROWS * row_bytes : 1024;
 }
-static inline int q8_has_min(const int qtype) { return qtype == Q4_1 || qtype == Q4_K; }
 
 /* ---- 32-value block formats (Q4_1, Q5_0, Q8_0), R rows x J outputs. Per (row, output,
  * 256-value group): the blocks' scales times the row's dx, and the mins against the blocks' xq
@@ -189,7 +193,7 @@ static inline __attribute__((always_inline)) void q8_tile(const int qtype, const
     const int k_off = q8_u_offset(qtype), has_min = q8_has_min(qtype);
     const int shift_off = k_off == 128 ? 7 : 4;
     const int64_t pf_step = row_bytes / nc;   /* about a chunk's bytes: prefetch is a hint */
-    const int64_t pf_ahead = Q8_PF_ROWS * row_bytes > 1024 ? Q8_PF_ROWS * row_bytes : 1024;   /* bytes */
+    const int64_t pf_ahead = q8_prefetch_ahead(row_bytes);   /* bytes */
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     /* lane l of a chunk holds values 4 l .. 4 l + 3: its scale is group lane 2 cc + l / 8, cc the
      * chunk in the group */
@@ -292,7 +296,7 @@ static inline __attribute__((always_inline)) void q8k_tile(const int qtype, cons
                                                            int64_t in, const q8_acts *x, const float *bias,
                                                            float *out, int64_t ldo, const int R) {
     const int64_t ngroups = in / 256, ms = 16 * ngroups, blk_bytes = qtype == Q4_K ? 144 : 210;
-    const int64_t pf_ahead = Q8_PF_ROWS * row_bytes > 1024 ? Q8_PF_ROWS * row_bytes : 1024;   /* bytes */
+    const int64_t pf_ahead = q8_prefetch_ahead(row_bytes);   /* bytes */
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const __m512i low_words = _mm512_set1_epi32(0xffff);
     __m512 acc[Q8K_MAX_ROWS];
