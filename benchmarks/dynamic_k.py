@@ -2,17 +2,23 @@
 
 For each Spec-Bench category (``--questions`` questions each, chat formatted) and each
 batch size B (``--batch-sizes``: batches of B requests of that category, its questions
-cycled, until each question has run once), every
-configuration answers the same requests, greedy, ``--max-tokens`` new tokens with
-end-of-sequence ignored (so every configuration does the same work), ``--rounds`` times;
-the configurations take turns in an order that rotates by round and category. A cell's
-figure is the median over rounds of whole-answer tokens/s (prompt included). Configurations:
-plain, the proposer at each fixed k in ``--fixed-ks``, and ``dynamic_k`` with
-``num_speculative_tokens = --max-k``. Reported per category: the best fixed k, dynamic
-against it and against plain, and how many decode steps carried 0, 1, 2, ... drafts.
+cycled, until each question has run once; with ``--mixed``, batches drawn from every
+category in turn, reported as one "mixed" row), every configuration answers the same
+requests, greedy, ``--max-tokens`` new tokens with end-of-sequence ignored (so every
+configuration does the same work), ``--rounds`` times. Configurations: plain, the
+proposer at each fixed k in ``--fixed-ks``, and ``dynamic_k`` with
+``num_speculative_tokens = --max-k``.
+
+Interleaving is per batch: each batch of requests is answered by every configuration
+back to back, in an order that rotates by batch, round and category, so a slow spell of
+the machine lands on all of them alike. Reported per category: median whole-answer
+tokens/s over rounds (prompt included); the best fixed k; and **paired ratios**, the
+geometric mean over (batch, round) pairs of one configuration's time over another's on
+the same batch, with a 90% bootstrap interval (resampling the pairs); and how many decode
+steps carried 0, 1, 2, ... drafts.
 
     python benchmarks/dynamic_k.py --method ngram --fixed-ks 1,2,3,4 --max-k 4 --batch-sizes 1
-    python benchmarks/dynamic_k.py --method ngram --fixed-ks 4 --max-k 4 --batch-sizes 8,32,64 --max-tokens 48
+    python benchmarks/dynamic_k.py --method ngram --fixed-ks "" --max-k 4 --batch-sizes 8,32,64 --mixed --control
 
 ``--control`` adds a second plain engine, timed like the others: its ratio to plain shows
 how far identical work moves on this machine within the run (the noise floor of a cell).
@@ -24,7 +30,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
+import random
 import statistics
 import sys
 import time
@@ -50,6 +58,8 @@ def main() -> int:
     p.add_argument("--prompts", default=SPEC_BENCH)
     p.add_argument("--json", default=None)
     p.add_argument("--control", action="store_true", help="a second plain engine: the noise floor")
+    p.add_argument("--mixed", action="store_true", help="batches drawn from all categories (batch > 1)")
+    p.add_argument("--seed", type=int, default=0, help="the bootstrap's")
     args = p.parse_args()
 
     import torch
@@ -87,67 +97,104 @@ def main() -> int:
           f"{args.questions} questions/category, {args.max_tokens} tokens, {args.rounds} rounds, "
           f"threads {args.threads}, load {os.getloadavg()[0]:.1f}", flush=True)
     for batch in (int(b) for b in args.batch_sizes.split(",")):
-        for ci, (category, ids) in enumerate(prompts.items()):
-            # Batches of B requests, the category's questions cycled, until each question ran once.
-            groups = [[ids[(g * batch + i) % len(ids)] for i in range(batch)]
-                      for g in range(max(1, -(-len(ids) // batch)))]
-            reference = None
+        for ci, (category, groups) in enumerate(batches(prompts, batch, args.mixed).items()):
             for rnd in range(args.rounds):
-                shift = (rnd + ci) % len(names)
-                for name in names[shift:] + names[:shift]:
-                    llm = engines[name]
-                    before = llm.get_spec_decode_stats().as_dict()["steps_by_draft_length"] if configs[name] else []
-                    t = time.perf_counter()
-                    outs = [o for requests in groups for o in llm.generate(requests, params, use_tqdm=False)]
-                    seconds = time.perf_counter() - t
-                    tokens = [o.outputs[0].token_ids for o in outs]
-                    if name == "plain":
-                        reference = reference or tokens
-                    after = llm.get_spec_decode_stats().as_dict()["steps_by_draft_length"] if configs[name] else []
-                    records.append({"batch": batch, "category": category, "round": rnd, "config": name,
-                                    "tokens": sum(len(t) for t in tokens), "seconds": seconds,
-                                    "steps_by_draft_length": [a - (before[i] if i < len(before) else 0)
-                                                              for i, a in enumerate(after)],
-                                    "same_as_plain": None if reference is None else tokens == reference})
+                for gi, requests in enumerate(groups):
+                    shift = (rnd + ci + gi) % len(names)
+                    reference = None
+                    for name in names[shift:] + names[:shift]:
+                        llm = engines[name]
+                        before = llm.get_spec_decode_stats().as_dict()["steps_by_draft_length"] if configs[name] else []
+                        t = time.perf_counter()
+                        outs = llm.generate(requests, params, use_tqdm=False)
+                        seconds = time.perf_counter() - t
+                        tokens = [o.outputs[0].token_ids for o in outs]
+                        if name == "plain":
+                            reference = tokens
+                        after = llm.get_spec_decode_stats().as_dict()["steps_by_draft_length"] if configs[name] else []
+                        records.append({"batch": batch, "category": category, "round": rnd, "group": gi,
+                                        "config": name, "tokens": sum(len(t) for t in tokens), "seconds": seconds,
+                                        "steps_by_draft_length": [a - (before[i] if i < len(before) else 0)
+                                                                  for i, a in enumerate(after)],
+                                        "answers": tokens})
+                    for r in records[-len(names):]:   # plain answered this batch too, in some order
+                        r["same_as_plain"] = r.pop("answers") == reference
         print(f"# batch {batch} done after {time.time() - started:.0f} s, load {os.getloadavg()[0]:.1f}", flush=True)
         if args.json:   # after every batch size: a long run that stops still leaves its figures
             with open(args.json, "w") as f:
                 json.dump({"args": vars(args), "records": records}, f, indent=1)
-        report([r for r in records if r["batch"] == batch], names, args.rounds)
+        report([r for r in records if r["batch"] == batch], names, args.rounds, args.seed)
     return 0
 
 
-def report(records: list[dict], names: list[str], rounds: int) -> None:
+def batches(prompts: dict[str, list[str]], batch: int, mixed: bool) -> dict[str, list[list[str]]]:
+    """Per category, batches of ``batch`` requests, its questions cycled until each ran once;
+    ``mixed``: one "mixed" entry whose batches take every category's questions in turn."""
+    if mixed:
+        pool = [q for qs in itertools.zip_longest(*prompts.values()) for q in qs if q is not None]
+        prompts = {"mixed": pool}
+    return {c: [[ids[(g * batch + i) % len(ids)] for i in range(batch)] for g in range(max(1, -(-len(ids) // batch)))]
+            for c, ids in prompts.items()}
+
+
+def paired(records: list[dict], a: str, b: str, rng: random.Random, draws: int = 2000) -> tuple[float, float, float]:
+    """Geometric mean over (round, group) pairs of b's time over a's on the same batch (above 1:
+    a is faster), and its 90% bootstrap interval."""
+    seconds = {(r["category"], r["round"], r["group"], r["config"]): r["seconds"] for r in records}
+    logs = [math.log(seconds[key[:3] + (b,)] / t) for key, t in seconds.items()
+            if key[3] == a and key[:3] + (b,) in seconds]
+    if not logs:
+        return float("nan"), float("nan"), float("nan")
+    means = sorted(statistics.fmean(rng.choices(logs, k=len(logs))) for _ in range(draws))
+    return (math.exp(statistics.fmean(logs)), math.exp(means[int(0.05 * draws)]), math.exp(means[int(0.95 * draws) - 1]))
+
+
+def report(records: list[dict], names: list[str], rounds: int, seed: int = 0) -> None:
     dynamic = names[-1]
     fixed = [n for n in names[1:-1] if n != CONTROL]
     control = [CONTROL] if CONTROL in names else []
+    rng = random.Random(seed)
     mismatches = [r for r in records if r["same_as_plain"] is False]
+
+    def ratio(records, a, b) -> str:
+        mid, lo, hi = paired(records, a, b, rng)
+        return f"{mid:.2f}x ({lo:.2f}-{hi:.2f})"
+
     for batch in sorted({r["batch"] for r in records}):
+        mine = [r for r in records if r["batch"] == batch]
         print(f"\n## batch {batch}\n")
         print("| category | plain | " + "".join(f"{n} | " for n in fixed) + f"{dynamic} | best fixed | dynamic / best fixed "
               "| dynamic / plain | " + "".join(f"{n} / plain | " for n in control) + "dynamic's steps by drafts |")
         print("|---|" + "---|" * (len(fixed) + len(control) + 6))
-        ratios_best, ratios_plain, totals = [], [], {n: [0, 0.0] for n in names}
-        for category in dict.fromkeys(r["category"] for r in records if r["batch"] == batch):
+        worst_best, worst_plain, totals = [], [], {n: [0, 0.0] for n in names}
+        for category in dict.fromkeys(r["category"] for r in mine):
+            cell = [r for r in mine if r["category"] == category]
             rate, steps = {}, []
             for name in names:
-                rs = [r for r in records if r["batch"] == batch and r["category"] == category and r["config"] == name]
-                rate[name] = statistics.median(r["tokens"] / r["seconds"] for r in rs)
+                rs = [r for r in cell if r["config"] == name]
+                per_round = [sum(r["tokens"] for r in rs if r["round"] == k) / sum(r["seconds"] for r in rs if r["round"] == k)
+                             for k in sorted({r["round"] for r in rs})]
+                rate[name] = statistics.median(per_round)
                 totals[name][0] += sum(r["tokens"] for r in rs)
                 totals[name][1] += sum(r["seconds"] for r in rs)
                 if name == dynamic:
                     steps = [sum(col) for col in itertools.zip_longest(*[r["steps_by_draft_length"] for r in rs], fillvalue=0)]
-            best = max(fixed, key=lambda n: rate[n]) if fixed else "plain"
-            ratios_best.append(rate[dynamic] / rate[best])
-            ratios_plain.append(rate[dynamic] / rate["plain"])
-            controls = "".join(f"{rate[n] / rate['plain']:.2f}x | " for n in control)
+            # the best fixed k by its paired ratio to plain (else plain itself)
+            best = max(fixed, key=lambda n: paired(cell, n, "plain", rng, 1)[0]) if fixed else "plain"
+            vs_best, vs_plain = paired(cell, dynamic, best, rng), paired(cell, dynamic, "plain", rng)
+            worst_best.append(vs_best[0])
+            worst_plain.append(vs_plain[0])
+            controls = "".join(f"{ratio(cell, n, 'plain')} | " for n in control)
             print(f"| {category} | {rate['plain']:.1f} | " + "".join(f"{rate[n]:.1f} | " for n in fixed)
-                  + f"{rate[dynamic]:.1f} | {best} | {ratios_best[-1]:.2f}x | {ratios_plain[-1]:.2f}x | {controls}{steps} |")
+                  + f"{rate[dynamic]:.1f} | {best} | {vs_best[0]:.2f}x ({vs_best[1]:.2f}-{vs_best[2]:.2f}) "
+                  f"| {vs_plain[0]:.2f}x ({vs_plain[1]:.2f}-{vs_plain[2]:.2f}) | {controls}{steps} |")
         whole = {n: t / s for n, (t, s) in totals.items()}
-        controls = "".join(f"{whole[n] / whole['plain']:.2f}x | " for n in control)
+        controls = "".join(f"{ratio(mine, n, 'plain')} | " for n in control)
         print(f"| **all** | {whole['plain']:.1f} | " + "".join(f"{whole[n]:.1f} | " for n in fixed)
-              + f"{whole[dynamic]:.1f} | | min {min(ratios_best):.2f}x | min {min(ratios_plain):.2f}x | {controls}|")
-    print(f"\n{rounds} rounds per cell; greedy outputs differing from plain: {len(mismatches)}", flush=True)
+              + f"{whole[dynamic]:.1f} | | min {min(worst_best):.2f}x | {ratio(mine, dynamic, 'plain')}, "
+              f"min {min(worst_plain):.2f}x | {controls}|")
+    print(f"\n{rounds} rounds per cell; ratios: geometric mean of paired times (90% bootstrap interval); "
+          f"greedy outputs differing from plain: {len(mismatches)}", flush=True)
 
 
 if __name__ == "__main__":
