@@ -75,9 +75,13 @@ class SpeculativeConfig:
     # Choose each request's draft length every step from measured costs and acceptance
     # (spec_decode/k_policy.py); num_speculative_tokens is then the maximum. Requests with
     # a seed keep the fixed k so their samples stay reproducible (timings vary run to run).
-    dynamic_k: bool = False
+    # None (default): on for ngram, where it was measured as fast as the best fixed k at batch 1
+    # and as plain decoding at batch 8 to 64, where every fixed draft row costs about a request's
+    # own row; off for the other methods (docs/speculative_decoding.md says why for each).
+    dynamic_k: bool | None = None
 
     METHODS = ("draft_model", "ngram", "eagle", "suffix")
+    DYNAMIC_K_BY_DEFAULT = ("ngram",)   # the methods whose dynamic_k default (None) means on
     # the names of quantized.REQUANTIZE_FORMATS (config sits below model_executor)
     DRAFT_QUANTIZATIONS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
 
@@ -94,8 +98,10 @@ class SpeculativeConfig:
         b = self.disable_by_batch_size
         if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 1):
             raise ValueError(f"disable_by_batch_size must be a positive integer, got {b!r}")
+        if self.dynamic_k is None:
+            self.dynamic_k = self.method in self.DYNAMIC_K_BY_DEFAULT
         if not isinstance(self.dynamic_k, bool):
-            raise ValueError(f"dynamic_k must be True or False, got {self.dynamic_k!r}")
+            raise ValueError(f"dynamic_k must be True, False or None, got {self.dynamic_k!r}")
         if self.draft_int8_activations is not None and not isinstance(self.draft_int8_activations, bool):
             raise ValueError(f"draft_int8_activations must be True, False or None, got {self.draft_int8_activations!r}")
         v = self.draft_vocab_size

@@ -16,9 +16,21 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
+from specserve.config import SpeculativeConfig  # noqa: E402
 from specserve.model_executor.loader import load_model  # noqa: E402
 
 from model_cache import share_folder, shared_folder_loads  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def fixed_k_unless_asked(request, monkeypatch):
+    """Speculative engines in tests draft a fixed k unless the test sets ``dynamic_k`` itself or
+    carries the ``default_dynamic_k`` marker (then the product's default applies: dynamic_k on
+    for ngram). Most tests exercise verification, rollback and the KV cache; on
+    random-weight models the default would cut their drafts to nothing and leave them nothing
+    to verify, so they would pass without testing what they are about."""
+    if request.node.get_closest_marker("default_dynamic_k") is None:
+        monkeypatch.setattr(SpeculativeConfig, "DYNAMIC_K_BY_DEFAULT", ())
 
 
 @pytest.fixture(scope="module")

@@ -273,6 +273,20 @@ def test_greedy_equals_plain_in_default_dtype(prompts, int8_activations):
         gc.collect()
 
 
+@pytest.mark.default_dynamic_k
+def test_default_ngram_keeps_greedy_output_in_default_dtype(prompts):
+    """The product's defaults: dtype "auto" and, for ngram, dynamic_k on (each request's
+    draft length chosen per step, 0 included): greedy answers stay plain's."""
+    kw = dict(ENGINE_KW, dtype="auto")
+    plain = LLM(**kw)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, GREEDY)]
+    del plain
+    llm = LLM(**kw, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    assert llm.engine.k_policy is not None
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == want
+    assert sum(llm.engine.k_policy.steps_by_k) > 0
+
+
 def test_greedy_equals_plain_in_default_dtype_wherever_prompts_are_cut(prompts):
     """A 40-token budget cuts the longer prompts into prefill chunks, and a speculative
     engine cuts them elsewhere than a plain one (its decoding requests' lookahead slots

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from specserve import LLM, SamplingParams
+from specserve.config import SpeculativeConfig
 from specserve.spec_decode.k_policy import DraftLengthPolicy, RowCost
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -152,3 +153,27 @@ def test_seeded_requests_keep_the_fixed_k(tiny_llama_dir, tiny_draft_dir):
     dynamic = LLM(**kw, speculative_config={**spec, "dynamic_k": True})
     assert dynamic.generate("x y z", params, use_tqdm=False)[0].outputs[0].token_ids == fixed
     assert dynamic.engine.k_policy.steps_by_k == [0] * 4       # never asked
+
+
+@pytest.mark.default_dynamic_k
+def test_dynamic_k_is_on_by_default_for_ngram_only():
+    assert SpeculativeConfig(method="ngram").dynamic_k is True
+    assert SpeculativeConfig(method="suffix").dynamic_k is False
+    assert SpeculativeConfig(method="draft_model", model="/some/draft").dynamic_k is False
+    assert SpeculativeConfig(method="eagle").dynamic_k is False
+    assert SpeculativeConfig(method="ngram", dynamic_k=False).dynamic_k is False     # the user's choice wins
+    assert SpeculativeConfig(method="draft_model", model="/d", dynamic_k=True).dynamic_k is True
+    with pytest.raises(ValueError, match="dynamic_k must be True, False or None"):
+        SpeculativeConfig(method="ngram", dynamic_k="yes")
+
+
+@pytest.mark.default_dynamic_k
+def test_a_default_ngram_engine_chooses_k_and_keeps_greedy_output(tiny_llama_dir):
+    kw = dict(model=tiny_llama_dir, dtype="float32", max_model_len=256, kv_cache_memory=8 << 20)
+    prompts = ["one two three one two three one two", "a b c a b c a b"]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(**kw).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(**kw, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    assert llm.engine.k_policy is not None and llm.engine.k_policy.max_k == 4
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == plain
+    assert sum(llm.engine.k_policy.steps_by_k) > 0
