@@ -69,12 +69,17 @@ class Config:
 METHODS = {"ngram": "ngram", "draft": "draft_model", "draft_model": "draft_model", "eagle": "eagle", "suffix": "suffix"}
 
 
+# the :OPTION words of a configuration and the SpeculativeConfig field and value each sets
+KEYWORDS = {"dynamic": ("dynamic_k", "true"), "fixed": ("dynamic_k", "false"), "tree": ("prompt_lookup_tree", "true")}
+
+
 def parse_configs(text: str, draft_model: str | None = None, eagle_model: str | None = None) -> list[Config]:
     """``plain,ngram:4,draft:3,eagle:4`` -> configurations; ``plain`` is added first when missing.
 
     ``METHOD:K`` speculates K tokens per step (``METHOD`` alone: specserve's default k);
     more ``:OPTION`` parts may follow: ``dynamic`` chooses each step's draft length up
-    to K (``dynamic_k``), ``tree`` proposes n-gram trees (``prompt_lookup_tree``), and
+    to K (``dynamic_k``, n-gram's default), ``fixed`` drafts K every step (``dynamic_k``
+    off), ``tree`` proposes n-gram trees (``prompt_lookup_tree``), and
     ``KEY=VALUE`` sets any other ``SpeculativeConfig`` field (``ngram:5:prompt_lookup_max=5``;
     VALUE true/false, a number or text). ``draft``/``eagle`` use ``draft_model``/``eagle_model``,
     else the default model's shipped draft.
@@ -92,7 +97,7 @@ def parse_configs(text: str, draft_model: str | None = None, eagle_model: str | 
             if method not in METHODS:
                 raise ValueError(f"unknown configuration {item!r}: use plain, ngram:K, draft:K, eagle:K or suffix:K")
             spec: dict = {"method": METHODS[method]}
-            if parts and parts[0] not in ("dynamic", "tree") and "=" not in parts[0]:
+            if parts and parts[0] not in KEYWORDS and "=" not in parts[0]:
                 try:
                     spec["num_speculative_tokens"] = int(parts.pop(0))
                 except ValueError:
@@ -101,10 +106,10 @@ def parse_configs(text: str, draft_model: str | None = None, eagle_model: str | 
                     raise ValueError(f"configuration {item!r}: K must be at least 1")
             for part in parts:
                 key, eq, value = part.partition("=")
-                if not eq and key in ("dynamic", "tree"):
-                    key, value = {"dynamic": "dynamic_k", "tree": "prompt_lookup_tree"}[key], "true"
+                if not eq and key in KEYWORDS:
+                    key, value = KEYWORDS[key]
                 elif not eq or not key or key in ("method", "num_speculative_tokens"):
-                    raise ValueError(f"configuration {item!r}: {part!r} is not dynamic, tree or KEY=VALUE "
+                    raise ValueError(f"configuration {item!r}: {part!r} is not dynamic, fixed, tree or KEY=VALUE "
                                      "(a SpeculativeConfig field; K goes right after the method)")
                 spec[key] = _option_value(value)
             model = {"draft_model": draft_model, "eagle": eagle_model}.get(spec["method"])

@@ -141,6 +141,8 @@ def test_parse_configs():
     dynamic = parse_configs("ngram:6:dynamic,suffix:8")
     assert dynamic[1].speculative_config == {"method": "ngram", "num_speculative_tokens": 6, "dynamic_k": True}
     assert dynamic[2].speculative_config == {"method": "suffix", "num_speculative_tokens": 8}
+    assert parse_configs("ngram:4:fixed")[1].speculative_config == {"method": "ngram", "num_speculative_tokens": 4,
+                                                                    "dynamic_k": False}
     for bad in ("medusa:3", "ngram:x", "ngram:0", "plain,plain"):
         with pytest.raises(ValueError):
             parse_configs(bad)
@@ -291,3 +293,11 @@ def test_start_llama_server_reports_an_early_exit(tmp_path):
     exe.chmod(0o755)
     with pytest.raises(RuntimeError, match="exited with status 3"):
         start_llama_server(str(exe), "model.gguf", threads=1, ctx_size=512, timeout_s=30)
+
+
+def test_configuration_labels_say_when_ngram_drafts_a_fixed_k():
+    from specserve.bench.report import _spec_text
+
+    assert "dynamic_k=False" in _spec_text({"method": "ngram", "num_speculative_tokens": 4, "dynamic_k": False})
+    assert "dynamic_k" not in _spec_text({"method": "ngram", "num_speculative_tokens": 4})   # the default
+    assert "dynamic_k=True" in _spec_text({"method": "draft_model", "model": "/d", "dynamic_k": True})
