@@ -15,6 +15,10 @@ sees only the current request.
 
     python benchmarks/suffix_decoding.py --requests 60 --max-tokens 96 --suffix-max-spec-factor 1 2
     python benchmarks/suffix_decoding.py --task json --requests 60 --max-tokens 256
+    python benchmarks/suffix_decoding.py --task json --requests 40 --max-tokens 256 --dynamic-k both
+
+``--dynamic-k``: n-gram and suffix with a fixed k (``off``, the default here, although
+n-gram's engine default is ``dynamic_k`` on), with ``dynamic_k`` (``on``), or ``both``.
 
 Printed: per config tokens/s (output tokens over the wall time of the requests,
 prefill included), the ratio to plain, tau (tokens per decode step) and the
@@ -87,20 +91,23 @@ def main() -> None:
     p.add_argument("--suffix-max-depth", type=int, default=8)
     p.add_argument("--suffix-max-spec-factor", type=float, nargs="+", default=[1.0],
                    help="one suffix config per value")
+    p.add_argument("--dynamic-k", choices=["off", "on", "both"], default="off",
+                   help="n-gram and suffix with a fixed k (off; n-gram's default is on), with dynamic_k, or both")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--warmup", type=int, default=2, help="untimed requests per config first (other inputs)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
-    configs = {
-        "plain": None,
-        f"ngram k={args.ngram_k}": {"method": "ngram", "num_speculative_tokens": args.ngram_k},
-    }
-    for factor in args.suffix_max_spec_factor:
-        configs[f"suffix k={args.suffix_k} f={factor:g}"] = {
-            "method": "suffix", "num_speculative_tokens": args.suffix_k,
-            "suffix_min_token_prob": args.suffix_min_token_prob, "suffix_max_depth": args.suffix_max_depth,
-            "suffix_max_spec_factor": factor}
+    configs = {"plain": None}
+    for dynamic in {"off": [False], "on": [True], "both": [False, True]}[args.dynamic_k]:
+        tag = " dyn" if dynamic else ""
+        configs[f"ngram k={args.ngram_k}{tag}"] = {"method": "ngram", "num_speculative_tokens": args.ngram_k,
+                                                    "dynamic_k": dynamic}
+        for factor in args.suffix_max_spec_factor:
+            configs[f"suffix k={args.suffix_k} f={factor:g}{tag}"] = {
+                "method": "suffix", "num_speculative_tokens": args.suffix_k,
+                "suffix_min_token_prob": args.suffix_min_token_prob, "suffix_max_depth": args.suffix_max_depth,
+                "suffix_max_spec_factor": factor, "dynamic_k": dynamic}
     engines = {name: LLM(speculative_config=spec) if spec else LLM() for name, spec in configs.items()}
     first = next(iter(engines.values()))
     print(f"model: {first.engine.model_name}, torch threads: {torch.get_num_threads()}, "
@@ -137,7 +144,7 @@ def main() -> None:
     print(f"mean output length {mean_len:.1f} tokens; every config's output == plain's")
     for label, part in (("all requests", None), ("second half", 1)):
         print(f"\n{label}:")
-        print(f"{'config':>20} {'tok/s':>8} {'x plain':>8} {'tau':>6} {'accept':>7}")
+        print(f"{'config':>24} {'tok/s':>8} {'x plain':>8} {'tau':>6} {'accept':>7}")
         rate = {}
         for n in names:
             secs = sum(elapsed[n]) if part is None else elapsed[n][part]
@@ -147,7 +154,7 @@ def main() -> None:
             steps, emitted, drafted, accepted = (b[j] - a[j] for j in range(4))
             tau = emitted / steps if steps else float("nan")
             acc = accepted / drafted if drafted else 0.0
-            print(f"{n:>20} {rate[n]:8.1f} {rate[n] / rate['plain']:8.2f} {tau:6.2f} {acc:7.2f}")
+            print(f"{n:>24} {rate[n]:8.1f} {rate[n] / rate['plain']:8.2f} {tau:6.2f} {acc:7.2f}")
 
 
 def _snapshot(llm: LLM) -> tuple[int, int, int, int]:
