@@ -18,7 +18,7 @@ sees only the current request.
     python benchmarks/suffix_decoding.py --task json --requests 40 --max-tokens 256 --dynamic-k both
 
 ``--dynamic-k``: n-gram and suffix with a fixed k (``off``, the default here, although
-n-gram's engine default is ``dynamic_k`` on), with ``dynamic_k`` (``on``), or ``both``.
+the engine's default for both is ``dynamic_k`` on), with ``dynamic_k`` (``on``), or ``both``.
 
 Printed: per config tokens/s (output tokens over the wall time of the requests,
 prefill included), the ratio to plain, tau (tokens per decode step) and the
@@ -92,7 +92,7 @@ def main() -> None:
     p.add_argument("--suffix-max-spec-factor", type=float, nargs="+", default=[1.0],
                    help="one suffix config per value")
     p.add_argument("--dynamic-k", choices=["off", "on", "both"], default="off",
-                   help="n-gram and suffix with a fixed k (off; n-gram's default is on), with dynamic_k, or both")
+                   help="n-gram and suffix with a fixed k (off; the engine's default is on), with dynamic_k, or both")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--warmup", type=int, default=2, help="untimed requests per config first (other inputs)")
     args = p.parse_args()

@@ -26,7 +26,7 @@ from model_cache import share_folder, shared_folder_loads  # noqa: E402
 def fixed_k_unless_asked(request, monkeypatch):
     """Speculative engines in tests draft a fixed k unless the test sets ``dynamic_k`` itself or
     carries the ``default_dynamic_k`` marker (then the product's default applies: dynamic_k on
-    for ngram). Most tests exercise verification, rollback and the KV cache; on
+    for ngram and suffix). Most tests exercise verification, rollback and the KV cache; on
     random-weight models the default would cut their drafts to nothing and leave them nothing
     to verify, so they would pass without testing what they are about."""
     if request.node.get_closest_marker("default_dynamic_k") is None:

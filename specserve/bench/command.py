@@ -34,7 +34,7 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--configs", default="plain,ngram:4",
                    help="comma-separated: plain, ngram:K, draft:K, eagle:K, suffix:K (K draft tokens per step; "
                         "draft and eagle use the default model's shipped drafts unless --draft-model/--eagle-model); "
-                        "options may follow as :dynamic (dynamic_k, n-gram's default), :fixed (k every step), :tree (n-gram trees) or :KEY=VALUE for any "
+                        "options may follow as :dynamic (dynamic_k, n-gram's and suffix's default), :fixed (k every step), :tree (n-gram trees) or :KEY=VALUE for any "
                         "SpeculativeConfig field, e.g. ngram:5:prompt_lookup_max=5:tree,ngram:5:prompt_lookup_max=5 "
                         "(trees against chains); plain is always run (speedups are against it)")
     p.add_argument("--draft-model", default=None, help="the draft for draft:K configurations")

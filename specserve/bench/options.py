@@ -78,7 +78,7 @@ def parse_configs(text: str, draft_model: str | None = None, eagle_model: str | 
 
     ``METHOD:K`` speculates K tokens per step (``METHOD`` alone: specserve's default k);
     more ``:OPTION`` parts may follow: ``dynamic`` chooses each step's draft length up
-    to K (``dynamic_k``, n-gram's default), ``fixed`` drafts K every step (``dynamic_k``
+    to K (``dynamic_k``, n-gram's and suffix's default), ``fixed`` drafts K every step (``dynamic_k``
     off), ``tree`` proposes n-gram trees (``prompt_lookup_tree``), and
     ``KEY=VALUE`` sets any other ``SpeculativeConfig`` field (``ngram:5:prompt_lookup_max=5``;
     VALUE true/false, a number or text). ``draft``/``eagle`` use ``draft_model``/``eagle_model``,

@@ -36,7 +36,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="suffix: at most this many draft tokens per matched token (default 1)")
     p.add_argument("--speculative-dynamic-k", action=argparse.BooleanOptionalAction, default=None,
                    help="choose each request's draft length every step from measured costs and acceptance "
-                        "(--num-speculative-tokens is the maximum; default: on for ngram, off otherwise)")
+                        "(--num-speculative-tokens is the maximum; default: on for ngram and suffix, off otherwise)")
     p.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
                    help="skip drafting in steps with at least this many decoding requests")
     p.add_argument("--draft-tensor-parallel-size", type=int, default=None)

@@ -363,6 +363,20 @@ def test_tp_greedy_equals_tp1_and_leaves_no_process(case, reference, truncated_d
 
 
 @pytest.mark.slow
+@pytest.mark.default_dynamic_k
+def test_tp_with_ngram_defaults_equals_tp1(reference):
+    """n-gram's default, dynamic_k on: the policy calibrates and times the sharded forward."""
+    llm = LLM(tensor_parallel_size=TP, speculative_config={"method": "ngram", "num_speculative_tokens": 3}, **ENGINE)
+    assert llm.engine.k_policy is not None and llm.engine.k_policy.forward.known()
+    pids = llm.engine.runner.worker_pids
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == reference[0]
+    assert sum(llm.engine.k_policy.steps_by_k) > 0
+    del llm
+    gc.collect()
+    assert wait_gone(pids) == []
+
+
+@pytest.mark.slow
 def test_tp_in_the_default_dtype_equals_tp1():
     """dtype="auto" on a CPU: the GGUF's blocks cut along whole blocks travel to the ranks
     as they are (norms and biases in float16), and each worker puts the dense tensors in the

@@ -274,17 +274,20 @@ def test_greedy_equals_plain_in_default_dtype(prompts, int8_activations):
 
 
 @pytest.mark.default_dynamic_k
-def test_default_ngram_keeps_greedy_output_in_default_dtype(prompts):
-    """The product's defaults: dtype "auto" and, for ngram, dynamic_k on (each request's
-    draft length chosen per step, 0 included): greedy answers stay plain's."""
+def test_default_free_proposers_keep_greedy_output_in_default_dtype(prompts):
+    """The product's defaults: dtype "auto" and, for ngram and suffix, dynamic_k on (each
+    request's draft length or tree size chosen per step, 0 included): greedy answers stay plain's."""
     kw = dict(ENGINE_KW, dtype="auto")
     plain = LLM(**kw)
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, GREEDY)]
     del plain
-    llm = LLM(**kw, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
-    assert llm.engine.k_policy is not None
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == want
-    assert sum(llm.engine.k_policy.steps_by_k) > 0
+    for method in ("ngram", "suffix"):
+        llm = LLM(**kw, speculative_config={"method": method, "num_speculative_tokens": 4})
+        assert llm.engine.k_policy is not None, method
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == want, method
+        assert sum(llm.engine.k_policy.steps_by_k) > 0
+        del llm
+        gc.collect()
 
 
 def test_greedy_equals_plain_in_default_dtype_wherever_prompts_are_cut(prompts):

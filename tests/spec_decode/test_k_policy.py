@@ -156,9 +156,9 @@ def test_seeded_requests_keep_the_fixed_k(tiny_llama_dir, tiny_draft_dir):
 
 
 @pytest.mark.default_dynamic_k
-def test_dynamic_k_is_on_by_default_for_ngram_only():
+def test_dynamic_k_is_on_by_default_for_free_proposers_only():
     assert SpeculativeConfig(method="ngram").dynamic_k is True
-    assert SpeculativeConfig(method="suffix").dynamic_k is False
+    assert SpeculativeConfig(method="suffix").dynamic_k is True
     assert SpeculativeConfig(method="draft_model", model="/some/draft").dynamic_k is False
     assert SpeculativeConfig(method="eagle").dynamic_k is False
     assert SpeculativeConfig(method="ngram", dynamic_k=False).dynamic_k is False     # the user's choice wins
