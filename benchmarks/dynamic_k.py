@@ -152,12 +152,18 @@ def batches(prompts: dict[str, list[str]], batch: int, mixed: bool) -> dict[str,
             for c, ids in prompts.items()}
 
 
+def log_ratios(records: list[dict], a: str, b: str, groups=None) -> list[float]:
+    """log(b's time / a's time) for every batch (category, round, group) both answered, only
+    those of ``groups`` if given."""
+    seconds = {(r["category"], r["round"], r["group"], r["config"]): r["seconds"] for r in records}
+    return [math.log(seconds[key[:3] + (b,)] / t) for key, t in seconds.items()
+            if key[3] == a and key[:3] + (b,) in seconds and (groups is None or key[2] in groups)]
+
+
 def paired(records: list[dict], a: str, b: str, rng: random.Random, draws: int = 2000) -> tuple[float, float, float]:
     """Geometric mean over (round, group) pairs of b's time over a's on the same batch (above 1:
     a is faster), and its 90% bootstrap interval."""
-    seconds = {(r["category"], r["round"], r["group"], r["config"]): r["seconds"] for r in records}
-    logs = [math.log(seconds[key[:3] + (b,)] / t) for key, t in seconds.items()
-            if key[3] == a and key[:3] + (b,) in seconds]
+    logs = log_ratios(records, a, b)
     if not logs:
         return float("nan"), float("nan"), float("nan")
     means = sorted(statistics.fmean(rng.choices(logs, k=len(logs))) for _ in range(draws))
@@ -167,17 +173,14 @@ def paired(records: list[dict], a: str, b: str, rng: random.Random, draws: int =
 def cross_validated(records: list[dict], dynamic: str, fixed: list[str]) -> float:
     """dynamic_k against the fixed k that was best on the other half of the batches (see the
     module docstring): the geometric mean of the paired ratios, above 1 when dynamic_k is faster."""
-    seconds = {(r["round"], r["group"], r["config"]): r["seconds"] for r in records}
     groups = sorted({r["group"] for r in records})
     halves = [groups[0::2], groups[1::2]]
     if not fixed or not all(halves):
         return float("nan")
     logs = []
     for pick, test in ((halves[0], halves[1]), (halves[1], halves[0])):
-        best = max(fixed, key=lambda n: paired([r for r in records if r["group"] in pick], n, "plain",
-                                                random.Random(0), 1)[0])
-        logs += [math.log(seconds[(rnd, g, best)] / seconds[(rnd, g, dynamic)])
-                 for (rnd, g, name) in seconds if name == dynamic and g in test and (rnd, g, best) in seconds]
+        best = max(fixed, key=lambda n: statistics.fmean(log_ratios(records, n, "plain", pick)))
+        logs += log_ratios(records, dynamic, best, test)
     return math.exp(statistics.fmean(logs))
 
 
