@@ -5,6 +5,7 @@ import json
 import os
 
 from specserve.bench.options import ALL
+from specserve.config import SpeculativeConfig
 
 
 def write_json(doc: dict, path: str) -> None:
@@ -167,7 +168,7 @@ def _spec_text(spec: dict) -> str:
             if k in spec and (k != "model" or not ngram) and (ngram or not k.startswith("prompt_lookup"))]
     flags = {"prompt_lookup_tree": True, "prompt_lookup_adaptive": False, "dynamic_k": True}
     text += [f"{k}={v}" for k, v in flags.items() if spec.get(k) is v and (ngram or not k.startswith("prompt_lookup"))]
-    if spec.get("method") in ("ngram", "suffix") and spec.get("dynamic_k") is False:   # on by default: say when off
+    if spec.get("method") in SpeculativeConfig.DYNAMIC_K_BY_DEFAULT and spec.get("dynamic_k") is False:   # say when off
         text.append("dynamic_k=False")
     if spec.get("disable_by_batch_size") is not None:
         text.append(f"disable_by_batch_size={spec['disable_by_batch_size']}")

@@ -295,6 +295,7 @@ def test_start_llama_server_reports_an_early_exit(tmp_path):
         start_llama_server(str(exe), "model.gguf", threads=1, ctx_size=512, timeout_s=30)
 
 
+@pytest.mark.default_dynamic_k
 def test_configuration_labels_say_when_ngram_drafts_a_fixed_k():
     from specserve.bench.report import _spec_text
 
