@@ -17,6 +17,11 @@ sees only the current request.
     python benchmarks/suffix_decoding.py --task json --requests 60 --max-tokens 256
     python benchmarks/suffix_decoding.py --task json --requests 40 --max-tokens 256 --dynamic-k both
 
+``--model NAME`` runs another target (``qwen2.5-coder-1.5b-instruct``, say);
+``--int8-activations on|both`` multiplies the target with int8 activations (``both``: every
+config twice, the ``+int8`` ones compared with ``plain+int8``). ``--json-out FILE`` saves the
+figures.
+
 ``--dynamic-k``: n-gram and suffix with a fixed k (``off``, the default here, although
 the engine's default for both is ``dynamic_k`` on), with ``dynamic_k`` (``on``), or ``both``.
 
@@ -28,6 +33,7 @@ then holds at least as many earlier answers).
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import time
 
@@ -93,6 +99,11 @@ def main() -> None:
                    help="one suffix config per value")
     p.add_argument("--dynamic-k", choices=["off", "on", "both"], default="off",
                    help="n-gram and suffix with a fixed k (off; the engine's default is on), with dynamic_k, or both")
+    p.add_argument("--model", default=None, help="the target (default: the default model)")
+    p.add_argument("--int8-activations", choices=["off", "on", "both"], default="off",
+                   help="the target's activations: float32 (off, the default), int8 (on), or each config both ways")
+    p.add_argument("--records", type=int, default=3, help="customer records per json request")
+    p.add_argument("--json-out", default=None, help="write the figures to this file")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--warmup", type=int, default=2, help="untimed requests per config first (other inputs)")
     args = p.parse_args()
@@ -108,13 +119,22 @@ def main() -> None:
                 "method": "suffix", "num_speculative_tokens": args.suffix_k,
                 "suffix_min_token_prob": args.suffix_min_token_prob, "suffix_max_depth": args.suffix_max_depth,
                 "suffix_max_spec_factor": factor, "dynamic_k": dynamic}
-    engines = {name: LLM(speculative_config=spec) if spec else LLM() for name, spec in configs.items()}
+    int8_modes = {"off": [False], "on": [True], "both": [False, True]}[args.int8_activations]
+    if len(int8_modes) > 1:   # every config both ways; "+int8" marks the int8 ones
+        configs = {f"{name}{'+int8' if int8 else ''}": (spec, int8) for int8 in int8_modes for name, spec in configs.items()}
+    else:
+        configs = {name: (spec, int8_modes[0]) for name, spec in configs.items()}
+    model = {"model": args.model} if args.model else {}
+    engines = {name: LLM(speculative_config=spec, int8_activations=int8, **model) if spec
+               else LLM(int8_activations=int8, **model) for name, (spec, int8) in configs.items()}
     first = next(iter(engines.values()))
     print(f"model: {first.engine.model_name}, torch threads: {torch.get_num_threads()}, "
-          f"task {args.task}, {args.requests} requests, max_tokens {args.max_tokens}, greedy, batch 1")
+          f"task {args.task}, {args.requests} requests, max_tokens {args.max_tokens}, greedy, batch 1, "
+          f"int8 activations {args.int8_activations}")
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    ids = [first.apply_chat_template([{"role": "user", "content": t}])
-           for t in TASKS[args.task](args.requests + args.warmup)]
+    texts = TASKS[args.task](args.requests + args.warmup, records=args.records) if args.task == "json" \
+        else TASKS[args.task](args.requests + args.warmup)
+    ids = [first.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
     for llm in engines.values():
         for prompt in ids[args.requests:]:
             llm.generate([prompt], params, use_tqdm=False)
@@ -138,10 +158,13 @@ def main() -> None:
             answers[n].append(out.token_ids)
     for n in names:
         stats_at[n].append(_snapshot(engines[n]))
-        assert answers[n] == answers["plain"], f"{n}: greedy output differs from plain"
+        # each config against plain decoding with the same activations (int8 rounding changes the target)
+        base = "plain+int8" if n.endswith("+int8") else "plain"
+        assert answers[n] == answers[base], f"{n}: greedy output differs from {base}"
 
     mean_len = sum(map(len, answers["plain"])) / len(answers["plain"])
-    print(f"mean output length {mean_len:.1f} tokens; every config's output == plain's")
+    print(f"mean output length {mean_len:.1f} tokens; every config's output == plain's (same activations)")
+    figures = {"args": vars(args), "model": first.engine.model_name, "mean_output_tokens": mean_len}
     for label, part in (("all requests", None), ("second half", 1)):
         print(f"\n{label}:")
         print(f"{'config':>24} {'tok/s':>8} {'x plain':>8} {'tau':>6} {'accept':>7}")
@@ -154,7 +177,13 @@ def main() -> None:
             steps, emitted, drafted, accepted = (b[j] - a[j] for j in range(4))
             tau = emitted / steps if steps else float("nan")
             acc = accepted / drafted if drafted else 0.0
-            print(f"{n:>24} {rate[n]:8.1f} {rate[n] / rate['plain']:8.2f} {tau:6.2f} {acc:7.2f}")
+            base = "plain+int8" if n.endswith("+int8") else "plain"
+            print(f"{n:>24} {rate[n]:8.1f} {rate[n] / rate[base]:8.2f} {tau:6.2f} {acc:7.2f}")
+            figures.setdefault(label, {})[n] = {"tok_s": rate[n], "x_plain": rate[n] / rate[base], "tau": tau,
+                                                "acceptance": acc, "seconds": secs, "tokens": toks}
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(figures, f, indent=1)
 
 
 def _snapshot(llm: LLM) -> tuple[int, int, int, int]:

@@ -8,6 +8,7 @@ import pytest
 
 from specserve import LLM, SamplingParams
 from specserve.config import SpeculativeConfig
+from specserve.engine.drafting import calibration_rows
 from specserve.spec_decode.k_policy import DraftLengthPolicy, RowCost
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -122,6 +123,19 @@ def test_acceptance_blends_the_request_with_the_prior_and_never_rises_with_depth
 def test_probes_back_off():
     p = DraftLengthPolicy(4)
     assert [n for n in range(200) if p.is_probe_step(n)] == [16, 32, 64, 128]
+
+
+def test_calibration_times_the_few_row_counts_and_every_other_one_beyond():
+    assert calibration_rows(1) == [1, 2]
+    assert calibration_rows(4) == [1, 2, 3, 4, 5]
+    assert calibration_rows(8) == [1, 2, 3, 4, 5, 7, 9]
+    assert calibration_rows(9) == [1, 2, 3, 4, 5, 7, 9, 10]      # k + 1 always
+
+
+def test_calibrated_counts_are_what_the_engine_timed(tiny_llama_dir):
+    llm = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=256, kv_cache_memory=8 << 20,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 8, "dynamic_k": True})
+    assert sorted(llm.engine.k_policy.forward.shape) == calibration_rows(8)
 
 
 def test_without_a_cost_line_every_request_drafts_its_limit():
