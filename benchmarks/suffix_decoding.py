@@ -156,6 +156,9 @@ def main() -> None:
             elapsed[n][i >= half] += time.perf_counter() - t
             produced[n][i >= half] += len(out.token_ids)
             answers[n].append(out.token_ids)
+        if (i + 1) % 10 == 0:
+            print(f"# {i + 1} of {args.requests} requests, " + ", ".join(
+                f"{n} {sum(produced[n]) / sum(elapsed[n]):.1f} tok/s" for n in names), flush=True)
     for n in names:
         stats_at[n].append(_snapshot(engines[n]))
         # each config against plain decoding with the same activations (int8 rounding changes the target)
