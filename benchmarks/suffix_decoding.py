@@ -16,6 +16,8 @@ sees only the current request.
     python benchmarks/suffix_decoding.py --requests 60 --max-tokens 96 --suffix-max-spec-factor 1 2
     python benchmarks/suffix_decoding.py --task json --requests 60 --max-tokens 256
     python benchmarks/suffix_decoding.py --task json --requests 40 --max-tokens 256 --dynamic-k both
+    python benchmarks/suffix_decoding.py --task json --requests 50 --max-tokens 256 --dynamic-k on \
+        --suffix-k 8 16 --suffix-max-depth 8 16
 
 ``--model NAME`` runs another target (``qwen2.5-coder-1.5b-instruct``, say);
 ``--int8-activations on|both`` multiplies the target with int8 activations (``both``: every
@@ -92,9 +94,10 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=60)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--ngram-k", type=int, default=4)
-    p.add_argument("--suffix-k", type=int, default=8)
+    p.add_argument("--suffix-k", type=int, nargs="+", default=[8], help="one suffix config per k")
     p.add_argument("--suffix-min-token-prob", type=float, default=0.1)
-    p.add_argument("--suffix-max-depth", type=int, default=8)
+    p.add_argument("--suffix-max-depth", type=int, nargs="+", default=[8],
+                   help="one depth for every --suffix-k, or one per k")
     p.add_argument("--suffix-max-spec-factor", type=float, nargs="+", default=[1.0],
                    help="one suffix config per value")
     p.add_argument("--dynamic-k", choices=["off", "on", "both"], default="off",
@@ -114,11 +117,14 @@ def main() -> None:
         tag = " dyn" if dynamic else ""
         configs[f"ngram k={args.ngram_k}{tag}"] = {"method": "ngram", "num_speculative_tokens": args.ngram_k,
                                                     "dynamic_k": dynamic}
-        for factor in args.suffix_max_spec_factor:
-            configs[f"suffix k={args.suffix_k} f={factor:g}{tag}"] = {
-                "method": "suffix", "num_speculative_tokens": args.suffix_k,
-                "suffix_min_token_prob": args.suffix_min_token_prob, "suffix_max_depth": args.suffix_max_depth,
-                "suffix_max_spec_factor": factor, "dynamic_k": dynamic}
+        depths = args.suffix_max_depth if len(args.suffix_max_depth) > 1 else args.suffix_max_depth * len(args.suffix_k)
+        for k, depth in zip(args.suffix_k, depths):
+            for factor in args.suffix_max_spec_factor:
+                name = f"suffix k={k}" + (f" d={depth}" if depth != 8 else "") + f" f={factor:g}{tag}"
+                configs[name] = {
+                    "method": "suffix", "num_speculative_tokens": k,
+                    "suffix_min_token_prob": args.suffix_min_token_prob, "suffix_max_depth": depth,
+                    "suffix_max_spec_factor": factor, "dynamic_k": dynamic}
     int8_modes = {"off": [False], "on": [True], "both": [False, True]}[args.int8_activations]
     if len(int8_modes) > 1:   # every config both ways; "+int8" marks the int8 ones
         configs = {f"{name}{'+int8' if int8 else ''}": (spec, int8) for int8 in int8_modes for name, spec in configs.items()}

@@ -8,7 +8,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields
 
-MAX_SPECULATIVE_TOKENS = 16  # beyond this acceptance of the last positions is ~0
+# k + 1 new tokens of a request fit the CPU attention kernel's 32-bit tree masks (a node sees its
+# ancestors: cpu_kernels/paged_attention.c). Suffix decoding's trees on repeated tasks accept
+# drafts that deep (docs/benchmarks.md, "Suffix decoding"); a model's drafts rarely pay past 8.
+MAX_SPECULATIVE_TOKENS = 31
 DEFAULT_SPECULATIVE_TOKENS = 4  # k when neither the user nor the draft says otherwise
 
 

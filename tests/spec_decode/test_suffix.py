@@ -219,7 +219,7 @@ def test_config_validates_the_suffix_options():
     spec = SpeculativeConfig(method="suffix", suffix_max_depth=5, suffix_min_token_prob=0.2,
                              suffix_max_cached_requests=0)
     assert spec.method == "suffix"
-    for bad in ({"suffix_max_depth": 0}, {"suffix_max_depth": 17}, {"suffix_min_token_prob": 1.5},
+    for bad in ({"suffix_max_depth": 0}, {"suffix_max_depth": 32}, {"suffix_min_token_prob": 1.5},
                 {"suffix_min_token_prob": True}, {"suffix_max_cached_requests": -1}, {"suffix_max_spec_factor": 0}, {"model": "/a/draft"}):
         with pytest.raises(ValueError):
             SpeculativeConfig(method="suffix", **bad)
@@ -299,6 +299,30 @@ def test_trees_are_verified(tiny_llama_dir, monkeypatch):
     spec = make(tiny_llama_dir, SUFFIX)
     assert tokens(spec.generate(PROMPTS, greedy, use_tqdm=False)) == want
     assert shapes, "no tree was proposed"
+
+
+def test_the_largest_trees_fit_the_attention_masks(tiny_llama_dir, monkeypatch):
+    """k = MAX_SPECULATIVE_TOKENS: trees of k + 1 = 32 new tokens, the most the CPU attention
+    kernel's 32-bit ancestor masks hold (bit 31 included), verify like any other tree."""
+    from specserve.config import MAX_SPECULATIVE_TOKENS
+    from specserve.worker.model_runner import ModelRunner
+
+    widest = []
+    original = ModelRunner.execute
+
+    def spy(self, inputs, *args, **kwargs):
+        widest.extend(len(i.token_ids) for i in inputs if i.tree_parents is not None)
+        return original(self, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(ModelRunner, "execute", spy)
+    k = MAX_SPECULATIVE_TOKENS
+    greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    want = tokens(make(tiny_llama_dir).generate(PROMPTS, greedy, use_tqdm=False))
+    spec = make(tiny_llama_dir, {**SUFFIX, "num_speculative_tokens": k, "suffix_max_depth": k,
+                                 "suffix_max_spec_factor": 64.0, "dynamic_k": False})
+    assert tokens(spec.generate(PROMPTS, greedy, use_tqdm=False)) == want
+    assert tokens(spec.generate(PROMPTS, greedy, use_tqdm=False)) == want   # the global trie holds the answers
+    assert max(widest) == k + 1 == 32
 
 
 N = 600
