@@ -37,7 +37,8 @@ class SpeculativeConfig:
     method: str | None = None
     model: str | None = None
     # None: the draft's own recommendation (an EAGLE head's eagle_config.json may
-    # carry the k it was measured best at), else DEFAULT_SPECULATIVE_TOKENS.
+    # carry the k it was measured best at), suffix_max_depth for suffix decoding, else
+    # DEFAULT_SPECULATIVE_TOKENS.
     num_speculative_tokens: int | None = None
     draft_tensor_parallel_size: int | None = None
     prompt_lookup_min: int = 1
@@ -52,8 +53,10 @@ class SpeculativeConfig:
     # suffix: the draft tree's depth at most, the smallest probability (count-based, the
     # product along its path) a draft token may have, and how many recent requests the
     # global suffix trie keeps (0: none, only each request's own tokens). A tree holds at most
-    # min(k, suffix_max_spec_factor x the matched suffix's length) tokens.
-    suffix_max_depth: int = 8
+    # min(k, suffix_max_spec_factor x the matched suffix's length) tokens. Without a k, suffix
+    # decoding's k is suffix_max_depth (as in vLLM); depth 16 measured 1.07x depth 8 on a repeated
+    # JSON task and the same on short code edits (docs/benchmarks.md, "Suffix decoding").
+    suffix_max_depth: int = 16
     suffix_min_token_prob: float = 0.1
     suffix_max_cached_requests: int = 256
     suffix_max_spec_factor: float = 1.0

@@ -26,7 +26,8 @@ def resolve_speculative_config(spec: SpeculativeConfig, target_model: str | None
 
     No draft named (draft_model or eagle): the one shipped for the default target
     (a clear error for other targets). No k: an EAGLE head's recommended k from
-    its eagle_config.json, else DEFAULT_SPECULATIVE_TOKENS.
+    its eagle_config.json; suffix decoding's tree depth (its trees hold at most k
+    tokens, and dynamic_k trims them to what pays); else DEFAULT_SPECULATIVE_TOKENS.
     """
     if spec.method in ("draft_model", "eagle") and spec.model is None:
         from specserve.drafts import shipped_draft
@@ -39,6 +40,8 @@ def resolve_speculative_config(spec: SpeculativeConfig, target_model: str | None
 
             if is_eagle_folder(spec.model):
                 k = EagleConfig.load(spec.model).num_speculative_tokens
+        elif spec.method == "suffix":
+            k = spec.suffix_max_depth
         spec = dataclasses.replace(spec, num_speculative_tokens=k or DEFAULT_SPECULATIVE_TOKENS)
     return spec
 

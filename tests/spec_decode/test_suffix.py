@@ -229,6 +229,16 @@ def test_config_validates_the_suffix_options():
         SpeculativeConfig(method="draft_model", model="/a/draft", suffix_max_spec_factor=2.0)
 
 
+def test_k_left_unset_is_the_tree_depth():
+    from specserve.spec_decode.factory import resolve_speculative_config
+
+    assert resolve_speculative_config(SpeculativeConfig(method="suffix"), None).num_speculative_tokens == 16
+    assert resolve_speculative_config(SpeculativeConfig(method="suffix", suffix_max_depth=6),
+                                      None).num_speculative_tokens == 6
+    assert resolve_speculative_config(SpeculativeConfig(method="suffix", num_speculative_tokens=3),
+                                      None).num_speculative_tokens == 3
+
+
 def test_cli_flags_reach_the_config():
     import argparse
 
