@@ -20,7 +20,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--speculative-model", default=None, help="draft model (anything --model accepts)")
     p.add_argument("--speculative-method", default=None, choices=["draft_model", "ngram", "eagle", "suffix"])
-    p.add_argument("--num-speculative-tokens", type=int, default=None, help="k, draft tokens per step")
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="k, draft tokens per step (default: an EAGLE head's own k; suffix: its tree depth, 16; else 4)")
     p.add_argument("--prompt-lookup-max", type=int, default=None, help="ngram: longest suffix to match")
     p.add_argument("--prompt-lookup-min", type=int, default=None, help="ngram: shortest suffix to match")
     p.add_argument("--prompt-lookup-adaptive", action=argparse.BooleanOptionalAction, default=None,
