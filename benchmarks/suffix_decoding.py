@@ -35,6 +35,7 @@ then holds at least as many earlier answers).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import time
@@ -95,7 +96,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--ngram-k", type=int, default=4)
     p.add_argument("--suffix-k", type=int, nargs="+", default=[8], help="one suffix config per k")
-    p.add_argument("--suffix-min-token-prob", type=float, default=0.1)
+    p.add_argument("--suffix-min-token-prob", type=float, nargs="+", default=[0.1], help="one suffix config per value")
     p.add_argument("--suffix-max-depth", type=int, nargs="+", default=[8],
                    help="one depth for every --suffix-k, or one per k")
     p.add_argument("--suffix-max-spec-factor", type=float, nargs="+", default=[1.0],
@@ -119,11 +120,12 @@ def main() -> None:
                                                     "dynamic_k": dynamic}
         depths = args.suffix_max_depth if len(args.suffix_max_depth) > 1 else args.suffix_max_depth * len(args.suffix_k)
         for k, depth in zip(args.suffix_k, depths):
-            for factor in args.suffix_max_spec_factor:
-                name = f"suffix k={k}" + (f" d={depth}" if depth != 8 else "") + f" f={factor:g}{tag}"
+            for factor, prob in itertools.product(args.suffix_max_spec_factor, args.suffix_min_token_prob):
+                name = (f"suffix k={k}" + (f" d={depth}" if depth != 8 else "") + f" f={factor:g}"
+                        + (f" p={prob:g}" if prob != 0.1 else "") + tag)
                 configs[name] = {
                     "method": "suffix", "num_speculative_tokens": k,
-                    "suffix_min_token_prob": args.suffix_min_token_prob, "suffix_max_depth": depth,
+                    "suffix_min_token_prob": prob, "suffix_max_depth": depth,
                     "suffix_max_spec_factor": factor, "dynamic_k": dynamic}
     int8_modes = {"off": [False], "on": [True], "both": [False, True]}[args.int8_activations]
     if len(int8_modes) > 1:   # every config both ways; "+int8" marks the int8 ones
@@ -176,7 +178,7 @@ def main() -> None:
     figures = {"args": vars(args), "model": first.engine.model_name, "mean_output_tokens": mean_len}
     for label, part in (("all requests", None), ("second half", 1)):
         print(f"\n{label}:")
-        print(f"{'config':>24} {'tok/s':>8} {'x plain':>8} {'tau':>6} {'accept':>7}")
+        print(f"{'config':>28} {'tok/s':>8} {'x plain':>8} {'tau':>6} {'accept':>7}")
         rate = {}
         for n in names:
             secs = sum(elapsed[n]) if part is None else elapsed[n][part]
@@ -187,7 +189,7 @@ def main() -> None:
             tau = emitted / steps if steps else float("nan")
             acc = accepted / drafted if drafted else 0.0
             base = "plain+int8" if n.endswith("+int8") else "plain"
-            print(f"{n:>24} {rate[n]:8.1f} {rate[n] / rate[base]:8.2f} {tau:6.2f} {acc:7.2f}")
+            print(f"{n:>28} {rate[n]:8.1f} {rate[n] / rate[base]:8.2f} {tau:6.2f} {acc:7.2f}")
             figures.setdefault(label, {})[n] = {"tok_s": rate[n], "x_plain": rate[n] / rate[base], "tau": tau,
                                                 "acceptance": acc, "seconds": secs, "tokens": toks}
     if args.json_out:
