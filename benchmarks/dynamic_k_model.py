@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import statistics
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SPEC_BENCH = os.path.join(HERE, "..", "..", "shared", "data", "spec_bench", "question.jsonl")
+from dynamic_k import SPEC_BENCH   # the sibling benchmark (this script's folder is on sys.path)
 
 
 class StepLog:
@@ -40,12 +38,11 @@ class StepLog:
 
         def logged_choose(policy, rates, limits, probe):
             chosen = choose(policy, rates, limits, probe)
-            rows = sum(k + 1 for k in chosen)
+            forward = policy.forward(sum(k + 1 for k in chosen))
             log.pending = {
                 "expected_tokens": sum(1 + sum(r[:k]) for r, k in zip(rates, chosen)),
-                "forward": policy.forward(rows),
-                "step": policy.forward(rows) + policy.overhead_seconds
-                + policy.draft_seconds_per_position * max(chosen)}
+                "forward": forward,
+                "step": forward + policy.overhead_seconds + policy.draft_seconds_per_position * max(chosen)}
             return chosen
 
         def logged_record(drafting, scheduled, inputs, step_started, forward_started, verified_at):

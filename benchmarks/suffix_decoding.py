@@ -87,6 +87,13 @@ def make_json_prompts(num: int, seed: int = 0, records: int = 3) -> list[str]:
 
 
 TASKS = {"rename": make_prompts, "json": make_json_prompts}
+SETTINGS = {"off": [False], "on": [True], "both": [False, True]}   # --dynamic-k and --int8-activations
+
+
+def plain_for(name: str) -> str:
+    """The plain configuration a configuration is compared with: the one with the same activations
+    (int8 rounding changes the target model)."""
+    return "plain+int8" if name.endswith("+int8") else "plain"
 
 
 def main() -> None:
@@ -114,27 +121,27 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     configs = {"plain": None}
-    for dynamic in {"off": [False], "on": [True], "both": [False, True]}[args.dynamic_k]:
+    for dynamic in SETTINGS[args.dynamic_k]:
         tag = " dyn" if dynamic else ""
         configs[f"ngram k={args.ngram_k}{tag}"] = {"method": "ngram", "num_speculative_tokens": args.ngram_k,
                                                     "dynamic_k": dynamic}
         depths = args.suffix_max_depth if len(args.suffix_max_depth) > 1 else args.suffix_max_depth * len(args.suffix_k)
         for k, depth in zip(args.suffix_k, depths):
             for factor, prob in itertools.product(args.suffix_max_spec_factor, args.suffix_min_token_prob):
-                name = (f"suffix k={k}" + (f" d={depth}" if depth != 8 else "") + f" f={factor:g}"
-                        + (f" p={prob:g}" if prob != 0.1 else "") + tag)
+                name = (f"suffix k={k}" + (f" d={depth}" if depth != p.get_default("suffix_max_depth")[0] else "")
+                        + f" f={factor:g}"
+                        + (f" p={prob:g}" if prob != p.get_default("suffix_min_token_prob")[0] else "") + tag)
                 configs[name] = {
                     "method": "suffix", "num_speculative_tokens": k,
                     "suffix_min_token_prob": prob, "suffix_max_depth": depth,
                     "suffix_max_spec_factor": factor, "dynamic_k": dynamic}
-    int8_modes = {"off": [False], "on": [True], "both": [False, True]}[args.int8_activations]
+    int8_modes = SETTINGS[args.int8_activations]
     if len(int8_modes) > 1:   # every config both ways; "+int8" marks the int8 ones
         configs = {f"{name}{'+int8' if int8 else ''}": (spec, int8) for int8 in int8_modes for name, spec in configs.items()}
     else:
         configs = {name: (spec, int8_modes[0]) for name, spec in configs.items()}
     model = {"model": args.model} if args.model else {}
-    engines = {name: LLM(speculative_config=spec, int8_activations=int8, **model) if spec
-               else LLM(int8_activations=int8, **model) for name, (spec, int8) in configs.items()}
+    engines = {name: LLM(speculative_config=spec, int8_activations=int8, **model) for name, (spec, int8) in configs.items()}
     first = next(iter(engines.values()))
     print(f"model: {first.engine.model_name}, torch threads: {torch.get_num_threads()}, "
           f"task {args.task}, {args.requests} requests, max_tokens {args.max_tokens}, greedy, batch 1, "
@@ -169,9 +176,7 @@ def main() -> None:
                 f"{n} {sum(produced[n]) / sum(elapsed[n]):.1f} tok/s" for n in names), flush=True)
     for n in names:
         stats_at[n].append(_snapshot(engines[n]))
-        # each config against plain decoding with the same activations (int8 rounding changes the target)
-        base = "plain+int8" if n.endswith("+int8") else "plain"
-        assert answers[n] == answers[base], f"{n}: greedy output differs from {base}"
+        assert answers[n] == answers[plain_for(n)], f"{n}: greedy output differs from {plain_for(n)}"
 
     mean_len = sum(map(len, answers["plain"])) / len(answers["plain"])
     print(f"mean output length {mean_len:.1f} tokens; every config's output == plain's (same activations)")
@@ -188,9 +193,9 @@ def main() -> None:
             steps, emitted, drafted, accepted = (b[j] - a[j] for j in range(4))
             tau = emitted / steps if steps else float("nan")
             acc = accepted / drafted if drafted else 0.0
-            base = "plain+int8" if n.endswith("+int8") else "plain"
-            print(f"{n:>28} {rate[n]:8.1f} {rate[n] / rate[base]:8.2f} {tau:6.2f} {acc:7.2f}")
-            figures.setdefault(label, {})[n] = {"tok_s": rate[n], "x_plain": rate[n] / rate[base], "tau": tau,
+            x_plain = rate[n] / rate[plain_for(n)]
+            print(f"{n:>28} {rate[n]:8.1f} {x_plain:8.2f} {tau:6.2f} {acc:7.2f}")
+            figures.setdefault(label, {})[n] = {"tok_s": rate[n], "x_plain": x_plain, "tau": tau,
                                                 "acceptance": acc, "seconds": secs, "tokens": toks}
     if args.json_out:
         with open(args.json_out, "w") as f:
