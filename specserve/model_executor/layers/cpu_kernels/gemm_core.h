@@ -52,6 +52,14 @@ static inline vecf load_f16(const uint16_t *p) { /* float16 -> float32, exact */
     return v;
 }
 
+/* v, pinned to a register: GCC otherwise folds a vector load into every FMA that uses it
+ * (a memory operand each), so a value loaded once for four outputs is read four times and
+ * the loop is bound by loads instead of FMAs (measured: docs/benchmarks.md, "Row tiles"). */
+static inline vecf in_register(vecf v) {
+    __asm__("" : "+v"(v));
+    return v;
+}
+
 static inline vecf fma_vec(vecf a, vecf b, vecf acc) { /* acc + a * b, one rounding where the CPU has FMA */
 #if VEC == 16
     __m512 x, y, z;
@@ -131,13 +139,13 @@ static inline __attribute__((always_inline)) void gemm_block(const float *x, int
             if (HALF) {
                 _mm_prefetch((const char *)(wh + j * in + k + PREFETCH_L1), _MM_HINT_T0);
                 _mm_prefetch((const char *)(wh + j * in + k + PREFETCH_L2), _MM_HINT_T1);
-                wv[j] = load_f16(wh + j * in + k);
+                wv[j] = in_register(load_f16(wh + j * in + k));
             } else {
-                wv[j] = load_f32(wf + j * in + k);
+                wv[j] = in_register(load_f32(wf + j * in + k));
             }
         }
         for (int r = 0; r < R; r++) {
-            const vecf xv = load_f32(x + r * ldx + k);
+            const vecf xv = in_register(load_f32(x + r * ldx + k));
             for (int j = 0; j < J; j++) acc[r][j] = fma_vec(xv, wv[j], acc[r][j]);
         }
     }

@@ -267,7 +267,7 @@ static int quant_dequantize(const uint8_t *w, int qtype, const int64_t *ids, int
                             wv[j]);                                                                    \
             for (int r = 0; r < R; r++)                                                                \
                 for (int v = 0; v < NV; v++) {                                                         \
-                    const vecf xv = load_f32(x + r * ldx + c * 32 + v * VEC);                          \
+                    const vecf xv = in_register(load_f32(x + r * ldx + c * 32 + v * VEC));             \
                     for (int j = 0; j < 4; j++) acc[r][j] = fma_vec(xv, wv[j][v], acc[r][j]);         \
                 }                                                                                      \
         }                                                                                              \
