@@ -44,8 +44,7 @@ import statistics
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SPEC_BENCH = os.path.join(HERE, "..", "..", "shared", "data", "spec_bench", "question.jsonl")
+from spec_bench import SPEC_BENCH   # benchmarks/spec_bench.py (this script's folder is on sys.path)
 CONTROL = "plain (control)"
 
 

@@ -27,8 +27,7 @@ import torch
 
 from specserve.bench.peers import post_json, start_llama_server, stop_process
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SPEC_BENCH = os.path.join(HERE, "..", "..", "shared", "data", "spec_bench", "question.jsonl")
+from spec_bench import SPEC_BENCH   # benchmarks/spec_bench.py (this script's folder is on sys.path)
 
 
 def post(url: str, body: dict) -> dict:

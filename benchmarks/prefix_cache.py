@@ -24,13 +24,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from collections import defaultdict
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SPEC_BENCH = os.path.join(HERE, "..", "..", "shared", "data", "spec_bench", "question.jsonl")
+from spec_bench import SPEC_BENCH   # benchmarks/spec_bench.py (this script's folder is on sys.path)
 
 SYSTEM_PROMPT = " ".join([
     "You are a coding agent working in a large Python repository.",
