@@ -35,8 +35,8 @@ class RowCost:
     """Seconds of a target forward by the number of rows it verifies, measured.
 
     Not a line: on a CPU the matmul kernels take rows in groups (one row, a fused
-    path for a few, tiles beyond), so 2 rows can cost as much as 5 and 7 much more
-    than 6 (measured, docs/speculative_decoding.md). Two sources:
+    path for a few, tiles beyond), each with its own cost per row (measured,
+    docs/speculative_decoding.md). Two sources:
 
     - ``shape``: the row counts timed at start-up (``calibrate``). Later timings of
       those counts move one ``scale`` for all of them (a longer context, a busier
