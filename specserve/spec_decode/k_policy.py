@@ -73,7 +73,16 @@ class RowCost:
 
     def __call__(self, rows: int) -> float:
         points = self.points()
-        return max([t for r, t in points.items() if r < rows] + [_interpolate(points, rows)])
+        cost = max([t for r, t in points.items() if r < rows] + [_interpolate(points, rows)])
+        # Past the calibrated counts (larger batches) counts are measured online, as averages of
+        # the steps that chose them: a count that once measured low keeps being chosen, one that
+        # measured high is not measured again, so the rarely chosen counts lean low (at batch 32,
+        # 36 rows read 0.25 of an average row dearer than 32, where 0.75 is measured). Beyond
+        # any such count a row costs at least EXTRAPOLATED_ROW_SHARE of that count's average row.
+        top = max(self.shape, default=None)
+        floors = [t * (1 + EXTRAPOLATED_ROW_SHARE * (rows - r) / r)
+                  for r, t in self.seconds.items() if top is not None and top < r < rows]
+        return max([cost, *floors])
 
 
 def _interpolate(points: dict[int, float], rows: int) -> float:
@@ -96,8 +105,9 @@ def _interpolate(points: dict[int, float], rows: int) -> float:
     return max(points[b if below else a] + slope * (rows - (b if below else a)), 1e-9)
 
 
-# Measured on the default model (2 threads): past 8 rows a verified row costs 0.6-0.8 of the
-# average row at the count below it (batch 32: 94 ms for 32 rows, +2.1 ms a row beyond).
+# Measured on the default model (2 threads): past 8 rows a verified row costs 0.5-0.8 of the
+# average row at the count below it (after the row-tile fix, context 120: batch 8 0.52-0.70,
+# batch 32 0.74-0.78, batch 64 0.79 for four rows; docs/benchmarks.md, dynamic_k at batch 8/32/64).
 EXTRAPOLATED_ROW_SHARE = 0.75
 
 

@@ -9,7 +9,7 @@ import pytest
 from specserve import LLM, SamplingParams
 from specserve.config import SpeculativeConfig
 from specserve.engine.drafting import calibration_rows
-from specserve.spec_decode.k_policy import DraftLengthPolicy, RowCost
+from specserve.spec_decode.k_policy import EXTRAPOLATED_ROW_SHARE, DraftLengthPolicy, RowCost
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -191,3 +191,17 @@ def test_a_default_ngram_engine_chooses_k_and_keeps_greedy_output(tiny_llama_dir
     assert llm.engine.k_policy is not None and llm.engine.k_policy.max_k == 4
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == plain
     assert sum(llm.engine.k_policy.steps_by_k) > 0
+
+
+def test_rows_past_a_batch_never_read_cheaper_than_the_floor_share_of_its_average_row():
+    """A rarely chosen count measured low once (36 rows at batch 32) must not make draft rows
+    look nearly free; counts inside the calibrated shape keep their own cheap rows."""
+    cost = RowCost()
+    for rows in range(1, 6):
+        cost.calibrate(rows, 0.010 + 0.002 * rows)
+    cost.add(32, 0.080)
+    cost.add(36, 0.082)                      # a lucky step: 0.5 ms a row past 32
+    average_row = 0.080 / 32
+    assert cost(33) == pytest.approx(0.080 + EXTRAPOLATED_ROW_SHARE * average_row)
+    assert cost(36) == pytest.approx(0.080 + 4 * EXTRAPOLATED_ROW_SHARE * average_row)
+    assert cost(3) == pytest.approx(0.016)   # the calibrated shape is untouched
