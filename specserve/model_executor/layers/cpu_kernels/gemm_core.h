@@ -52,11 +52,13 @@ static inline vecf load_f16(const uint16_t *p) { /* float16 -> float32, exact */
     return v;
 }
 
-/* v, pinned to a register: GCC otherwise folds a vector load into every FMA that uses it
- * (a memory operand each), so a value loaded once for four outputs is read four times and
- * the loop is bound by loads instead of FMAs (measured: docs/benchmarks.md, "Row tiles"). */
+/* Pins a vector variable to a register: GCC otherwise folds a vector load into every FMA that
+ * uses it (a memory operand each), so a value loaded once for four outputs is read four times
+ * and the loop is bound by loads instead of FMAs (measured: docs/benchmarks.md, "Row tiles"). */
+#define KEEP_IN_REGISTER(v) __asm__("" : "+v"(v))
+
 static inline vecf in_register(vecf v) {
-    __asm__("" : "+v"(v));
+    KEEP_IN_REGISTER(v);
     return v;
 }
 

@@ -226,7 +226,7 @@ static inline __attribute__((always_inline)) void q8_tile(const int qtype, const
             }
             for (int r = 0; r < R; r++) {
                 __m512i xv = _mm512_loadu_si512((const void *)(x->xq + r * in + 64 * c));
-                __asm__("" : "+v"(xv)); /* one load for J outputs (see in_register) */
+                KEEP_IN_REGISTER(xv); /* one load for J outputs */
                 const __m512i init = k_off ? _mm512_sub_epi32(_mm512_setzero_si512(),
                                                               _mm512_slli_epi32(_mm512_loadu_si512((const void *)(x->xl + r * ls + 16 * c)), shift_off))
                                            : _mm512_setzero_si512();
