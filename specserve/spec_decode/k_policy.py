@@ -74,14 +74,17 @@ class RowCost:
     def __call__(self, rows: int) -> float:
         points = self.points()
         cost = max([t for r, t in points.items() if r < rows] + [_interpolate(points, rows)])
-        # Past the calibrated counts (larger batches) counts are measured online, as averages of
-        # the steps that chose them: a count that once measured low keeps being chosen, one that
-        # measured high is not measured again, so the rarely chosen counts lean low (at batch 32,
-        # 36 rows read 0.25 of an average row dearer than 32, where 0.75 is measured). Beyond
-        # any such count a row costs at least EXTRAPOLATED_ROW_SHARE of that count's average row.
-        top = max(self.shape, default=None)
-        floors = [t * (1 + EXTRAPOLATED_ROW_SHARE * (rows - r) / r)
-                  for r, t in self.seconds.items() if top is not None and top < r < rows]
+        # Past some counts a row costs at least EXTRAPOLATED_ROW_SHARE of that count's average row:
+        # - past every measured count: two close counts (4 and 5 rows, inside one fused kernel
+        #   call) can cost alike, and their slope carried out to a batch of 32 would make every
+        #   draft look free until a step had paid for the mistake;
+        # - past any count measured online beyond the calibrated ones (larger batches): those are
+        #   averages of the steps that chose them, so a count that once measured low keeps being
+        #   chosen and one that measured high is not measured again; they lean low (at batch 32,
+        #   36 rows read 0.25 of an average row dearer than 32, where 0.75 is measured).
+        largest, top = max(points), max(self.shape, default=None)
+        floors = [t * (1 + EXTRAPOLATED_ROW_SHARE * (rows - r) / r) for r, t in points.items()
+                  if r < rows and (r == largest or (top is not None and r > top))]
         return max([cost, *floors])
 
 
@@ -95,13 +98,7 @@ def _interpolate(points: dict[int, float], rows: int) -> float:
         a, b = below[-1], above[0]
         return points[a] + (points[b] - points[a]) * (rows - a) / (b - a)
     a, b = (xs[-2], xs[-1]) if below else (xs[0], xs[1])
-    slope = max((points[b] - points[a]) / (b - a), 0.0)
-    if below:
-        # Beyond every measured count, a row costs at least EXTRAPOLATED_ROW_SHARE of the
-        # largest count's average row: two close counts (4 and 5 rows, inside one fused kernel
-        # call) can cost alike, and their slope carried out to a batch of 32 would make every
-        # draft look free until a step had paid for the mistake.
-        slope = max(slope, EXTRAPOLATED_ROW_SHARE * points[b] / b)
+    slope = max((points[b] - points[a]) / (b - a), 0.0)   # past the largest count, RowCost adds a floor
     return max(points[b if below else a] + slope * (rows - (b if below else a)), 1e-9)
 
 
