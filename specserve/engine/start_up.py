@@ -60,7 +60,8 @@ def proposer_context(config: EngineConfig, runner, dtype: torch.dtype, hf_config
     model = runner.model if tp == 1 else None   # at TP > 1 the embedding and LM head are sharded over ranks
     lm_head = None
     if model is not None:
-        lm_head = model.lm_head.quantized if model.lm_head.quantized is not None else model.lm_head.weight
+        head = model.lm_head
+        lm_head = next(m for m in (head.quantized_file_order, head.quantized, head.weight) if m is not None)
     return ProposerContext(
         device=runner.device,
         dtype=dtype,

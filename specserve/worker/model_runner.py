@@ -18,6 +18,7 @@ from specserve.model_executor.layers.attention import (
     tree_layout,
 )
 from specserve.model_executor.layers.fp16_gemm import compute_dtype_for, round_to_weight_dtype
+from specserve.model_executor.layers.quantized import pack_for_tiles
 from specserve.model_executor.models.registry import get_model_class
 
 
@@ -69,6 +70,8 @@ class ModelRunner:
         self.load_weights(model, state_dict)
         self.model = model.to(device).eval()
         round_to_weight_dtype(self.model, self.weight_dtype, self.dtype, device)
+        if torch.device(device).type == "cpu":
+            pack_for_tiles(self.model)   # GGUF blocks into AMX tile order, on CPUs with AMX
         if torch.device(device).type == "cpu" and hasattr(self.model, "use_cpu_layer_kernels"):
             self.model.use_cpu_layer_kernels()   # quantized GGUF weights: two compiled calls per layer
         self.kv_caches: list[torch.Tensor] = []

@@ -63,6 +63,11 @@ class ColumnParallelLinear(nn.Module):
         self.packed = PackedFp16Weight(self.weight, self.bias)
         self.weight.data = self.packed.weight   # the same float16 tensor
 
+    def pack_for_tiles(self) -> None:
+        """Multiply on AMX tiles from now on where the CPU and the format allow (quantized.py)."""
+        if self.quantized is not None:
+            self.quantized = self.quantized.packed_for_tiles()
+
     def load(self, parts: list, bias_parts: list[torch.Tensor] | None = None) -> None:
         """parts: full [out_i, in] tensors (or QuantizedMatrix), one per fused output."""
         parts = _quantized_or_dense(parts)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 
 import torch
 
@@ -40,6 +41,12 @@ def _setup(lib: ctypes.CDLL) -> None:
     lib.specserve_quant_int8_supported.argtypes = [c_int, i64]
     lib.specserve_quant_int8_supported.restype = c_int
     lib.specserve_quant_vector_width.restype = c_int
+    lib.specserve_quant_amx_supported.argtypes = [c_int, i64, i64]
+    lib.specserve_quant_amx_supported.restype = c_int
+    lib.specserve_quant_amx_row_bytes.argtypes = [c_int, i64]
+    lib.specserve_quant_amx_row_bytes.restype = i64
+    lib.specserve_quant_amx_pack.argtypes = [ptr, c_int, i64, i64, ptr]
+    lib.specserve_quant_amx_pack.restype = c_int
     if lib.specserve_quant_vector_width() == 0:
         raise RuntimeError("this CPU has no F16C (float16 conversion instructions)")
 
@@ -71,6 +78,33 @@ def supports_int8_activations(qtype: int, in_features: int) -> bool:
     return lib is not None and bool(lib.specserve_quant_int8_supported(int(qtype), int(in_features)))
 
 
+# Set on a qtype passed to the kernels: the weight bytes are packed for AMX tiles
+# (``cpu_kernels/amx_tiles.h``), [out / 16, amx_row_bytes] uint8.
+AMX_PACKED_FLAG = 512
+AMX_GROUP = 16   # output rows per packed row
+
+
+def supports_amx(qtype: int, out_features: int, in_features: int) -> bool:
+    """True when this CPU (AMX tiles, granted by the OS) and build multiply a [out, in] matrix of this
+    format on AMX tiles with float32 activations, and ``SPECSERVE_CPU_AMX`` is not ``off``."""
+    lib = _load()
+    return (lib is not None and os.environ.get("SPECSERVE_CPU_AMX", "").lower() != "off"
+            and bool(lib.specserve_quant_amx_supported(int(qtype), int(out_features), int(in_features))))
+
+
+def pack_for_amx(data: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
+    """data [out, row_bytes] uint8 (the file's blocks) -> [out / 16, amx row bytes] uint8: the same
+    values in the AMX kernel's tile order (``amx_tiles.h``). ``supports_amx`` must hold."""
+    lib = _load()
+    assert lib is not None and supports_amx(qtype, data.shape[0], in_features)
+    data = data.contiguous()
+    packed = torch.empty(data.shape[0] // AMX_GROUP, lib.specserve_quant_amx_row_bytes(int(qtype), in_features),
+                         dtype=torch.uint8)
+    check_status(lib.specserve_quant_amx_pack(data.data_ptr(), int(qtype), data.shape[0], in_features,
+                                              packed.data_ptr()), f"packing ggml type {qtype} for AMX")
+    return packed
+
+
 def block_geometry(qtype: int) -> tuple[int, int]:
     """(values, bytes) per block of a supported ggml type id."""
     lib = _load()
@@ -95,20 +129,25 @@ def quant_matmul_into(
     in_features: int,
     bias: torch.Tensor | None,  # [n] float32, contiguous
     int8_activations: bool = False,
+    amx_packed: bool = False,
 ) -> None:
     """``int8_activations``: quantize x to 8 bits per 32 values and multiply bytes (llama.cpp's
-    way, faster); ignored where ``supports_int8_activations`` is False."""
+    way, faster); ignored where ``supports_int8_activations`` is False. ``amx_packed``: data is
+    ``pack_for_amx``'s [n / 16, amx row bytes]."""
     lib = _load()
     assert lib is not None, "call supports() first"
     assert x.dtype == torch.float32 and x.stride(-1) == 1 and x.shape[1] == in_features
     assert data.dtype == torch.uint8 and data.is_contiguous() and out.stride(1) == 1
-    assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous() and bias.shape[0] == data.shape[0])
+    assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
     rows = x.shape[0]
-    if rows == 0 or data.shape[0] == 0:
+    n = data.shape[0] * (AMX_GROUP if amx_packed else 1)
+    assert bias is None or bias.shape[0] == n
+    if rows == 0 or n == 0:
         return
+    flags = (INT8_ACTIVATIONS_FLAG if int8_activations else 0) | (AMX_PACKED_FLAG if amx_packed else 0)
     status = lib.specserve_quant_gemm(
-        x.data_ptr(), x.stride(0), rows, data.data_ptr(), int(qtype) | (INT8_ACTIVATIONS_FLAG if int8_activations else 0),
-        data.shape[0], in_features,
+        x.data_ptr(), x.stride(0), rows, data.data_ptr(), int(qtype) | flags,
+        n, in_features,
         None if bias is None else bias.data_ptr(), out.data_ptr() + col * out.element_size(), out.stride(0),
         torch.get_num_threads())
     check_status(status, f"ggml type {qtype}, weight [{data.shape[0]}, {in_features}]")
@@ -119,12 +158,15 @@ def dequantize_rows(
     qtype: int,
     in_features: int,
     ids: torch.Tensor,          # [T] int64 row indices
+    amx_packed: bool = False,   # data is pack_for_amx's [n_rows / 16, amx row bytes]
 ) -> torch.Tensor:              # [T, in] float32
     lib = _load()
     assert lib is not None, "call supports() first"
     ids = ids.to(torch.int64).contiguous()
-    if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < data.shape[0]):
-        raise IndexError(f"row ids out of range [0, {data.shape[0]})")
+    n_rows = data.shape[0] * (AMX_GROUP if amx_packed else 1)
+    if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < n_rows):
+        raise IndexError(f"row ids out of range [0, {n_rows})")
+    qtype = int(qtype) | (AMX_PACKED_FLAG if amx_packed else 0)
     out = torch.empty(ids.shape[0], in_features, dtype=torch.float32)
     if ids.shape[0]:
         status = lib.specserve_quant_dequantize(data.data_ptr(), int(qtype), ids.data_ptr(), ids.shape[0],

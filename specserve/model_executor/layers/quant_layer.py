@@ -77,7 +77,7 @@ def _qmatrix(m: QuantizedMatrix) -> _QMatrix:
     s = _QMatrix()
     s.num_segments = len(m.segments)
     for i, seg in enumerate(m.segments):
-        s.qtype[i], s.rows[i], s.data[i] = m.kernel_qtype(seg), seg.data.shape[0], seg.data.data_ptr()
+        s.qtype[i], s.rows[i], s.data[i] = m.kernel_qtype(seg), seg.rows, seg.data.data_ptr()
     return s
 
 

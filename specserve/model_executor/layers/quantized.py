@@ -9,6 +9,11 @@ store some v and down projections in Q6_K beside Q4_K q and k, so a matrix is a
 list of *segments*, runs of rows in one format, each multiplied by its own
 kernel call into its own columns of the output.
 
+``packed_for_tiles()`` (at the end of loading, on CPUs with AMX): the segments whose format
+the AMX kernel knows are repacked into its tile order (``cpu_kernels/amx_tiles.h``) and from
+then on multiplied on AMX tiles, float32 activations, at every row count; cuts and stacks
+come before it.
+
 ``int8_activations`` (off by default): multiply with activations rounded to 8 bits
 per 256 values and VNNI byte products (``cpu_kernels/q8_act.h``), llama.cpp's way,
 where the CPU and the format allow; the weights stay the file's values. Cuts and
@@ -36,18 +41,26 @@ class BlockAlignmentError(ValueError):
 class QuantSegment:
     qtype: int            # ggml's type id (GGML_TYPE_Q4_K = 12, ...)
     data: torch.Tensor    # [rows, row_bytes] uint8: one row of blocks per output
+    amx_packed: bool = False   # data is instead [rows / 16, amx row bytes] (quant_gemm.pack_for_amx)
+
+    @property
+    def rows(self) -> int:
+        return self.data.shape[0] * (quant_gemm.AMX_GROUP if self.amx_packed else 1)
 
 
 class QuantizedMatrix:
     """A [out, in] matrix as segments of rows in GGUF block formats (module docstring)."""
 
     def __init__(self, segments: list[QuantSegment], in_features: int, int8_activations: bool = False):
-        self.segments = [s for s in segments if s.data.shape[0]]
+        self.segments = [s for s in segments if s.rows]
         self.in_features = in_features
         self.int8_activations = int8_activations
 
     def kernel_qtype(self, segment: QuantSegment) -> int:
-        """The type id the kernels get for ``segment``: with the int8-activation flag where it applies."""
+        """The type id the kernels get for ``segment``: with the AMX-packing or int8-activation flag
+        where it applies."""
+        if segment.amx_packed:
+            return segment.qtype | quant_gemm.AMX_PACKED_FLAG
         if self.int8_activations and quant_gemm.supports_int8_activations(segment.qtype, self.in_features):
             return segment.qtype | quant_gemm.INT8_ACTIVATIONS_FLAG
         return segment.qtype
@@ -67,7 +80,7 @@ class QuantizedMatrix:
     # ----------------------------------------------------------------- shape and bytes
     @property
     def shape(self) -> tuple[int, int]:
-        return (sum(s.data.shape[0] for s in self.segments), self.in_features)
+        return (sum(s.rows for s in self.segments), self.in_features)
 
     @property
     def nbytes(self) -> int:
@@ -81,20 +94,47 @@ class QuantizedMatrix:
         """The blocks are the file's: no dtype or device conversion applies (CPU only)."""
         return self
 
+    @property
+    def amx_packed(self) -> bool:
+        return any(s.amx_packed for s in self.segments)
+
+    def packed_for_tiles(self) -> "QuantizedMatrix":
+        """This matrix with every segment the AMX kernel multiplies (``quant_gemm.supports_amx``)
+        repacked for it; itself when none is (no AMX, int8 activations, other formats)."""
+        if self.int8_activations:
+            return self
+        segments = [QuantSegment(s.qtype, quant_gemm.pack_for_amx(s.data, s.qtype, self.in_features), True)
+                    if not s.amx_packed and quant_gemm.supports_amx(s.qtype, s.rows, self.in_features) else s
+                    for s in self.segments]
+        if all(a is b for a, b in zip(segments, self.segments)):
+            return self
+        return self._like(segments)
+
+    def _check_unpacked(self, what: str) -> None:
+        if self.amx_packed:
+            raise ValueError(f"{what} a matrix packed for AMX tiles: cut and stack before packed_for_tiles()")
+
     # ----------------------------------------------------------------- cutting and joining
     def row_slice(self, start: int, length: int) -> "QuantizedMatrix":
-        """Rows [start, start + length)."""
+        """Rows [start, start + length) (of a packed segment: on its 16-row groups only)."""
         out, first = [], 0
         for s in self.segments:
-            n = s.data.shape[0]
+            n = s.rows
             lo, hi = max(start, first), min(start + length, first + n)
-            if lo < hi:
+            if lo < hi and s.amx_packed:
+                g = quant_gemm.AMX_GROUP
+                if (lo - first) % g or (hi - first) % g:
+                    raise ValueError(f"rows [{lo - first}, {hi - first}) of a segment packed for AMX tiles do "
+                                     f"not fall on its {g}-row groups")
+                out.append(QuantSegment(s.qtype, s.data[(lo - first) // g : (hi - first) // g], True))
+            elif lo < hi:
                 out.append(QuantSegment(s.qtype, s.data[lo - first : hi - first]))
             first += n
         return self._like(out)
 
     def col_slice(self, start: int, length: int) -> "QuantizedMatrix":
         """Input features [start, start + length); both must fall on block boundaries."""
+        self._check_unpacked("cutting columns of")
         out = []
         for s in self.segments:
             elems, nbytes = quant_gemm.block_geometry(s.qtype)
@@ -108,6 +148,7 @@ class QuantizedMatrix:
 
     def take_rows(self, index: torch.Tensor) -> "QuantizedMatrix":
         """Rows ``index`` (e.g. a draft vocabulary's rows of an LM head), one format only."""
+        self._check_unpacked("taking rows of")
         if len(self.segments) != 1:
             raise ValueError("take_rows needs a matrix of one format")
         s = self.segments[0]
@@ -115,6 +156,7 @@ class QuantizedMatrix:
 
     def pad_rows(self, rows: int) -> "QuantizedMatrix":
         """Append rows that are all zero: zero bytes dequantize to 0.0 in every format."""
+        self._check_unpacked("padding")
         if rows <= 0:
             return self
         last = self.segments[-1]
@@ -125,6 +167,8 @@ class QuantizedMatrix:
     def cat(mats: list["QuantizedMatrix"]) -> "QuantizedMatrix":
         """Stack rows (fusing q, k, v or gate, up); neighbouring segments of one format merge."""
         in_features = mats[0].in_features
+        for m in mats:
+            m._check_unpacked("stacking")
         if any(m.in_features != in_features for m in mats):
             raise ValueError("matrices to stack have different input widths")
         merged: list[QuantSegment] = []
@@ -140,7 +184,7 @@ class QuantizedMatrix:
 
     def contiguous(self) -> "QuantizedMatrix":
         """Every segment in memory of its own (a copy out of a read-only file mapping, say)."""
-        return self._like([QuantSegment(s.qtype, s.data.contiguous()) for s in self.segments])
+        return self._like([QuantSegment(s.qtype, s.data.contiguous(), s.amx_packed) for s in self.segments])
 
     # ----------------------------------------------------------------- compute
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -152,10 +196,11 @@ class QuantizedMatrix:
         out = torch.empty(x2.shape[0], self.shape[0], dtype=torch.float32)
         col = 0
         for s in self.segments:
-            n = s.data.shape[0]
+            n = s.rows
             seg_bias = None if bias is None else bias[col : col + n]
             quant_gemm.quant_matmul_into(out, col, x2, s.data, s.qtype, self.in_features, seg_bias,
-                                         int8_activations=self.kernel_qtype(s) != s.qtype)
+                                         int8_activations=not s.amx_packed and self.kernel_qtype(s) != s.qtype,
+                                         amx_packed=s.amx_packed)
             col += n
         return out.view(*leading, out.shape[1])
 
@@ -164,14 +209,14 @@ class QuantizedMatrix:
         if len(self.segments) != 1:
             raise ValueError("an embedding table must be of one format")
         s = self.segments[0]
-        return quant_gemm.dequantize_rows(s.data, s.qtype, self.in_features, ids.reshape(-1)).view(
+        return quant_gemm.dequantize_rows(s.data, s.qtype, self.in_features, ids.reshape(-1), s.amx_packed).view(
             *ids.shape, self.in_features)
 
     def requantize(self, qtype: int, rows_at_a_time: int = 4096) -> "QuantizedMatrix":
         """This matrix in another block format (a ``REQUANTIZE_FORMATS`` id): each segment's values
         (exactly the file's) quantized again by ``gguf``'s own quantizer, ``rows_at_a_time`` rows
         at a time (bounded memory for a 151,936-row LM head). Segments already in ``qtype`` are
-        kept. Lossy: for a draft model, whose numbers only change its guesses (docs/real_models.md)."""
+        kept (a packed matrix comes back packed where the new format allows). Lossy: for a draft model, whose numbers only change its guesses (docs/real_models.md)."""
         from gguf import GGMLQuantizationType, quants
 
         if qtype not in REQUANTIZE_FORMATS.values():
@@ -182,15 +227,26 @@ class QuantizedMatrix:
                 segments.append(s)
                 continue
             parts = []
-            for start in range(0, s.data.shape[0], rows_at_a_time):
-                ids = torch.arange(start, min(start + rows_at_a_time, s.data.shape[0]))
-                values = quant_gemm.dequantize_rows(s.data, s.qtype, self.in_features, ids).numpy()  # [n, in] float32
+            for start in range(0, s.rows, rows_at_a_time):
+                ids = torch.arange(start, min(start + rows_at_a_time, s.rows))
+                values = quant_gemm.dequantize_rows(s.data, s.qtype, self.in_features, ids,
+                                                    s.amx_packed).numpy()   # [n, in] float32
                 parts.append(torch.from_numpy(quants.quantize(values, GGMLQuantizationType(qtype))))
             segments.append(QuantSegment(int(qtype), torch.cat(parts).contiguous()))
-        return self._like(segments)
+        out = self._like(segments)
+        return out.packed_for_tiles() if self.amx_packed else out
 
     def dequantize(self) -> torch.Tensor:
         """The whole matrix [out, in] float32, exactly the file's values."""
-        parts = [quant_gemm.dequantize_rows(s.data, s.qtype, self.in_features, torch.arange(s.data.shape[0]))
+        parts = [quant_gemm.dequantize_rows(s.data, s.qtype, self.in_features, torch.arange(s.rows), s.amx_packed)
                  for s in self.segments]
         return torch.cat(parts) if parts else torch.empty(0, self.in_features)
+
+
+def pack_for_tiles(model: torch.nn.Module) -> None:
+    """Every matmul of ``model`` that holds GGUF blocks (layers with ``pack_for_tiles``: linear
+    layers and the LM head, not the embedding lookup) repacked for AMX tiles where the CPU and
+    the format allow; nothing changes elsewhere."""
+    for module in model.modules():
+        if hasattr(module, "pack_for_tiles"):
+            module.pack_for_tiles()

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.distributed.parallel_state import SINGLE, TensorParallelGroup
+from specserve.model_executor.layers import quant_gemm
 from specserve.model_executor.layers.fp16_gemm import PackedFp16Weight
 from specserve.model_executor.layers.quantized import QuantizedMatrix
 
@@ -57,6 +58,16 @@ class ParallelLMHead(VocabParallelEmbedding):
     """
 
     packed: PackedFp16Weight | None = None  # set by pack_fp16 (CPU, dtype float16)
+    # The GGUF blocks in the file's order, kept by pack_for_tiles for readers of rows (an EAGLE
+    # head takes its LM head's rows from the target's): a view of the file, not a copy.
+    quantized_file_order: QuantizedMatrix | None = None
+
+    def pack_for_tiles(self) -> None:
+        """Multiply on AMX tiles from now on where the CPU and the format allow (quantized.py)."""
+        if self.quantized is not None:
+            packed = self.quantized.packed_for_tiles()
+            if packed is not self.quantized:
+                self.quantized_file_order, self.quantized = self.quantized, packed
 
     def pack_fp16(self) -> None:
         """Use the CPU fp16-weight matmul for the logits; ``weight`` becomes its float16 tensor."""
@@ -71,8 +82,11 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.tp.world_size != 1:
             raise ValueError("a reduced LM head needs tensor-parallel size 1")
         n = min(n, self.vocab_size)
-        if self.quantized is not None:
-            self.quantized = self.quantized.row_slice(0, n)
+        if self.quantized is not None:   # packed rows go by 16: the logits are trimmed to n below
+            group = quant_gemm.AMX_GROUP if self.quantized.amx_packed else 1
+            self.quantized = self.quantized.row_slice(0, -(-n // group) * group)
+            if self.quantized_file_order is not None:
+                self.quantized_file_order = self.quantized_file_order.row_slice(0, n)
         else:
             self.weight.data = self.weight.data[:n].contiguous()
             if self.packed is not None:

@@ -343,11 +343,19 @@ static float *scratch_for(int64_t len) {
 #define ROW_TILE 48
 
 #include "q8_act.h"
+#include "amx_tiles.h"
 
 /* ... qtype | Q8_ACT_FLAG: int8 activations (q8_act.h) where this CPU and the format allow,
- * else the float32 path. */
+ * else the float32 path; qtype | AMX_PACKED_FLAG: w is amx_pack's packing (amx_tiles.h). */
 static int quant_gemm_team(const float *x, int64_t ldx, int64_t rows, const uint8_t *w, int qtype,
                            int64_t out_features, int64_t in, const float *bias, float *out, int64_t ldo) {
+    if (qtype & AMX_PACKED_FLAG) {   /* packed by amx_pack: only that kernel reads these bytes */
+#ifdef HAVE_AMX
+        return amx_gemm_team(x, ldx, rows, w, qtype & ~AMX_PACKED_FLAG, out_features, in, bias, out, ldo);
+#else
+        return -1;
+#endif
+    }
     if (qtype & Q8_ACT_FLAG) {
         qtype &= ~Q8_ACT_FLAG;
 #ifdef HAVE_Q8_ACT

@@ -30,6 +30,39 @@ int specserve_quant_int8_supported(int qtype, int64_t in) {
 #endif
 }
 
+/* AMX tiles (amx_tiles.h): 1 when this build, CPU and OS multiply a [out, in] matrix of qtype on
+ * them (the matrix packed by specserve_quant_amx_pack into out / 16 rows of
+ * specserve_quant_amx_row_bytes each). */
+int specserve_quant_amx_supported(int qtype, int64_t out, int64_t in) {
+#if defined(__F16C__) && defined(HAVE_AMX)
+    return amx_supported(qtype, out, in);
+#else
+    (void)qtype, (void)out, (void)in;
+    return 0;
+#endif
+}
+
+int64_t specserve_quant_amx_row_bytes(int qtype, int64_t in) {
+#if defined(__F16C__) && defined(HAVE_AMX)
+    return amx_packed_row_bytes(qtype, in);
+#else
+    (void)qtype, (void)in;
+    return 0;
+#endif
+}
+
+/* w [out, file row bytes] -> dst [out / 16, amx row bytes]. Returns 0, or -1 when unsupported. */
+int specserve_quant_amx_pack(const uint8_t *w, int qtype, int64_t out, int64_t in, uint8_t *dst) {
+#if defined(__F16C__) && defined(HAVE_AMX)
+    if (!amx_supported(qtype, out, in)) return -1;
+    amx_pack(w, qtype, out, in, dst);
+    return 0;
+#else
+    (void)w, (void)qtype, (void)out, (void)in, (void)dst;
+    return -1;
+#endif
+}
+
 int specserve_quant_vector_width(void) {
 #if defined(__F16C__)
     return VEC;
@@ -44,6 +77,14 @@ int specserve_quant_vector_width(void) {
  * Returns 0, or -1 for an unknown qtype or an in that is not a whole number of blocks. */
 int specserve_quant_dequantize(const uint8_t *w, int qtype, const int64_t *ids, int64_t n, int64_t in,
                                float *out, int num_threads) {
+    if (qtype & AMX_PACKED_FLAG) {
+#ifdef HAVE_AMX
+        amx_dequantize(w, qtype & ~AMX_PACKED_FLAG, ids, n, in, out);
+        return 0;
+#else
+        return -1;
+#endif
+    }
     return quant_dequantize(w, qtype, ids, n, in, out, num_threads);
 }
 

@@ -1,0 +1,418 @@
+/* The float32-activation matmul on AMX tiles (bfloat16 products, float32 sums), over GGUF
+ * weights repacked at load into a tile order: the few-row path of CPUs that have AMX.
+ *
+ * Included by quant_blocks.h; quant_gemm_team() calls amx_gemm_team() when the caller sets
+ * AMX_PACKED_FLAG in qtype (QuantizedMatrix.packed_for_tiles) and the weight bytes are this
+ * file's packing of the format.
+ *
+ * Why: with AVX-512 alone every weight costs a table look-up and one FMA per row, so a
+ * verification of k + 1 rows costs nearly k + 1 times the FMAs of a decode step. An AMX tile
+ * multiply (TDPBF16PS) does 16 x 16 x 32 products per instruction; the per-weight work left is
+ * unpacking the quants to bfloat16 once for all rows.
+ *
+ * Exact arithmetic, not bfloat16 rounding:
+ *   - a quant q (the format's small integer: 0..15, 0..63 - 32) is exactly a bfloat16;
+ *   - each float32 activation x is split into three bfloat16 pieces, x = p1 + p2 + p3 exactly
+ *     (p1 = bf16(x), p2 = bf16(x - p1), p3 = x - p1 - p2, which has at most 8 significant bits);
+ *   - every product q * p is exact in float32, and the tile sums them in float32;
+ *   - per sub-block s of SB values (one scale a_s, one offset m_s in the format), with
+ *     D = sum q * x over the sub-block (the three pieces' sums added) and S = sum x over it:
+ *       out[r, o] = sum over s, in order, of  a_s * D  then  + m_s * S
+ *     which is sum_k w_k * x_k for w = a_s * q + m_s, exactly ggml's dequantized value
+ *     (Q4_K: a = d * scale, m = -dmin * min; Q4_1: a = d, m = m; Q6_K: a = d * scale, q - 32).
+ * So the model computed is the file's, at float32 precision; the rounding differs from the
+ * AVX-512 path's (another order of sums), so a matrix uses one path for every row count.
+ *
+ * Row-invariant: each output element of a tile multiply depends only on its own A row and B
+ * column, and every (row, output) runs the same sequence of tile multiplies and float32 adds
+ * whatever the row count (rows are taken AMX_ROWS at a time, each alone in its A rows) or the
+ * thread count (each 16-output group is computed whole by one thread).
+ *
+ * Packing (amx_pack): outputs in groups of 16; each group's row is a run of units of 64 input
+ * values, each unit holding the group's scales for those values and its quants in the B-tile
+ * order ("VNNI" pairs: tile row p holds, for each of the 16 outputs, the quants of inputs 2p and
+ * 2p + 1), two sub-blocks per byte (low and high nibble). Unit layouts (bytes):
+ *   Q4_K  640: d[16] f16 | dmin[16] f16 | scale[2][16] u8 | min[2][16] u8 | nibbles[16][32]
+ *   Q4_1  640: d[2][16] f16 | m[2][16] f16 | nibbles[16][32]
+ *   Q6_K  864: d[16] f16 | scale[4][16] i8 | nibbles[2][8][32] | high bits[8][32] (2 bits a sub-block)
+ * (5.0, 5.0 and 6.75 bits a weight against the file's 4.5, 5.0 and 6.56.)
+ */
+#ifndef SPECSERVE_AMX_TILES_H
+#define SPECSERVE_AMX_TILES_H
+
+#define AMX_PACKED_FLAG 512
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && \
+    defined(__linux__)
+#define HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_ROWS 5        /* rows a tile pass takes: 3 pieces each, 15 of a tile's 16 rows */
+#define AMX_UNIT_K 64     /* input values per packed unit */
+
+/* Linux hands out AMX state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA): once
+ * a process, from any thread. -1 until asked, then 1 granted or 0 refused. */
+static int amx_permission = -1;
+
+static int amx_usable(void) {
+    if (amx_permission < 0) {
+        const long granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */);
+        __atomic_store_n(&amx_permission, granted == 0 ? 1 : 0, __ATOMIC_RELEASE);
+    }
+    return __atomic_load_n(&amx_permission, __ATOMIC_ACQUIRE) == 1;
+}
+
+static inline int amx_unit_bytes(int qtype) {
+    switch (qtype) {
+    case Q4_K: case Q4_1: return 640;
+    case Q6_K: return 864;
+    default: return 0;
+    }
+}
+
+static inline int amx_sub_block(int qtype) { return qtype == Q6_K ? 16 : 32; }   /* values a scale */
+
+__attribute__((unused)) static int amx_supported(int qtype, int64_t out, int64_t in) {
+    return amx_unit_bytes(qtype) && out % 16 == 0 && in % qblock_elems(qtype) == 0 && in % AMX_UNIT_K == 0 &&
+           amx_usable();
+}
+
+static inline int64_t amx_packed_row_bytes(int qtype, int64_t in) { return in / AMX_UNIT_K * amx_unit_bytes(qtype); }
+
+/* ---- packing (at load; plain C, run once) ---- */
+
+/* The quant (as an unsigned code: 0..15 or 0..63) of weight row `row` at input k, and that
+ * input's scale code(s): read from the file's block as block_<fmt> reads it. */
+static inline int file_quant(int qtype, const uint8_t *row, int64_t k) {
+    switch (qtype) {
+    case Q4_1: {
+        const uint8_t *b = row + (k / 32) * 20 + 4;
+        const int i = (int)(k % 32);
+        return i < 16 ? b[i] & 0x0F : b[i - 16] >> 4;
+    }
+    case Q4_K: {
+        const uint8_t *q = row + (k / 256) * 144 + 16;
+        const int i = (int)(k % 256), pair = i / 64, l = i % 32;
+        return (i % 64) < 32 ? q[32 * pair + l] & 0x0F : q[32 * pair + l] >> 4;
+    }
+    case Q6_K: {
+        const uint8_t *b = row + (k / 256) * 210;
+        const int i = (int)(k % 256), n = i / 128, j = i % 128, quarter = j / 32, l = j % 32;
+        const uint8_t *ql = b + 64 * n, *qh = b + 128 + 32 * n;
+        const int lo = quarter == 0 ? ql[l] & 0x0F : quarter == 1 ? ql[l + 32] & 0x0F : quarter == 2 ? ql[l] >> 4
+                                                                                                         : ql[l + 32] >> 4;
+        return lo | (((qh[l] >> (2 * quarter)) & 3) << 4);
+    }
+    default: return 0;
+    }
+}
+
+/* w [out, file row bytes] -> packed [out / 16][packed row bytes]; amx_supported() must hold. */
+__attribute__((unused)) static void amx_pack(const uint8_t *w, int qtype, int64_t out, int64_t in, uint8_t *packed) {
+    const int64_t row_bytes = in / qblock_elems(qtype) * qblock_bytes(qtype), units = in / AMX_UNIT_K;
+    const int ub = amx_unit_bytes(qtype);
+    for (int64_t g = 0; g < out / 16; g++)
+        for (int64_t u = 0; u < units; u++) {
+            uint8_t *p = packed + (g * units + u) * ub;
+            const int64_t k0 = u * AMX_UNIT_K;
+            memset(p, 0, (size_t)ub);
+            for (int o = 0; o < 16; o++) {
+                const uint8_t *row = w + (g * 16 + o) * row_bytes;
+                if (qtype == Q4_K) {
+                    const uint8_t *b = row + (k0 / 256) * 144;
+                    const int s0 = (int)(k0 % 256) / 32;
+                    memcpy(p + 2 * o, b, 2), memcpy(p + 32 + 2 * o, b + 2, 2);
+                    for (int h = 0; h < 2; h++) {
+                        float sc, mn;
+                        scale_min_k4(s0 + h, b + 4, &sc, &mn);
+                        p[64 + 16 * h + o] = (uint8_t)sc, p[96 + 16 * h + o] = (uint8_t)mn;
+                    }
+                } else if (qtype == Q4_1) {
+                    for (int h = 0; h < 2; h++) {
+                        const uint8_t *b = row + (k0 / 32 + h) * 20;
+                        memcpy(p + 32 * h + 2 * o, b, 2), memcpy(p + 64 + 32 * h + 2 * o, b + 2, 2);
+                    }
+                } else { /* Q6_K */
+                    const uint8_t *b = row + (k0 / 256) * 210;
+                    memcpy(p + 2 * o, b + 208, 2);
+                    for (int h = 0; h < 4; h++) p[32 + 16 * h + o] = b[192 + (k0 % 256) / 16 + h];
+                }
+                for (int kk = 0; kk < AMX_UNIT_K; kk++) {
+                    const int q = file_quant(qtype, row, k0 + kk);
+                    if (qtype == Q6_K) { /* sub-block kk / 16; pair kk / 32 holds sub-blocks 2 pair, 2 pair + 1 */
+                        const int sub = kk / 16, pair = sub / 2, hi = sub % 2, pr = (kk % 16) / 2;
+                        const int j = 2 * o + kk % 2;
+                        p[96 + (pair * 8 + pr) * 32 + j] |= (uint8_t)((q & 0x0F) << (4 * hi));
+                        p[608 + pr * 32 + j] |= (uint8_t)((q >> 4) << (2 * sub));
+                    } else { /* sub-block kk / 32: low or high nibble */
+                        const int hi = kk / 32, pr = (kk % 32) / 2, j = 2 * o + kk % 2;
+                        p[128 + pr * 32 + j] |= (uint8_t)(q << (4 * hi));
+                    }
+                }
+            }
+        }
+}
+
+/* Packed rows ids[0..n) -> out [n, in] float32: exactly block_<fmt>'s values (an embedding
+ * lookup, or checking the packing). */
+__attribute__((unused)) static void amx_dequantize(const uint8_t *packed, int qtype, const int64_t *ids, int64_t n, int64_t in, float *out) {
+    const int64_t units = in / AMX_UNIT_K;
+    const int ub = amx_unit_bytes(qtype);
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t g = ids[i] / 16;
+        const int o = (int)(ids[i] % 16);
+        for (int64_t u = 0; u < units; u++) {
+            const uint8_t *p = packed + (g * units + u) * ub;
+            float *y = out + i * in + u * AMX_UNIT_K;
+            for (int kk = 0; kk < AMX_UNIT_K; kk++) {
+                const int j = 2 * o + kk % 2;
+                if (qtype == Q6_K) {
+                    const int sub = kk / 16, pair = sub / 2, pr = (kk % 16) / 2;
+                    const int q = ((p[96 + (pair * 8 + pr) * 32 + j] >> (4 * (sub % 2))) & 0x0F) |
+                                  (((p[608 + pr * 32 + j] >> (2 * sub)) & 3) << 4);
+                    y[kk] = (float)(q - 32) * (half_at(p + 2 * o) * (float)(int8_t)p[32 + 16 * sub + o]);
+                } else {
+                    const int hi = kk / 32, q = (p[128 + ((kk % 32) / 2) * 32 + j] >> (4 * hi)) & 0x0F;
+                    if (qtype == Q4_K) {
+                        const float d1 = half_at(p + 2 * o) * (float)p[64 + 16 * hi + o];
+                        const float m1 = half_at(p + 32 + 2 * o) * (float)p[96 + 16 * hi + o];
+                        y[kk] = (float)q * d1 - m1;
+                    } else {
+                        y[kk] = (float)q * half_at(p + 32 * hi + 2 * o) + half_at(p + 64 + 32 * hi + 2 * o);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* ---- the matmul ---- */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_tile_config;
+
+/* Tiles: 0, 1 sums (C) of the two sub-blocks of a step; 2, 3 their activations (A: 3 R rows,
+ * SB bfloat16 each); 4, 5 their quants (B: SB / 2 rows of 16 outputs x 2). */
+static void amx_configure(int R, int sb) {
+    amx_tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 2; t++) cfg.rows[t] = (uint8_t)(3 * R), cfg.colsb[t] = 64;
+    for (int t = 2; t < 4; t++) cfg.rows[t] = (uint8_t)(3 * R), cfg.colsb[t] = (uint16_t)(2 * sb);
+    for (int t = 4; t < 6; t++) cfg.rows[t] = (uint8_t)(sb / 2), cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
+}
+
+/* bfloat16 of small integers: word i of the first table is i (Q4_K, Q4_1), of the pair i - 32
+ * for i in 0..63 (Q6_K). */
+static inline __m512i bf16_table(int first) {
+    __attribute__((aligned(64))) uint16_t t[32];
+    for (int i = 0; i < 32; i++) {
+        const float f = (float)(first + i);
+        uint32_t u;
+        memcpy(&u, &f, 4);
+        t[i] = (uint16_t)(u >> 16);   /* exact: |first + i| <= 32 */
+    }
+    return _mm512_load_si512(t);
+}
+
+/* One packed unit's quants -> its B tiles as bfloat16, 2048 bytes: [sub-block][SB / 2][32]. */
+static inline void amx_unpack_unit(int qtype, const uint8_t *p, uint16_t *b) {
+    const __m512i m4 = _mm512_set1_epi16(0x0F);
+    if (qtype == Q6_K) {
+        const __m512i lo = bf16_table(-32), hi = bf16_table(0);
+        const __m512i m3 = _mm512_set1_epi16(3);
+        for (int pr = 0; pr < 8; pr++) {
+            const __m512i h = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(p + 608 + pr * 32)));
+            for (int pair = 0; pair < 2; pair++) {
+                const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(p + 96 + (pair * 8 + pr) * 32)));
+                for (int half = 0; half < 2; half++) {
+                    const int sub = 2 * pair + half;
+                    const __m512i nib = half ? _mm512_srli_epi16(v, 4) : _mm512_and_si512(v, m4);
+                    const __m512i q = _mm512_or_si512(_mm512_and_si512(nib, m4),
+                                                      _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2 * sub), m3), 4));
+                    _mm512_store_si512(b + (sub * 8 + pr) * 32, _mm512_permutex2var_epi16(lo, q, hi));
+                }
+            }
+        }
+        return;
+    }
+    const __m512i tab = bf16_table(0);
+    for (int pr = 0; pr < 16; pr++) {
+        const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(p + 128 + pr * 32)));
+        _mm512_store_si512(b + pr * 32, _mm512_permutexvar_epi16(_mm512_and_si512(v, m4), tab));
+        _mm512_store_si512(b + 512 + pr * 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), tab));
+    }
+}
+
+/* Sub-block h of a unit: the 16 outputs' scale a and offset m (m = 0 for Q6_K). */
+static inline void amx_unit_scales(int qtype, const uint8_t *p, int h, __m512 *a, __m512 *m) {
+    if (qtype == Q4_K) {
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32)));
+        *a = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 64 + 16 * h)))));
+        /* -(dmin * min): the product is exact, so negating it is too */
+        *m = _mm512_sub_ps(_mm512_setzero_ps(),
+                           _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 96 + 16 * h))))));
+    } else if (qtype == Q4_1) {
+        *a = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32 * h)));
+        *m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 64 + 32 * h)));
+    } else {
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+        *a = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 32 + 16 * h)))));
+        *m = _mm512_setzero_ps();
+    }
+}
+
+static inline __m512 bf16_to_float(__m256bh h) { /* exact: a bfloat16 is a float32's top half */
+    __m256i bits;
+    memcpy(&bits, &h, sizeof bits);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+/* R <= AMX_ROWS rows -> xp [3][R][in] bfloat16 pieces (piece-major: A row i R + r is piece i of
+ * row r) and, with sums, S [R][in / sb] the float32 sum of each sub-block (in order). */
+static void amx_split_rows(const float *x, int64_t ldx, int R, int64_t in, int sb, uint16_t *xp, float *S) {
+    for (int r = 0; r < R; r++) {
+        const float *xr = x + r * ldx;
+        for (int64_t k = 0; k < in; k += 16) {
+            const __m512 v = _mm512_loadu_ps(xr + k);
+            const __m256bh p1 = _mm512_cvtneps_pbh(v);
+            const __m512 r1 = _mm512_sub_ps(v, bf16_to_float(p1));
+            const __m256bh p2 = _mm512_cvtneps_pbh(r1);
+            const __m512 r2 = _mm512_sub_ps(r1, bf16_to_float(p2));
+            const __m256bh p3 = _mm512_cvtneps_pbh(r2);
+            memcpy(xp + (0 * R + r) * in + k, &p1, 32);
+            memcpy(xp + (1 * R + r) * in + k, &p2, 32);
+            memcpy(xp + (2 * R + r) * in + k, &p3, 32);
+        }
+        if (S)
+            for (int64_t s = 0; s < in / sb; s++) {
+                float t = 0.0f;
+                for (int i = 0; i < sb; i++) t += xr[s * sb + i];
+                S[r * (in / sb) + s] = t;
+            }
+    }
+}
+
+/* The 16 outputs of group g for R rows: acc[r] over every unit, in order. b: the group's B
+ * tiles, either all units unpacked already (b_all) or unpacked here into a ring of two units. */
+static void amx_group_rows(int qtype, const uint8_t *gp, int64_t in, const uint16_t *xp, const float *S, int R,
+                           const uint16_t *b_all, uint16_t *ring, float *cbuf, float *out, int64_t ldo) {
+    const int sb = amx_sub_block(qtype), ub = amx_unit_bytes(qtype), steps = AMX_UNIT_K / sb / 2;
+    const int64_t units = in / AMX_UNIT_K, ns = in / sb;
+    const int has_min = qtype != Q6_K;
+    __m512 acc[AMX_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    if (!b_all) amx_unpack_unit(qtype, gp, ring);
+    /* unit t's tile multiplies, then unit t - 1's float work (its sums wait in cbuf) */
+    for (int64_t t = 0; t <= units; t++) {
+        if (t < units) {
+            const uint16_t *b = b_all ? b_all + t * 1024 : ring + (t & 1) * 1024;
+            if (!b_all && t + 1 < units) {
+                _mm_prefetch((const char *)(gp + (t + 2) * ub), _MM_HINT_T0);
+                amx_unpack_unit(qtype, gp + (t + 1) * ub, ring + ((t + 1) & 1) * 1024);
+            }
+            float *c = cbuf + (t & 1) * (2 * steps * 256);
+            for (int st = 0; st < steps; st++) {
+                const int64_t k = t * AMX_UNIT_K + st * 2 * sb;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_loadd(2, xp + k, in * 2);
+                _tile_loadd(3, xp + k + sb, in * 2);
+                _tile_loadd(4, b + (2 * st) * sb * 16, 64);
+                _tile_loadd(5, b + (2 * st + 1) * sb * 16, 64);
+                _tile_dpbf16ps(0, 2, 4);
+                _tile_dpbf16ps(1, 3, 5);
+                _tile_stored(0, c + (2 * st) * 256, 64);
+                _tile_stored(1, c + (2 * st + 1) * 256, 64);
+            }
+        }
+        if (t > 0) {
+            const int64_t u = t - 1;
+            const uint8_t *p = gp + u * ub;
+            const float *c = cbuf + (u & 1) * (2 * steps * 256);
+            for (int h = 0; h < 2 * steps; h++) {
+                __m512 a, m;
+                amx_unit_scales(qtype, p, h, &a, &m);
+                const int64_t s = u * (AMX_UNIT_K / sb) + h;
+                for (int r = 0; r < R; r++) {
+                    const __m512 d = _mm512_add_ps(_mm512_add_ps(_mm512_load_ps(c + h * 256 + r * 16),
+                                                                 _mm512_load_ps(c + h * 256 + (R + r) * 16)),
+                                                   _mm512_load_ps(c + h * 256 + (2 * R + r) * 16));
+                    acc[r] = _mm512_fmadd_ps(d, a, acc[r]);
+                    if (has_min) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(S[r * ns + s]), m, acc[r]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * ldo, acc[r]);
+}
+
+/* A thread's scratch (grown as needed, kept between calls): activation pieces and sums for all
+ * rows, a ring of two unpacked units, two units' tile sums, and for many rows a group's B tiles. */
+static __thread uint8_t *amx_scratch;
+static __thread int64_t amx_scratch_len;
+
+static uint8_t *amx_scratch_for(int64_t len) {
+    if (amx_scratch_len < len) {
+        free(amx_scratch);
+        amx_scratch = aligned_alloc(64, (size_t)((len + 63) / 64 * 64));
+        amx_scratch_len = amx_scratch ? len : 0;
+    }
+    return amx_scratch;
+}
+
+/* out = x @ w.T (+ bias), w packed by amx_pack; called by every thread of an enclosing parallel
+ * region (an orphaned omp for over 16-output groups). Returns 0, or -3 when scratch memory
+ * could not be allocated (out is then incomplete). */
+static int amx_gemm_team(const float *x, int64_t ldx, int64_t rows, const uint8_t *w, int qtype, int64_t out_features,
+                         int64_t in, const float *bias, float *out, int64_t ldo) {
+    const int sb = amx_sub_block(qtype);
+    const int64_t chunks = (rows + AMX_ROWS - 1) / AMX_ROWS, groups = out_features / 16;
+    const int64_t row_bytes = amx_packed_row_bytes(qtype, in), units = in / AMX_UNIT_K;
+    const int many = rows > AMX_ROWS;   /* unpack each group once for all its row chunks */
+    const int64_t xp_bytes = chunks * 3 * AMX_ROWS * in * 2, s_bytes = (chunks * AMX_ROWS * (in / sb) * 4 + 63) / 64 * 64;
+    const int64_t fixed = 2 * 2048 + 2 * 4 * 256 * 4;
+    uint8_t *buf = amx_scratch_for(xp_bytes + s_bytes + fixed + (many ? units * 2048 : 0));
+    const int ok = buf != NULL && amx_usable();
+    uint16_t *xp = (uint16_t *)buf;
+    float *S = ok ? (float *)(buf + xp_bytes) : NULL;
+    uint16_t *ring = ok ? (uint16_t *)(buf + xp_bytes + s_bytes) : NULL;
+    float *cbuf = ok ? (float *)(buf + xp_bytes + s_bytes + 2 * 2048) : NULL;
+    uint16_t *b_all = ok && many ? (uint16_t *)(buf + xp_bytes + s_bytes + fixed) : NULL;
+    if (ok)
+        for (int64_t ch = 0; ch < chunks; ch++) {
+            const int R = (int)(rows - ch * AMX_ROWS < AMX_ROWS ? rows - ch * AMX_ROWS : AMX_ROWS);
+            amx_split_rows(x + ch * AMX_ROWS * ldx, ldx, R, in, sb, xp + ch * 3 * AMX_ROWS * in,
+                           qtype != Q6_K ? S + ch * AMX_ROWS * (in / sb) : NULL);
+        }
+    int configured = 0;
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        if (!ok) continue;
+        const uint8_t *gp = w + g * row_bytes;
+        if (b_all)
+            for (int64_t u = 0; u < units; u++) amx_unpack_unit(qtype, gp + u * amx_unit_bytes(qtype), b_all + u * 1024);
+        for (int64_t ch = 0; ch < chunks; ch++) {
+            const int R = (int)(rows - ch * AMX_ROWS < AMX_ROWS ? rows - ch * AMX_ROWS : AMX_ROWS);
+            if (configured != R) amx_configure(R, sb), configured = R;
+            float *o = out + ch * AMX_ROWS * ldo + g * 16;
+            amx_group_rows(qtype, gp, in, xp + ch * 3 * AMX_ROWS * in, S ? S + ch * AMX_ROWS * (in / sb) : NULL, R,
+                           b_all, ring, cbuf, o, ldo);
+            if (bias) {
+                const __m512 bv = _mm512_loadu_ps(bias + g * 16);
+                for (int r = 0; r < R; r++) _mm512_storeu_ps(o + r * ldo, _mm512_add_ps(_mm512_loadu_ps(o + r * ldo), bv));
+            }
+        }
+    }
+    if (configured) _tile_release();
+    return ok ? 0 : -3;
+}
+
+#endif /* AMX */
+#endif /* SPECSERVE_AMX_TILES_H */
