@@ -122,6 +122,11 @@ class RowParallelLinear(nn.Module):
         self.packed = PackedFp16Weight(self.weight)
         self.weight.data = self.packed.weight   # the same float16 tensor
 
+    def pack_for_tiles(self) -> None:
+        """Multiply on AMX tiles from now on where the CPU and the format allow (quantized.py)."""
+        if self.quantized is not None:
+            self.quantized = self.quantized.packed_for_tiles()
+
     def load(self, full, bias: torch.Tensor | None = None) -> None:
         start, length = self.tp.shard(full.shape[1], "input features", self.num_units)
         if isinstance(full, QuantizedMatrix):

@@ -34,8 +34,8 @@
  * 2p + 1), two sub-blocks per byte (low and high nibble). Unit layouts (bytes):
  *   Q4_K  640: d[16] f16 | dmin[16] f16 | scale[2][16] u8 | min[2][16] u8 | nibbles[16][32]
  *   Q4_1  640: d[2][16] f16 | m[2][16] f16 | nibbles[16][32]
- *   Q6_K  864: d[16] f16 | scale[4][16] i8 | nibbles[2][8][32] | high bits[8][32] (2 bits a sub-block)
- * (5.0, 5.0 and 6.75 bits a weight against the file's 4.5, 5.0 and 6.56.)
+ *   Q6_K 1120: d[16] f16 | scale[4][16] i8 | quants[4][8][32] u8 (one byte each: 6 bits unpack too slowly)
+ * (5.0, 5.0 and 8.75 bits a weight against the file's 4.5, 5.0 and 6.56.)
  */
 #ifndef SPECSERVE_AMX_TILES_H
 #define SPECSERVE_AMX_TILES_H
@@ -50,6 +50,9 @@
 
 #define AMX_ROWS 5        /* rows a tile pass takes: 3 pieces each, 15 of a tile's 16 rows */
 #define AMX_UNIT_K 64     /* input values per packed unit */
+#ifndef AMX_PREFETCH_UNITS
+#define AMX_PREFETCH_UNITS 4   /* how far ahead (in units) the weights are prefetched */
+#endif
 
 /* Linux hands out AMX state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA): once
  * a process, from any thread. -1 until asked, then 1 granted or 0 refused. */
@@ -66,7 +69,7 @@ static int amx_usable(void) {
 static inline int amx_unit_bytes(int qtype) {
     switch (qtype) {
     case Q4_K: case Q4_1: return 640;
-    case Q6_K: return 864;
+    case Q6_K: return 1120;
     default: return 0;
     }
 }
@@ -140,11 +143,9 @@ __attribute__((unused)) static void amx_pack(const uint8_t *w, int qtype, int64_
                 }
                 for (int kk = 0; kk < AMX_UNIT_K; kk++) {
                     const int q = file_quant(qtype, row, k0 + kk);
-                    if (qtype == Q6_K) { /* sub-block kk / 16; pair kk / 32 holds sub-blocks 2 pair, 2 pair + 1 */
-                        const int sub = kk / 16, pair = sub / 2, hi = sub % 2, pr = (kk % 16) / 2;
-                        const int j = 2 * o + kk % 2;
-                        p[96 + (pair * 8 + pr) * 32 + j] |= (uint8_t)((q & 0x0F) << (4 * hi));
-                        p[608 + pr * 32 + j] |= (uint8_t)((q >> 4) << (2 * sub));
+                    if (qtype == Q6_K) { /* sub-block kk / 16, a byte each */
+                        const int sub = kk / 16, pr = (kk % 16) / 2, j = 2 * o + kk % 2;
+                        p[96 + (sub * 8 + pr) * 32 + j] = (uint8_t)q;
                     } else { /* sub-block kk / 32: low or high nibble */
                         const int hi = kk / 32, pr = (kk % 32) / 2, j = 2 * o + kk % 2;
                         p[128 + pr * 32 + j] |= (uint8_t)(q << (4 * hi));
@@ -168,9 +169,7 @@ __attribute__((unused)) static void amx_dequantize(const uint8_t *packed, int qt
             for (int kk = 0; kk < AMX_UNIT_K; kk++) {
                 const int j = 2 * o + kk % 2;
                 if (qtype == Q6_K) {
-                    const int sub = kk / 16, pair = sub / 2, pr = (kk % 16) / 2;
-                    const int q = ((p[96 + (pair * 8 + pr) * 32 + j] >> (4 * (sub % 2))) & 0x0F) |
-                                  (((p[608 + pr * 32 + j] >> (2 * sub)) & 3) << 4);
+                    const int sub = kk / 16, pr = (kk % 16) / 2, q = p[96 + (sub * 8 + pr) * 32 + j];
                     y[kk] = (float)(q - 32) * (half_at(p + 2 * o) * (float)(int8_t)p[32 + 16 * sub + o]);
                 } else {
                     const int hi = kk / 32, q = (p[128 + ((kk % 32) / 2) * 32 + j] >> (4 * hi)) & 0x0F;
@@ -223,21 +222,11 @@ static inline __m512i bf16_table(int first) {
 /* One packed unit's quants -> its B tiles as bfloat16, 2048 bytes: [sub-block][SB / 2][32]. */
 static inline void amx_unpack_unit(int qtype, const uint8_t *p, uint16_t *b) {
     const __m512i m4 = _mm512_set1_epi16(0x0F);
-    if (qtype == Q6_K) {
+    if (qtype == Q6_K) {   /* bytes 0..63 -> bfloat16 of q - 32, 32 rows of 32 */
         const __m512i lo = bf16_table(-32), hi = bf16_table(0);
-        const __m512i m3 = _mm512_set1_epi16(3);
-        for (int pr = 0; pr < 8; pr++) {
-            const __m512i h = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(p + 608 + pr * 32)));
-            for (int pair = 0; pair < 2; pair++) {
-                const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(p + 96 + (pair * 8 + pr) * 32)));
-                for (int half = 0; half < 2; half++) {
-                    const int sub = 2 * pair + half;
-                    const __m512i nib = half ? _mm512_srli_epi16(v, 4) : _mm512_and_si512(v, m4);
-                    const __m512i q = _mm512_or_si512(_mm512_and_si512(nib, m4),
-                                                      _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2 * sub), m3), 4));
-                    _mm512_store_si512(b + (sub * 8 + pr) * 32, _mm512_permutex2var_epi16(lo, q, hi));
-                }
-            }
+        for (int row = 0; row < 32; row++) {
+            const __m512i q = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(p + 96 + row * 32)));
+            _mm512_store_si512(b + row * 32, _mm512_permutex2var_epi16(lo, q, hi));
         }
         return;
     }
@@ -314,7 +303,8 @@ static void amx_group_rows(int qtype, const uint8_t *gp, int64_t in, const uint1
         if (t < units) {
             const uint16_t *b = b_all ? b_all + t * 1024 : ring + (t & 1) * 1024;
             if (!b_all && t + 1 < units) {
-                _mm_prefetch((const char *)(gp + (t + 2) * ub), _MM_HINT_T0);
+                for (int line = 0; line < ub; line += 64)   /* every line of a unit AMX_PREFETCH_UNITS ahead */
+                    _mm_prefetch((const char *)(gp + (t + AMX_PREFETCH_UNITS) * ub + line), _MM_HINT_T0);
                 amx_unpack_unit(qtype, gp + (t + 1) * ub, ring + ((t + 1) & 1) * 1024);
             }
             float *c = cbuf + (t & 1) * (2 * steps * 256);

@@ -1,0 +1,129 @@
+"""The AMX-tile path of the GGUF-block matmul (cpu_kernels/amx_tiles.h): the packing keeps the
+file's values bit for bit, the matmul agrees with a float64 matmul of them at float32 precision,
+and a row's bits never depend on the row count or the thread count. Skipped on CPUs without AMX
+(the AVX-512 path is tested in test_quant_gemm.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from test_quant_gemm import gguf_values, random_blocks
+
+from specserve.model_executor.layers import quant_gemm
+from specserve.model_executor.layers.quantized import QuantizedMatrix, pack_for_tiles
+
+AMX_FORMATS = [T.Q4_K, T.Q4_1, T.Q6_K]
+
+pytestmark = pytest.mark.skipif(not (quant_gemm.available() and quant_gemm.supports_amx(int(T.Q4_K), 16, 256)),
+                                reason="no AMX tiles on this CPU (or the OS refused them)")
+
+
+def packed(qtype: T, out_features: int, in_features: int, seed: int = 0):
+    blocks = random_blocks(qtype, out_features, in_features, seed=seed)
+    m = QuantizedMatrix.from_blocks(torch.from_numpy(blocks), int(qtype), in_features).packed_for_tiles()
+    assert m.amx_packed and m.shape == (out_features, in_features)
+    return m, gguf_values(blocks, qtype, in_features)
+
+
+@pytest.mark.parametrize("qtype", AMX_FORMATS, ids=lambda q: q.name)
+def test_packing_keeps_the_files_values(qtype):
+    m, values = packed(qtype, 48, 512)
+    assert torch.equal(m.dequantize(), values)
+    ids = torch.tensor([47, 0, 16, 3, 3])
+    assert torch.equal(m.embedding(ids), values[ids])
+    with pytest.raises(IndexError):
+        m.embedding(torch.tensor([48]))
+
+
+@pytest.mark.parametrize("qtype", AMX_FORMATS, ids=lambda q: q.name)
+@pytest.mark.parametrize("rows", [1, 3, 5, 6, 50])
+def test_matmul_matches_float64_reference(qtype, rows):
+    m, values = packed(qtype, 64, 768, seed=rows)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 768, generator=gen)
+    bias = torch.randn(64, generator=gen)
+    want = x.double() @ values.double().T + bias.double()
+    got = m.matmul(x, bias)
+    assert got.dtype == torch.float32 and got.shape == (rows, 64)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("qtype", AMX_FORMATS, ids=lambda q: q.name)
+def test_rows_bitwise_independent_of_row_count_and_threads(qtype):
+    m, _ = packed(qtype, 80, 512)
+    x = torch.randn(110, 512, generator=torch.Generator().manual_seed(1))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([m.matmul(x[i : i + 1]) for i in range(x.shape[0])])   # every row on its own
+        for n_threads in (1, 2, 3):
+            torch.set_num_threads(n_threads)
+            for rows in (1, 2, 4, 5, 6, 7, 11, 48, 110):
+                assert torch.equal(m.matmul(x[:rows]), alone[:rows]), (n_threads, rows)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_mixed_formats_pack_segment_by_segment():
+    """q, k in Q4_K and v in Q6_K (a Q4_K_M file's fused qkv) with a Q8_0 part the tiles do not take."""
+    parts = [(T.Q4_K, 32), (T.Q6_K, 16), (T.Q8_0, 16)]
+    raw = [random_blocks(q, n, 512, seed=i) for i, (q, n) in enumerate(parts)]
+    fused = QuantizedMatrix.cat([QuantizedMatrix.from_blocks(torch.from_numpy(b), int(q), 512)
+                                 for b, (q, _) in zip(raw, parts)])
+    tiles = fused.packed_for_tiles()
+    assert [s.amx_packed for s in tiles.segments] == [True, True, False]
+    dense = torch.cat([gguf_values(b, q, 512) for b, (q, _) in zip(raw, parts)])
+    x = torch.randn(4, 512, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(tiles.matmul(x), x @ dense.T, rtol=1e-5, atol=1e-4)
+    assert torch.equal(tiles.row_slice(16, 32).dequantize(), dense[16:48])   # on 16-row groups
+    with pytest.raises(ValueError, match="16-row groups"):
+        tiles.row_slice(8, 16)
+    for cut in (lambda: tiles.col_slice(0, 256), lambda: tiles.pad_rows(16), lambda: QuantizedMatrix.cat([tiles]),
+                lambda: tiles.take_rows(torch.tensor([0]))):
+        with pytest.raises(ValueError, match="packed for AMX"):
+            cut()
+
+
+def test_what_is_not_packed():
+    # int8 activations keep their own kernel; a row count off the 16-row groups stays as it is
+    m = QuantizedMatrix.from_blocks(torch.from_numpy(random_blocks(T.Q4_K, 32, 256)), int(T.Q4_K), 256)
+    m.int8_activations = True
+    assert m.packed_for_tiles() is m
+    odd = QuantizedMatrix.from_blocks(torch.from_numpy(random_blocks(T.Q4_K, 40, 256)), int(T.Q4_K), 256)
+    assert odd.packed_for_tiles() is odd
+    assert not quant_gemm.supports_amx(int(T.Q8_0), 16, 256)
+
+
+def test_switched_off_by_environment(monkeypatch):
+    m = QuantizedMatrix.from_blocks(torch.from_numpy(random_blocks(T.Q4_K, 32, 256)), int(T.Q4_K), 256)
+    monkeypatch.setenv("SPECSERVE_CPU_AMX", "off")
+    assert m.packed_for_tiles() is m
+
+
+def test_requantizing_a_packed_matrix():
+    m, values = packed(T.Q4_K, 32, 256)
+    q41 = m.requantize(int(T.Q4_1))
+    assert q41.amx_packed and q41.qtypes == [int(T.Q4_1)]
+    torch.testing.assert_close(q41.dequantize(), values, rtol=0, atol=values.abs().max().item() / 8)
+
+
+def test_pack_for_tiles_skips_the_embedding_lookup():
+    from specserve.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from specserve.model_executor.layers.vocab import ParallelLMHead, VocabParallelEmbedding
+
+    blocks = torch.from_numpy(random_blocks(T.Q4_K, 32, 256))
+    model = torch.nn.ModuleDict({"embed": VocabParallelEmbedding(32, 256), "head": ParallelLMHead(32, 256),
+                                 "proj": ColumnParallelLinear(256, [32], bias=False),
+                                 "down": RowParallelLinear(256, 32, bias=False)})
+    for name in ("embed", "head"):
+        model[name].load(QuantizedMatrix.from_blocks(blocks, int(T.Q4_K), 256))
+    model["proj"].load([QuantizedMatrix.from_blocks(blocks, int(T.Q4_K), 256)])
+    model["down"].load(QuantizedMatrix.from_blocks(blocks, int(T.Q4_K), 256))
+    pack_for_tiles(model)
+    assert not model["embed"].quantized.amx_packed
+    assert all(model[name].quantized.amx_packed for name in ("head", "proj", "down"))
+    assert not model["head"].quantized_file_order.amx_packed   # the file's order, for readers of rows
+    model["head"].keep_first_tokens(20)   # rows go by 16: 32 kept, the logits trimmed to 20
+    x = torch.randn(2, 256)
+    torch.testing.assert_close(model["head"].compute_logits(x), x @ gguf_values(blocks.numpy(), T.Q4_K, 256)[:20].T,
+                               rtol=1e-5, atol=1e-4)
