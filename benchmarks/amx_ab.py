@@ -88,7 +88,7 @@ def model_forward(model: str, rows_list, rounds: int) -> None:
     times: dict = {}
     for _ in range(rounds):
         for rows in rows_list:
-            inp = [ForwardInput(list(range(100, 100 + rows)), 64, list(range(5)), rows)]
+            inp = [ForwardInput(list(range(100, 100 + rows)), 64, list(range((64 + rows) // 16 + 1)), rows)]
             for p, llm in llms.items():
                 llm.engine.runner.execute(inp)
                 for _ in range(2):
