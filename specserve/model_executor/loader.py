@@ -16,11 +16,13 @@ import hashlib
 import importlib.util
 import json
 import logging
+import mmap
 import os
 import re
 import shutil
 import tempfile
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -222,6 +224,31 @@ def keeps_quantized(dtype_name: str | torch.dtype, device: torch.device | str) -
     return dtype_name == "auto" and torch.device(device).type == "cpu" and quant_gemm.available()
 
 
+# The GGUF files _gguf_state_dict mapped, while any view of one lives (release_mapped_pages).
+_FILE_MAPPINGS: list[weakref.ref] = []
+
+
+def _map_file(path: str):
+    """The file as a read-only uint8 numpy array over a memory map (zero-copy)."""
+    import numpy as np
+
+    with open(path, "rb") as fh:
+        mapping = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    _FILE_MAPPINGS[:] = [r for r in _FILE_MAPPINGS if r() is not None]
+    _FILE_MAPPINGS.append(weakref.ref(mapping))
+    return np.frombuffer(mapping, dtype=np.uint8)   # holds the mapping alive
+
+
+def release_mapped_pages() -> None:
+    """Drop the resident pages of every mapped GGUF file. Reads fault them back in from the page
+    cache, so nothing changes but the resident size: called once the matrices were repacked
+    into memory of their own (AMX tiles), after which the file is read only for embedding rows."""
+    for ref in _FILE_MAPPINGS:
+        mapping = ref()
+        if mapping is not None and hasattr(mapping, "madvise"):
+            mapping.madvise(mmap.MADV_DONTNEED)
+
+
 def _gguf_state_dict(path: str, config, dtype: torch.dtype, keep_quantized: bool = False,
                      int8_activations: bool = False) -> dict:
     """Every GGUF tensor in Hugging Face naming: dequantized and cast to ``dtype``, or, with
@@ -232,7 +259,7 @@ def _gguf_state_dict(path: str, config, dtype: torch.dtype, keep_quantized: bool
     from gguf.quants import dequantize
 
     table = read_gguf_table(path)
-    file = np.memmap(path, dtype=np.uint8, mode="r")
+    file = _map_file(path)
     state_dict = {}
     for t in table.tensors:
         hf_name = _gguf_to_hf_name(t.name)

@@ -19,6 +19,7 @@ from specserve.model_executor.layers.attention import (
 )
 from specserve.model_executor.layers.fp16_gemm import compute_dtype_for, round_to_weight_dtype
 from specserve.model_executor.layers.quantized import pack_for_tiles
+from specserve.model_executor.loader import release_mapped_pages
 from specserve.model_executor.models.registry import get_model_class
 
 
@@ -70,8 +71,8 @@ class ModelRunner:
         self.load_weights(model, state_dict)
         self.model = model.to(device).eval()
         round_to_weight_dtype(self.model, self.weight_dtype, self.dtype, device)
-        if torch.device(device).type == "cpu":
-            pack_for_tiles(self.model)   # GGUF blocks into AMX tile order, on CPUs with AMX
+        if torch.device(device).type == "cpu" and pack_for_tiles(self.model):   # AMX tile order, on CPUs with AMX
+            release_mapped_pages()   # the repacked matrices no longer read the file's pages
         if torch.device(device).type == "cpu" and hasattr(self.model, "use_cpu_layer_kernels"):
             self.model.use_cpu_layer_kernels()   # quantized GGUF weights: two compiled calls per layer
         self.kv_caches: list[torch.Tensor] = []

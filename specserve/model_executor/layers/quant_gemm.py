@@ -45,7 +45,7 @@ def _setup(lib: ctypes.CDLL) -> None:
     lib.specserve_quant_amx_supported.restype = c_int
     lib.specserve_quant_amx_row_bytes.argtypes = [c_int, i64]
     lib.specserve_quant_amx_row_bytes.restype = i64
-    lib.specserve_quant_amx_pack.argtypes = [ptr, c_int, i64, i64, ptr]
+    lib.specserve_quant_amx_pack.argtypes = [ptr, c_int, i64, i64, ptr, c_int]
     lib.specserve_quant_amx_pack.restype = c_int
     if lib.specserve_quant_vector_width() == 0:
         raise RuntimeError("this CPU has no F16C (float16 conversion instructions)")
@@ -101,7 +101,8 @@ def pack_for_amx(data: torch.Tensor, qtype: int, in_features: int) -> torch.Tens
     packed = torch.empty(data.shape[0] // AMX_GROUP, lib.specserve_quant_amx_row_bytes(int(qtype), in_features),
                          dtype=torch.uint8)
     check_status(lib.specserve_quant_amx_pack(data.data_ptr(), int(qtype), data.shape[0], in_features,
-                                              packed.data_ptr()), f"packing ggml type {qtype} for AMX")
+                                              packed.data_ptr(), torch.get_num_threads()),
+                 f"packing ggml type {qtype} for AMX")
     return packed
 
 

@@ -243,10 +243,14 @@ class QuantizedMatrix:
         return torch.cat(parts) if parts else torch.empty(0, self.in_features)
 
 
-def pack_for_tiles(model: torch.nn.Module) -> None:
+def pack_for_tiles(model: torch.nn.Module) -> int:
     """Every matmul of ``model`` that holds GGUF blocks (layers with ``pack_for_tiles``: linear
     layers and the LM head, not the embedding lookup) repacked for AMX tiles where the CPU and
-    the format allow; nothing changes elsewhere."""
+    the format allow; nothing changes elsewhere. Returns how many matrices were repacked."""
+    packed = 0
     for module in model.modules():
         if hasattr(module, "pack_for_tiles"):
+            before = module.quantized
             module.pack_for_tiles()
+            packed += module.quantized is not before
+    return packed

@@ -85,36 +85,36 @@ static inline int64_t amx_packed_row_bytes(int qtype, int64_t in) { return in / 
 
 /* ---- packing (at load; plain C, run once) ---- */
 
-/* The quant (as an unsigned code: 0..15 or 0..63) of weight row `row` at input k, and that
- * input's scale code(s): read from the file's block as block_<fmt> reads it. */
-static inline int file_quant(int qtype, const uint8_t *row, int64_t k) {
-    switch (qtype) {
-    case Q4_1: {
-        const uint8_t *b = row + (k / 32) * 20 + 4;
-        const int i = (int)(k % 32);
-        return i < 16 ? b[i] & 0x0F : b[i - 16] >> 4;
-    }
-    case Q4_K: {
-        const uint8_t *q = row + (k / 256) * 144 + 16;
-        const int i = (int)(k % 256), pair = i / 64, l = i % 32;
-        return (i % 64) < 32 ? q[32 * pair + l] & 0x0F : q[32 * pair + l] >> 4;
-    }
-    case Q6_K: {
-        const uint8_t *b = row + (k / 256) * 210;
-        const int i = (int)(k % 256), n = i / 128, j = i % 128, quarter = j / 32, l = j % 32;
+/* The quants (unsigned codes: 0..15 or 0..63) of one weight row's inputs [k0, k0 + 64), as
+ * block_<fmt> reads them from the file's block. */
+static void file_codes(int qtype, const uint8_t *row, int64_t k0, uint8_t codes[AMX_UNIT_K]) {
+    if (qtype == Q4_1) {
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *q = row + (k0 / 32 + h) * 20 + 4;
+            for (int i = 0; i < 16; i++) codes[32 * h + i] = q[i] & 0x0F, codes[32 * h + 16 + i] = q[i] >> 4;
+        }
+    } else if (qtype == Q4_K) {   /* 64 values: the low then the high nibbles of 32 bytes */
+        const uint8_t *q = row + (k0 / 256) * 144 + 16 + 32 * ((k0 % 256) / 64);
+        for (int l = 0; l < 32; l++) codes[l] = q[l] & 0x0F, codes[32 + l] = q[l] >> 4;
+    } else {   /* Q6_K: 64 values are one quarter of a 128-value half */
+        const uint8_t *b = row + (k0 / 256) * 210;
+        const int i0 = (int)(k0 % 256), n = i0 / 128, quarter = (i0 % 128) / 32;
         const uint8_t *ql = b + 64 * n, *qh = b + 128 + 32 * n;
-        const int lo = quarter == 0 ? ql[l] & 0x0F : quarter == 1 ? ql[l + 32] & 0x0F : quarter == 2 ? ql[l] >> 4
-                                                                                                         : ql[l + 32] >> 4;
-        return lo | (((qh[l] >> (2 * quarter)) & 3) << 4);
-    }
-    default: return 0;
+        for (int half = 0; half < 2; half++)   /* quarters `quarter` and `quarter + 1` */
+            for (int l = 0; l < 32; l++) {
+                const int qq = quarter + half;
+                const int lo = qq == 0 ? ql[l] & 0x0F : qq == 1 ? ql[l + 32] & 0x0F : qq == 2 ? ql[l] >> 4 : ql[l + 32] >> 4;
+                codes[32 * half + l] = (uint8_t)(lo | (((qh[l] >> (2 * qq)) & 3) << 4));
+            }
     }
 }
 
 /* w [out, file row bytes] -> packed [out / 16][packed row bytes]; amx_supported() must hold. */
-__attribute__((unused)) static void amx_pack(const uint8_t *w, int qtype, int64_t out, int64_t in, uint8_t *packed) {
+__attribute__((unused)) static void amx_pack(const uint8_t *w, int qtype, int64_t out, int64_t in, uint8_t *packed,
+                                             int num_threads) {
     const int64_t row_bytes = in / qblock_elems(qtype) * qblock_bytes(qtype), units = in / AMX_UNIT_K;
     const int ub = amx_unit_bytes(qtype);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t g = 0; g < out / 16; g++)
         for (int64_t u = 0; u < units; u++) {
             uint8_t *p = packed + (g * units + u) * ub;
@@ -141,15 +141,14 @@ __attribute__((unused)) static void amx_pack(const uint8_t *w, int qtype, int64_
                     memcpy(p + 2 * o, b + 208, 2);
                     for (int h = 0; h < 4; h++) p[32 + 16 * h + o] = b[192 + (k0 % 256) / 16 + h];
                 }
+                uint8_t codes[AMX_UNIT_K];
+                file_codes(qtype, row, k0, codes);
                 for (int kk = 0; kk < AMX_UNIT_K; kk++) {
-                    const int q = file_quant(qtype, row, k0 + kk);
-                    if (qtype == Q6_K) { /* sub-block kk / 16, a byte each */
-                        const int sub = kk / 16, pr = (kk % 16) / 2, j = 2 * o + kk % 2;
-                        p[96 + (sub * 8 + pr) * 32 + j] = (uint8_t)q;
-                    } else { /* sub-block kk / 32: low or high nibble */
-                        const int hi = kk / 32, pr = (kk % 32) / 2, j = 2 * o + kk % 2;
-                        p[128 + pr * 32 + j] |= (uint8_t)(q << (4 * hi));
-                    }
+                    const int j = 2 * o + kk % 2;
+                    if (qtype == Q6_K)   /* sub-block kk / 16, a byte each */
+                        p[96 + ((kk / 16) * 8 + (kk % 16) / 2) * 32 + j] = codes[kk];
+                    else                 /* sub-block kk / 32: low or high nibble */
+                        p[128 + ((kk % 32) / 2) * 32 + j] |= (uint8_t)(codes[kk] << (4 * (kk / 32)));
                 }
             }
         }

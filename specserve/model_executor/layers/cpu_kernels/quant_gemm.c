@@ -52,13 +52,13 @@ int64_t specserve_quant_amx_row_bytes(int qtype, int64_t in) {
 }
 
 /* w [out, file row bytes] -> dst [out / 16, amx row bytes]. Returns 0, or -1 when unsupported. */
-int specserve_quant_amx_pack(const uint8_t *w, int qtype, int64_t out, int64_t in, uint8_t *dst) {
+int specserve_quant_amx_pack(const uint8_t *w, int qtype, int64_t out, int64_t in, uint8_t *dst, int num_threads) {
 #if defined(__F16C__) && defined(HAVE_AMX)
     if (!amx_supported(qtype, out, in)) return -1;
-    amx_pack(w, qtype, out, in, dst);
+    amx_pack(w, qtype, out, in, dst, num_threads < 1 ? 1 : num_threads);
     return 0;
 #else
-    (void)w, (void)qtype, (void)out, (void)in, (void)dst;
+    (void)w, (void)qtype, (void)out, (void)in, (void)dst, (void)num_threads;
     return -1;
 #endif
 }
