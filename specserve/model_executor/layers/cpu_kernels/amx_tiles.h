@@ -262,9 +262,12 @@ static inline __m512 bf16_to_float(__m256bh h) { /* exact: a bfloat16 is a float
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
-/* R <= AMX_ROWS rows -> xp [3][R][in] bfloat16 pieces (piece-major: A row i R + r is piece i of
- * row r) and, with sums, S [R][in / sb] the float32 sum of each sub-block (in order). */
-static void amx_split_rows(const float *x, int64_t ldx, int R, int64_t in, int sb, uint16_t *xp, float *S) {
+/* R <= Rt <= AMX_ROWS rows -> xp [3][Rt][in] bfloat16 pieces (piece-major: A row i Rt + r is
+ * piece i of row r; rows R..Rt zero) and, with sums, S [R][in / sb] the float32 sum of each
+ * sub-block (in order). */
+static void amx_split_rows(const float *x, int64_t ldx, int R, int Rt, int64_t in, int sb, uint16_t *xp, float *S) {
+    for (int r = R; r < Rt; r++)
+        for (int i = 0; i < 3; i++) memset(xp + (i * Rt + r) * in, 0, (size_t)in * 2);
     for (int r = 0; r < R; r++) {
         const float *xr = x + r * ldx;
         for (int64_t k = 0; k < in; k += 16) {
@@ -274,9 +277,9 @@ static void amx_split_rows(const float *x, int64_t ldx, int R, int64_t in, int s
             const __m256bh p2 = _mm512_cvtneps_pbh(r1);
             const __m512 r2 = _mm512_sub_ps(r1, bf16_to_float(p2));
             const __m256bh p3 = _mm512_cvtneps_pbh(r2);
-            memcpy(xp + (0 * R + r) * in + k, &p1, 32);
-            memcpy(xp + (1 * R + r) * in + k, &p2, 32);
-            memcpy(xp + (2 * R + r) * in + k, &p3, 32);
+            memcpy(xp + (0 * Rt + r) * in + k, &p1, 32);
+            memcpy(xp + (1 * Rt + r) * in + k, &p2, 32);
+            memcpy(xp + (2 * Rt + r) * in + k, &p3, 32);
         }
         if (S)
             for (int64_t s = 0; s < in / sb; s++) {
@@ -287,10 +290,11 @@ static void amx_split_rows(const float *x, int64_t ldx, int R, int64_t in, int s
     }
 }
 
-/* The 16 outputs of group g for R rows: acc[r] over every unit, in order. b: the group's B
- * tiles, either all units unpacked already (b_all) or unpacked here into a ring of two units. */
+/* The 16 outputs of group g for R rows of a tile pass of Rt (amx_split_rows): acc[r] over every
+ * unit, in order. b: the group's B tiles, either all units unpacked already (b_all) or unpacked
+ * here into a ring of two units. */
 static void amx_group_rows(int qtype, const uint8_t *gp, int64_t in, const uint16_t *xp, const float *S, int R,
-                           const uint16_t *b_all, uint16_t *ring, float *cbuf, float *out, int64_t ldo) {
+                           int Rt, const uint16_t *b_all, uint16_t *ring, float *cbuf, float *out, int64_t ldo) {
     const int sb = amx_sub_block(qtype), ub = amx_unit_bytes(qtype), steps = AMX_UNIT_K / sb / 2;
     const int64_t units = in / AMX_UNIT_K, ns = in / sb;
     const int has_min = qtype != Q6_K;
@@ -331,8 +335,8 @@ static void amx_group_rows(int qtype, const uint8_t *gp, int64_t in, const uint1
                 const int64_t s = u * (AMX_UNIT_K / sb) + h;
                 for (int r = 0; r < R; r++) {
                     const __m512 d = _mm512_add_ps(_mm512_add_ps(_mm512_load_ps(c + h * 256 + r * 16),
-                                                                 _mm512_load_ps(c + h * 256 + (R + r) * 16)),
-                                                   _mm512_load_ps(c + h * 256 + (2 * R + r) * 16));
+                                                                 _mm512_load_ps(c + h * 256 + (Rt + r) * 16)),
+                                                   _mm512_load_ps(c + h * 256 + (2 * Rt + r) * 16));
                     acc[r] = _mm512_fmadd_ps(d, a, acc[r]);
                     if (has_min) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(S[r * ns + s]), m, acc[r]);
                 }
@@ -365,6 +369,9 @@ static int amx_gemm_team(const float *x, int64_t ldx, int64_t rows, const uint8_
     const int64_t chunks = (rows + AMX_ROWS - 1) / AMX_ROWS, groups = out_features / 16;
     const int64_t row_bytes = amx_packed_row_bytes(qtype, in), units = in / AMX_UNIT_K;
     const int many = rows > AMX_ROWS;   /* unpack each group once for all its row chunks */
+    /* one tile shape for every pass (a configuration change is slow and clears the tiles): a
+     * short last pass runs with zero rows, which change no other row's sums */
+    const int Rt = (int)(rows < AMX_ROWS ? rows : AMX_ROWS);
     const int64_t xp_bytes = chunks * 3 * AMX_ROWS * in * 2, s_bytes = (chunks * AMX_ROWS * (in / sb) * 4 + 63) / 64 * 64;
     const int64_t fixed = 2 * 2048 + 2 * 4 * 256 * 4;
     uint8_t *buf = amx_scratch_for(xp_bytes + s_bytes + fixed + (many ? units * 2048 : 0));
@@ -377,7 +384,7 @@ static int amx_gemm_team(const float *x, int64_t ldx, int64_t rows, const uint8_
     if (ok)
         for (int64_t ch = 0; ch < chunks; ch++) {
             const int R = (int)(rows - ch * AMX_ROWS < AMX_ROWS ? rows - ch * AMX_ROWS : AMX_ROWS);
-            amx_split_rows(x + ch * AMX_ROWS * ldx, ldx, R, in, sb, xp + ch * 3 * AMX_ROWS * in,
+            amx_split_rows(x + ch * AMX_ROWS * ldx, ldx, R, Rt, in, sb, xp + ch * 3 * AMX_ROWS * in,
                            qtype != Q6_K ? S + ch * AMX_ROWS * (in / sb) : NULL);
         }
     int configured = 0;
@@ -389,10 +396,10 @@ static int amx_gemm_team(const float *x, int64_t ldx, int64_t rows, const uint8_
             for (int64_t u = 0; u < units; u++) amx_unpack_unit(qtype, gp + u * amx_unit_bytes(qtype), b_all + u * 1024);
         for (int64_t ch = 0; ch < chunks; ch++) {
             const int R = (int)(rows - ch * AMX_ROWS < AMX_ROWS ? rows - ch * AMX_ROWS : AMX_ROWS);
-            if (configured != R) amx_configure(R, sb), configured = R;
+            if (!configured) amx_configure(Rt, sb), configured = 1;
             float *o = out + ch * AMX_ROWS * ldo + g * 16;
             amx_group_rows(qtype, gp, in, xp + ch * 3 * AMX_ROWS * in, S ? S + ch * AMX_ROWS * (in / sb) : NULL, R,
-                           b_all, ring, cbuf, o, ldo);
+                           Rt, b_all, ring, cbuf, o, ldo);
             if (bias) {
                 const __m512 bv = _mm512_loadu_ps(bias + g * 16);
                 for (int r = 0; r < R; r++) _mm512_storeu_ps(o + r * ldo, _mm512_add_ps(_mm512_loadu_ps(o + r * ldo), bv));
