@@ -48,7 +48,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#define AMX_ROWS 5        /* rows a tile pass takes: 3 pieces each, 15 of a tile's 16 rows */
+#define AMX_ROWS 16       /* rows a tile pass takes: a tile's 16 rows */
 #define AMX_UNIT_K 64     /* input values per packed unit */
 #ifndef AMX_PREFETCH_UNITS
 #define AMX_PREFETCH_UNITS 4   /* how far ahead (in units) the weights are prefetched */
@@ -193,15 +193,16 @@ typedef struct {
     uint8_t rows[16];
 } amx_tile_config;
 
-/* Tiles: 0, 1 sums (C) of the two sub-blocks of a step; 2, 3 their activations (A: 3 R rows,
- * SB bfloat16 each); 4, 5 their quants (B: SB / 2 rows of 16 outputs x 2). */
+/* Tiles: 0, 1 sums (C: R rows of 16 outputs) of the two sub-blocks of a step; 2, 3, 4 the three
+ * activation pieces of one sub-block (A: R rows, SB bfloat16 each); 5, 6 the two sub-blocks'
+ * quants (B: SB / 2 rows of 16 outputs x 2). */
 static void amx_configure(int R, int sb) {
     amx_tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    for (int t = 0; t < 2; t++) cfg.rows[t] = (uint8_t)(3 * R), cfg.colsb[t] = 64;
-    for (int t = 2; t < 4; t++) cfg.rows[t] = (uint8_t)(3 * R), cfg.colsb[t] = (uint16_t)(2 * sb);
-    for (int t = 4; t < 6; t++) cfg.rows[t] = (uint8_t)(sb / 2), cfg.colsb[t] = 64;
+    for (int t = 0; t < 2; t++) cfg.rows[t] = (uint8_t)R, cfg.colsb[t] = 64;
+    for (int t = 2; t < 5; t++) cfg.rows[t] = (uint8_t)R, cfg.colsb[t] = (uint16_t)(2 * sb);
+    for (int t = 5; t < 7; t++) cfg.rows[t] = (uint8_t)(sb / 2), cfg.colsb[t] = 64;
     _tile_loadconfig(&cfg);
 }
 
@@ -313,14 +314,23 @@ static void amx_group_rows(int qtype, const uint8_t *gp, int64_t in, const uint1
             float *c = cbuf + (t & 1) * (2 * steps * 256);
             for (int st = 0; st < steps; st++) {
                 const int64_t k = t * AMX_UNIT_K + st * 2 * sb;
+                const int64_t piece = Rt * in;   /* the pieces' A rows are Rt apart */
                 _tile_zero(0);
                 _tile_zero(1);
+                _tile_loadd(5, b + (2 * st) * sb * 16, 64);
+                _tile_loadd(6, b + (2 * st + 1) * sb * 16, 64);
                 _tile_loadd(2, xp + k, in * 2);
-                _tile_loadd(3, xp + k + sb, in * 2);
-                _tile_loadd(4, b + (2 * st) * sb * 16, 64);
-                _tile_loadd(5, b + (2 * st + 1) * sb * 16, 64);
-                _tile_dpbf16ps(0, 2, 4);
-                _tile_dpbf16ps(1, 3, 5);
+                _tile_loadd(3, xp + piece + k, in * 2);
+                _tile_loadd(4, xp + 2 * piece + k, in * 2);
+                _tile_dpbf16ps(0, 2, 5);   /* C0 += piece 1, then 2, then 3: the sum of q * x */
+                _tile_dpbf16ps(0, 3, 5);
+                _tile_dpbf16ps(0, 4, 5);
+                _tile_loadd(2, xp + k + sb, in * 2);
+                _tile_loadd(3, xp + piece + k + sb, in * 2);
+                _tile_loadd(4, xp + 2 * piece + k + sb, in * 2);
+                _tile_dpbf16ps(1, 2, 6);
+                _tile_dpbf16ps(1, 3, 6);
+                _tile_dpbf16ps(1, 4, 6);
                 _tile_stored(0, c + (2 * st) * 256, 64);
                 _tile_stored(1, c + (2 * st + 1) * 256, 64);
             }
@@ -334,10 +344,7 @@ static void amx_group_rows(int qtype, const uint8_t *gp, int64_t in, const uint1
                 amx_unit_scales(qtype, p, h, &a, &m);
                 const int64_t s = u * (AMX_UNIT_K / sb) + h;
                 for (int r = 0; r < R; r++) {
-                    const __m512 d = _mm512_add_ps(_mm512_add_ps(_mm512_load_ps(c + h * 256 + r * 16),
-                                                                 _mm512_load_ps(c + h * 256 + (Rt + r) * 16)),
-                                                   _mm512_load_ps(c + h * 256 + (2 * Rt + r) * 16));
-                    acc[r] = _mm512_fmadd_ps(d, a, acc[r]);
+                    acc[r] = _mm512_fmadd_ps(_mm512_load_ps(c + h * 256 + r * 16), a, acc[r]);
                     if (has_min) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(S[r * ns + s]), m, acc[r]);
                 }
             }
