@@ -41,11 +41,19 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def load_prompts(path: str, categories: str | None, limit: int | None) -> list[dict]:
+def load_prompts(path: str, categories: str | None, limit: int | None, per_category: int | None = None) -> list[dict]:
     rows = [json.loads(line) for line in open(path) if line.strip()]
     if categories:
         keep = set(categories.split(","))
         rows = [r for r in rows if r["category"] in keep]
+    if per_category:   # the first N questions of each category
+        counts: dict[str, int] = {}
+        kept = []
+        for r in rows:
+            counts[r["category"]] = counts.get(r["category"], 0) + 1
+            if counts[r["category"]] <= per_category:
+                kept.append(r)
+        rows = kept
     return rows[:limit] if limit else rows
 
 
@@ -101,6 +109,7 @@ def main() -> int:
     p.add_argument("--draft-vocab-size", type=int, default=None)
     p.add_argument("--prompts", default=os.path.join(HERE, "prompts", "coding.jsonl"))
     p.add_argument("--categories", default=None)
+    p.add_argument("--per-category", type=int, default=None, help="the first N prompts of each category")
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -111,7 +120,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     from specserve import SamplingParams
 
-    prompts = load_prompts(args.prompts, args.categories, args.limit)
+    prompts = load_prompts(args.prompts, args.categories, args.limit, args.per_category)
     configs = args.configs.split(",")
     engines = {c: build(c, args) for c in configs}
     tokenizer = engines[configs[0]].get_tokenizer()
