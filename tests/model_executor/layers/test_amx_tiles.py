@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from test_quant_gemm import gguf_values, random_blocks
+from test_quant_gemm import assert_rows_bitwise_independent, gguf_values, random_blocks
 
 from specserve.model_executor.layers import quant_gemm
 from specserve.model_executor.layers.quantized import QuantizedMatrix, pack_for_tiles
@@ -51,17 +51,7 @@ def test_matmul_matches_float64_reference(qtype, rows):
 @pytest.mark.parametrize("qtype", AMX_FORMATS, ids=lambda q: q.name)
 def test_rows_bitwise_independent_of_row_count_and_threads(qtype):
     m, _ = packed(qtype, 80, 512)
-    x = torch.randn(110, 512, generator=torch.Generator().manual_seed(1))
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        alone = torch.cat([m.matmul(x[i : i + 1]) for i in range(x.shape[0])])   # every row on its own
-        for n_threads in (1, 2, 3):
-            torch.set_num_threads(n_threads)
-            for rows in (1, 2, 4, 5, 6, 7, 11, 48, 110):
-                assert torch.equal(m.matmul(x[:rows]), alone[:rows]), (n_threads, rows)
-    finally:
-        torch.set_num_threads(threads)
+    assert_rows_bitwise_independent(m, (1, 2, 4, 5, 6, 7, 11, 16, 17, 33, 48, 110))   # 16 rows a tile pass
 
 
 def test_mixed_formats_pack_segment_by_segment():

@@ -62,14 +62,20 @@ def test_rows_bitwise_independent_of_row_count_and_threads(qtype):
     out_features, in_features = 70, 512
     m = QuantizedMatrix.from_blocks(torch.from_numpy(random_blocks(qtype, out_features, in_features)), int(qtype),
                                     in_features)
-    x = torch.randn(110, in_features, generator=torch.Generator().manual_seed(1))
+    assert_rows_bitwise_independent(m, (1, 2, 5, 6, 7, 13, 48, 49, 110))
+
+
+def assert_rows_bitwise_independent(m: QuantizedMatrix, row_counts) -> None:
+    """Every call of the first n rows (n in row_counts, up to 110) on 1-3 threads gives each row the
+    bits of that row multiplied alone."""
+    x = torch.randn(110, m.in_features, generator=torch.Generator().manual_seed(1))
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         alone = torch.cat([m.matmul(x[i : i + 1]) for i in range(x.shape[0])])   # every row on its own
         for n_threads in (1, 2, 3):
             torch.set_num_threads(n_threads)
-            for rows in (1, 2, 5, 6, 7, 13, 48, 49, 110):
+            for rows in row_counts:
                 assert torch.equal(m.matmul(x[:rows]), alone[:rows]), (n_threads, rows)
     finally:
         torch.set_num_threads(threads)

@@ -16,7 +16,8 @@
  *     (p1 = bf16(x), p2 = bf16(x - p1), p3 = x - p1 - p2, which has at most 8 significant bits);
  *   - every product q * p is exact in float32, and the tile sums them in float32;
  *   - per sub-block s of SB values (one scale a_s, one offset m_s in the format), with
- *     D = sum q * x over the sub-block (the three pieces' sums added) and S = sum x over it:
+ *     D = sum q * x over the sub-block (three tile multiplies, one a piece, into one C tile)
+ *     and S = sum x over it:
  *       out[r, o] = sum over s, in order, of  a_s * D  then  + m_s * S
  *     which is sum_k w_k * x_k for w = a_s * q + m_s, exactly ggml's dequantized value
  *     (Q4_K: a = d * scale, m = -dmin * min; Q4_1: a = d, m = m; Q6_K: a = d * scale, q - 32).
