@@ -151,7 +151,7 @@ def quant_matmul_into(
         n, in_features,
         None if bias is None else bias.data_ptr(), out.data_ptr() + col * out.element_size(), out.stride(0),
         torch.get_num_threads())
-    check_status(status, f"ggml type {qtype}, weight [{data.shape[0]}, {in_features}]")
+    check_status(status, f"ggml type {qtype}, weight [{n}, {in_features}]")
 
 
 def dequantize_rows(

@@ -199,7 +199,7 @@ class QuantizedMatrix:
             n = s.rows
             seg_bias = None if bias is None else bias[col : col + n]
             quant_gemm.quant_matmul_into(out, col, x2, s.data, s.qtype, self.in_features, seg_bias,
-                                         int8_activations=not s.amx_packed and self.kernel_qtype(s) != s.qtype,
+                                         int8_activations=bool(self.kernel_qtype(s) & quant_gemm.INT8_ACTIVATIONS_FLAG),
                                          amx_packed=s.amx_packed)
             col += n
         return out.view(*leading, out.shape[1])
