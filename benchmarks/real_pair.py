@@ -20,6 +20,9 @@ With ``--llama-bin``, llama.cpp's own ``llama-speculative-simple`` (a peer measu
 from outside, built by ``../shared/peers/build-llamacpp.sh``) answers the same
 chat-formatted prompts with the same files, k, threads and max tokens; its whole
 answer time is its own "encoded" plus "decoded" times (its model load excluded).
+With ``--llama-server`` too, llama.cpp's plain decoding answers the same text through
+its ``llama-server`` (``/completion``, prompt cache off, same sampling settings and
+seed), timed by the request's wall time like specserve's answers.
 
     python benchmarks/real_pair.py --configs plain,draft:3,draft:4,ngram:4 --draft-vocab-size 32768 \\
         --llama-bin ~/.cache/specserve-peers/llama.cpp/build/bin --llama-k 4 --max-tokens 64 --limit 8
@@ -101,6 +104,15 @@ def llama_spec(args, text: str) -> tuple[int, float, float]:
     return int(dec_tokens), enc + float(dec), float(accept.group(1)) / 100 if accept else float("nan")
 
 
+def llama_plain(base: str, args, text: str) -> tuple[int, float]:
+    """(new tokens, seconds of the request) for llama-server's plain answer to the same prompt text."""
+    from specserve.bench.peers import post_json
+    t = time.perf_counter()
+    out = post_json(base + "/completion", {"prompt": text, "n_predict": args.max_tokens, "temperature": args.temperature,
+                                           "seed": 0, "cache_prompt": False}, timeout=900)
+    return out["tokens_predicted"], time.perf_counter() - t
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
@@ -116,6 +128,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--llama-bin", default=None)
     p.add_argument("--llama-k", type=int, default=4)
+    p.add_argument("--llama-server", action="store_true", help="also llama.cpp plain decoding through llama-server")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     from specserve import SamplingParams
@@ -133,6 +146,26 @@ def main() -> int:
     tokens, seconds, taus, answers = defaultdict(int), defaultdict(float), defaultdict(list), defaultdict(list)
     by_cat = defaultdict(lambda: defaultdict(lambda: [0, 0.0]))
     names = configs + (["llama.cpp spec"] if args.llama_bin else [])
+    server = None
+    if args.llama_bin and args.llama_server:
+        from specserve.bench.peers import start_llama_server
+        server, base_url = start_llama_server(os.path.join(os.path.expanduser(args.llama_bin), "llama-server"),
+                                              args.target_path, args.threads, ctx_size=2048, slots=1, timeout_s=300)
+        llama_plain(base_url, args, "def f(")   # warm-up
+        names.append("llama.cpp plain")
+    try:
+        measure(prompts, names, engines, tokenizer, args, params, tokens, seconds, taus, answers, by_cat,
+                base_url if server else None)
+    finally:
+        if server is not None:
+            from specserve.bench.peers import stop_process
+            stop_process(server)
+    report(prompts, names, configs, args, tokens, seconds, taus, answers, by_cat)
+    return 0
+
+
+def measure(prompts, names, engines, tokenizer, args, params, tokens, seconds, taus, answers, by_cat, base_url):
+    """Every prompt through every configuration, in rotating order; sums into the dicts passed in."""
     for i, row in enumerate(prompts):
         text = tokenizer.apply_chat_template([{"role": "user", "content": row["turns"][0]}], tokenize=False,
                                              add_generation_prompt=True)
@@ -141,6 +174,8 @@ def main() -> int:
             if name == "llama.cpp spec":
                 n, dt, acc = llama_spec(args, text)
                 taus[name].append(acc)
+            elif name == "llama.cpp plain":
+                n, dt = llama_plain(base_url, args, text)
             else:
                 llm = engines[name]
                 t = time.perf_counter()
@@ -153,6 +188,9 @@ def main() -> int:
             seconds[name] += dt
             by_cat[row["category"]][name][0] += n
             by_cat[row["category"]][name][1] += dt
+
+
+def report(prompts, names, configs, args, tokens, seconds, taus, answers, by_cat) -> None:
     print(f"# {time.strftime('%Y-%m-%d %H:%M')} {args.target} / {args.draft}, {len(prompts)} prompts of "
           f"{os.path.basename(args.prompts)}, max_tokens={args.max_tokens}, temperature={args.temperature}, "
           f"threads={args.threads}, draft_vocab_size={args.draft_vocab_size}, llama k={args.llama_k}")
@@ -175,7 +213,6 @@ def main() -> int:
             if name != plain and plain in answers:
                 same = sum(a == b for a, b in zip(answers[name], answers[plain]))
                 print(f"greedy answers of {name} equal to {plain}'s: {same} of {len(prompts)}")
-    return 0
 
 
 if __name__ == "__main__":
