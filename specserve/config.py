@@ -177,7 +177,11 @@ class EngineConfig:
     multiply them with activations rounded to 8 bits per 256 values (AVX-512 VNNI
     byte products, as llama.cpp computes; faster, not the float32-activation
     numbers). Speculation stays lossless against plain decoding with the same
-    setting. Ignored where the CPU or a format has no such kernel.
+    setting. Ignored where the CPU or a format has no such kernel. An integer
+    2-4 instead of True multiplies each activation row as that many int8
+    pieces summed: 3 pieces carry float32's precision (2^-24 of each 256-value
+    group's largest value) and decode one row about twice as fast as the
+    float32 kernels, but cost about 3x per extra row (verification, prefill).
     """
 
     model: str | None = None
@@ -191,7 +195,7 @@ class EngineConfig:
     seed: int = 0
     tensor_parallel_size: int = 1
     enable_prefix_caching: bool = True
-    int8_activations: bool = False
+    int8_activations: bool | int = False
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
@@ -211,8 +215,10 @@ class EngineConfig:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
-        if not isinstance(self.int8_activations, bool):
-            raise ValueError(f"int8_activations must be True or False, got {self.int8_activations!r}")
+        if not (isinstance(self.int8_activations, bool) or (_is_int(self.int8_activations)
+                                                            and 0 <= self.int8_activations <= 4)):
+            raise ValueError(f"int8_activations must be True, False or a number of pieces 1-4, "
+                             f"got {self.int8_activations!r}")
         _check_device(self.device)
 
 

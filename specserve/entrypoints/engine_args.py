@@ -51,6 +51,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--int8-activations", action=argparse.BooleanOptionalAction, default=False,
                    help="CPU, GGUF blocks: multiply with activations rounded to 8 bits (AVX-512 VNNI; faster, "
                         "llama.cpp's numbers rather than float32 activations)")
+    p.add_argument("--int8-activation-pieces", type=int, default=None, metavar="N",
+                   help="CPU, GGUF blocks: int8 activations as N pieces summed (1-4; 3 = float32's precision, "
+                        "fastest 1-row decoding, slower verification and prefill)")
     p.add_argument("--draft-int8-activations", action=argparse.BooleanOptionalAction, default=None,
                    help="draft_model: the same for the draft (default: on; the draft only guesses, output is unchanged)")
 
@@ -95,5 +98,6 @@ def build_llm(args):
         tensor_parallel_size=args.tensor_parallel_size,
         speculative_config=speculative_config_from_args(args),
         enable_prefix_caching=args.enable_prefix_caching,
-        int8_activations=args.int8_activations,
+        int8_activations=(args.int8_activation_pieces if getattr(args, "int8_activation_pieces", None)
+                          else args.int8_activations),
     )

@@ -64,7 +64,7 @@ class LLM:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
-        int8_activations: bool = False,
+        int8_activations: bool | int = False,
         proposer=None,
     ):
         spec = build_speculative_config(speculative_model, num_speculative_tokens, speculative_config)

@@ -108,7 +108,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 
 def load_model(model: str | None, dtype: torch.dtype, load_weights: bool = True,
-               keep_quantized: bool = False, int8_activations: bool = False) -> LoadedModel:
+               keep_quantized: bool = False, int8_activations: bool | int = False) -> LoadedModel:
     """Resolve ``model`` and load config, tokenizer and (unless told not to) weights in ``dtype``.
 
     ``keep_quantized``: a GGUF file's 2-D tensors in block formats the CPU kernel multiplies
@@ -250,7 +250,7 @@ def release_mapped_pages() -> None:
 
 
 def _gguf_state_dict(path: str, config, dtype: torch.dtype, keep_quantized: bool = False,
-                     int8_activations: bool = False) -> dict:
+                     int8_activations: bool | int = False) -> dict:
     """Every GGUF tensor in Hugging Face naming: dequantized and cast to ``dtype``, or, with
     ``keep_quantized``, a matrix in a supported block format as a ``QuantizedMatrix`` over the
     file's bytes (zero-copy: a read-only memory map shared with the page cache)."""

@@ -248,14 +248,16 @@ def test_greedy_equals_plain(engines, prompts, ref, draft, k, batch, monkeypatch
         assert len(delta.acceptance_by_position) == k
 
 
-@pytest.mark.parametrize("int8_activations", [False, True], ids=["float32-activations", "int8-activations"])
+@pytest.mark.parametrize("int8_activations", [False, True, 3],
+                         ids=["float32-activations", "int8-activations", "int8-activation-pieces"])
 def test_greedy_equals_plain_in_default_dtype(prompts, int8_activations):
     """The default dtype ("auto": float16 weights with float32 activations on x86 CPUs,
     bfloat16 on GPUs) keeps the invariant too: ngram and a self-draft (every draft
     accepted, so drafting, verification and bonus tokens all run in that dtype) and the
     shipped EAGLE head. On a CPU the GGUF's own blocks are multiplied (quantized weights),
-    with float32 activations or, with ``int8_activations``, rounded ones (where the CPU has
-    the kernel: elsewhere the setting changes nothing and the case repeats the first)."""
+    with float32 activations or, with ``int8_activations``, rounded ones or three int8 pieces
+    (where the CPU has the kernel: elsewhere the setting changes nothing and the case repeats
+    the first)."""
     kw = dict(ENGINE_KW, dtype="auto", int8_activations=int8_activations)
     plain_auto = LLM(**kw)
     if plain_auto.engine.runner.weight_dtype == torch.float16 and cpu_attention.reads_float16_cache():

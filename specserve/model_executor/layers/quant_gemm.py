@@ -69,6 +69,18 @@ def supports(qtype: int) -> bool:
 
 # Set on a qtype passed to the kernels: int8 activations (``cpu_kernels/q8_act.h``).
 INT8_ACTIVATIONS_FLAG = 256
+# With INT8_ACTIVATIONS_FLAG: (pieces - 1) << INT8_PIECES_SHIFT multiplies each activation row
+# as that many int8 pieces (``cpu_kernels/q8_act.h``, Q8_PIECES_SHIFT).
+INT8_PIECES_SHIFT = 10
+MAX_INT8_PIECES = 4
+
+
+def int8_activation_flags(pieces: int) -> int:
+    """The qtype flags for int8 activations in ``pieces`` pieces (1: rounded to 8 bits per 256
+    values; 3: the float32 row to about 2^-24 of each group's largest value)."""
+    if not 1 <= pieces <= MAX_INT8_PIECES:
+        raise ValueError(f"int8 activation pieces must be 1 to {MAX_INT8_PIECES}, got {pieces}")
+    return INT8_ACTIVATIONS_FLAG | ((pieces - 1) << INT8_PIECES_SHIFT)
 
 
 @functools.cache   # asked on every matmul of a matrix with the setting on; the answer never changes

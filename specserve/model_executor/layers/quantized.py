@@ -17,7 +17,10 @@ come before it.
 ``int8_activations`` (off by default): multiply with activations rounded to 8 bits
 per 256 values and VNNI byte products (``cpu_kernels/q8_act.h``), llama.cpp's way,
 where the CPU and the format allow; the weights stay the file's values. Cuts and
-stacks keep the setting.
+stacks keep the setting. An integer N (2-4) in place of True: each activation row as N
+int8 pieces summed (``q8_act.h``): 3 pieces carry the row to about 2^-24 of each
+256-value group's largest value, float32's precision, at a third of the float32
+kernel's 1-row cost (docs/benchmarks.md, "Activation pieces").
 """
 from __future__ import annotations
 
@@ -51,7 +54,7 @@ class QuantSegment:
 class QuantizedMatrix:
     """A [out, in] matrix as segments of rows in GGUF block formats (module docstring)."""
 
-    def __init__(self, segments: list[QuantSegment], in_features: int, int8_activations: bool = False):
+    def __init__(self, segments: list[QuantSegment], in_features: int, int8_activations: bool | int = False):
         self.segments = [s for s in segments if s.rows]
         self.in_features = in_features
         self.int8_activations = int8_activations
@@ -62,7 +65,7 @@ class QuantizedMatrix:
         if segment.amx_packed:
             return segment.qtype | quant_gemm.AMX_PACKED_FLAG
         if self.int8_activations and quant_gemm.supports_int8_activations(segment.qtype, self.in_features):
-            return segment.qtype | quant_gemm.INT8_ACTIVATIONS_FLAG
+            return segment.qtype | quant_gemm.int8_activation_flags(int(self.int8_activations))
         return segment.qtype
 
     def _like(self, segments: list[QuantSegment], in_features: int | None = None) -> "QuantizedMatrix":
@@ -180,7 +183,7 @@ class QuantizedMatrix:
         for i, seg in enumerate(merged):   # the kernel reads contiguous rows it owns
             if not seg.data.is_contiguous():
                 merged[i] = QuantSegment(seg.qtype, seg.data.contiguous())
-        return QuantizedMatrix(merged, in_features, any(m.int8_activations for m in mats))
+        return QuantizedMatrix(merged, in_features, max(m.int8_activations for m in mats))
 
     def contiguous(self) -> "QuantizedMatrix":
         """Every segment in memory of its own (a copy out of a read-only file mapping, say)."""
@@ -198,8 +201,7 @@ class QuantizedMatrix:
         for s in self.segments:
             n = s.rows
             seg_bias = None if bias is None else bias[col : col + n]
-            quant_gemm.quant_matmul_into(out, col, x2, s.data, s.qtype, self.in_features, seg_bias,
-                                         int8_activations=bool(self.kernel_qtype(s) & quant_gemm.INT8_ACTIVATIONS_FLAG),
+            quant_gemm.quant_matmul_into(out, col, x2, s.data, self.kernel_qtype(s), self.in_features, seg_bias,
                                          amx_packed=s.amx_packed)
             col += n
         return out.view(*leading, out.shape[1])

@@ -116,3 +116,65 @@ def test_cuts_and_stacks_keep_the_setting_and_unknown_formats_fall_back():
     x = torch.randn(2, 512, generator=torch.Generator().manual_seed(3))
     torch.testing.assert_close(q5k.matmul(x).double(), x.double() @ gguf_values(blocks, T.Q5_K, 512).double().T,
                                rtol=1e-5, atol=1e-4)
+
+
+# ---- int8 activations in pieces: int8_activations = N (2-4) ----
+
+@pytest.mark.parametrize("qtype", INT8_FORMATS, ids=lambda q: q.name)
+@pytest.mark.parametrize("rows", [1, 3, 70])
+def test_three_pieces_give_the_float32_activation_product(qtype, rows):
+    in_features = 768 if qtype in (T.Q4_K, T.Q6_K) else 576
+    m, dense = int8_matrix(qtype, 38, in_features, seed=rows)
+    m.int8_activations = 3
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=gen) * torch.linspace(0.1, 3.0, in_features)
+    bias = torch.randn(38, generator=gen)
+    want = x.double() @ dense.double().T + bias.double()   # the activations as given, not rounded
+    got = m.matmul(x, bias)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0], ids=lambda q: q.name)
+def test_more_pieces_shrink_the_error_even_with_outlier_channels(qtype):
+    """Each piece adds about 8 bits; with a 300x outlier in a group, 4 pieces are as close to the
+    float64 product as the float32-activation kernel, within a few times its rounding (relative to
+    sum |x w|, float32's error scale)."""
+    m, dense = int8_matrix(qtype, 16, 512, seed=5)
+    x = torch.randn(4, 512, generator=torch.Generator().manual_seed(5))
+    x[:, 7] *= 300
+    want = x.double() @ dense.double().T
+    scale = x.double().abs() @ dense.double().abs().T
+    errors = []
+    for pieces in (1, 2, 3, 4):
+        m.int8_activations = pieces
+        errors.append(((m.matmul(x).double() - want).abs() / scale).max().item())
+    m.int8_activations = False
+    float_error = ((m.matmul(x).double() - want).abs() / scale).max().item()
+    assert errors[0] > 30 * errors[1] > 30 * 30 * errors[2], errors
+    assert errors[3] <= 4 * float_error, (errors, float_error)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q4_K, T.Q6_K], ids=lambda q: q.name)
+def test_pieces_rows_bitwise_independent_of_row_count_and_threads(qtype):
+    m, _ = int8_matrix(qtype, 70, 512)
+    m.int8_activations = 3
+    x = torch.randn(110, 512, generator=torch.Generator().manual_seed(1))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([m.matmul(x[i : i + 1]) for i in range(x.shape[0])])
+        for n_threads in (1, 2, 3):
+            torch.set_num_threads(n_threads)
+            for rows in (1, 2, 3, 7, 64, 65, 110):
+                assert torch.equal(m.matmul(x[:rows]), alone[:rows]), (n_threads, rows)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_piece_counts_outside_1_to_4_are_refused():
+    with pytest.raises(ValueError, match="pieces must be 1 to 4"):
+        quant_gemm.int8_activation_flags(5)
+    from specserve.config import EngineConfig
+    with pytest.raises(ValueError, match="number of pieces 1-4"):
+        EngineConfig(int8_activations=5)
+    assert EngineConfig(int8_activations=3).int8_activations == 3

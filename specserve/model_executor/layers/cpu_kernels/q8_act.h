@@ -31,6 +31,15 @@
 #define SPECSERVE_Q8_ACT_H
 
 #define Q8_ACT_FLAG 256
+/* qtype | Q8_ACT_FLAG | ((P - 1) << Q8_PIECES_SHIFT): each activation row is multiplied as P
+ * int8 rows ("pieces") whose sum is the row to about 8 P bits of each 256-value group's largest
+ * value: piece 0 is the row rounded as above, piece p + 1 the same rounding of what pieces 0..p
+ * left over, and the P results are summed per output (q8_gemm_team). P = 1 is llama.cpp's
+ * rounding; P = 3 leaves less than 2^-24 of the group's largest value, float32's own precision
+ * (docs/architecture.md, "Numerics"). */
+#define Q8_PIECES_SHIFT 10
+#define Q8_PIECES_MASK (3 << Q8_PIECES_SHIFT)
+#define Q8_MAX_PIECES 4
 /* Weight prefetch: into L2, the same position 16 rows (4 blocks of 4 outputs) ahead (at least
  * 1 KB). Short rows (the 1536-value rows of Qwen2.5-Coder-1.5B's
  * gate/up and LM head: 864 and 1260 bytes) are the case that needs it: prefetching within the
@@ -71,9 +80,10 @@ static inline q8_acts q8_acts_row(const q8_acts *a, int64_t r, int64_t in) {   /
  * a + 8, a + 12 (the same values of the sub-blocks 0/1, 2/3, 4/5, 6/7). */
 static inline int64_t q8_k4_place(int64_t piece) { return 4 * (piece % 4) + piece / 4; }
 
-/* One row; with k4_order (Q4_K) xq is stored in q8_k4_place's order (xl then follows it). */
+/* One row; with k4_order (Q4_K) xq is stored in q8_k4_place's order (xl then follows it). With
+ * resid (which may be x itself), resid = x - dx * xq, what the rounding left over, in x's order. */
 static void q8_quantize_row(const float *x, int64_t in, int8_t *xq, float *xd, int32_t *xl, float *xm, int32_t *xs,
-                            int k4_order) {
+                            int k4_order, float *resid) {
     const __m512 sign = _mm512_set1_ps(-0.0f);
     const int64_t ngroups = (in + 255) / 256;
     for (int64_t g = 0; g < ngroups; g++) {
@@ -85,8 +95,13 @@ static void q8_quantize_row(const float *x, int64_t in, int8_t *xq, float *xd, i
         float sums[16] = {0};
         int32_t sums16[16] = {0};
         for (int64_t v = v0; v < v1; v += 32) {
-            const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + v), _mm512_set1_ps(id)));
-            const __m512i qe = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + v + 16), _mm512_set1_ps(id)));
+            const __m512 xa = _mm512_loadu_ps(x + v), xe = _mm512_loadu_ps(x + v + 16);
+            const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(xa, _mm512_set1_ps(id)));
+            const __m512i qe = _mm512_cvtps_epi32(_mm512_mul_ps(xe, _mm512_set1_ps(id)));
+            if (resid) {   /* |x id| <= 127, so qa and qe are the stored bytes' values */
+                _mm512_storeu_ps(resid + v, _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qa), _mm512_set1_ps(d), xa));
+                _mm512_storeu_ps(resid + v + 16, _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qe), _mm512_set1_ps(d), xe));
+            }
             const int64_t piece = (v - v0) / 16;
             const int64_t at_a = v0 + 16 * (k4_order ? q8_k4_place(piece) : piece);
             const int64_t at_e = v0 + 16 * (k4_order ? q8_k4_place(piece + 1) : piece + 1);
@@ -437,33 +452,54 @@ static uint8_t *q8_scratch_for(int64_t len) {
 
 /* out = x @ w.T (+ bias) with int8 activations, called by every thread of a parallel region
  * (as quant_gemm_team). Every thread quantizes the row tile itself (rows x in values: small
- * against the matmul), so no thread waits for another. Returns 0, or -3 without scratch memory. */
+ * against the matmul), so no thread waits for another. With pieces P > 1 every row becomes P
+ * quantized rows (Q8_PIECES_SHIFT); the tiles multiply them like any rows, and each output is
+ * the sum of its P results, smallest first, then the bias. Returns 0, or -3 without scratch
+ * memory. */
 static int q8_gemm_team(const float *x, int64_t ldx, int64_t rows, const uint8_t *w, int qtype,
-                        int64_t out_features, int64_t in, const float *bias, float *out, int64_t ldo) {
+                        int64_t out_features, int64_t in, const float *bias, float *out, int64_t ldo, int pieces) {
     const int64_t row_bytes = in / qblock_elems(qtype) * qblock_bytes(qtype);
     const int64_t blocks = (out_features + 3) / 4, tile = rows < Q8_ROW_TILE ? rows : Q8_ROW_TILE;
     const q8_rows_fn run = q8_rows_of(qtype);
-    const int64_t ngroups = (in + 255) / 256;
-    /* per row: xq (in bytes), xl (in / 4 int32), xd (ngroups floats), xm and xs (16 ngroups each) */
-    uint8_t *buf = q8_scratch_for(tile * (2 * in + 33 * 4 * ngroups) + 64);
+    const int64_t ngroups = (in + 255) / 256, qrows = tile * pieces;
+    /* per quantized row: xq (in bytes), xl (in / 4 int32), xd (ngroups floats), xm and xs (16
+     * ngroups each); then one row of residuals (in floats) when pieces > 1 */
+    uint8_t *buf = q8_scratch_for(qrows * (2 * in + 33 * 4 * ngroups) + (pieces > 1 ? 4 * in : 0) + 64);
     const int ok = buf != NULL;
     int8_t *xq = (int8_t *)buf;
-    int32_t *xl = (int32_t *)(buf + tile * in);
-    float *xd = (float *)(xl + tile * (in / 4)), *xm = xd + tile * ngroups;
-    int32_t *xs = (int32_t *)(xm + tile * 16 * ngroups);
+    int32_t *xl = (int32_t *)(buf + qrows * in);
+    float *xd = (float *)(xl + qrows * (in / 4)), *xm = xd + qrows * ngroups;
+    int32_t *xs = (int32_t *)(xm + qrows * 16 * ngroups);
+    float *resid = (float *)(xs + qrows * 16 * ngroups);
     const q8_acts acts = {xq, xd, xl, xm, xs};
     for (int64_t row0 = 0; row0 < rows; row0 += Q8_ROW_TILE) {
         const int64_t n = rows - row0 < Q8_ROW_TILE ? rows - row0 : Q8_ROW_TILE;
         if (ok)
-            for (int64_t r = 0; r < n; r++)
-                q8_quantize_row(x + (row0 + r) * ldx, in, xq + r * in, xd + r * ngroups, xl + r * (in / 4),
-                                xm + r * 16 * ngroups, xs + r * 16 * ngroups, qtype == Q4_K);
+            for (int64_t r = 0; r < n * pieces; r++) {
+                const int last = r % pieces == pieces - 1;
+                const float *src = r % pieces ? resid : x + (row0 + r / pieces) * ldx;
+                q8_quantize_row(src, in, xq + r * in, xd + r * ngroups, xl + r * (in / 4), xm + r * 16 * ngroups,
+                                xs + r * 16 * ngroups, qtype == Q4_K, last ? NULL : resid);
+            }
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
             if (!ok) continue;
             const int64_t j = b * 4;
             const int nj = j + 4 <= out_features ? 4 : (int)(out_features - j);
-            run(w + j * row_bytes, row_bytes, in, &acts, bias ? bias + j : NULL, out + row0 * ldo + j, ldo, n, nj);
+            if (pieces == 1) {
+                run(w + j * row_bytes, row_bytes, in, &acts, bias ? bias + j : NULL, out + row0 * ldo + j, ldo, n, nj);
+                continue;
+            }
+            float part[Q8_ROW_TILE * Q8_MAX_PIECES * 4];   /* [n * pieces][4] */
+            run(w + j * row_bytes, row_bytes, in, &acts, NULL, part, 4, n * pieces, nj);
+            for (int64_t r = 0; r < n; r++)
+                for (int jj = 0; jj < nj; jj++) {
+                    const float *p = part + r * pieces * 4 + jj;
+                    float v = p[4 * (pieces - 1)];
+                    for (int k = pieces - 2; k >= 0; k--) v += p[4 * k];
+                    if (bias) v += bias[j + jj];
+                    out[(row0 + r) * ldo + j + jj] = v;
+                }
         }
     }
     return ok ? 0 : -3;

@@ -346,7 +346,8 @@ static float *scratch_for(int64_t len) {
 #include "amx_tiles.h"
 
 /* ... qtype | Q8_ACT_FLAG: int8 activations (q8_act.h) where this CPU and the format allow,
- * else the float32 path; qtype | AMX_PACKED_FLAG: w is amx_pack's packing (amx_tiles.h). */
+ * else the float32 path (with Q8_PIECES_SHIFT's bits: the row as that many int8 pieces);
+ * qtype | AMX_PACKED_FLAG: w is amx_pack's packing (amx_tiles.h). */
 static int quant_gemm_team(const float *x, int64_t ldx, int64_t rows, const uint8_t *w, int qtype,
                            int64_t out_features, int64_t in, const float *bias, float *out, int64_t ldo) {
     if (qtype & AMX_PACKED_FLAG) {   /* packed by amx_pack: only that kernel reads these bytes */
@@ -357,9 +358,13 @@ static int quant_gemm_team(const float *x, int64_t ldx, int64_t rows, const uint
 #endif
     }
     if (qtype & Q8_ACT_FLAG) {
-        qtype &= ~Q8_ACT_FLAG;
+        const int pieces = ((qtype & Q8_PIECES_MASK) >> Q8_PIECES_SHIFT) + 1;
+        qtype &= ~(Q8_ACT_FLAG | Q8_PIECES_MASK);
 #ifdef HAVE_Q8_ACT
-        if (q8_act_supported(qtype, in)) return q8_gemm_team(x, ldx, rows, w, qtype, out_features, in, bias, out, ldo);
+        if (q8_act_supported(qtype, in))
+            return q8_gemm_team(x, ldx, rows, w, qtype, out_features, in, bias, out, ldo, pieces);
+#else
+        (void)pieces;
 #endif
     }
     const int elems = qblock_elems(qtype), bytes = qblock_bytes(qtype);
