@@ -16,7 +16,9 @@ memory after load and peak memory while loading (``VmRSS``, ``VmHWM``).
 at load) for comparison; the default ``auto`` keeps the file's blocks.
 ``--int8-activations both`` measures specserve with float32 activations and with
 ``int8_activations=True`` (VNNI byte products, ``cpu_kernels/q8_act.h``) in the same
-rounds: ``on`` or ``off`` measures one of them.
+rounds: ``on`` or ``off`` measures one of them. A comma list may add piece counts:
+``--int8-activations off,3`` measures float32 activations against three int8 pieces
+(``int8_activations=3``, float32's precision; ``cpu_kernels/q8_act.h``).
 """
 from __future__ import annotations
 
@@ -71,7 +73,8 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--int8-activations", choices=["off", "on", "both"], default="off")
+    p.add_argument("--int8-activations", default="off",
+                   help="off, on, both, or a comma list of those and piece counts 2-4 (e.g. off,on,3)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     from specserve import LLM
@@ -80,8 +83,11 @@ def main() -> int:
     bench = os.path.join(os.path.expanduser(args.llama_bin), "llama-bench")
     print(f"# {time.strftime('%Y-%m-%d %H:%M')} threads={args.threads} tokens={args.tokens} dtype={args.dtype} "
           f"torch={torch.__version__}")
-    variants = {"off": [False], "on": [True], "both": [False, True]}[args.int8_activations]
-    label = {False: "specserve", True: "specserve int8 act."}
+    variants = []
+    for item in args.int8_activations.split(","):
+        variants += {"off": [False], "on": [True], "both": [False, True]}.get(item) or [int(item)]
+    label = {v: {False: "specserve", True: "specserve int8 act."}.get(v, f"specserve {v} int8 pieces")
+             for v in variants}
     head = " | ".join(f"{label[v]} decode tok/s | {label[v]} / llama.cpp" for v in variants)
     print(f"| model | llama.cpp decode tok/s | {head} | specserve load s | RSS after load MiB | peak RSS MiB | file MiB |")
     print("|---|---|" + "---|---|" * len(variants) + "---|---|---|---|")

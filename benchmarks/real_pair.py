@@ -13,7 +13,9 @@ specserve configurations: ``plain``, ``draft:K`` (the draft model, k = K; with
 ``--draft-vocab-size N`` its LM head keeps the first N tokens), ``ngram:K``; a
 ``+int8`` suffix (``plain+int8``, ``draft:3+int8``) runs target and draft with
 ``int8_activations=True``; ``+f32draft`` runs the draft with float32 activations
-(``draft_int8_activations=False``; by default the draft uses int8 activations); a
+(``draft_int8_activations=False``; by default the draft uses int8 activations); ``+p3``
+(``+p2``, ``+p4``) runs the target with ``int8_activations=3``, its activations as three
+int8 pieces (float32's precision, ``cpu_kernels/q8_act.h``); a
 ``+q4_1`` (or ``+q4_0``, ``+q5_0``, ``+q5_1``, ``+q8_0``) suffix requantizes the draft
 to that format at load (``draft_quantization``). Suffixes combine: ``draft:3+int8+q4_1``.
 With ``--llama-bin``, llama.cpp's own ``llama-speculative-simple`` (a peer measured
@@ -66,11 +68,12 @@ def build(config: str, args):
 
     config, *variants = config.split("+")
     quantization = [v for v in variants if v in SpeculativeConfig.DRAFT_QUANTIZATIONS]
-    unknown = set(variants) - {"int8", "f32draft", *quantization}
+    pieces = [int(v[1:]) for v in variants if v in ("p2", "p3", "p4")]
+    unknown = set(variants) - {"int8", "f32draft", "p2", "p3", "p4", *quantization}
     if unknown or len(quantization) > 1:
         raise SystemExit(f"unknown configuration suffixes {sorted(unknown) or quantization} "
                          "(+int8, +f32draft, one draft format +q4_0 ... +q8_0)")
-    kw = dict(model=args.target, max_model_len=2048, kv_cache_memory=1 << 28, int8_activations="int8" in variants)
+    kw = dict(model=args.target, max_model_len=2048, kv_cache_memory=1 << 28, int8_activations=pieces[0] if pieces else "int8" in variants)
     if config == "plain":
         return LLM(**kw)
     method, k = config.split(":")
@@ -209,7 +212,8 @@ def report(prompts, names, configs, args, tokens, seconds, taus, answers, by_cat
     if args.temperature == 0:   # lossless: each configuration against plain decoding with the same activations
         print()
         for name in configs:
-            plain = "plain+int8" if "int8" in name.split("+")[1:] else "plain"
+            suffixes = name.split("+")[1:]
+            plain = next((f"plain+{v}" for v in ("int8", "p2", "p3", "p4") if v in suffixes), "plain")
             if name != plain and plain in answers:
                 same = sum(a == b for a, b in zip(answers[name], answers[plain]))
                 print(f"greedy answers of {name} equal to {plain}'s: {same} of {len(prompts)}")
