@@ -99,3 +99,17 @@ def test_requantized_draft_keeps_the_pair_lossless(chats, want):
     got = [o.outputs[0].token_ids for o in spec.generate(chats, SamplingParams(temperature=0, max_tokens=24))]
     assert got == want
     assert spec.get_spec_decode_stats().num_accepted_tokens > 0
+
+
+def test_pair_draft_at_tp1_with_target_at_tp2_equals_tp1(chats, want):
+    """The target on 2 gloo ranks, the 0.5B draft in the driver at TP 1: greedy answers are the
+    TP 1 plain answers."""
+    spec = LLM(**KW, tensor_parallel_size=2,
+               speculative_config={"model": DRAFT, "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1,
+                                   "draft_vocab_size": 32768})
+    assert len(spec.engine.runner.worker_pids) == 1
+    got = [o.outputs[0].token_ids for o in spec.generate(chats, SamplingParams(temperature=0, max_tokens=24))]
+    assert got == want
+    assert spec.get_spec_decode_stats().num_accepted_tokens > 0
+    del spec
+    gc.collect()
