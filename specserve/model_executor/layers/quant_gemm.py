@@ -144,8 +144,10 @@ def quant_matmul_into(
     int8_activations: bool = False,
     amx_packed: bool = False,
 ) -> None:
-    """``int8_activations``: quantize x to 8 bits per 32 values and multiply bytes (llama.cpp's
-    way, faster); ignored where ``supports_int8_activations`` is False. ``amx_packed``: data is
+    """``qtype`` may already carry the kernel flags (``QuantizedMatrix.kernel_qtype``: int8
+    activations with their piece count, AMX packing). ``int8_activations``: quantize x to 8 bits
+    per 256 values and multiply bytes (llama.cpp's way, faster); ignored where
+    ``supports_int8_activations`` is False. ``amx_packed``: data is
     ``pack_for_amx``'s [n / 16, amx row bytes]."""
     lib = _load()
     assert lib is not None, "call supports() first"
