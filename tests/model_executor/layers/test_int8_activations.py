@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as T
 from specserve.model_executor.layers import quant_gemm
 from specserve.model_executor.layers.quantized import QuantizedMatrix
 
-from test_quant_gemm import gguf_values, random_blocks
+from test_quant_gemm import assert_rows_bitwise_independent, gguf_values, random_blocks
 
 INT8_FORMATS = [T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K]
 
@@ -88,17 +88,7 @@ def test_extreme_quants_scales_and_activations_do_not_overflow(qtype):
 @pytest.mark.parametrize("qtype", INT8_FORMATS, ids=lambda q: q.name)
 def test_rows_bitwise_independent_of_row_count_and_threads(qtype):
     m, _ = int8_matrix(qtype, 70, 512)
-    x = torch.randn(110, 512, generator=torch.Generator().manual_seed(1))
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        alone = torch.cat([m.matmul(x[i : i + 1]) for i in range(x.shape[0])])
-        for n_threads in (1, 2, 3):
-            torch.set_num_threads(n_threads)
-            for rows in (1, 2, 3, 5, 6, 7, 13, 64, 65, 110):
-                assert torch.equal(m.matmul(x[:rows]), alone[:rows]), (n_threads, rows)
-    finally:
-        torch.set_num_threads(threads)
+    assert_rows_bitwise_independent(m, (1, 2, 3, 5, 6, 7, 13, 64, 65, 110))
 
 
 def test_cuts_and_stacks_keep_the_setting_and_unknown_formats_fall_back():
@@ -158,17 +148,7 @@ def test_more_pieces_shrink_the_error_even_with_outlier_channels(qtype):
 def test_pieces_rows_bitwise_independent_of_row_count_and_threads(qtype):
     m, _ = int8_matrix(qtype, 70, 512)
     m.int8_activations = 3
-    x = torch.randn(110, 512, generator=torch.Generator().manual_seed(1))
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        alone = torch.cat([m.matmul(x[i : i + 1]) for i in range(x.shape[0])])
-        for n_threads in (1, 2, 3):
-            torch.set_num_threads(n_threads)
-            for rows in (1, 2, 3, 7, 64, 65, 110):
-                assert torch.equal(m.matmul(x[:rows]), alone[:rows]), (n_threads, rows)
-    finally:
-        torch.set_num_threads(threads)
+    assert_rows_bitwise_independent(m, (1, 2, 3, 7, 64, 65, 110))
 
 
 def test_piece_counts_outside_1_to_4_are_refused():
