@@ -43,6 +43,8 @@ def _setup(lib: ctypes.CDLL) -> None:
     lib.specserve_quant_vector_width.restype = c_int
     lib.specserve_quant_amx_supported.argtypes = [c_int, i64, i64]
     lib.specserve_quant_amx_supported.restype = c_int
+    lib.specserve_quant_amx_int8_supported.argtypes = [c_int, i64, i64]
+    lib.specserve_quant_amx_int8_supported.restype = c_int
     lib.specserve_quant_amx_row_bytes.argtypes = [c_int, i64]
     lib.specserve_quant_amx_row_bytes.restype = i64
     lib.specserve_quant_amx_pack.argtypes = [ptr, c_int, i64, i64, ptr, c_int]
@@ -94,6 +96,9 @@ def supports_int8_activations(qtype: int, in_features: int) -> bool:
 # (``cpu_kernels/amx_tiles.h``), [out / 16, amx_row_bytes] uint8.
 AMX_PACKED_FLAG = 512
 AMX_GROUP = 16   # output rows per packed row
+# With AMX_PACKED_FLAG: multiply on int8 tiles, each activation row as three int8 pieces
+# (``cpu_kernels/amx_int8.h``) instead of bfloat16 tiles.
+AMX_INT8_FLAG = 4096
 
 
 def supports_amx(qtype: int, out_features: int, in_features: int) -> bool:
@@ -102,6 +107,21 @@ def supports_amx(qtype: int, out_features: int, in_features: int) -> bool:
     lib = _load()
     return (lib is not None and os.environ.get("SPECSERVE_CPU_AMX", "").lower() != "off"
             and bool(lib.specserve_quant_amx_supported(int(qtype), int(out_features), int(in_features))))
+
+
+def amx_tile_arithmetic() -> str:
+    """How packed matrices are multiplied on AMX tiles, read when a matrix is packed:
+    ``SPECSERVE_CPU_AMX=bf16`` on bfloat16 tiles (``amx_tiles.h``), else (``int8``, ``on`` or
+    unset) on int8 tiles with activations as three int8 pieces (``amx_int8.h``) where the build
+    has them; ``off`` packs nothing (``supports_amx``)."""
+    return "bf16" if os.environ.get("SPECSERVE_CPU_AMX", "").lower() == "bf16" else "int8"
+
+
+def supports_amx_int8(qtype: int, out_features: int, in_features: int) -> bool:
+    """True when such a packed matrix can also be multiplied on AMX int8 tiles (``AMX_INT8_FLAG``)."""
+    lib = _load()
+    return (supports_amx(qtype, out_features, in_features)
+            and bool(lib.specserve_quant_amx_int8_supported(int(qtype), int(out_features), int(in_features))))
 
 
 def pack_for_amx(data: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:

@@ -10,8 +10,10 @@ list of *segments*, runs of rows in one format, each multiplied by its own
 kernel call into its own columns of the output.
 
 ``packed_for_tiles()`` (at the end of loading, on CPUs with AMX): the segments whose format
-the AMX kernel knows are repacked into its tile order (``cpu_kernels/amx_tiles.h``) and from
-then on multiplied on AMX tiles, float32 activations, at every row count; cuts and stacks
+the AMX kernels know are repacked into their tile order (``cpu_kernels/amx_tiles.h``) and from
+then on multiplied on AMX tiles at every row count: on int8 tiles with each activation as
+three int8 pieces (``amx_int8.h``, float32's precision; the segment's ``amx_int8``) or, with
+``SPECSERVE_CPU_AMX=bf16``, on bfloat16 tiles with exact float32 products; cuts and stacks
 come before it.
 
 ``int8_activations`` (off by default): multiply with activations rounded to 8 bits
@@ -45,6 +47,7 @@ class QuantSegment:
     qtype: int            # ggml's type id (GGML_TYPE_Q4_K = 12, ...)
     data: torch.Tensor    # [rows, row_bytes] uint8: one row of blocks per output
     amx_packed: bool = False   # data is instead [rows / 16, amx row bytes] (quant_gemm.pack_for_amx)
+    amx_int8: bool = False     # packed, and multiplied on int8 tiles (quant_gemm.AMX_INT8_FLAG)
 
     @property
     def rows(self) -> int:
@@ -63,7 +66,7 @@ class QuantizedMatrix:
         """The type id the kernels get for ``segment``: with the AMX-packing or int8-activation flag
         where it applies."""
         if segment.amx_packed:
-            return segment.qtype | quant_gemm.AMX_PACKED_FLAG
+            return segment.qtype | quant_gemm.AMX_PACKED_FLAG | (quant_gemm.AMX_INT8_FLAG if segment.amx_int8 else 0)
         if self.int8_activations and quant_gemm.supports_int8_activations(segment.qtype, self.in_features):
             return segment.qtype | quant_gemm.int8_activation_flags(int(self.int8_activations))
         return segment.qtype
@@ -106,7 +109,9 @@ class QuantizedMatrix:
         repacked for it; itself when none is (no AMX, int8 activations, other formats)."""
         if self.int8_activations:
             return self
-        segments = [QuantSegment(s.qtype, quant_gemm.pack_for_amx(s.data, s.qtype, self.in_features), True)
+        int8_tiles = quant_gemm.amx_tile_arithmetic() == "int8"
+        segments = [QuantSegment(s.qtype, quant_gemm.pack_for_amx(s.data, s.qtype, self.in_features), True,
+                                 int8_tiles and quant_gemm.supports_amx_int8(s.qtype, s.rows, self.in_features))
                     if not s.amx_packed and quant_gemm.supports_amx(s.qtype, s.rows, self.in_features) else s
                     for s in self.segments]
         if all(a is b for a, b in zip(segments, self.segments)):
@@ -129,7 +134,7 @@ class QuantizedMatrix:
                 if (lo - first) % g or (hi - first) % g:
                     raise ValueError(f"rows [{lo - first}, {hi - first}) of a segment packed for AMX tiles do "
                                      f"not fall on its {g}-row groups")
-                out.append(QuantSegment(s.qtype, s.data[(lo - first) // g : (hi - first) // g], True))
+                out.append(QuantSegment(s.qtype, s.data[(lo - first) // g : (hi - first) // g], True, s.amx_int8))
             elif lo < hi:
                 out.append(QuantSegment(s.qtype, s.data[lo - first : hi - first]))
             first += n
@@ -187,7 +192,7 @@ class QuantizedMatrix:
 
     def contiguous(self) -> "QuantizedMatrix":
         """Every segment in memory of its own (a copy out of a read-only file mapping, say)."""
-        return self._like([QuantSegment(s.qtype, s.data.contiguous(), s.amx_packed) for s in self.segments])
+        return self._like([QuantSegment(s.qtype, s.data.contiguous(), s.amx_packed, s.amx_int8) for s in self.segments])
 
     # ----------------------------------------------------------------- compute
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

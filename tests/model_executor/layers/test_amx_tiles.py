@@ -1,7 +1,9 @@
-"""The AMX-tile path of the GGUF-block matmul (cpu_kernels/amx_tiles.h): the packing keeps the
-file's values bit for bit, the matmul agrees with a float64 matmul of them at float32 precision,
-and a row's bits never depend on the row count or the thread count. Skipped on CPUs without AMX
-(the AVX-512 path is tested in test_quant_gemm.py)."""
+"""The AMX-tile paths of the GGUF-block matmul, both arithmetics: int8 tiles with activations as
+three int8 pieces (cpu_kernels/amx_int8.h, the default) and bfloat16 tiles (amx_tiles.h,
+``SPECSERVE_CPU_AMX=bf16``). The packing keeps the file's values bit for bit, the matmul agrees
+with a float64 matmul of them at float32 precision, and a row's bits never depend on the row
+count or the thread count. Skipped on CPUs without AMX (the AVX-512 path is tested in
+test_quant_gemm.py)."""
 from __future__ import annotations
 
 import pytest
@@ -13,9 +15,19 @@ from specserve.model_executor.layers import quant_gemm
 from specserve.model_executor.layers.quantized import QuantizedMatrix, pack_for_tiles
 
 AMX_FORMATS = [T.Q4_K, T.Q4_1, T.Q6_K]
+ARITHMETICS = ["int8", "bf16"]
 
 pytestmark = pytest.mark.skipif(not (quant_gemm.available() and quant_gemm.supports_amx(int(T.Q4_K), 16, 256)),
                                 reason="no AMX tiles on this CPU (or the OS refused them)")
+
+
+@pytest.fixture(params=ARITHMETICS)
+def arithmetic(request, monkeypatch):
+    """Each test below runs once per tile arithmetic (read when a matrix is packed)."""
+    monkeypatch.setenv("SPECSERVE_CPU_AMX", request.param)
+    if request.param == "int8" and not quant_gemm.supports_amx_int8(int(T.Q4_K), 16, 256):
+        pytest.skip("this build has no AMX int8 tiles")
+    return request.param
 
 
 def packed(qtype: T, out_features: int, in_features: int, seed: int = 0):
@@ -25,8 +37,17 @@ def packed(qtype: T, out_features: int, in_features: int, seed: int = 0):
     return m, gguf_values(blocks, qtype, in_features)
 
 
+def test_the_arithmetic_follows_the_environment(arithmetic):
+    m, _ = packed(T.Q4_K, 32, 256)
+    assert [s.amx_int8 for s in m.segments] == [arithmetic == "int8"]
+    flags = m.kernel_qtype(m.segments[0]) & ~int(T.Q4_K)
+    assert flags == quant_gemm.AMX_PACKED_FLAG | (quant_gemm.AMX_INT8_FLAG if arithmetic == "int8" else 0)
+    assert [s.amx_int8 for s in m.row_slice(16, 16).segments] == [arithmetic == "int8"]   # cuts keep it
+    assert [s.amx_int8 for s in m.contiguous().segments] == [arithmetic == "int8"]
+
+
 @pytest.mark.parametrize("qtype", AMX_FORMATS, ids=lambda q: q.name)
-def test_packing_keeps_the_files_values(qtype):
+def test_packing_keeps_the_files_values(qtype, arithmetic):
     m, values = packed(qtype, 48, 512)
     assert torch.equal(m.dequantize(), values)
     ids = torch.tensor([47, 0, 16, 3, 3])
@@ -37,10 +58,11 @@ def test_packing_keeps_the_files_values(qtype):
 
 @pytest.mark.parametrize("qtype", AMX_FORMATS, ids=lambda q: q.name)
 @pytest.mark.parametrize("rows", [1, 3, 5, 6, 50])
-def test_matmul_matches_float64_reference(qtype, rows):
+def test_matmul_matches_float64_reference(qtype, rows, arithmetic):
     m, values = packed(qtype, 64, 768, seed=rows)
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 768, generator=gen)
+    x[:, 5] *= 100.0   # an outlier feature, as real activations have: its sub-blocks' pieces start coarse
     bias = torch.randn(64, generator=gen)
     want = x.double() @ values.double().T + bias.double()
     got = m.matmul(x, bias)
@@ -49,12 +71,13 @@ def test_matmul_matches_float64_reference(qtype, rows):
 
 
 @pytest.mark.parametrize("qtype", AMX_FORMATS, ids=lambda q: q.name)
-def test_rows_bitwise_independent_of_row_count_and_threads(qtype):
+def test_rows_bitwise_independent_of_row_count_and_threads(qtype, arithmetic):
     m, _ = packed(qtype, 80, 512)
-    assert_rows_bitwise_independent(m, (1, 2, 4, 5, 6, 7, 11, 16, 17, 33, 48, 110))   # 16 rows a tile pass
+    # a tile pass takes 5 rows (int8: 3 pieces each) or 16 (bfloat16)
+    assert_rows_bitwise_independent(m, (1, 2, 4, 5, 6, 7, 10, 11, 16, 17, 33, 48, 110))
 
 
-def test_mixed_formats_pack_segment_by_segment():
+def test_mixed_formats_pack_segment_by_segment(arithmetic):
     """q, k in Q4_K and v in Q6_K (a Q4_K_M file's fused qkv) with a Q8_0 part the tiles do not take."""
     parts = [(T.Q4_K, 32), (T.Q6_K, 16), (T.Q8_0, 16)]
     raw = [random_blocks(q, n, 512, seed=i) for i, (q, n) in enumerate(parts)]

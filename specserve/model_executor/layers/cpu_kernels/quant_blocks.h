@@ -344,14 +344,24 @@ static float *scratch_for(int64_t len) {
 
 #include "q8_act.h"
 #include "amx_tiles.h"
+#include "amx_int8.h"
 
 /* ... qtype | Q8_ACT_FLAG: int8 activations (q8_act.h) where this CPU and the format allow,
  * else the float32 path (with Q8_PIECES_SHIFT's bits: the row as that many int8 pieces);
- * qtype | AMX_PACKED_FLAG: w is amx_pack's packing (amx_tiles.h). */
+ * qtype | AMX_PACKED_FLAG: w is amx_pack's packing (amx_tiles.h), with AMX_I8_FLAG multiplied
+ * on int8 tiles (amx_int8.h). */
 static int quant_gemm_team(const float *x, int64_t ldx, int64_t rows, const uint8_t *w, int qtype,
                            int64_t out_features, int64_t in, const float *bias, float *out, int64_t ldo) {
     if (qtype & AMX_PACKED_FLAG) {   /* packed by amx_pack: only that kernel reads these bytes */
 #ifdef HAVE_AMX
+        if (qtype & AMX_I8_FLAG) {
+#ifdef HAVE_AMX_I8
+            return amx_i8_gemm_team(x, ldx, rows, w, qtype & ~(AMX_PACKED_FLAG | AMX_I8_FLAG), out_features, in, bias,
+                                    out, ldo);
+#else
+            return -1;
+#endif
+        }
         return amx_gemm_team(x, ldx, rows, w, qtype & ~AMX_PACKED_FLAG, out_features, in, bias, out, ldo);
 #else
         return -1;

@@ -42,6 +42,17 @@ int specserve_quant_amx_supported(int qtype, int64_t out, int64_t in) {
 #endif
 }
 
+/* 1 when such a matrix can also be multiplied on AMX int8 tiles (qtype | AMX_PACKED_FLAG |
+ * AMX_I8_FLAG: amx_int8.h). */
+int specserve_quant_amx_int8_supported(int qtype, int64_t out, int64_t in) {
+#if defined(__F16C__) && defined(HAVE_AMX_I8)
+    return amx_supported(qtype, out, in);
+#else
+    (void)qtype, (void)out, (void)in;
+    return 0;
+#endif
+}
+
 int64_t specserve_quant_amx_row_bytes(int qtype, int64_t in) {
 #if defined(__F16C__) && defined(HAVE_AMX)
     return amx_packed_row_bytes(qtype, in);
@@ -79,7 +90,7 @@ int specserve_quant_dequantize(const uint8_t *w, int qtype, const int64_t *ids, 
                                float *out, int num_threads) {
     if (qtype & AMX_PACKED_FLAG) {
 #ifdef HAVE_AMX
-        amx_dequantize(w, qtype & ~AMX_PACKED_FLAG, ids, n, in, out);
+        amx_dequantize(w, qtype & ~(AMX_PACKED_FLAG | AMX_I8_FLAG), ids, n, in, out);
         return 0;
 #else
         return -1;

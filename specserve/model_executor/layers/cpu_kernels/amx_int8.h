@@ -1,0 +1,247 @@
+/* The float32-precision matmul on AMX int8 tiles: activations as three int8 pieces, byte
+ * products (TDPBSUD) over the same packed weights as amx_tiles.h.
+ *
+ * Included by quant_blocks.h after amx_tiles.h; quant_gemm_team() calls amx_i8_gemm_team() when
+ * the caller sets AMX_PACKED_FLAG | AMX_I8_FLAG in qtype (QuantizedMatrix.packed_for_tiles).
+ *
+ * Why: amx_tiles.h's bfloat16 path spends a 1-row step unpacking quants to bfloat16 (two bytes
+ * a weight through a table) and runs three tile multiplies per sub-block, one per activation
+ * piece. Here a quant stays a byte (a nibble mask, no table), and the three pieces of a row are
+ * three A-tile ROWS, so one tile multiply per sub-block serves up to five rows with all their
+ * pieces: a decode step and a verification of up to 5 rows cost the same tile work.
+ *
+ * Arithmetic (sub-block s of SB values: 32 for Q4_K and Q4_1, 16 for Q6_K; row r):
+ *   - pieces: c_0 = x; for i = 0, 1, 2: d_i = max|c_i| / 127 over the sub-block, p_i =
+ *     round(c_i / d_i) (int8), c_{i+1} = c_i - d_i p_i. So x = sum_i d_i p_i + c_3 with
+ *     |c_3| <= max|x| / (2 * 127 * 254 * 254) < 2^-24 max|x|: float32's precision for the
+ *     sub-block's largest value (docs/architecture.md, "Numerics").
+ *   - one TDPBSUD per sub-block: C[3 r + i][o] = sum p_i * q (signed bytes times the unsigned
+ *     quant codes), an exact int32 (|C| < 2^17);
+ *   - D = d_2 C_2 + d_1 C_1 + d_0 C_0 (smallest first; Q6_K's codes are q + 32, so each C_i
+ *     first loses 32 * sum p_i, exactly, in int32);
+ *   - out[r, o] = sum over s, in order, of  a_s * D  then  + m_s * S, S the float32 sum of x over
+ *     the sub-block: the file's values w = a_s * q + m_s as in amx_tiles.h.
+ * Not bit-identical to the bfloat16 path or to the AVX-512 kernel (other roundings), so a
+ * matrix uses one path for every row count.
+ *
+ * Row-invariant: a row's pieces depend on that row alone; each output element of a tile
+ * multiply depends only on its own A row and B column; rows are taken at most AMX_I8_ROWS a
+ * pass, each in its own A rows; each 16-output group is computed
+ * whole by one thread. So a row's result never depends on the row count or thread count.
+ */
+#ifndef SPECSERVE_AMX_INT8_H
+#define SPECSERVE_AMX_INT8_H
+
+#define AMX_I8_FLAG 4096
+
+#if defined(HAVE_AMX) && defined(__AMX_INT8__)
+#define HAVE_AMX_I8 1
+
+#define AMX_I8_PIECES 3
+#define AMX_I8_ROWS (AMX_ROWS / AMX_I8_PIECES)   /* 5 activation rows a tile pass */
+
+/* Rows x[0..R) of a pass -> xa [Rt][in] int8 (A row 3 r + i = piece i of row r; rows past 3 R
+ * zero), xd [Rt][in / sb] each piece's scale per sub-block, and per row and sub-block S (the
+ * float32 sum of x, formats with an offset) or P [Rt][in / sb] each piece's sum (Q6_K). */
+static void amx_i8_split_rows(const float *x, int64_t ldx, int R, int Rt, int64_t in, int sb, int8_t *xa, float *xd,
+                              float *S, int32_t *P) {
+    const int64_t ns = in / sb;
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    const int nv = sb / 16;   /* vectors a sub-block: 1 or 2 */
+    memset(xa + 3 * R * in, 0, (size_t)((Rt - 3 * R) * in));
+    for (int64_t i = 3 * R; i < Rt; i++)
+        for (int64_t s = 0; s < ns; s++) xd[i * ns + s] = 0.0f;
+    for (int r = 0; r < R; r++) {
+        const float *xr = x + r * ldx;
+        for (int64_t s = 0; s < ns; s++) {
+            __m512 c[2];
+            for (int v = 0; v < nv; v++) c[v] = _mm512_loadu_ps(xr + s * sb + 16 * v);
+            if (S) {
+                float t = 0.0f;
+                for (int i = 0; i < sb; i++) t += xr[s * sb + i];
+                S[r * ns + s] = t;
+            }
+            for (int piece = 0; piece < AMX_I8_PIECES; piece++) {
+                __m512 amax = _mm512_andnot_ps(sign, c[0]);
+                if (nv == 2) amax = _mm512_max_ps(amax, _mm512_andnot_ps(sign, c[1]));
+                const float m = _mm512_reduce_max_ps(amax);
+                const float d = m / 127.0f, id = m > 0.0f ? 127.0f / m : 0.0f;
+                const int64_t arow = 3 * r + piece;
+                int32_t psum = 0;
+                for (int v = 0; v < nv; v++) {
+                    const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(c[v], _mm512_set1_ps(id)));   /* |q| <= 127 */
+                    _mm_storeu_si128((__m128i *)(xa + arow * in + s * sb + 16 * v), _mm512_cvtsepi32_epi8(q));
+                    c[v] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(d), c[v]);
+                    psum += _mm512_reduce_add_epi32(q);
+                }
+                xd[arow * ns + s] = d;
+                if (P) P[arow * ns + s] = psum;
+            }
+        }
+    }
+}
+
+/* One packed unit's quants -> its B tiles as bytes in TDPBSUD's order, [sub-block][SB / 4][64]
+ * (1024 bytes): row j of a sub-block holds, per output o, its codes of inputs 4 j .. 4 j + 3.
+ * The packing's pair rows 2 j and 2 j + 1 (32 bytes each: per output two inputs) are adjacent,
+ * so one word permute interleaves them. */
+static inline void amx_i8_unpack_unit(int qtype, const uint8_t *p, uint8_t *b) {
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    if (qtype == Q6_K) {   /* a byte a code: 4 sub-blocks x 4 rows */
+        for (int j = 0; j < 16; j++)
+            _mm512_store_si512(b + 64 * j, _mm512_permutexvar_epi16(pairs, _mm512_loadu_si512(p + 96 + 64 * j)));
+        return;
+    }
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    for (int j = 0; j < 8; j++) {   /* low nibbles: sub-block 0, high: sub-block 1 */
+        const __m512i v = _mm512_permutexvar_epi16(pairs, _mm512_loadu_si512(p + 128 + 64 * j));
+        _mm512_store_si512(b + 64 * j, _mm512_and_si512(v, m4));
+        _mm512_store_si512(b + 512 + 64 * j, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
+    }
+}
+
+/* Tiles: 0-3 the sums of a unit's sub-blocks (C: Rt rows of 16 int32); 4, 5 activations (A: Rt
+ * rows of SB bytes); 6, 7 quants (B: SB / 4 rows of 64 bytes). */
+static void amx_i8_configure(int Rt, int sb) {
+    amx_tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 4; t++) cfg.rows[t] = (uint8_t)Rt, cfg.colsb[t] = 64;
+    for (int t = 4; t < 6; t++) cfg.rows[t] = (uint8_t)Rt, cfg.colsb[t] = (uint16_t)sb;
+    for (int t = 6; t < 8; t++) cfg.rows[t] = (uint8_t)(sb / 4), cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
+}
+
+/* Step n's two sub-blocks (h0, h0 + 1) into C tiles 2 (n & 1) and 2 (n & 1) + 1; tile ids must
+ * be constants, hence the two cases. */
+static inline void amx_i8_step_tiles(int parity, int sb, const int8_t *xa, int64_t in, const uint8_t *b) {
+#define AMX_I8_SUB(C, A, B, hh)                              \
+    _tile_zero(C);                                           \
+    _tile_loadd(A, xa + (hh) * sb, in);                      \
+    _tile_loadd(B, b + (hh) * sb * 16, 64);                  \
+    _tile_dpbsud(C, A, B);
+    if (parity) {
+        AMX_I8_SUB(2, 4, 6, 0)
+        AMX_I8_SUB(3, 5, 7, 1)
+    } else {
+        AMX_I8_SUB(0, 4, 6, 0)
+        AMX_I8_SUB(1, 5, 7, 1)
+    }
+#undef AMX_I8_SUB
+}
+
+static inline void amx_i8_step_store(int parity, int32_t *c) {   /* c [2][16][16] int32 */
+    if (parity) {
+        _tile_stored(2, c, 64);
+        _tile_stored(3, c + 256, 64);
+    } else {
+        _tile_stored(0, c, 64);
+        _tile_stored(1, c + 256, 64);
+    }
+}
+
+/* The 16 outputs of group g for R rows of a pass (amx_i8_split_rows's xa, xd, S or P): acc[r]
+ * over every sub-block, in order. Work goes in steps of two sub-blocks (a unit of Q4_K or Q4_1,
+ * half a unit of Q6_K); a step's tile sums are stored one step later, when the multiplies are
+ * done, so the tiles never wait for each other's latency, and its float work follows. */
+static void amx_i8_group_rows(int qtype, const uint8_t *gp, int64_t in, const int8_t *xa, const float *xd,
+                              const float *S, const int32_t *P, int R, uint8_t *ring, int32_t *cbuf, float *out,
+                              int64_t ldo) {
+    const int sb = amx_sub_block(qtype), ub = amx_unit_bytes(qtype), per_unit = AMX_UNIT_K / sb / 2;
+    const int64_t units = in / AMX_UNIT_K, ns = in / sb, steps = units * per_unit;
+    __m512 acc[AMX_I8_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    amx_i8_unpack_unit(qtype, gp, ring);
+    for (int64_t n = 0; n <= steps; n++) {
+        if (n < steps) {
+            const int64_t t = n / per_unit;
+            const int half = (int)(n % per_unit);
+            const uint8_t *b = ring + (t & 1) * 1024;
+            if (half == 0 && t + 1 < units) {
+                for (int line = 0; line < ub; line += 64)
+                    _mm_prefetch((const char *)(gp + (t + AMX_PREFETCH_UNITS) * ub + line), _MM_HINT_T0);
+                amx_i8_unpack_unit(qtype, gp + (t + 1) * ub, ring + ((t + 1) & 1) * 1024);
+            }
+            amx_i8_step_tiles((int)(n & 1), sb, xa + t * AMX_UNIT_K + half * 2 * sb, in, b + half * 2 * sb * 16);
+        }
+        if (n > 0) {
+            const int64_t m1 = n - 1, u = m1 / per_unit;
+            const int h0 = 2 * (int)(m1 % per_unit);
+            int32_t *c = cbuf + (m1 & 1) * 512;
+            amx_i8_step_store((int)(m1 & 1), c);
+            const uint8_t *p = gp + u * ub;
+            for (int hh = 0; hh < 2; hh++) {
+                __m512 a, m;
+                amx_unit_scales(qtype, p, h0 + hh, &a, &m);
+                const int64_t s = u * (AMX_UNIT_K / sb) + h0 + hh;
+                for (int r = 0; r < R; r++) {
+                    __m512 d = _mm512_setzero_ps();
+                    for (int i = AMX_I8_PIECES - 1; i >= 0; i--) {
+                        const int64_t arow = 3 * r + i;
+                        __m512i ci = _mm512_load_si512(c + hh * 256 + arow * 16);
+                        if (P) ci = _mm512_sub_epi32(ci, _mm512_set1_epi32(32 * P[arow * ns + s]));
+                        d = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ci), _mm512_set1_ps(xd[arow * ns + s]), d);
+                    }
+                    acc[r] = _mm512_fmadd_ps(d, a, acc[r]);
+                    if (S) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(S[r * ns + s]), m, acc[r]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * ldo, acc[r]);
+}
+
+/* out = x @ w.T (+ bias), w packed by amx_pack; called by every thread of an enclosing parallel
+ * region, like amx_gemm_team. Each pass of AMX_I8_ROWS rows unpacks the group's quants again
+ * (from L1/L2: measured faster than unpacking a group once into a buffer for all passes).
+ * Returns 0, or -3 without scratch memory. */
+static int amx_i8_gemm_team(const float *x, int64_t ldx, int64_t rows, const uint8_t *w, int qtype,
+                            int64_t out_features, int64_t in, const float *bias, float *out, int64_t ldo) {
+    const int sb = amx_sub_block(qtype);
+    const int64_t passes = (rows + AMX_I8_ROWS - 1) / AMX_I8_ROWS, groups = out_features / 16, ns = in / sb;
+    /* rows shared evenly among the passes (7 rows: 4 + 3, not 5 + 2), all with one tile shape
+     * (a short pass leaves its extra A rows zero): tile loads and stores cost by the tile's rows */
+    const int per = (int)((rows + passes - 1) / passes), Rt = 3 * per;
+    const int64_t row_bytes = amx_packed_row_bytes(qtype, in);
+    const int64_t xa_bytes = (passes * Rt * in + 63) / 64 * 64;
+    const int64_t xd_bytes = (passes * Rt * ns * 4 + 63) / 64 * 64;   /* also P's size */
+    const int64_t s_bytes = (passes * per * ns * 4 + 63) / 64 * 64;
+    const int64_t fixed = 2 * 1024 + 2 * 512 * 4;   /* ring of two unpacked units, two steps' C tiles */
+    uint8_t *buf = amx_scratch_for(xa_bytes + 2 * xd_bytes + s_bytes + fixed);
+    const int ok = buf != NULL && amx_usable();
+    int8_t *xa = (int8_t *)buf;
+    float *xd = ok ? (float *)(buf + xa_bytes) : NULL;
+    int32_t *P = ok && qtype == Q6_K ? (int32_t *)(buf + xa_bytes + xd_bytes) : NULL;
+    float *S = ok && qtype != Q6_K ? (float *)(buf + xa_bytes + 2 * xd_bytes) : NULL;
+    uint8_t *ring = ok ? buf + xa_bytes + 2 * xd_bytes + s_bytes : NULL;
+    int32_t *cbuf = ok ? (int32_t *)(ring + 2 * 1024) : NULL;
+    if (ok)
+        for (int64_t ps = 0; ps < passes; ps++) {
+            const int R = (int)(rows - ps * per < per ? rows - ps * per : per);
+            amx_i8_split_rows(x + ps * per * ldx, ldx, R, Rt, in, sb, xa + ps * Rt * in, xd + ps * Rt * ns,
+                              S ? S + ps * per * ns : NULL, P ? P + ps * Rt * ns : NULL);
+        }
+    int configured = 0;
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        if (!ok) continue;
+        const uint8_t *gp = w + g * row_bytes;
+        for (int64_t ps = 0; ps < passes; ps++) {
+            const int R = (int)(rows - ps * per < per ? rows - ps * per : per);
+            if (!configured) amx_i8_configure(Rt, sb), configured = 1;
+            float *o = out + ps * per * ldo + g * 16;
+            amx_i8_group_rows(qtype, gp, in, xa + ps * Rt * in, xd + ps * Rt * ns, S ? S + ps * per * ns : NULL,
+                              P ? P + ps * Rt * ns : NULL, R, ring, cbuf, o, ldo);
+            if (bias) {
+                const __m512 bv = _mm512_loadu_ps(bias + g * 16);
+                for (int r = 0; r < R; r++) _mm512_storeu_ps(o + r * ldo, _mm512_add_ps(_mm512_loadu_ps(o + r * ldo), bv));
+            }
+        }
+    }
+    if (configured) _tile_release();
+    return ok ? 0 : -3;
+}
+
+#endif /* AMX int8 */
+#endif /* SPECSERVE_AMX_INT8_H */
