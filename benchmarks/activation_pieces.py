@@ -2,14 +2,15 @@
 how far each path's logits are from the float32 AVX-512 kernel's, one process.
 
 Paths (each its own ``LLM`` of ``--model``, loaded once): ``AVX512`` (float32 activations on the
-AVX-512 kernel, ``SPECSERVE_CPU_AMX=off``), ``AMX-int8`` (the default where the CPU has AMX:
-float32-precision activations as three int8 pieces on int8 tiles, ``amx_int8.h``; ``AMX`` is the
-same), ``AMX-bf16`` (float32 activations on bfloat16 tiles, ``SPECSERVE_CPU_AMX=bf16``), ``int8`` (``int8_activations=True``), ``pN`` (``int8_activations=N``: each
-activation row as N int8 pieces, ``cpu_kernels/q8_act.h``). Forwards over one step's rows at
+AVX-512 kernel, ``SPECSERVE_CPU_AMX=off``), ``AMX`` (float32 activations on AMX tiles, where the
+CPU has them), ``int8`` (``int8_activations=True``), ``pN`` (``int8_activations=N``: each
+activation row as N int8 pieces, ``cpu_kernels/q8_act.h``; ``p3`` on CPUs with AMX: on int8
+tiles, ``cpu_kernels/amx_int8.h``), ``pN-vnni`` (``pN`` with ``SPECSERVE_CPU_AMX=off``: the
+VNNI kernel on CPUs with AMX too). Forwards over one step's rows at
 context 64 (1 = a decode step, k + 1 = a verification), paths alternated round by round; ms,
 medians. Logits: one 40-token prompt's 40 rows, max |logit - AVX512's| and argmax agreement.
 
-    python benchmarks/activation_pieces.py --model qwen2.5-coder-1.5b-instruct --rows 1,2,4,7 --paths AVX512,AMX-bf16,AMX-int8,int8,p3
+    python benchmarks/activation_pieces.py --model qwen2.5-coder-1.5b-instruct --rows 1,2,4,7 --paths AVX512,AMX,int8,p3,p3-vnni
 """
 from __future__ import annotations
 
@@ -24,10 +25,10 @@ import torch
 
 def build(model: str, path: str):
     from specserve import LLM
-    tiles = {"AMX": "int8", "AMX-int8": "int8", "AMX-bf16": "bf16"}
-    os.environ["SPECSERVE_CPU_AMX"] = tiles.get(path, "off")   # read when matrices are packed
-    fixed = {"AVX512": False, "AMX": False, "AMX-int8": False, "AMX-bf16": False, "int8": True}
-    act = fixed[path] if path in fixed else int(path[1:])
+    vnni = path in ("AVX512", "int8") or path.endswith("-vnni")
+    os.environ["SPECSERVE_CPU_AMX"] = "off" if vnni else "on"   # read when matrices are packed
+    fixed = {"AVX512": False, "AMX": False, "int8": True}
+    act = fixed[path] if path in fixed else int(path[1:].removesuffix("-vnni"))
     return LLM(model=model, max_model_len=1024, kv_cache_memory=1 << 27, int8_activations=act)
 
 
@@ -35,7 +36,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="catalog name or .gguf path (default: the default model)")
     p.add_argument("--rows", default="1,2,4,7")
-    p.add_argument("--paths", default="AVX512,AMX-bf16,AMX-int8,int8,p3")
+    p.add_argument("--paths", default="AVX512,AMX,int8,p3,p3-vnni")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()

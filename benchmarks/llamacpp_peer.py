@@ -18,10 +18,8 @@ at load) for comparison; the default ``auto`` keeps the file's blocks.
 ``int8_activations=True`` (VNNI byte products, ``cpu_kernels/q8_act.h``) in the same
 rounds: ``on`` or ``off`` measures one of them. A comma list may add piece counts:
 ``--int8-activations off,3`` measures float32 activations against three int8 pieces
-(``int8_activations=3``, float32's precision; ``cpu_kernels/q8_act.h``). On CPUs with AMX,
-``off`` is the default float32-precision path on int8 tiles (``cpu_kernels/amx_int8.h``) and
-``bf16`` the same float32 activations on bfloat16 tiles (``SPECSERVE_CPU_AMX=bf16``,
-``cpu_kernels/amx_tiles.h``): ``--int8-activations off,bf16`` compares the two.
+(``int8_activations=3``, float32's precision; ``cpu_kernels/q8_act.h``, or on CPUs with AMX
+the int8 tiles of ``cpu_kernels/amx_int8.h``).
 """
 from __future__ import annotations
 
@@ -77,7 +75,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--int8-activations", default="off",
-                   help="off, on, both, or a comma list of those, bf16 and piece counts 2-4 (e.g. off,bf16,on,3)")
+                   help="off, on, both, or a comma list of those and piece counts 2-4 (e.g. off,on,3)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     from specserve import LLM
@@ -88,9 +86,9 @@ def main() -> int:
           f"torch={torch.__version__}")
     variants = []
     for item in args.int8_activations.split(","):
-        variants += {"off": [False], "on": [True], "both": [False, True], "bf16": ["bf16"]}.get(item) or [int(item)]
-    label = {v: {False: "specserve", True: "specserve int8 act.", "bf16": "specserve bf16 tiles"}.get(
-        v, f"specserve {v} int8 pieces") for v in variants}
+        variants += {"off": [False], "on": [True], "both": [False, True]}.get(item) or [int(item)]
+    label = {v: {False: "specserve", True: "specserve int8 act."}.get(v, f"specserve {v} int8 pieces")
+             for v in variants}
     head = " | ".join(f"{label[v]} decode tok/s | {label[v]} / llama.cpp" for v in variants)
     print(f"| model | llama.cpp decode tok/s | {head} | specserve load s | RSS after load MiB | peak RSS MiB | file MiB |")
     print("|---|---|" + "---|---|" * len(variants) + "---|---|---|---|")
@@ -99,22 +97,15 @@ def main() -> int:
         llms, load_s = {}, 0.0
         for v in variants:
             t0 = time.perf_counter()
-            saved = os.environ.get("SPECSERVE_CPU_AMX")
-            if v == "bf16":   # read when the matrices are packed, at the end of loading
-                os.environ["SPECSERVE_CPU_AMX"] = "bf16"
-            try:
-                llms[v] = LLM(model=None if name == "default" else name, dtype=args.dtype, max_model_len=1024,
-                              kv_cache_memory=1 << 27, int8_activations=False if v == "bf16" else v)
-            finally:
-                if v == "bf16":
-                    os.environ.pop("SPECSERVE_CPU_AMX") if saved is None else os.environ.update(SPECSERVE_CPU_AMX=saved)
+            llms[v] = LLM(model=None if name == "default" else name, dtype=args.dtype, max_model_len=1024,
+                          kv_cache_memory=1 << 27, int8_activations=v)
             load_s = load_s or time.perf_counter() - t0
         first = llms[variants[0]]
         path = first.engine.runner.config._name_or_path if name != "default" else default_model_path()
         rss, peak = proc_status("VmRSS") - rss0, proc_status("VmHWM")
         for llm in llms.values():
             specserve_decode(llm, 8)   # warm-up: kernels built, weights paged in
-        ours: dict = {v: [] for v in variants}
+        ours: dict[bool, list[float]] = {v: [] for v in variants}
         theirs = []
         who_all = ["llama"] + variants
         for r in range(args.rounds):

@@ -97,8 +97,9 @@ def supports_int8_activations(qtype: int, in_features: int) -> bool:
 AMX_PACKED_FLAG = 512
 AMX_GROUP = 16   # output rows per packed row
 # With AMX_PACKED_FLAG: multiply on int8 tiles, each activation row as three int8 pieces
-# (``cpu_kernels/amx_int8.h``) instead of bfloat16 tiles.
+# (``cpu_kernels/amx_int8.h``; ``int8_activations=3`` on CPUs with AMX) instead of bfloat16 tiles.
 AMX_INT8_FLAG = 4096
+AMX_INT8_PIECES = 3   # the int8 tiles' piece count: int8_activations=3 runs on them
 
 
 def supports_amx(qtype: int, out_features: int, in_features: int) -> bool:
@@ -107,14 +108,6 @@ def supports_amx(qtype: int, out_features: int, in_features: int) -> bool:
     lib = _load()
     return (lib is not None and os.environ.get("SPECSERVE_CPU_AMX", "").lower() != "off"
             and bool(lib.specserve_quant_amx_supported(int(qtype), int(out_features), int(in_features))))
-
-
-def amx_tile_arithmetic() -> str:
-    """How packed matrices are multiplied on AMX tiles, read when a matrix is packed:
-    ``SPECSERVE_CPU_AMX=bf16`` on bfloat16 tiles (``amx_tiles.h``), else (``int8``, ``on`` or
-    unset) on int8 tiles with activations as three int8 pieces (``amx_int8.h``) where the build
-    has them; ``off`` packs nothing (``supports_amx``)."""
-    return "bf16" if os.environ.get("SPECSERVE_CPU_AMX", "").lower() == "bf16" else "int8"
 
 
 def supports_amx_int8(qtype: int, out_features: int, in_features: int) -> bool:

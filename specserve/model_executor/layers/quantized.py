@@ -11,10 +11,9 @@ kernel call into its own columns of the output.
 
 ``packed_for_tiles()`` (at the end of loading, on CPUs with AMX): the segments whose format
 the AMX kernels know are repacked into their tile order (``cpu_kernels/amx_tiles.h``) and from
-then on multiplied on AMX tiles at every row count: on int8 tiles with each activation as
-three int8 pieces (``amx_int8.h``, float32's precision; the segment's ``amx_int8``) or, with
-``SPECSERVE_CPU_AMX=bf16``, on bfloat16 tiles with exact float32 products; cuts and stacks
-come before it.
+then on multiplied on AMX tiles at every row count: float32 activations on bfloat16 tiles with
+exact products, or, with ``int8_activations=3``, each activation as three int8 pieces on int8
+tiles (``amx_int8.h``; the segment's ``amx_int8``); cuts and stacks come before it.
 
 ``int8_activations`` (off by default): multiply with activations rounded to 8 bits
 per 256 values and VNNI byte products (``cpu_kernels/q8_act.h``), llama.cpp's way,
@@ -23,6 +22,8 @@ stacks keep the setting. An integer N (2-4) in place of True: each activation ro
 int8 pieces summed (``q8_act.h``): 3 pieces carry the row to about 2^-24 of each
 256-value group's largest value, float32's precision, and a 1-row step of the
 1.5B takes about 0.6x the float32 kernels' time (docs/benchmarks.md, "Activation pieces").
+On CPUs with AMX, 3 pieces run on int8 tiles instead (``packed_for_tiles``), per 32-value
+sub-block, and verifications of up to 5 rows cost about what one row costs.
 """
 from __future__ import annotations
 
@@ -105,14 +106,16 @@ class QuantizedMatrix:
         return any(s.amx_packed for s in self.segments)
 
     def packed_for_tiles(self) -> "QuantizedMatrix":
-        """This matrix with every segment the AMX kernel multiplies (``quant_gemm.supports_amx``)
-        repacked for it; itself when none is (no AMX, int8 activations, other formats)."""
-        if self.int8_activations:
+        """This matrix with every segment an AMX kernel multiplies repacked for it: float32
+        activations on bfloat16 tiles (``quant_gemm.supports_amx``), ``int8_activations=3`` on
+        int8 tiles (``supports_amx_int8``); itself when none is (no AMX, other int8-activation
+        settings, other formats)."""
+        int8_tiles = self.int8_activations is not True and self.int8_activations == quant_gemm.AMX_INT8_PIECES
+        if self.int8_activations and not int8_tiles:
             return self
-        int8_tiles = quant_gemm.amx_tile_arithmetic() == "int8"
-        segments = [QuantSegment(s.qtype, quant_gemm.pack_for_amx(s.data, s.qtype, self.in_features), True,
-                                 int8_tiles and quant_gemm.supports_amx_int8(s.qtype, s.rows, self.in_features))
-                    if not s.amx_packed and quant_gemm.supports_amx(s.qtype, s.rows, self.in_features) else s
+        supported = quant_gemm.supports_amx_int8 if int8_tiles else quant_gemm.supports_amx
+        segments = [QuantSegment(s.qtype, quant_gemm.pack_for_amx(s.data, s.qtype, self.in_features), True, int8_tiles)
+                    if not s.amx_packed and supported(s.qtype, s.rows, self.in_features) else s
                     for s in self.segments]
         if all(a is b for a, b in zip(segments, self.segments)):
             return self

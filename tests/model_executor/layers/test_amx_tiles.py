@@ -1,6 +1,6 @@
-"""The AMX-tile paths of the GGUF-block matmul, both arithmetics: int8 tiles with activations as
-three int8 pieces (cpu_kernels/amx_int8.h, the default) and bfloat16 tiles (amx_tiles.h,
-``SPECSERVE_CPU_AMX=bf16``). The packing keeps the file's values bit for bit, the matmul agrees
+"""The AMX-tile paths of the GGUF-block matmul, both arithmetics: float32 activations on bfloat16
+tiles (cpu_kernels/amx_tiles.h, the default) and, with int8_activations=3, activations as three
+int8 pieces on int8 tiles (amx_int8.h). The packing keeps the file's values bit for bit, the matmul agrees
 with a float64 matmul of them at float32 precision, and a row's bits never depend on the row
 count or the thread count. Skipped on CPUs without AMX (the AVX-512 path is tested in
 test_quant_gemm.py)."""
@@ -22,23 +22,25 @@ pytestmark = pytest.mark.skipif(not (quant_gemm.available() and quant_gemm.suppo
 
 
 @pytest.fixture(params=ARITHMETICS)
-def arithmetic(request, monkeypatch):
-    """Each test below runs once per tile arithmetic (read when a matrix is packed)."""
-    monkeypatch.setenv("SPECSERVE_CPU_AMX", request.param)
+def arithmetic(request):
+    """Each test taking it runs once per tile arithmetic (``packed(..., arithmetic)``)."""
     if request.param == "int8" and not quant_gemm.supports_amx_int8(int(T.Q4_K), 16, 256):
         pytest.skip("this build has no AMX int8 tiles")
     return request.param
 
 
-def packed(qtype: T, out_features: int, in_features: int, seed: int = 0):
+def packed(qtype: T, out_features: int, in_features: int, seed: int = 0, arithmetic: str = "bf16"):
+    """A random matrix packed for tiles: bfloat16 ones, or int8 ones (int8_activations=3)."""
     blocks = random_blocks(qtype, out_features, in_features, seed=seed)
-    m = QuantizedMatrix.from_blocks(torch.from_numpy(blocks), int(qtype), in_features).packed_for_tiles()
+    m = QuantizedMatrix.from_blocks(torch.from_numpy(blocks), int(qtype), in_features)
+    m.int8_activations = 3 if arithmetic == "int8" else False
+    m = m.packed_for_tiles()
     assert m.amx_packed and m.shape == (out_features, in_features)
     return m, gguf_values(blocks, qtype, in_features)
 
 
-def test_the_arithmetic_follows_the_environment(arithmetic):
-    m, _ = packed(T.Q4_K, 32, 256)
+def test_three_int8_pieces_run_on_int8_tiles(arithmetic):
+    m, _ = packed(T.Q4_K, 32, 256, arithmetic=arithmetic)
     assert [s.amx_int8 for s in m.segments] == [arithmetic == "int8"]
     flags = m.kernel_qtype(m.segments[0]) & ~int(T.Q4_K)
     assert flags == quant_gemm.AMX_PACKED_FLAG | (quant_gemm.AMX_INT8_FLAG if arithmetic == "int8" else 0)
@@ -48,7 +50,7 @@ def test_the_arithmetic_follows_the_environment(arithmetic):
 
 @pytest.mark.parametrize("qtype", AMX_FORMATS, ids=lambda q: q.name)
 def test_packing_keeps_the_files_values(qtype, arithmetic):
-    m, values = packed(qtype, 48, 512)
+    m, values = packed(qtype, 48, 512, arithmetic=arithmetic)
     assert torch.equal(m.dequantize(), values)
     ids = torch.tensor([47, 0, 16, 3, 3])
     assert torch.equal(m.embedding(ids), values[ids])
@@ -59,7 +61,7 @@ def test_packing_keeps_the_files_values(qtype, arithmetic):
 @pytest.mark.parametrize("qtype", AMX_FORMATS, ids=lambda q: q.name)
 @pytest.mark.parametrize("rows", [1, 3, 5, 6, 50])
 def test_matmul_matches_float64_reference(qtype, rows, arithmetic):
-    m, values = packed(qtype, 64, 768, seed=rows)
+    m, values = packed(qtype, 64, 768, seed=rows, arithmetic=arithmetic)
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 768, generator=gen)
     x[:, 5] *= 100.0   # an outlier feature, as real activations have: its sub-blocks' pieces start coarse
@@ -72,7 +74,7 @@ def test_matmul_matches_float64_reference(qtype, rows, arithmetic):
 
 @pytest.mark.parametrize("qtype", AMX_FORMATS, ids=lambda q: q.name)
 def test_rows_bitwise_independent_of_row_count_and_threads(qtype, arithmetic):
-    m, _ = packed(qtype, 80, 512)
+    m, _ = packed(qtype, 80, 512, arithmetic=arithmetic)
     # a tile pass takes 5 rows (int8: 3 pieces each) or 16 (bfloat16)
     assert_rows_bitwise_independent(m, (1, 2, 4, 5, 6, 7, 10, 11, 16, 17, 33, 48, 110))
 
@@ -83,8 +85,10 @@ def test_mixed_formats_pack_segment_by_segment(arithmetic):
     raw = [random_blocks(q, n, 512, seed=i) for i, (q, n) in enumerate(parts)]
     fused = QuantizedMatrix.cat([QuantizedMatrix.from_blocks(torch.from_numpy(b), int(q), 512)
                                  for b, (q, _) in zip(raw, parts)])
+    fused.int8_activations = 3 if arithmetic == "int8" else False   # Q8_0 then keeps the VNNI pieces
     tiles = fused.packed_for_tiles()
     assert [s.amx_packed for s in tiles.segments] == [True, True, False]
+    assert [s.amx_int8 for s in tiles.segments] == [arithmetic == "int8"] * 2 + [False]
     dense = torch.cat([gguf_values(b, q, 512) for b, (q, _) in zip(raw, parts)])
     x = torch.randn(4, 512, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(tiles.matmul(x), x @ dense.T, rtol=1e-5, atol=1e-4)
@@ -98,10 +102,12 @@ def test_mixed_formats_pack_segment_by_segment(arithmetic):
 
 
 def test_what_is_not_packed():
-    # int8 activations keep their own kernel; a row count off the 16-row groups stays as it is
+    # int8 activations (other than three pieces) keep their own kernel; a row count off the
+    # 16-row groups stays as it is
     m = QuantizedMatrix.from_blocks(torch.from_numpy(random_blocks(T.Q4_K, 32, 256)), int(T.Q4_K), 256)
-    m.int8_activations = True
-    assert m.packed_for_tiles() is m
+    for setting in (True, 1, 2, 4):
+        m.int8_activations = setting
+        assert m.packed_for_tiles() is m
     odd = QuantizedMatrix.from_blocks(torch.from_numpy(random_blocks(T.Q4_K, 40, 256)), int(T.Q4_K), 256)
     assert odd.packed_for_tiles() is odd
     assert not quant_gemm.supports_amx(int(T.Q8_0), 16, 256)

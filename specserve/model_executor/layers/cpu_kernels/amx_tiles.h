@@ -4,7 +4,7 @@
  * Included by quant_blocks.h; quant_gemm_team() calls amx_gemm_team() when the caller sets
  * AMX_PACKED_FLAG (without amx_int8.h's AMX_I8_FLAG) in qtype (QuantizedMatrix.packed_for_tiles)
  * and the weight bytes are this file's packing of the format. amx_int8.h multiplies the same
- * packing on int8 tiles (the default: SPECSERVE_CPU_AMX=bf16 selects this file's path).
+ * packing on int8 tiles for int8_activations=3; float32 activations take this file's path.
  *
  * Why: with AVX-512 alone every weight costs a table look-up and one FMA per row, so a
  * verification of k + 1 rows costs nearly k + 1 times the FMAs of a decode step. An AMX tile
