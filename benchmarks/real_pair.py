@@ -16,7 +16,8 @@ specserve configurations: ``plain``, ``draft:K`` (the draft model, k = K; with
 (``draft_int8_activations=False``; by default the draft uses int8 activations); ``+p3``
 (``+p2``, ``+p4``) runs the target with ``int8_activations=3``, its activations as three
 int8 pieces (float32's precision, ``cpu_kernels/q8_act.h``; on CPUs with AMX, ``+p3`` runs
-on int8 tiles, ``cpu_kernels/amx_int8.h``); a
+on int8 tiles, ``cpu_kernels/amx_int8.h``, and ``+vnni`` keeps the target off the tiles,
+``SPECSERVE_CPU_AMX=off``); a
 ``+q4_1`` (or ``+q4_0``, ``+q5_0``, ``+q5_1``, ``+q8_0``) suffix requantizes the draft
 to that format at load (``draft_quantization``). Suffixes combine: ``draft:3+int8+q4_1``.
 With ``--llama-bin``, llama.cpp's own ``llama-speculative-simple`` (a peer measured
@@ -64,17 +65,29 @@ def load_prompts(path: str, categories: str | None, limit: int | None, per_categ
 
 
 def build(config: str, args):
-    from specserve import LLM
     from specserve.config import SpeculativeConfig
 
     config, *variants = config.split("+")
     quantization = [v for v in variants if v in SpeculativeConfig.DRAFT_QUANTIZATIONS]
     pieces = [int(v[1:]) for v in variants if v in ("p2", "p3", "p4")]
-    unknown = set(variants) - {"int8", "f32draft", "p2", "p3", "p4", *quantization}
+    unknown = set(variants) - {"int8", "f32draft", "p2", "p3", "p4", "vnni", *quantization}
     if unknown or len(quantization) > 1:
         raise SystemExit(f"unknown configuration suffixes {sorted(unknown) or quantization} "
-                         "(+int8, +f32draft, one draft format +q4_0 ... +q8_0)")
+                         "(+int8, +f32draft, +p2 ... +p4, +vnni, one draft format +q4_0 ... +q8_0)")
     kw = dict(model=args.target, max_model_len=2048, kv_cache_memory=1 << 28, int8_activations=pieces[0] if pieces else "int8" in variants)
+    saved = os.environ.get("SPECSERVE_CPU_AMX")
+    if "vnni" in variants:   # read when the matrices are packed, at the end of loading
+        os.environ["SPECSERVE_CPU_AMX"] = "off"
+    try:
+        return build_llm(config, variants, quantization, kw, args)
+    finally:
+        if "vnni" in variants:
+            os.environ.pop("SPECSERVE_CPU_AMX") if saved is None else os.environ.update(SPECSERVE_CPU_AMX=saved)
+
+
+def build_llm(config: str, variants: list[str], quantization: list[str], kw: dict, args):
+    from specserve import LLM
+
     if config == "plain":
         return LLM(**kw)
     method, k = config.split(":")
@@ -214,7 +227,7 @@ def report(prompts, names, configs, args, tokens, seconds, taus, answers, by_cat
         print()
         for name in configs:
             suffixes = name.split("+")[1:]
-            plain = next((f"plain+{v}" for v in ("int8", "p2", "p3", "p4") if v in suffixes), "plain")
+            plain = "+".join(["plain"] + [v for v in suffixes if v in ("int8", "p2", "p3", "p4", "vnni")])
             if name != plain and plain in answers:
                 same = sum(a == b for a, b in zip(answers[name], answers[plain]))
                 print(f"greedy answers of {name} equal to {plain}'s: {same} of {len(prompts)}")
