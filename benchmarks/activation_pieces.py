@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from forward_timing import print_table, time_forwards  # noqa: E402  (the shared timing loop)
 
 
 def build(model: str, path: str):
@@ -54,20 +57,9 @@ def main() -> int:
         diff = (logits[path] - ref).abs().max().item()
         agree = (logits[path].argmax(-1) == ref.argmax(-1)).float().mean().item()
         print(f"- {path}: max |logit - {paths[0]}'s| = {diff:.2e}, argmax agrees on {agree:.1%} of 40 rows")
-    times: dict = {}
     rows_list = [int(r) for r in args.rows.split(",")]
-    for _ in range(args.rounds):
-        for rows in rows_list:
-            inp = [ForwardInput(list(range(100, 100 + rows)), 64, list(range((64 + rows) // 16 + 1)), rows)]
-            for path, llm in llms.items():
-                llm.engine.runner.execute(inp)
-                for _ in range(2):
-                    t = time.perf_counter()
-                    llm.engine.runner.execute(inp)
-                    times.setdefault((path, rows), []).append((time.perf_counter() - t) * 1000)
-    print("\n| rows | " + " | ".join(f"{p} ms" for p in paths) + " |\n|---|" + "---|" * len(paths))
-    for rows in rows_list:
-        print(f"| {rows} | " + " | ".join(f"{statistics.median(times[p, rows]):.1f}" for p in paths) + " |", flush=True)
+    print()
+    print_table(time_forwards(llms, rows_list, args.rounds), paths, rows_list)
     return 0
 
 

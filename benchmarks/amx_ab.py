@@ -26,6 +26,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from forward_timing import print_table, time_forwards  # noqa: E402  (the shared timing loop)
 from quant_kernel_ab import SHAPES  # noqa: E402  (the model shapes, one definition)
 
 from specserve.model_executor.layers import quant_gemm  # noqa: E402
@@ -81,24 +82,10 @@ def matrices(shapes, rows_list, rounds: int) -> None:
 
 def model_forward(model: str, rows_list, rounds: int) -> None:
     from specserve import LLM
-    from specserve.worker.model_runner import ForwardInput
 
     llms = {p: with_amx(p == "AMX", lambda: LLM(model=model, max_model_len=1024, kv_cache_memory=1 << 27))
             for p in PATHS}
-    times: dict = {}
-    for _ in range(rounds):
-        for rows in rows_list:
-            inp = [ForwardInput(list(range(100, 100 + rows)), 64, list(range((64 + rows) // 16 + 1)), rows)]
-            for p, llm in llms.items():
-                llm.engine.runner.execute(inp)
-                for _ in range(2):
-                    start = time.perf_counter()
-                    llm.engine.runner.execute(inp)
-                    times.setdefault((p, rows), []).append((time.perf_counter() - start) * 1000)
-    print("| rows | AVX-512 ms | AMX ms | AVX-512 / AMX |\n|---|---|---|---|")
-    for rows in rows_list:
-        med = {p: statistics.median(times[p, rows]) for p in PATHS}
-        print(f"| {rows} | {med['AVX-512']:.1f} | {med['AMX']:.1f} | {med['AVX-512'] / med['AMX']:.2f}x |", flush=True)
+    print_table(time_forwards(llms, rows_list, rounds), list(PATHS), rows_list, ratio=("AVX-512", "AMX"))
 
 
 def main() -> int:

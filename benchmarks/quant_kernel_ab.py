@@ -37,6 +37,8 @@ import torch
 from specserve.model_executor.layers import quant_gemm, quant_layer
 from specserve.model_executor.layers.kernel_build import KERNEL_DIR
 
+from forward_timing import print_table, time_forwards  # noqa: E402,I001  (benchmarks/: the shared timing loop)
+
 HERE = Path(__file__).resolve().parent
 # (name, ggml type, out features, in features): Qwen2.5-Coder-1.5B's matmuls of one layer
 SHAPES = {
@@ -118,29 +120,14 @@ def matrices(builds: dict, shapes, rows_list, rounds: int, int8: bool) -> None:
 
 def model_forward(builds: dict, model: str, rows_list, rounds: int, int8: bool) -> None:
     from specserve import LLM
-    from specserve.worker.model_runner import ForwardInput
 
     llms = {}
     for b, libs in builds.items():
         use(libs)
         llms[b] = LLM(model=model, max_model_len=1024, kv_cache_memory=1 << 27, int8_activations=int8)
-    times: dict = {}
-    for _ in range(rounds):
-        for rows in rows_list:
-            inp = [ForwardInput(list(range(100, 100 + rows)), 64, list(range(5)), rows)]
-            for b, llm in llms.items():
-                use(builds[b])
-                llm.engine.runner.execute(inp)
-                for _ in range(2):
-                    start = time.perf_counter()
-                    llm.engine.runner.execute(inp)
-                    times.setdefault((b, rows), []).append((time.perf_counter() - start) * 1000)
     names = list(builds)
-    print(f"| rows | " + " | ".join(f"{b} ms" for b in names) + " | ratio |\n|---|" + "---|" * (len(names) + 1))
-    for rows in rows_list:
-        med = {b: statistics.median(times[b, rows]) for b in names}
-        print(f"| {rows} | " + " | ".join(f"{med[b]:.1f}" for b in names)
-              + f" | {med[names[0]] / med[names[-1]]:.2f}x |", flush=True)
+    medians = time_forwards(llms, rows_list, rounds, before=lambda b: use(builds[b]))
+    print_table(medians, names, rows_list, ratio=(names[0], names[-1]))
 
 
 def main() -> int:

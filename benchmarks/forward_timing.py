@@ -1,0 +1,52 @@
+"""One model forward over a step's rows, timed for several engines side by side: the shared loop
+of the kernel A/B scripts (``amx_ab.py``, ``quant_kernel_ab.py``, ``activation_pieces.py``).
+
+A forward of ``rows`` new tokens at context 64 is a decode step (1 row) or the verification of
+``rows - 1`` drafted tokens. Every round runs each row count on every engine back to back (a
+warm-up call, then two timed calls), so a slow spell of the machine lands on all of them alike.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+CONTEXT = 64   # tokens already in the KV cache before the timed rows
+
+
+def step_input(rows: int) -> list:
+    """One request's ``rows`` new tokens after CONTEXT cached ones (block size 16)."""
+    from specserve.worker.model_runner import ForwardInput
+
+    return [ForwardInput(list(range(100, 100 + rows)), CONTEXT, list(range((CONTEXT + rows) // 16 + 1)), rows)]
+
+
+def time_forwards(llms: dict, rows_list: list[int], rounds: int,
+                  before: Callable[[str], None] | None = None) -> dict[tuple[str, int], float]:
+    """{(engine name, rows): median ms}; ``before(name)`` runs ahead of each engine's calls (to
+    switch kernel libraries, say)."""
+    times: dict[tuple[str, int], list[float]] = {}
+    for _ in range(rounds):
+        for rows in rows_list:
+            inp = step_input(rows)
+            for name, llm in llms.items():
+                if before is not None:
+                    before(name)
+                llm.engine.runner.execute(inp)
+                for _ in range(2):
+                    start = time.perf_counter()
+                    llm.engine.runner.execute(inp)
+                    times.setdefault((name, rows), []).append((time.perf_counter() - start) * 1000)
+    return {key: statistics.median(values) for key, values in times.items()}
+
+
+def print_table(medians: dict[tuple[str, int], float], names: list[str], rows_list: list[int],
+                ratio: tuple[str, str] | None = None) -> None:
+    """A markdown table of ms by row count, with ratio[0] / ratio[1] as a last column if given."""
+    extra = f" | {ratio[0]} / {ratio[1]}" if ratio else ""
+    print("| rows | " + " | ".join(f"{n} ms" for n in names) + extra + " |\n|---|"
+          + "---|" * (len(names) + (1 if ratio else 0)))
+    for rows in rows_list:
+        cells = " | ".join(f"{medians[n, rows]:.1f}" for n in names)
+        last = f" | {medians[ratio[0], rows] / medians[ratio[1], rows]:.2f}x" if ratio else ""
+        print(f"| {rows} | {cells}{last} |", flush=True)
