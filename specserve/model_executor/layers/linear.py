@@ -32,7 +32,18 @@ def _quantized_or_dense(parts: list) -> list:
     return [p.dequantize() if isinstance(p, QuantizedMatrix) else p for p in parts]
 
 
-class ColumnParallelLinear(nn.Module):
+class TilePackable:
+    """``pack_for_tiles`` for a layer whose weight may be a ``QuantizedMatrix`` (``self.quantized``)."""
+
+    quantized: QuantizedMatrix | None
+
+    def pack_for_tiles(self) -> None:
+        """Multiply on AMX tiles from now on where the CPU and the format allow (quantized.py)."""
+        if self.quantized is not None:
+            self.quantized = self.quantized.packed_for_tiles()
+
+
+class ColumnParallelLinear(TilePackable, nn.Module):
     """y[..., out/N] = x @ W_shard.T ; the output stays sharded."""
 
     def __init__(
@@ -63,11 +74,6 @@ class ColumnParallelLinear(nn.Module):
         self.packed = PackedFp16Weight(self.weight, self.bias)
         self.weight.data = self.packed.weight   # the same float16 tensor
 
-    def pack_for_tiles(self) -> None:
-        """Multiply on AMX tiles from now on where the CPU and the format allow (quantized.py)."""
-        if self.quantized is not None:
-            self.quantized = self.quantized.packed_for_tiles()
-
     def load(self, parts: list, bias_parts: list[torch.Tensor] | None = None) -> None:
         """parts: full [out_i, in] tensors (or QuantizedMatrix), one per fused output."""
         parts = _quantized_or_dense(parts)
@@ -94,7 +100,7 @@ class ColumnParallelLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(TilePackable, nn.Module):
     """y = all_reduce(x[..., in/N] @ W_shard.T) (+ bias once, after the reduce)."""
 
     def __init__(
@@ -121,11 +127,6 @@ class RowParallelLinear(nn.Module):
             return
         self.packed = PackedFp16Weight(self.weight)
         self.weight.data = self.packed.weight   # the same float16 tensor
-
-    def pack_for_tiles(self) -> None:
-        """Multiply on AMX tiles from now on where the CPU and the format allow (quantized.py)."""
-        if self.quantized is not None:
-            self.quantized = self.quantized.packed_for_tiles()
 
     def load(self, full, bias: torch.Tensor | None = None) -> None:
         start, length = self.tp.shard(full.shape[1], "input features", self.num_units)
