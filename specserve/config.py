@@ -183,8 +183,8 @@ class EngineConfig:
     group's largest value) and decode one row about twice as fast as the
     float32 kernels, but cost about 3x per extra row (verification, prefill).
     On CPUs with AMX, 3 pieces run on int8 tiles (per 32-value sub-block): one
-    row 0.8x the float32 tiles' time, up to 5 rows about the same, more rows
-    1.3x-1.8x (docs/architecture.md, "Numerics").
+    row 0.77x-0.98x the float32 tiles' time, up to 5 rows 0.97x-1.45x, more
+    rows 1.2x-1.9x (docs/architecture.md, "Numerics").
     """
 
     model: str | None = None

@@ -13,8 +13,8 @@
  * pieces: a decode step and a verification of up to 5 rows cost the same tile work.
  *
  * Cost (measured, docs/benchmarks.md "AMX int8 tiles"): a Qwen2.5-Coder-1.5B forward of 1 row
- * takes 0.77x-0.98x the bfloat16 tiles' time, 4-5 rows about the same, and 0.4x-0.6x the time of
- * q8_act.h's three pieces at 4-5 rows (1.0x-1.4x at 1 row); 6 rows and more take 1.3x-1.8x the
+ * takes 0.77x-0.98x the bfloat16 tiles' time, 4-5 rows 0.97x-1.45x, and 0.5x-0.6x the time of
+ * q8_act.h's three pieces at 4-5 rows (1.0x-1.4x at 1 row); 6 rows and more take 1.2x-1.9x the
  * bfloat16 tiles' time, bound by storing the int32 sums (per sub-block and row, three 64-byte
  * tile rows against bfloat16's one). Tried and dropped: the pieces of up to 16 rows in three
  * separate A tiles (six C tiles a step; the same bits, since the sums are exact) stored as much
