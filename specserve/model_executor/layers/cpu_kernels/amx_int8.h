@@ -68,11 +68,7 @@ static void amx_i8_split_rows(const float *x, int64_t ldx, int R, int Rt, int64_
         for (int64_t s = 0; s < ns; s++) {
             __m512 c[2];
             for (int v = 0; v < nv; v++) c[v] = _mm512_loadu_ps(xr + s * sb + 16 * v);
-            if (S) {
-                float t = 0.0f;
-                for (int i = 0; i < sb; i++) t += xr[s * sb + i];
-                S[r * ns + s] = t;
-            }
+            if (S) S[r * ns + s] = amx_sub_block_sum(xr + s * sb, sb);
             for (int piece = 0; piece < AMX_I8_PIECES; piece++) {
                 __m512 amax = _mm512_andnot_ps(sign, c[0]);
                 if (nv == 2) amax = _mm512_max_ps(amax, _mm512_andnot_ps(sign, c[1]));

@@ -265,6 +265,14 @@ static inline __m512 bf16_to_float(__m256bh h) { /* exact: a bfloat16 is a float
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
+/* The float32 sum of one sub-block's n activations, in order: S in "a_s * D + m_s * S" (both
+ * tile arithmetics take it from here, so their offsets are summed alike). */
+static inline float amx_sub_block_sum(const float *x, int n) {
+    float t = 0.0f;
+    for (int i = 0; i < n; i++) t += x[i];
+    return t;
+}
+
 /* R <= Rt <= AMX_ROWS rows -> xp [3][Rt][in] bfloat16 pieces (piece-major: A row i Rt + r is
  * piece i of row r; rows R..Rt zero) and, with sums, S [R][in / sb] the float32 sum of each
  * sub-block (in order). */
@@ -285,11 +293,7 @@ static void amx_split_rows(const float *x, int64_t ldx, int R, int Rt, int64_t i
             memcpy(xp + (2 * Rt + r) * in + k, &p3, 32);
         }
         if (S)
-            for (int64_t s = 0; s < in / sb; s++) {
-                float t = 0.0f;
-                for (int i = 0; i < sb; i++) t += xr[s * sb + i];
-                S[r * (in / sb) + s] = t;
-            }
+            for (int64_t s = 0; s < in / sb; s++) S[r * (in / sb) + s] = amx_sub_block_sum(xr + s * sb, sb);
     }
 }
 
