@@ -43,8 +43,8 @@ def _setup(lib: ctypes.CDLL) -> None:
     lib.specserve_quant_vector_width.restype = c_int
     lib.specserve_quant_amx_supported.argtypes = [c_int, i64, i64]
     lib.specserve_quant_amx_supported.restype = c_int
-    lib.specserve_quant_amx_int8_supported.argtypes = [c_int, i64, i64]
-    lib.specserve_quant_amx_int8_supported.restype = c_int
+    lib.specserve_quant_amx_int8_built.argtypes = []
+    lib.specserve_quant_amx_int8_built.restype = c_int
     lib.specserve_quant_amx_row_bytes.argtypes = [c_int, i64]
     lib.specserve_quant_amx_row_bytes.restype = i64
     lib.specserve_quant_amx_pack.argtypes = [ptr, c_int, i64, i64, ptr, c_int]
@@ -112,9 +112,7 @@ def supports_amx(qtype: int, out_features: int, in_features: int) -> bool:
 
 def supports_amx_int8(qtype: int, out_features: int, in_features: int) -> bool:
     """True when such a packed matrix can also be multiplied on AMX int8 tiles (``AMX_INT8_FLAG``)."""
-    lib = _load()
-    return (supports_amx(qtype, out_features, in_features)
-            and bool(lib.specserve_quant_amx_int8_supported(int(qtype), int(out_features), int(in_features))))
+    return supports_amx(qtype, out_features, in_features) and bool(_load().specserve_quant_amx_int8_built())
 
 
 def pack_for_amx(data: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:

@@ -54,15 +54,14 @@
 
 /* Rows x[0..R) of a pass -> xa [Rt][in] int8 (A row 3 r + i = piece i of row r; rows past 3 R
  * zero), xd [Rt][in / sb] each piece's scale per sub-block, and per row and sub-block S (the
- * float32 sum of x, formats with an offset) or P [Rt][in / sb] each piece's sum (Q6_K). */
+ * float32 sum of x, formats with an offset) or P [Rt][in / sb] each piece's sum (Q6_K). Only
+ * the first 3 R rows of xd and P are written: the sums of the zero rows are never read. */
 static void amx_i8_split_rows(const float *x, int64_t ldx, int R, int Rt, int64_t in, int sb, int8_t *xa, float *xd,
                               float *S, int32_t *P) {
     const int64_t ns = in / sb;
     const __m512 sign = _mm512_set1_ps(-0.0f);
     const int nv = sb / 16;   /* vectors a sub-block: 1 or 2 */
-    memset(xa + 3 * R * in, 0, (size_t)((Rt - 3 * R) * in));
-    for (int64_t i = 3 * R; i < Rt; i++)
-        for (int64_t s = 0; s < ns; s++) xd[i * ns + s] = 0.0f;
+    memset(xa + AMX_I8_PIECES * R * in, 0, (size_t)((Rt - AMX_I8_PIECES * R) * in));
     for (int r = 0; r < R; r++) {
         const float *xr = x + r * ldx;
         for (int64_t s = 0; s < ns; s++) {
@@ -74,7 +73,7 @@ static void amx_i8_split_rows(const float *x, int64_t ldx, int R, int Rt, int64_
                 if (nv == 2) amax = _mm512_max_ps(amax, _mm512_andnot_ps(sign, c[1]));
                 const float m = _mm512_reduce_max_ps(amax);
                 const float d = m / 127.0f, id = m > 0.0f ? 127.0f / m : 0.0f;
-                const int64_t arow = 3 * r + piece;
+                const int64_t arow = AMX_I8_PIECES * r + piece;
                 int32_t psum = 0;
                 for (int v = 0; v < nv; v++) {
                     const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(c[v], _mm512_set1_ps(id)));   /* |q| <= 127 */
@@ -186,7 +185,7 @@ static void amx_i8_group_rows(int qtype, const uint8_t *gp, int64_t in, const in
                 for (int r = 0; r < R; r++) {
                     __m512 d = _mm512_setzero_ps();
                     for (int i = AMX_I8_PIECES - 1; i >= 0; i--) {
-                        const int64_t arow = 3 * r + i;
+                        const int64_t arow = AMX_I8_PIECES * r + i;
                         __m512i ci = _mm512_load_si512(c + hh * 256 + arow * 16);
                         if (P) ci = _mm512_sub_epi32(ci, _mm512_set1_epi32(32 * P[arow * ns + s]));
                         d = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ci), _mm512_set1_ps(xd[arow * ns + s]), d);
@@ -210,7 +209,7 @@ static int amx_i8_gemm_team(const float *x, int64_t ldx, int64_t rows, const uin
     const int64_t passes = (rows + AMX_I8_ROWS - 1) / AMX_I8_ROWS, groups = out_features / 16, ns = in / sb;
     /* rows shared evenly among the passes (7 rows: 4 + 3, not 5 + 2), all with one tile shape
      * (a short pass leaves its extra A rows zero): tile loads and stores cost by the tile's rows */
-    const int per = (int)((rows + passes - 1) / passes), Rt = 3 * per;
+    const int per = (int)((rows + passes - 1) / passes), Rt = AMX_I8_PIECES * per;
     const int64_t row_bytes = amx_packed_row_bytes(qtype, in);
     const int64_t xa_bytes = (passes * Rt * in + 63) / 64 * 64;
     const int64_t xd_bytes = (passes * Rt * ns * 4 + 63) / 64 * 64;   /* also P's size */
