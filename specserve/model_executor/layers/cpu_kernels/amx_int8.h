@@ -230,7 +230,7 @@ static int amx_i8_gemm_team(const float *x, int64_t ldx, int64_t rows, const uin
                               S ? S + ps * per * ns : NULL, P ? P + ps * Rt * ns : NULL);
         }
     int configured = 0;
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, work_chunk(groups))
     for (int64_t g = 0; g < groups; g++) {
         if (!ok) continue;
         const uint8_t *gp = w + g * row_bytes;

@@ -27,8 +27,10 @@
  *
  * Row-invariant: each output element of a tile multiply depends only on its own A row and B
  * column, and every (row, output) runs the same sequence of tile multiplies and float32 adds
- * whatever the row count (rows are taken AMX_ROWS at a time, each alone in its A rows) or the
- * thread count (each 16-output group is computed whole by one thread).
+ * whatever the row count (rows are taken AMX_ROWS at a time, each alone in its A rows; Q6_K's
+ * passes of up to 8 rows put two sub-blocks in one multiply with zeros in the other's place,
+ * which adds exact zeros: amx_lanes) or the thread count (each 16-output group is computed whole
+ * by whichever thread takes it).
  *
  * Packing (amx_pack): outputs in groups of 16; each group's row is a run of units of 64 input
  * values, each unit holding the group's scales for those values and its quants in the B-tile
@@ -195,16 +197,26 @@ typedef struct {
     uint8_t rows[16];
 } amx_tile_config;
 
-/* Tiles: 0, 1 sums (C: R rows of 16 outputs) of the two sub-blocks of a step; 2, 3, 4 the three
- * activation pieces of one sub-block (A: R rows, SB bfloat16 each); 5, 6 the two sub-blocks'
- * quants (B: SB / 2 rows of 16 outputs x 2). */
-static void amx_configure(int R, int sb) {
+/* Lanes: how many sub-blocks one tile multiply takes, each in its own A rows. A tile multiply
+ * covers at most 32 input values (one B tile: 16 pair rows); Q4_K's and Q4_1's 32-value sub-block
+ * fills it (1 lane). Q6_K's 16-value sub-blocks go two to a multiply for a pass of up to 8 rows
+ * (2 lanes): A row 2 r + l holds row r's values of the step's sub-block l and zeros in the
+ * other's place, so C rows 2 r and 2 r + 1 are the two sub-blocks' sums, for half the tile
+ * multiplies, B loads and C stores of one sub-block a multiply. Adding the zero lane's products
+ * (exact zeros) leaves every sum as it is, so both ways give the same bits (the row-invariance
+ * tests compare them); more rows take 1 lane, 16 rows a pass, which is faster there. */
+static inline int amx_lanes(int qtype, int64_t rows) { return qtype == Q6_K && rows <= AMX_ROWS / 2 ? 2 : 1; }
+
+/* Tiles: 0, 1 sums of two steps (C: lanes x the pass's rows, 16 outputs); 2, 3, 4 the three
+ * activation pieces of one step (A: the same rows, kv bfloat16 each); 5, 6 the two steps' quants
+ * (B: kv / 2 pair rows of 16 outputs x 2). A step takes kv = lanes x SB input values. */
+static void amx_configure(int a_rows, int kv) {
     amx_tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    for (int t = 0; t < 2; t++) cfg.rows[t] = (uint8_t)R, cfg.colsb[t] = 64;
-    for (int t = 2; t < 5; t++) cfg.rows[t] = (uint8_t)R, cfg.colsb[t] = (uint16_t)(2 * sb);
-    for (int t = 5; t < 7; t++) cfg.rows[t] = (uint8_t)(sb / 2), cfg.colsb[t] = 64;
+    for (int t = 0; t < 2; t++) cfg.rows[t] = (uint8_t)a_rows, cfg.colsb[t] = 64;
+    for (int t = 2; t < 5; t++) cfg.rows[t] = (uint8_t)a_rows, cfg.colsb[t] = (uint16_t)(2 * kv);
+    for (int t = 5; t < 7; t++) cfg.rows[t] = (uint8_t)(kv / 2), cfg.colsb[t] = 64;
     _tile_loadconfig(&cfg);
 }
 
@@ -273,12 +285,16 @@ static inline float amx_sub_block_sum(const float *x, int n) {
     return t;
 }
 
-/* R <= Rt <= AMX_ROWS rows -> xp [3][Rt][in] bfloat16 pieces (piece-major: A row i Rt + r is
- * piece i of row r; rows R..Rt zero) and, with sums, S [R][in / sb] the float32 sum of each
- * sub-block (in order). */
-static void amx_split_rows(const float *x, int64_t ldx, int R, int Rt, int64_t in, int sb, uint16_t *xp, float *S) {
-    for (int r = R; r < Rt; r++)
-        for (int i = 0; i < 3; i++) memset(xp + (i * Rt + r) * in, 0, (size_t)in * 2);
+/* R <= Rt <= AMX_ROWS / L rows -> xp [3][L Rt][in] bfloat16 pieces (piece-major: A row
+ * i L Rt + L r + l is piece i of row r, with the values of lane l's sub-blocks and zeros in the
+ * others'; rows past L R zero) and, with sums, S [R][in / sb] the float32 sum of each sub-block
+ * (in order). */
+static void amx_split_rows(const float *x, int64_t ldx, int R, int Rt, int64_t in, int sb, int L, uint16_t *xp,
+                           float *S) {
+    const int A = L * Rt;
+    for (int a = L * R; a < A; a++)
+        for (int i = 0; i < 3; i++) memset(xp + (i * A + a) * in, 0, (size_t)in * 2);
+    const __m256i zero = _mm256_setzero_si256();
     for (int r = 0; r < R; r++) {
         const float *xr = x + r * ldx;
         for (int64_t k = 0; k < in; k += 16) {
@@ -288,22 +304,29 @@ static void amx_split_rows(const float *x, int64_t ldx, int R, int Rt, int64_t i
             const __m256bh p2 = _mm512_cvtneps_pbh(r1);
             const __m512 r2 = _mm512_sub_ps(r1, bf16_to_float(p2));
             const __m256bh p3 = _mm512_cvtneps_pbh(r2);
-            memcpy(xp + (0 * Rt + r) * in + k, &p1, 32);
-            memcpy(xp + (1 * Rt + r) * in + k, &p2, 32);
-            memcpy(xp + (2 * Rt + r) * in + k, &p3, 32);
+            const int lane = (int)((k / sb) % L);   /* 16 values lie in one sub-block */
+            for (int l = 0; l < L; l++) {
+                uint16_t *row = xp + (L * r + l) * in + k;
+                if (l == lane) {
+                    memcpy(row, &p1, 32), memcpy(row + A * in, &p2, 32), memcpy(row + 2 * A * in, &p3, 32);
+                } else {
+                    memcpy(row, &zero, 32), memcpy(row + A * in, &zero, 32), memcpy(row + 2 * A * in, &zero, 32);
+                }
+            }
         }
         if (S)
             for (int64_t s = 0; s < in / sb; s++) S[r * (in / sb) + s] = amx_sub_block_sum(xr + s * sb, sb);
     }
 }
 
-/* The 16 outputs of group g for R rows of a tile pass of Rt (amx_split_rows): acc[r] over every
- * unit, in order. b: the group's B tiles, either all units unpacked already (b_all) or unpacked
- * here into a ring of two units. */
-static void amx_group_rows(int qtype, const uint8_t *gp, int64_t in, const uint16_t *xp, const float *S, int R,
+/* The 16 outputs of group g for R rows of a tile pass of Rt (amx_split_rows with L lanes):
+ * acc[r] over every unit, in order. b: the group's B tiles, either all units unpacked already
+ * (b_all) or unpacked here into a ring of two units. */
+static void amx_group_rows(int qtype, int L, const uint8_t *gp, int64_t in, const uint16_t *xp, const float *S, int R,
                            int Rt, const uint16_t *b_all, uint16_t *ring, float *cbuf, float *out, int64_t ldo) {
-    const int sb = amx_sub_block(qtype), ub = amx_unit_bytes(qtype), steps = AMX_UNIT_K / sb / 2;
+    const int sb = amx_sub_block(qtype), ub = amx_unit_bytes(qtype), kv = L * sb, steps = AMX_UNIT_K / kv;
     const int64_t units = in / AMX_UNIT_K, ns = in / sb;
+    const int64_t piece = (int64_t)L * Rt * in;   /* the pieces' A rows are L Rt apart */
     const int has_min = qtype != Q6_K;
     __m512 acc[AMX_ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
@@ -317,40 +340,40 @@ static void amx_group_rows(int qtype, const uint8_t *gp, int64_t in, const uint1
                     _mm_prefetch((const char *)(gp + (t + AMX_PREFETCH_UNITS) * ub + line), _MM_HINT_T0);
                 amx_unpack_unit(qtype, gp + (t + 1) * ub, ring + ((t + 1) & 1) * 1024);
             }
-            float *c = cbuf + (t & 1) * (2 * steps * 256);
-            for (int st = 0; st < steps; st++) {
-                const int64_t k = t * AMX_UNIT_K + st * 2 * sb;
-                const int64_t piece = Rt * in;   /* the pieces' A rows are Rt apart */
+            float *c = cbuf + (t & 1) * (steps * 256);
+            for (int st = 0; st < steps; st += 2) {   /* steps st and st + 1 into C0 and C1 */
+                const int64_t k = t * AMX_UNIT_K + st * kv;
                 _tile_zero(0);
                 _tile_zero(1);
-                _tile_loadd(5, b + (2 * st) * sb * 16, 64);
-                _tile_loadd(6, b + (2 * st + 1) * sb * 16, 64);
+                _tile_loadd(5, b + st * kv * 16, 64);
+                _tile_loadd(6, b + (st + 1) * kv * 16, 64);
                 _tile_loadd(2, xp + k, in * 2);
                 _tile_loadd(3, xp + piece + k, in * 2);
                 _tile_loadd(4, xp + 2 * piece + k, in * 2);
                 _tile_dpbf16ps(0, 2, 5);   /* C0 += piece 1, then 2, then 3: the sum of q * x */
                 _tile_dpbf16ps(0, 3, 5);
                 _tile_dpbf16ps(0, 4, 5);
-                _tile_loadd(2, xp + k + sb, in * 2);
-                _tile_loadd(3, xp + piece + k + sb, in * 2);
-                _tile_loadd(4, xp + 2 * piece + k + sb, in * 2);
+                _tile_loadd(2, xp + k + kv, in * 2);
+                _tile_loadd(3, xp + piece + k + kv, in * 2);
+                _tile_loadd(4, xp + 2 * piece + k + kv, in * 2);
                 _tile_dpbf16ps(1, 2, 6);
                 _tile_dpbf16ps(1, 3, 6);
                 _tile_dpbf16ps(1, 4, 6);
-                _tile_stored(0, c + (2 * st) * 256, 64);
-                _tile_stored(1, c + (2 * st + 1) * 256, 64);
+                _tile_stored(0, c + st * 256, 64);
+                _tile_stored(1, c + (st + 1) * 256, 64);
             }
         }
         if (t > 0) {
             const int64_t u = t - 1;
             const uint8_t *p = gp + u * ub;
-            const float *c = cbuf + (u & 1) * (2 * steps * 256);
-            for (int h = 0; h < 2 * steps; h++) {
+            const float *c = cbuf + (u & 1) * (steps * 256);
+            for (int h = 0; h < AMX_UNIT_K / sb; h++) {   /* sub-block h: step h / L, lane h % L */
                 __m512 a, m;
                 amx_unit_scales(qtype, p, h, &a, &m);
                 const int64_t s = u * (AMX_UNIT_K / sb) + h;
+                const float *ch = c + (h / L) * 256 + (h % L) * 16;
                 for (int r = 0; r < R; r++) {
-                    acc[r] = _mm512_fmadd_ps(_mm512_load_ps(c + h * 256 + r * 16), a, acc[r]);
+                    acc[r] = _mm512_fmadd_ps(_mm512_load_ps(ch + L * r * 16), a, acc[r]);
                     if (has_min) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(S[r * ns + s]), m, acc[r]);
                 }
             }
@@ -378,41 +401,41 @@ static uint8_t *amx_scratch_for(int64_t len) {
  * could not be allocated (out is then incomplete). */
 static int amx_gemm_team(const float *x, int64_t ldx, int64_t rows, const uint8_t *w, int qtype, int64_t out_features,
                          int64_t in, const float *bias, float *out, int64_t ldo) {
-    const int sb = amx_sub_block(qtype);
-    const int64_t chunks = (rows + AMX_ROWS - 1) / AMX_ROWS, groups = out_features / 16;
+    const int sb = amx_sub_block(qtype), L = amx_lanes(qtype, rows), per = AMX_ROWS / L;
+    const int64_t chunks = (rows + per - 1) / per, groups = out_features / 16;
     const int64_t row_bytes = amx_packed_row_bytes(qtype, in), units = in / AMX_UNIT_K;
-    const int many = rows > AMX_ROWS;   /* unpack each group once for all its row chunks */
+    const int many = rows > per;   /* unpack each group once for all its row chunks */
     /* one tile shape for every pass (a configuration change is slow and clears the tiles): a
      * short last pass runs with zero rows, which change no other row's sums */
-    const int Rt = (int)(rows < AMX_ROWS ? rows : AMX_ROWS);
-    const int64_t xp_bytes = chunks * 3 * AMX_ROWS * in * 2, s_bytes = (chunks * AMX_ROWS * (in / sb) * 4 + 63) / 64 * 64;
-    const int64_t fixed = 2 * 2048 + 2 * 4 * 256 * 4;
+    const int Rt = (int)(rows < per ? rows : per);
+    const int64_t xp_bytes = chunks * 3 * AMX_ROWS * in * 2, s_bytes = (chunks * per * (in / sb) * 4 + 63) / 64 * 64;
+    const int64_t fixed = 2 * 2048 + 2 * 4 * 256 * 4;   /* the ring of two units, two units' sums */
     uint8_t *buf = amx_scratch_for(xp_bytes + s_bytes + fixed + (many ? units * 2048 : 0));
     const int ok = buf != NULL && amx_usable();
     uint16_t *xp = (uint16_t *)buf;
-    float *S = ok ? (float *)(buf + xp_bytes) : NULL;
+    float *S = ok && qtype != Q6_K ? (float *)(buf + xp_bytes) : NULL;
     uint16_t *ring = ok ? (uint16_t *)(buf + xp_bytes + s_bytes) : NULL;
     float *cbuf = ok ? (float *)(buf + xp_bytes + s_bytes + 2 * 2048) : NULL;
     uint16_t *b_all = ok && many ? (uint16_t *)(buf + xp_bytes + s_bytes + fixed) : NULL;
     if (ok)
         for (int64_t ch = 0; ch < chunks; ch++) {
-            const int R = (int)(rows - ch * AMX_ROWS < AMX_ROWS ? rows - ch * AMX_ROWS : AMX_ROWS);
-            amx_split_rows(x + ch * AMX_ROWS * ldx, ldx, R, Rt, in, sb, xp + ch * 3 * AMX_ROWS * in,
-                           qtype != Q6_K ? S + ch * AMX_ROWS * (in / sb) : NULL);
+            const int R = (int)(rows - ch * per < per ? rows - ch * per : per);
+            amx_split_rows(x + ch * per * ldx, ldx, R, Rt, in, sb, L, xp + ch * 3 * AMX_ROWS * in,
+                           S ? S + ch * per * (in / sb) : NULL);
         }
     int configured = 0;
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, work_chunk(groups))
     for (int64_t g = 0; g < groups; g++) {
         if (!ok) continue;
         const uint8_t *gp = w + g * row_bytes;
         if (b_all)
             for (int64_t u = 0; u < units; u++) amx_unpack_unit(qtype, gp + u * amx_unit_bytes(qtype), b_all + u * 1024);
         for (int64_t ch = 0; ch < chunks; ch++) {
-            const int R = (int)(rows - ch * AMX_ROWS < AMX_ROWS ? rows - ch * AMX_ROWS : AMX_ROWS);
-            if (!configured) amx_configure(Rt, sb), configured = 1;
-            float *o = out + ch * AMX_ROWS * ldo + g * 16;
-            amx_group_rows(qtype, gp, in, xp + ch * 3 * AMX_ROWS * in, S ? S + ch * AMX_ROWS * (in / sb) : NULL, R,
-                           Rt, b_all, ring, cbuf, o, ldo);
+            const int R = (int)(rows - ch * per < per ? rows - ch * per : per);
+            if (!configured) amx_configure(L * Rt, L * sb), configured = 1;
+            float *o = out + ch * per * ldo + g * 16;
+            amx_group_rows(qtype, L, gp, in, xp + ch * 3 * AMX_ROWS * in, S ? S + ch * per * (in / sb) : NULL, R, Rt,
+                           b_all, ring, cbuf, o, ldo);
             if (bias) {
                 const __m512 bv = _mm512_loadu_ps(bias + g * 16);
                 for (int r = 0; r < R; r++) _mm512_storeu_ps(o + r * ldo, _mm512_add_ps(_mm512_loadu_ps(o + r * ldo), bv));

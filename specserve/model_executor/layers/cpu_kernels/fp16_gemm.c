@@ -63,7 +63,7 @@ int specserve_fp16_gemm(const float *x, int64_t ldx, int64_t rows, const uint16_
         if (!ok) status = -3;
         for (int64_t row0 = 0; row0 < rows; row0 += ROW_TILE) {
             const int64_t row1 = row0 + ROW_TILE < rows ? row0 + ROW_TILE : rows;
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, work_chunk(blocks))
             for (int64_t b = 0; b < blocks; b++) {
                 const int64_t j = b * 4;
                 const uint16_t *wj = w + j * in;

@@ -16,6 +16,24 @@
 #if defined(__F16C__)
 #include <immintrin.h>
 #endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* The share of a matmul's n output blocks a thread takes at a time: its loops over output blocks
+ * run schedule(dynamic, work_chunk(n)), about 16 chunks a thread. Why not a static split: on
+ * shared VMs one core often runs slower than the other for minutes (measured 1.6x on the
+ * development VM's AMX tiles, 2026-12-03), and a static split makes every step wait for the slow
+ * core. Each block is computed whole, by the same operations, by whichever thread takes it, so
+ * no result depends on the schedule. */
+static inline int64_t work_chunk(int64_t n) {
+#ifdef _OPENMP
+    const int64_t chunk = n / (16 * (int64_t)omp_get_num_threads());
+#else
+    const int64_t chunk = n / 16;
+#endif
+    return chunk > 1 ? chunk : 1;
+}
 
 #if defined(__AVX512F__)
 #define VEC 16

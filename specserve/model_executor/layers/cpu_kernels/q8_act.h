@@ -481,7 +481,7 @@ static int q8_gemm_team(const float *x, int64_t ldx, int64_t rows, const uint8_t
                 q8_quantize_row(src, in, xq + r * in, xd + r * ngroups, xl + r * (in / 4), xm + r * 16 * ngroups,
                                 xs + r * 16 * ngroups, qtype == Q4_K, last ? NULL : resid);
             }
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, work_chunk(blocks))
         for (int64_t b = 0; b < blocks; b++) {
             if (!ok) continue;
             const int64_t j = b * 4;

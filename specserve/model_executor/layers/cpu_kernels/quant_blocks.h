@@ -386,7 +386,7 @@ static int quant_gemm_team(const float *x, int64_t ldx, int64_t rows, const uint
     float *wf = scratch_for(4 * in + 8 * ((in / 32 + 15) / 16 * 16));
     float *sc = wf ? wf + 4 * in : NULL;
     const int ok = wf != NULL;
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, work_chunk(blocks))
     for (int64_t b = 0; b < blocks; b++) {
         if (!ok) continue;
         const int64_t j = b * 4;
