@@ -320,22 +320,23 @@ static void amx_split_rows(const float *x, int64_t ldx, int R, int Rt, int64_t i
 }
 
 /* The 16 outputs of group g for R rows of a tile pass of Rt (amx_split_rows with L lanes):
- * acc[r] over every unit, in order. b: the group's B tiles, either all units unpacked already
- * (b_all) or unpacked here into a ring of two units. */
+ * acc[r] over every unit, in order, the group's quants unpacked unit by unit into a ring of two
+ * (again for every pass: from L1/L2, measured as fast as unpacking a group once into a buffer
+ * for all passes, and 1.2x faster at 11-16 rows, where that buffer leaves L1). */
 static void amx_group_rows(int qtype, int L, const uint8_t *gp, int64_t in, const uint16_t *xp, const float *S, int R,
-                           int Rt, const uint16_t *b_all, uint16_t *ring, float *cbuf, float *out, int64_t ldo) {
+                           int Rt, uint16_t *ring, float *cbuf, float *out, int64_t ldo) {
     const int sb = amx_sub_block(qtype), ub = amx_unit_bytes(qtype), kv = L * sb, steps = AMX_UNIT_K / kv;
     const int64_t units = in / AMX_UNIT_K, ns = in / sb;
     const int64_t piece = (int64_t)L * Rt * in;   /* the pieces' A rows are L Rt apart */
     const int has_min = qtype != Q6_K;
     __m512 acc[AMX_ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    if (!b_all) amx_unpack_unit(qtype, gp, ring);
+    amx_unpack_unit(qtype, gp, ring);
     /* unit t's tile multiplies, then unit t - 1's float work (its sums wait in cbuf) */
     for (int64_t t = 0; t <= units; t++) {
         if (t < units) {
-            const uint16_t *b = b_all ? b_all + t * 1024 : ring + (t & 1) * 1024;
-            if (!b_all && t + 1 < units) {
+            const uint16_t *b = ring + (t & 1) * 1024;
+            if (t + 1 < units) {
                 for (int line = 0; line < ub; line += 64)   /* every line of a unit AMX_PREFETCH_UNITS ahead */
                     _mm_prefetch((const char *)(gp + (t + AMX_PREFETCH_UNITS) * ub + line), _MM_HINT_T0);
                 amx_unpack_unit(qtype, gp + (t + 1) * ub, ring + ((t + 1) & 1) * 1024);
@@ -382,8 +383,102 @@ static void amx_group_rows(int qtype, int L, const uint8_t *gp, int64_t in, cons
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * ldo, acc[r]);
 }
 
+/* ---- per-piece sums (Q4_K, Q4_1) ----
+ * A 32-value sub-block fills a tile multiply, so the 1-lane way above runs three multiplies per
+ * sub-block (one a piece) whatever the row count: a 1-row step is bound by them. Here the three
+ * pieces of a row are three A ROWS (piece-major: A row i per + r), so one multiply a sub-block
+ * gives every piece's sum in its own C row, D = (C_3 + C_2) + C_1 follows in float32, then
+ * a_s * D + m_s * S as above: a third of the tile multiplies at 1-5 rows (measured 1.3x-1.4x
+ * faster on a 1-row Q4_K matrix), the same stores. A pass takes up to AMX_PIECE_ROWS rows (15 A
+ * rows); two passes share each B tile load. Each piece's sum depends only on its own A row, so
+ * rows stay invariant. */
+#define AMX_PIECE_ROWS 5
+
+/* Tiles: 0, 1 pass 0's sums of a unit's two sub-blocks, 2, 3 pass 1's (C: 3 per rows of 16
+ * outputs); 4, 7 activations (A: 3 per rows of 32 bfloat16); 5, 6 the two sub-blocks' quants. */
+static void amx_configure_pieces(int per) {
+    amx_tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.rows[t] = (uint8_t)(3 * per), cfg.colsb[t] = 64;
+    cfg.rows[5] = cfg.rows[6] = 16;
+    _tile_loadconfig(&cfg);
+}
+
+/* Float work of one pass of R rows over unit u's sums c (two sub-blocks, 256 floats apart). */
+static inline void amx_pieces_float(int qtype, const uint8_t *p, int64_t u, const float *c, int per, int R,
+                                    const float *S, int64_t ns, __m512 *acc) {
+    for (int h = 0; h < 2; h++) {
+        __m512 a, m;
+        amx_unit_scales(qtype, p, h, &a, &m);
+        const int64_t s = u * 2 + h;
+        const float *ch = c + h * 256;
+        for (int r = 0; r < R; r++) {
+            const __m512 d = _mm512_add_ps(_mm512_add_ps(_mm512_load_ps(ch + (2 * per + r) * 16),
+                                                         _mm512_load_ps(ch + (per + r) * 16)),
+                                           _mm512_load_ps(ch + r * 16));
+            acc[r] = _mm512_fmadd_ps(d, a, acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(S[r * ns + s]), m, acc[r]);
+        }
+    }
+}
+
+/* The 16 outputs of group g for one or two passes (R0 rows at xp0, R1 >= 0 at xp1; per rows
+ * each in the tiles): acc over every unit, in order; pass 1's rows follow pass 0's in out. */
+static void amx_group_pieces(int qtype, const uint8_t *gp, int64_t in, const uint16_t *xp0, const uint16_t *xp1,
+                             const float *S0, const float *S1, int per, int R0, int R1, uint16_t *ring, float *cbuf,
+                             float *out, int64_t ldo) {
+    const int ub = amx_unit_bytes(qtype);
+    const int64_t units = in / AMX_UNIT_K, ns = in / 32;
+    __m512 acc0[AMX_PIECE_ROWS], acc1[AMX_PIECE_ROWS];
+    for (int r = 0; r < AMX_PIECE_ROWS; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
+    amx_unpack_unit(qtype, gp, ring);
+    for (int64_t t = 0; t <= units; t++) {
+        if (t < units) {
+            const uint16_t *b = ring + (t & 1) * 1024;
+            if (t + 1 < units) {
+                for (int line = 0; line < ub; line += 64)
+                    _mm_prefetch((const char *)(gp + (t + AMX_PREFETCH_UNITS) * ub + line), _MM_HINT_T0);
+                amx_unpack_unit(qtype, gp + (t + 1) * ub, ring + ((t + 1) & 1) * 1024);
+            }
+            float *c = cbuf + (t & 1) * 1024;
+            const int64_t k = t * AMX_UNIT_K;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_loadd(5, b, 64);
+            _tile_loadd(6, b + 512, 64);
+            _tile_loadd(4, xp0 + k, in * 2);
+            _tile_loadd(7, xp0 + k + 32, in * 2);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_dpbf16ps(1, 7, 6);
+            if (R1) {
+                _tile_zero(2);
+                _tile_zero(3);
+                _tile_loadd(4, xp1 + k, in * 2);
+                _tile_loadd(7, xp1 + k + 32, in * 2);
+                _tile_dpbf16ps(2, 4, 5);
+                _tile_dpbf16ps(3, 7, 6);
+            }
+            _tile_stored(0, c, 64);
+            _tile_stored(1, c + 256, 64);
+            if (R1) {
+                _tile_stored(2, c + 512, 64);
+                _tile_stored(3, c + 768, 64);
+            }
+        }
+        if (t > 0) {
+            const int64_t u = t - 1;
+            const float *c = cbuf + (u & 1) * 1024;
+            amx_pieces_float(qtype, gp + u * ub, u, c, per, R0, S0, ns, acc0);
+            if (R1) amx_pieces_float(qtype, gp + u * ub, u, c + 512, per, R1, S1, ns, acc1);
+        }
+    }
+    for (int r = 0; r < R0; r++) _mm512_storeu_ps(out + r * ldo, acc0[r]);
+    for (int r = 0; r < R1; r++) _mm512_storeu_ps(out + (per + r) * ldo, acc1[r]);
+}
+
 /* A thread's scratch (grown as needed, kept between calls): activation pieces and sums for all
- * rows, a ring of two unpacked units, two units' tile sums, and for many rows a group's B tiles. */
+ * rows, a ring of two unpacked units, two units' tile sums. */
 static __thread uint8_t *amx_scratch;
 static __thread int64_t amx_scratch_len;
 
@@ -397,45 +492,58 @@ static uint8_t *amx_scratch_for(int64_t len) {
 }
 
 /* out = x @ w.T (+ bias), w packed by amx_pack; called by every thread of an enclosing parallel
- * region (an orphaned omp for over 16-output groups). Returns 0, or -3 when scratch memory
+ * region (an orphaned omp for over 16-output groups). Rows go in passes (Q6_K: amx_lanes' 8 or
+ * 16 rows; Q4_K and Q4_1: as even as can be, up to AMX_PIECE_ROWS, two to a chunk); a chunk's
+ * rows are one call of amx_group_rows or amx_group_pieces. Returns 0, or -3 when scratch memory
  * could not be allocated (out is then incomplete). */
 static int amx_gemm_team(const float *x, int64_t ldx, int64_t rows, const uint8_t *w, int qtype, int64_t out_features,
                          int64_t in, const float *bias, float *out, int64_t ldo) {
-    const int sb = amx_sub_block(qtype), L = amx_lanes(qtype, rows), per = AMX_ROWS / L;
-    const int64_t chunks = (rows + per - 1) / per, groups = out_features / 16;
-    const int64_t row_bytes = amx_packed_row_bytes(qtype, in), units = in / AMX_UNIT_K;
-    const int many = rows > per;   /* unpack each group once for all its row chunks */
+    const int sb = amx_sub_block(qtype), pieces = qtype != Q6_K, L = amx_lanes(qtype, rows);
+    const int64_t cap = pieces ? AMX_PIECE_ROWS : AMX_ROWS / L;
+    const int64_t passes = (rows + cap - 1) / cap, groups = out_features / 16, ns = in / sb;
     /* one tile shape for every pass (a configuration change is slow and clears the tiles): a
-     * short last pass runs with zero rows, which change no other row's sums */
-    const int Rt = (int)(rows < per ? rows : per);
-    const int64_t xp_bytes = chunks * 3 * AMX_ROWS * in * 2, s_bytes = (chunks * per * (in / sb) * 4 + 63) / 64 * 64;
+     * short pass runs with zero rows, which change no other row's sums */
+    const int per = (int)((rows + passes - 1) / passes);
+    const int64_t per_chunk = pieces ? 2 : 1, chunks = (passes + per_chunk - 1) / per_chunk;
+    const int64_t row_bytes = amx_packed_row_bytes(qtype, in), units = in / AMX_UNIT_K;
+    const int64_t pass_elems = 3 * (int64_t)L * per * in;   /* a pass's pieces, bfloat16 */
+    const int64_t xp_bytes = passes * pass_elems * 2, s_bytes = (passes * per * ns * 4 + 63) / 64 * 64;
     const int64_t fixed = 2 * 2048 + 2 * 4 * 256 * 4;   /* the ring of two units, two units' sums */
-    uint8_t *buf = amx_scratch_for(xp_bytes + s_bytes + fixed + (many ? units * 2048 : 0));
+    uint8_t *buf = amx_scratch_for(xp_bytes + s_bytes + fixed);
     const int ok = buf != NULL && amx_usable();
     uint16_t *xp = (uint16_t *)buf;
     float *S = ok && qtype != Q6_K ? (float *)(buf + xp_bytes) : NULL;
     uint16_t *ring = ok ? (uint16_t *)(buf + xp_bytes + s_bytes) : NULL;
     float *cbuf = ok ? (float *)(buf + xp_bytes + s_bytes + 2 * 2048) : NULL;
-    uint16_t *b_all = ok && many ? (uint16_t *)(buf + xp_bytes + s_bytes + fixed) : NULL;
     if (ok)
-        for (int64_t ch = 0; ch < chunks; ch++) {
-            const int R = (int)(rows - ch * per < per ? rows - ch * per : per);
-            amx_split_rows(x + ch * per * ldx, ldx, R, Rt, in, sb, L, xp + ch * 3 * AMX_ROWS * in,
-                           S ? S + ch * per * (in / sb) : NULL);
+        for (int64_t ps = 0; ps < passes; ps++) {
+            const int R = (int)(rows - ps * per < per ? rows - ps * per : per);
+            amx_split_rows(x + ps * per * ldx, ldx, R, per, in, sb, L, xp + ps * pass_elems, S ? S + ps * per * ns : NULL);
         }
     int configured = 0;
 #pragma omp for schedule(dynamic, work_chunk(groups))
     for (int64_t g = 0; g < groups; g++) {
         if (!ok) continue;
         const uint8_t *gp = w + g * row_bytes;
-        if (b_all)
-            for (int64_t u = 0; u < units; u++) amx_unpack_unit(qtype, gp + u * amx_unit_bytes(qtype), b_all + u * 1024);
+        if (!configured) {
+            if (pieces) amx_configure_pieces(per);
+            else amx_configure(L * per, L * sb);
+            configured = 1;
+        }
         for (int64_t ch = 0; ch < chunks; ch++) {
-            const int R = (int)(rows - ch * per < per ? rows - ch * per : per);
-            if (!configured) amx_configure(L * Rt, L * sb), configured = 1;
-            float *o = out + ch * per * ldo + g * 16;
-            amx_group_rows(qtype, L, gp, in, xp + ch * 3 * AMX_ROWS * in, S ? S + ch * per * (in / sb) : NULL, R, Rt,
-                           b_all, ring, cbuf, o, ldo);
+            const int64_t p0 = ch * per_chunk, r0 = p0 * per;
+            const int R0 = (int)(rows - r0 < per ? rows - r0 : per);
+            float *o = out + r0 * ldo + g * 16;
+            int R = R0;
+            if (pieces) {
+                const int R1 = p0 + 1 < passes ? (int)(rows - r0 - per < per ? rows - r0 - per : per) : 0;
+                amx_group_pieces(qtype, gp, in, xp + p0 * pass_elems, xp + (p0 + 1) * pass_elems, S + p0 * per * ns,
+                                 S + (p0 + 1) * per * ns, per, R0, R1, ring, cbuf, o, ldo);
+                R = R1 ? per + R1 : R0;
+            } else {
+                amx_group_rows(qtype, L, gp, in, xp + p0 * pass_elems, S ? S + p0 * per * ns : NULL, R0, per, ring,
+                               cbuf, o, ldo);
+            }
             if (bias) {
                 const __m512 bv = _mm512_loadu_ps(bias + g * 16);
                 for (int r = 0; r < R; r++) _mm512_storeu_ps(o + r * ldo, _mm512_add_ps(_mm512_loadu_ps(o + r * ldo), bv));
