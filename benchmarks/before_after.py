@@ -1,10 +1,13 @@
-"""Two checkouts side by side: plain and n-gram decoding on the default model at batch 1 and 16.
+"""Two checkouts side by side: plain and n-gram decoding on the default model at batch 1 and 16,
+or (``--forwards``) one model forward over 1..N rows, a decode step or a verification.
 
 Each round runs every checkout in its own process (``PYTHONPATH`` pointing at it), the order
-alternating round by round; reported: the median tok/s per configuration and the ratio.
+alternating round by round; reported: the median tok/s (or ms) per configuration and the ratio.
 
     git worktree add /tmp/before REV
     python benchmarks/before_after.py 6 --before /tmp/before --after .
+    python benchmarks/before_after.py 4 --before /tmp/before --forwards 1,5,8,16,64 \
+        --model qwen2.5-coder-1.5b-instruct
 """
 import argparse
 import json
@@ -35,24 +38,38 @@ for name, spec in (("plain", None), ("ngram", {"method": "ngram", "num_speculati
         res[f"{name} b{batch}"] = n / (time.perf_counter() - t)
 print(json.dumps(res))
 '''
+FORWARDS = r'''
+import json, sys, torch
+torch.set_num_threads(2)
+from specserve import LLM
+from benchmarks.forward_timing import time_forwards
+llm = LLM(model=sys.argv[1], max_model_len=1024, kv_cache_memory=1 << 28)
+rows = [int(r) for r in sys.argv[2].split(",")]
+medians = time_forwards({"x": llm}, rows, rounds=2)
+print(json.dumps({f"forward {r} rows ms": medians["x", r] for r in rows}))
+'''
 ap = argparse.ArgumentParser()
 ap.add_argument("rounds", type=int, nargs="?", default=3)
 ap.add_argument("--before", required=True)
 ap.add_argument("--after", default=".")
+ap.add_argument("--forwards", help="comma list of row counts: time model forwards instead of decoding")
+ap.add_argument("--model", default="default", help="with --forwards: the model to load")
 args = ap.parse_args()
+command = ["-c", FORWARDS, args.model, args.forwards] if args.forwards else ["-c", CODE]
 trees = {"before": os.path.abspath(args.before), "after": os.path.abspath(args.after)}
 out = {k: [] for k in trees}
 for r in range(args.rounds):
     for name in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
         env = dict(os.environ, PYTHONPATH=trees[name])
-        p = subprocess.run([sys.executable, "-c", CODE], env=env, capture_output=True, text=True, cwd=trees[name])
+        p = subprocess.run([sys.executable, *command], env=env, capture_output=True, text=True, cwd=trees[name])
         line = [l for l in p.stdout.splitlines() if l.startswith("{")]
         if not line:
             print(name, p.stderr[-800:]); continue
         out[name].append(json.loads(line[-1]))
         print(name, out[name][-1], flush=True)
 keys = list(out["after"][0])
-print("| configuration | before tok/s | after tok/s | after / before |")
+unit = "ms" if args.forwards else "tok/s"
+print(f"| configuration | before {unit} | after {unit} | after / before |")
 print("|---|---|---|---|")
 for k in keys:
     b = statistics.median(x[k] for x in out["before"]); a = statistics.median(x[k] for x in out["after"])

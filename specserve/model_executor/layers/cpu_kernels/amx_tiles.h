@@ -17,8 +17,10 @@
  *     (p1 = bf16(x), p2 = bf16(x - p1), p3 = x - p1 - p2, which has at most 8 significant bits);
  *   - every product q * p is exact in float32, and the tile sums them in float32;
  *   - per sub-block s of SB values (one scale a_s, one offset m_s in the format), with
- *     D = sum q * x over the sub-block (three tile multiplies, one a piece, into one C tile)
- *     and S = sum x over it:
+ *     D = sum q * x over the sub-block and S = sum x over it. D comes from the tiles: Q6_K's
+ *     three tile multiplies, one a piece, sum into one C tile; Q4_K's and Q4_1's pieces are three
+ *     A rows of one multiply, each piece's sum in its own C row, and D = (D_3 + D_2) + D_1 in
+ *     float32 (amx_group_pieces: a third of the tile multiplies of a decode step). Then
  *       out[r, o] = sum over s, in order, of  a_s * D  then  + m_s * S
  *     which is sum_k w_k * x_k for w = a_s * q + m_s, exactly ggml's dequantized value
  *     (Q4_K: a = d * scale, m = -dmin * min; Q4_1: a = d, m = m; Q6_K: a = d * scale, q - 32).
@@ -27,7 +29,7 @@
  *
  * Row-invariant: each output element of a tile multiply depends only on its own A row and B
  * column, and every (row, output) runs the same sequence of tile multiplies and float32 adds
- * whatever the row count (rows are taken AMX_ROWS at a time, each alone in its A rows; Q6_K's
+ * whatever the row count (rows are taken a pass at a time, each alone in its A rows; Q6_K's
  * passes of up to 8 rows put two sub-blocks in one multiply with zeros in the other's place,
  * which adds exact zeros: amx_lanes) or the thread count (each 16-output group is computed whole
  * by whichever thread takes it).
