@@ -43,7 +43,7 @@ import json, sys, torch
 torch.set_num_threads(2)
 from specserve import LLM
 from benchmarks.forward_timing import time_forwards
-llm = LLM(model=sys.argv[1], max_model_len=1024, kv_cache_memory=1 << 28)
+llm = LLM(model=None if sys.argv[1] == "default" else sys.argv[1], max_model_len=1024, kv_cache_memory=1 << 28)
 rows = [int(r) for r in sys.argv[2].split(",")]
 medians = time_forwards({"x": llm}, rows, rounds=2)
 print(json.dumps({f"forward {r} rows ms": medians["x", r] for r in rows}))
