@@ -15,7 +15,6 @@ medians. Logits: one 40-token prompt's 40 rows, max |logit - AVX512's| and argma
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -23,16 +22,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from forward_timing import print_table, time_forwards  # noqa: E402  (the shared timing loop)
+from forward_timing import print_table, time_forwards, with_amx  # noqa: E402  (the shared timing loop)
 
 
 def build(model: str, path: str):
     from specserve import LLM
     vnni = path in ("AVX512", "int8") or path.endswith("-vnni")
-    os.environ["SPECSERVE_CPU_AMX"] = "off" if vnni else "on"   # read when matrices are packed
     fixed = {"AVX512": False, "AMX": False, "int8": True}
     act = fixed[path] if path in fixed else int(path[1:].removesuffix("-vnni"))
-    return LLM(model=model, max_model_len=1024, kv_cache_memory=1 << 27, int8_activations=act)
+    return with_amx(not vnni, lambda: LLM(model=model, max_model_len=1024, kv_cache_memory=1 << 27,
+                                          int8_activations=act))
 
 
 def main() -> int:

@@ -16,7 +16,6 @@ verification, at context 64) with each path; ms (median).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -26,25 +25,12 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from forward_timing import print_table, time_forwards  # noqa: E402  (the shared timing loop)
+from forward_timing import print_table, time_forwards, with_amx  # noqa: E402  (the shared timing loop)
 from quant_kernel_ab import SHAPES  # noqa: E402  (the model shapes, one definition)
 
 from specserve.model_executor.layers import quant_gemm  # noqa: E402
 
 PATHS = ("AVX-512", "AMX")
-
-
-def with_amx(enabled: bool, build):
-    """build() with the AMX path allowed or not (the choice is made when matrices are packed)."""
-    old = os.environ.get("SPECSERVE_CPU_AMX")
-    os.environ["SPECSERVE_CPU_AMX"] = "on" if enabled else "off"
-    try:
-        return build()
-    finally:
-        if old is None:
-            del os.environ["SPECSERVE_CPU_AMX"]
-        else:
-            os.environ["SPECSERVE_CPU_AMX"] = old
 
 
 def matrices(shapes, rows_list, rounds: int) -> None:

@@ -7,11 +7,26 @@ warm-up call, then two timed calls), so a slow spell of the machine lands on all
 """
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from typing import Callable
 
 CONTEXT = 64   # tokens already in the KV cache before the timed rows
+
+
+def with_amx(enabled: bool, build: Callable):
+    """build() with specserve's AMX kernels allowed or not (``SPECSERVE_CPU_AMX``, read when an engine
+    packs its matrices at the end of loading), the variable restored afterwards."""
+    old = os.environ.get("SPECSERVE_CPU_AMX")
+    os.environ["SPECSERVE_CPU_AMX"] = "on" if enabled else "off"
+    try:
+        return build()
+    finally:
+        if old is None:
+            del os.environ["SPECSERVE_CPU_AMX"]
+        else:
+            os.environ["SPECSERVE_CPU_AMX"] = old
 
 
 def step_input(rows: int) -> list:

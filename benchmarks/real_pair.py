@@ -46,6 +46,8 @@ from collections import defaultdict
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from forward_timing import with_amx  # noqa: E402  (SPECSERVE_CPU_AMX set and restored around a build)
 
 
 def load_prompts(path: str, categories: str | None, limit: int | None, per_category: int | None = None) -> list[dict]:
@@ -75,14 +77,9 @@ def build(config: str, args):
         raise SystemExit(f"unknown configuration suffixes {sorted(unknown) or quantization} "
                          "(+int8, +f32draft, +p2 ... +p4, +vnni, one draft format +q4_0 ... +q8_0)")
     kw = dict(model=args.target, max_model_len=2048, kv_cache_memory=1 << 28, int8_activations=pieces[0] if pieces else "int8" in variants)
-    saved = os.environ.get("SPECSERVE_CPU_AMX")
-    if "vnni" in variants:   # read when the matrices are packed, at the end of loading
-        os.environ["SPECSERVE_CPU_AMX"] = "off"
-    try:
-        return build_llm(config, variants, quantization, kw, args)
-    finally:
-        if "vnni" in variants:
-            os.environ.pop("SPECSERVE_CPU_AMX") if saved is None else os.environ.update(SPECSERVE_CPU_AMX=saved)
+    if "vnni" in variants:   # the AMX kernels off while the matrices are packed, at the end of loading
+        return with_amx(False, lambda: build_llm(config, variants, quantization, kw, args))
+    return build_llm(config, variants, quantization, kw, args)
 
 
 def build_llm(config: str, variants: list[str], quantization: list[str], kw: dict, args):
