@@ -106,12 +106,12 @@ static void file_codes(int qtype, const uint8_t *row, int64_t k0, uint8_t codes[
         const uint8_t *b = row + (k0 / 256) * 210;
         const int i0 = (int)(k0 % 256), n = i0 / 128, quarter = (i0 % 128) / 32;
         const uint8_t *ql = b + 64 * n, *qh = b + 128 + 32 * n;
-        for (int half = 0; half < 2; half++)   /* quarters `quarter` and `quarter + 1` */
-            for (int l = 0; l < 32; l++) {
-                const int qq = quarter + half;
-                const int lo = qq == 0 ? ql[l] & 0x0F : qq == 1 ? ql[l + 32] & 0x0F : qq == 2 ? ql[l] >> 4 : ql[l + 32] >> 4;
-                codes[32 * half + l] = (uint8_t)(lo | (((qh[l] >> (2 * qq)) & 3) << 4));
-            }
+        for (int half = 0; half < 2; half++) {   /* quarters `quarter` and `quarter + 1` */
+            const int qq = quarter + half, lo_shift = 4 * (qq / 2), hi_shift = 2 * qq;
+            const uint8_t *lo = ql + 32 * (qq % 2);   /* quarters 0 and 2: ql[l]; 1 and 3: ql[l + 32] */
+            for (int l = 0; l < 32; l++)
+                codes[32 * half + l] = (uint8_t)(((lo[l] >> lo_shift) & 0x0F) | (((qh[l] >> hi_shift) & 3) << 4));
+        }
     }
 }
 
@@ -149,13 +149,11 @@ __attribute__((unused)) static void amx_pack(const uint8_t *w, int qtype, int64_
                 }
                 uint8_t codes[AMX_UNIT_K];
                 file_codes(qtype, row, k0, codes);
-                for (int kk = 0; kk < AMX_UNIT_K; kk++) {
-                    const int j = 2 * o + kk % 2;
-                    if (qtype == Q6_K)   /* sub-block kk / 16, a byte each */
-                        p[96 + ((kk / 16) * 8 + (kk % 16) / 2) * 32 + j] = codes[kk];
-                    else                 /* sub-block kk / 32: low or high nibble */
-                        p[128 + ((kk % 32) / 2) * 32 + j] |= (uint8_t)(codes[kk] << (4 * (kk / 32)));
-                }
+                if (qtype == Q6_K)   /* a byte a code, pair row kk / 2 */
+                    for (int pr = 0; pr < 32; pr++) memcpy(p + 96 + pr * 32 + 2 * o, codes + 2 * pr, 2);
+                else                 /* inputs kk and kk + 32 share a byte: low and high nibble */
+                    for (int kk = 0; kk < 32; kk++)
+                        p[128 + (kk / 2) * 32 + 2 * o + kk % 2] = (uint8_t)(codes[kk] | codes[32 + kk] << 4);
             }
         }
 }
