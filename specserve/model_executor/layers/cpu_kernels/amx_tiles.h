@@ -388,8 +388,9 @@ static void amx_group_rows(int qtype, int L, const uint8_t *gp, int64_t in, cons
  * sub-block (one a piece) whatever the row count: a 1-row step is bound by them. Here the three
  * pieces of a row are three A ROWS (piece-major: A row i per + r), so one multiply a sub-block
  * gives every piece's sum in its own C row, D = (C_3 + C_2) + C_1 follows in float32, then
- * a_s * D + m_s * S as above: a third of the tile multiplies at 1-5 rows (measured 1.3x-1.4x
- * faster on a 1-row Q4_K matrix), the same stores. A pass takes up to AMX_PIECE_ROWS rows (15 A
+ * a_s * D + m_s * S as above: a third of the tile multiplies at 1-5 rows, the same stores (a
+ * 1-row Q4_K matrix in 0.6x-0.7x the time; 16-64 rows 1.2x-1.5x, three C rows a row in place of
+ * one: docs/benchmarks.md, "AMX tiles: a third of the tile multiplies"). A pass takes up to AMX_PIECE_ROWS rows (15 A
  * rows); two passes share each B tile load. Each piece's sum depends only on its own A row, so
  * rows stay invariant. */
 #define AMX_PIECE_ROWS 5
@@ -492,8 +493,8 @@ static uint8_t *amx_scratch_for(int64_t len) {
 }
 
 /* out = x @ w.T (+ bias), w packed by amx_pack; called by every thread of an enclosing parallel
- * region (an orphaned omp for over 16-output groups). Rows go in passes (Q6_K: amx_lanes' 8 or
- * 16 rows; Q4_K and Q4_1: as even as can be, up to AMX_PIECE_ROWS, two to a chunk); a chunk's
+ * region (an orphaned omp for over 16-output groups). Rows go in passes as even as can be (Q6_K:
+ * up to amx_lanes' 8 or 16 rows; Q4_K and Q4_1: up to AMX_PIECE_ROWS, two to a chunk); a chunk's
  * rows are one call of amx_group_rows or amx_group_pieces. Returns 0, or -3 when scratch memory
  * could not be allocated (out is then incomplete). */
 static int amx_gemm_team(const float *x, int64_t ldx, int64_t rows, const uint8_t *w, int qtype, int64_t out_features,
