@@ -224,8 +224,9 @@ def keeps_quantized(dtype_name: str | torch.dtype, device: torch.device | str) -
     return dtype_name == "auto" and torch.device(device).type == "cpu" and quant_gemm.available()
 
 
-# The GGUF files _gguf_state_dict mapped, while any view of one lives (release_mapped_pages).
-_FILE_MAPPINGS: list[weakref.ref] = []
+# The GGUF files _gguf_state_dict mapped, while any view of one lives (release_mapped_pages):
+# (the mapping, the address of its first byte, its length).
+_FILE_MAPPINGS: list[tuple[weakref.ref, int, int]] = []
 
 
 def _map_file(path: str):
@@ -234,19 +235,39 @@ def _map_file(path: str):
 
     with open(path, "rb") as fh:
         mapping = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-    _FILE_MAPPINGS[:] = [r for r in _FILE_MAPPINGS if r() is not None]
-    _FILE_MAPPINGS.append(weakref.ref(mapping))
-    return np.frombuffer(mapping, dtype=np.uint8)   # holds the mapping alive
+    array = np.frombuffer(mapping, dtype=np.uint8)   # holds the mapping alive
+    _FILE_MAPPINGS[:] = [m for m in _FILE_MAPPINGS if m[0]() is not None]
+    _FILE_MAPPINGS.append((weakref.ref(mapping), array.ctypes.data, len(mapping)))
+    return array
 
 
 def release_mapped_pages() -> None:
     """Drop the resident pages of every mapped GGUF file. Reads fault them back in from the page
     cache, so nothing changes but the resident size: called once the matrices were repacked
     into memory of their own (AMX tiles), after which the file is read only for embedding rows."""
-    for ref in _FILE_MAPPINGS:
+    for ref, _, _ in _FILE_MAPPINGS:
         mapping = ref()
         if mapping is not None and hasattr(mapping, "madvise"):
             mapping.madvise(mmap.MADV_DONTNEED)
+
+
+def release_pages_of(tensors: list[torch.Tensor]) -> None:
+    """Drop the resident pages that lie wholly inside these tensors' bytes where they are views of
+    a mapped GGUF file (others are left alone), as release_mapped_pages does for whole files.
+    Called for each matrix as soon as it is repacked, so loading never holds the whole file's
+    pages beside the whole repacked model (peak memory)."""
+    page = mmap.PAGESIZE
+    for ref, base, length in _FILE_MAPPINGS:
+        mapping = ref()
+        if mapping is None or not hasattr(mapping, "madvise"):
+            continue
+        for t in tensors:
+            offset = t.data_ptr() - base
+            if 0 <= offset < length:
+                start = -(-offset // page) * page
+                end = min(offset + t.numel() * t.element_size(), length) // page * page
+                if end > start:
+                    mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 def _gguf_state_dict(path: str, config, dtype: torch.dtype, keep_quantized: bool = False,

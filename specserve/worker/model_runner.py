@@ -19,7 +19,7 @@ from specserve.model_executor.layers.attention import (
 )
 from specserve.model_executor.layers.fp16_gemm import compute_dtype_for, round_to_weight_dtype
 from specserve.model_executor.layers.quantized import pack_for_tiles
-from specserve.model_executor.loader import release_mapped_pages
+from specserve.model_executor.loader import release_mapped_pages, release_pages_of
 from specserve.model_executor.models.registry import get_model_class
 
 
@@ -71,8 +71,8 @@ class ModelRunner:
         self.load_weights(model, state_dict)
         self.model = model.to(device).eval()
         round_to_weight_dtype(self.model, self.weight_dtype, self.dtype, device)
-        if torch.device(device).type == "cpu" and pack_for_tiles(self.model):   # AMX tile order, on CPUs with AMX
-            release_mapped_pages()   # the repacked matrices no longer read the file's pages
+        if torch.device(device).type == "cpu" and pack_for_tiles(self.model, release=_PageReleaser()):
+            release_mapped_pages()   # AMX tile order, on CPUs with AMX: the file's pages are no longer read
         if torch.device(device).type == "cpu" and hasattr(self.model, "use_cpu_layer_kernels"):
             self.model.use_cpu_layer_kernels()   # quantized GGUF weights: two compiled calls per layer
         self.kv_caches: list[torch.Tensor] = []
@@ -149,3 +149,20 @@ class ModelRunner:
             hidden=hidden,
             all_hidden=all_hidden if return_all_hidden else None,
         )
+
+
+class _PageReleaser:
+    """pack_for_tiles' ``release``: keeps loading's peak memory near the repacked model's size.
+    Its first call drops every mapped GGUF page (loading read the whole file: fused matrices are
+    copies), each later one the pages of the matrix just repacked (read again while packing)."""
+
+    def __init__(self) -> None:
+        self.first = True
+
+    def __call__(self, tensors: list[torch.Tensor]) -> None:
+        if self.first:
+            release_mapped_pages()
+            self.first = False
+        else:
+            release_pages_of(tensors)
+

@@ -275,3 +275,42 @@ def test_gguf_blocks_kept_and_unsupported_format_dequantized_with_one_warning(tm
     assert torch.equal(down, torch.from_numpy(dequantize(q2k, T.Q2_K).reshape(3, 256)).half())
     warnings = [r.getMessage() for r in caplog.records if "Q2_K" in r.getMessage()]
     assert len(warnings) == 1 and "float16" in warnings[0]
+
+
+def _mapped_rss_kib(address: int) -> int:
+    """Resident kB of the mapping that holds ``address`` (/proc/self/smaps)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "Rss:":
+            return int(line.split()[1])
+    raise AssertionError("mapping not found")
+
+
+def test_release_pages_of_drops_only_the_tensors_pages_and_keeps_their_bytes(tmp_path):
+    import warnings
+
+    from specserve.model_executor import loader
+
+    data = bytes(range(256)) * 4096 * 4   # 4 MiB
+    path = tmp_path / "blocks.bin"
+    path.write_bytes(data)
+    array = loader._map_file(str(path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # a read-only array: torch warns that it is not writable
+        whole = torch.from_numpy(array)
+    base = whole.data_ptr()
+    assert int(whole.sum()) == sum(range(256)) * 4096 * 4   # every page read: resident
+    resident = _mapped_rss_kib(base)
+    assert resident >= 4000
+    loader.release_pages_of([torch.zeros(8, dtype=torch.uint8)])   # not a view of a mapped file
+    assert _mapped_rss_kib(base) == resident
+    view = whole[10_000:3_000_000]   # a matrix's bytes (whole pages inside them go)
+    expected = torch.tensor(list(data[10_000:3_000_000]), dtype=torch.uint8)
+    loader.release_pages_of([view])
+    # about 2.9 MB with 4 kB pages; where the kernel maps the file in 2 MB folios, whole folios
+    assert _mapped_rss_kib(base) <= resident - 1_000
+    assert torch.equal(view, expected)   # read again from the page cache

@@ -28,6 +28,7 @@ sub-block, and verifications of up to 5 rows cost about what one row costs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -253,14 +254,19 @@ class QuantizedMatrix:
         return torch.cat(parts) if parts else torch.empty(0, self.in_features)
 
 
-def pack_for_tiles(model: torch.nn.Module) -> int:
+def pack_for_tiles(model: torch.nn.Module,
+                   release: Callable[[list[torch.Tensor]], None] | None = None) -> int:
     """Every matmul of ``model`` that holds GGUF blocks (layers with ``pack_for_tiles``: linear
     layers and the LM head, not the embedding lookup) repacked for AMX tiles where the CPU and
-    the format allow; nothing changes elsewhere. Returns how many matrices were repacked."""
+    the format allow; nothing changes elsewhere. ``release`` gets each repacked matrix's former
+    block tensors (the loader drops their file pages). Returns how many matrices were repacked."""
     packed = 0
     for module in model.modules():
         if hasattr(module, "pack_for_tiles"):
             before = module.quantized
             module.pack_for_tiles()
-            packed += module.quantized is not before
+            if module.quantized is not before:
+                packed += 1
+                if release is not None:
+                    release([s.data for s in before.segments])
     return packed

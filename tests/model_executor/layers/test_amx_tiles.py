@@ -138,7 +138,11 @@ def test_pack_for_tiles_skips_the_embedding_lookup():
         model[name].load(QuantizedMatrix.from_blocks(blocks, int(T.Q4_K), 256))
     model["proj"].load([QuantizedMatrix.from_blocks(blocks, int(T.Q4_K), 256)])
     model["down"].load(QuantizedMatrix.from_blocks(blocks, int(T.Q4_K), 256))
-    pack_for_tiles(model)
+    former = {name: [s.data.data_ptr() for s in model[name].quantized.segments] for name in ("head", "proj", "down")}
+    released = []
+    assert pack_for_tiles(model, release=released.append) == 3
+    # each repacked matrix's former block tensors handed over once (the loader drops their pages)
+    assert sorted(t.data_ptr() for ts in released for t in ts) == sorted(p for ps in former.values() for p in ps)
     assert not model["embed"].quantized.amx_packed
     assert all(model[name].quantized.amx_packed for name in ("head", "proj", "down"))
     assert not model["head"].quantized_file_order.amx_packed   # the file's order, for readers of rows
