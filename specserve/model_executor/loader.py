@@ -252,8 +252,9 @@ def release_mapped_pages() -> None:
 
 
 def release_pages_of(tensors: list[torch.Tensor]) -> None:
-    """Drop the resident pages that lie wholly inside these tensors' bytes where they are views of
-    a mapped GGUF file (others are left alone), as release_mapped_pages does for whole files.
+    """Drop the resident pages that lie wholly inside these tensors' bytes where they are
+    contiguous views of a mapped GGUF file (others are left alone), as release_mapped_pages does
+    for whole files.
     Called for each matrix as soon as it is repacked, so loading never holds the whole file's
     pages beside the whole repacked model (peak memory)."""
     page = mmap.PAGESIZE
@@ -263,7 +264,7 @@ def release_pages_of(tensors: list[torch.Tensor]) -> None:
             continue
         for t in tensors:
             offset = t.data_ptr() - base
-            if 0 <= offset < length:
+            if 0 <= offset < length and t.is_contiguous():
                 start = -(-offset // page) * page
                 end = min(offset + t.numel() * t.element_size(), length) // page * page
                 if end > start:

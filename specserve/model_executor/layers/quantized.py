@@ -20,8 +20,10 @@ per 256 values and VNNI byte products (``cpu_kernels/q8_act.h``), llama.cpp's wa
 where the CPU and the format allow; the weights stay the file's values. Cuts and
 stacks keep the setting. An integer N (2-4) in place of True: each activation row as N
 int8 pieces summed (``q8_act.h``): 3 pieces carry the row to about 2^-24 of each
-256-value group's largest value, float32's precision, and a 1-row step of the
-1.5B takes about 0.6x the float32 kernels' time (docs/benchmarks.md, "Activation pieces").
+256-value group's largest value, float32's precision; a 1-row step of the 1.5B took
+about 0.6x the float32 kernels' time before the AMX kernel took a third of the tile
+multiplies (docs/benchmarks.md, "Activation pieces", "AMX tiles: a third of the tile
+multiplies").
 On CPUs with AMX, 3 pieces run on int8 tiles instead (``packed_for_tiles``), per 32-value
 sub-block, and verifications of up to 5 rows cost about what one row costs.
 """
