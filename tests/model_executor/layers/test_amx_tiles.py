@@ -73,6 +73,16 @@ def test_matmul_matches_float64_reference(qtype, rows, arithmetic):
 
 
 @pytest.mark.parametrize("qtype", AMX_FORMATS, ids=lambda q: q.name)
+def test_no_rows(qtype, arithmetic):
+    m, _ = packed(qtype, 32, 256, arithmetic=arithmetic)
+    assert m.matmul(torch.empty(0, 256)).shape == (0, 32)
+    # the kernel itself (the layer stack calls it from C, past Python's early return): no pass to size
+    x, out, seg = torch.zeros(1, 256), torch.zeros(1, 32), m.segments[0]
+    assert quant_gemm._load().specserve_quant_gemm(x.data_ptr(), 256, 0, seg.data.data_ptr(), m.kernel_qtype(seg),
+                                                   32, 256, None, out.data_ptr(), 32, 2) == 0
+
+
+@pytest.mark.parametrize("qtype", AMX_FORMATS, ids=lambda q: q.name)
 def test_rows_bitwise_independent_of_row_count_and_threads(qtype, arithmetic):
     m, _ = packed(qtype, 80, 512, arithmetic=arithmetic)
     # a tile pass takes 5 rows (int8: 3 pieces each) or 16 (bfloat16; Q6_K 8, two A rows each)

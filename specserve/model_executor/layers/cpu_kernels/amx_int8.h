@@ -205,6 +205,7 @@ static void amx_i8_group_rows(int qtype, const uint8_t *gp, int64_t in, const in
  * Returns 0, or -3 without scratch memory. */
 static int amx_i8_gemm_team(const float *x, int64_t ldx, int64_t rows, const uint8_t *w, int qtype,
                             int64_t out_features, int64_t in, const float *bias, float *out, int64_t ldo) {
+    if (rows <= 0) return 0;   /* nothing to do (and no pass to size) */
     const int sb = amx_sub_block(qtype);
     const int64_t passes = (rows + AMX_I8_ROWS - 1) / AMX_I8_ROWS, groups = out_features / 16, ns = in / sb;
     /* rows shared evenly among the passes (7 rows: 4 + 3, not 5 + 2), all with one tile shape

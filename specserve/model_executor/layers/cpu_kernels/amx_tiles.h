@@ -499,6 +499,7 @@ static uint8_t *amx_scratch_for(int64_t len) {
  * could not be allocated (out is then incomplete). */
 static int amx_gemm_team(const float *x, int64_t ldx, int64_t rows, const uint8_t *w, int qtype, int64_t out_features,
                          int64_t in, const float *bias, float *out, int64_t ldo) {
+    if (rows <= 0) return 0;   /* nothing to do (and no pass to size) */
     const int sb = amx_sub_block(qtype), pieces = qtype != Q6_K, L = amx_lanes(qtype, rows);
     const int64_t cap = pieces ? AMX_PIECE_ROWS : AMX_ROWS / L;
     const int64_t passes = (rows + cap - 1) / cap, groups = out_features / 16, ns = in / sb;
