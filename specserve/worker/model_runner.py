@@ -165,4 +165,3 @@ class _PageReleaser:
             self.first = False
         else:
             release_pages_of(tensors)
-

@@ -166,8 +166,7 @@ static void amx_i8_group_rows(int qtype, const uint8_t *gp, int64_t in, const in
             const int half = (int)(n % per_unit);
             const uint8_t *b = ring + (t & 1) * 1024;
             if (half == 0 && t + 1 < units) {
-                for (int line = 0; line < ub; line += 64)
-                    _mm_prefetch((const char *)(gp + (t + AMX_PREFETCH_UNITS) * ub + line), _MM_HINT_T0);
+                amx_prefetch_unit(gp + (t + AMX_PREFETCH_UNITS) * ub, ub);
                 amx_i8_unpack_unit(qtype, gp + (t + 1) * ub, ring + ((t + 1) & 1) * 1024);
             }
             amx_i8_step_tiles((int)(n & 1), sb, xa + t * AMX_UNIT_K + half * 2 * sb, in, b + half * 2 * sb * 16);

@@ -252,6 +252,18 @@ static inline void amx_unpack_unit(int qtype, const uint8_t *p, uint16_t *b) {
     }
 }
 
+/* Every line of a packed unit into L1 ahead of its use (AMX_PREFETCH_UNITS units ahead). */
+static inline void amx_prefetch_unit(const uint8_t *unit, int ub) {
+    for (int line = 0; line < ub; line += 64) _mm_prefetch((const char *)(unit + line), _MM_HINT_T0);
+}
+
+/* While unit t is multiplied: prefetch a later unit of the group gp, and unpack unit t + 1 into
+ * the other half of the two-unit ring. */
+static inline void amx_next_unit(int qtype, const uint8_t *gp, int64_t t, int ub, uint16_t *ring) {
+    amx_prefetch_unit(gp + (t + AMX_PREFETCH_UNITS) * ub, ub);
+    amx_unpack_unit(qtype, gp + (t + 1) * ub, ring + ((t + 1) & 1) * 1024);
+}
+
 /* Sub-block h of a unit: the 16 outputs' scale a and offset m (m = 0 for Q6_K). */
 static inline void amx_unit_scales(int qtype, const uint8_t *p, int h, __m512 *a, __m512 *m) {
     if (qtype == Q4_K) {
@@ -336,11 +348,7 @@ static void amx_group_rows(int qtype, int L, const uint8_t *gp, int64_t in, cons
     for (int64_t t = 0; t <= units; t++) {
         if (t < units) {
             const uint16_t *b = ring + (t & 1) * 1024;
-            if (t + 1 < units) {
-                for (int line = 0; line < ub; line += 64)   /* every line of a unit AMX_PREFETCH_UNITS ahead */
-                    _mm_prefetch((const char *)(gp + (t + AMX_PREFETCH_UNITS) * ub + line), _MM_HINT_T0);
-                amx_unpack_unit(qtype, gp + (t + 1) * ub, ring + ((t + 1) & 1) * 1024);
-            }
+            if (t + 1 < units) amx_next_unit(qtype, gp, t, ub, ring);
             float *c = cbuf + (t & 1) * (steps * 256);
             for (int st = 0; st < steps; st += 2) {   /* steps st and st + 1 into C0 and C1 */
                 const int64_t k = t * AMX_UNIT_K + st * kv;
@@ -437,11 +445,7 @@ static void amx_group_pieces(int qtype, const uint8_t *gp, int64_t in, const uin
     for (int64_t t = 0; t <= units; t++) {
         if (t < units) {
             const uint16_t *b = ring + (t & 1) * 1024;
-            if (t + 1 < units) {
-                for (int line = 0; line < ub; line += 64)
-                    _mm_prefetch((const char *)(gp + (t + AMX_PREFETCH_UNITS) * ub + line), _MM_HINT_T0);
-                amx_unpack_unit(qtype, gp + (t + 1) * ub, ring + ((t + 1) & 1) * 1024);
-            }
+            if (t + 1 < units) amx_next_unit(qtype, gp, t, ub, ring);
             float *c = cbuf + (t & 1) * 1024;
             const int64_t k = t * AMX_UNIT_K;
             _tile_zero(0);
