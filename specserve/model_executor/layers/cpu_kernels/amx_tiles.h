@@ -409,19 +409,20 @@ static void amx_configure_pieces(int per) {
     amx_tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    for (int t = 0; t < 8; t++) cfg.rows[t] = (uint8_t)(3 * per), cfg.colsb[t] = 64;
+    const int a_rows = per == 1 ? 6 : 3 * per;   /* one row: a unit's two sub-blocks stacked */
+    for (int t = 0; t < 8; t++) cfg.rows[t] = (uint8_t)a_rows, cfg.colsb[t] = 64;
     cfg.rows[5] = cfg.rows[6] = 16;
     _tile_loadconfig(&cfg);
 }
 
 /* Float work of one pass of R rows over unit u's sums c (two sub-blocks, 256 floats apart). */
-static inline void amx_pieces_float(int qtype, const uint8_t *p, int64_t u, const float *c, int per, int R,
-                                    const float *S, int64_t ns, __m512 *acc) {
+static inline void amx_pieces_float(int qtype, const uint8_t *p, int64_t u, const float *c, int h_stride, int per,
+                                    int R, const float *S, int64_t ns, __m512 *acc) {
     for (int h = 0; h < 2; h++) {
         __m512 a, m;
         amx_unit_scales(qtype, p, h, &a, &m);
         const int64_t s = u * 2 + h;
-        const float *ch = c + h * 256;
+        const float *ch = c + h * h_stride;
         for (int r = 0; r < R; r++) {
             const __m512 d = _mm512_add_ps(_mm512_add_ps(_mm512_load_ps(ch + (2 * per + r) * 16),
                                                          _mm512_load_ps(ch + (per + r) * 16)),
@@ -474,12 +475,45 @@ static void amx_group_pieces(int qtype, const uint8_t *gp, int64_t in, const uin
         if (t > 0) {
             const int64_t u = t - 1;
             const float *c = cbuf + (u & 1) * 1024;
-            amx_pieces_float(qtype, gp + u * ub, u, c, per, R0, S0, ns, acc0);
-            if (R1) amx_pieces_float(qtype, gp + u * ub, u, c + 512, per, R1, S1, ns, acc1);
+            amx_pieces_float(qtype, gp + u * ub, u, c, 256, per, R0, S0, ns, acc0);
+            if (R1) amx_pieces_float(qtype, gp + u * ub, u, c + 512, 256, per, R1, S1, ns, acc1);
         }
     }
     for (int r = 0; r < R0; r++) _mm512_storeu_ps(out + r * ldo, acc0[r]);
     for (int r = 0; r < R1; r++) _mm512_storeu_ps(out + (per + r) * ldo, acc1[r]);
+}
+
+/* One row (a decode step): a unit's two sub-blocks stacked in ONE C tile, sub-block 0's three
+ * piece sums in rows 0-2 and sub-block 1's in rows 3-5, so a unit takes one tile store instead of
+ * two (a store costs more than a multiply of up to 8 A rows: docs/benchmarks.md, "One store a
+ * unit"). Each multiply's A tile holds its sub-block's pieces in its own rows and zeros in the
+ * other's (xp: three zero rows, the three pieces, three zero rows, each of in values), so every
+ * C row gets its own sub-block's products plus exact zeros: the bits of amx_group_pieces. */
+static void amx_group_one_row(int qtype, const uint8_t *gp, int64_t in, const uint16_t *xp, const float *S,
+                              uint16_t *ring, float *cbuf, float *out) {
+    const int ub = amx_unit_bytes(qtype);
+    const int64_t units = in / AMX_UNIT_K, ns = in / 32;
+    const uint16_t *pieces = xp + 3 * in;   /* A rows: pieces 1-3 then zeros (sub-block 0) */
+    __m512 acc = _mm512_setzero_ps();
+    amx_unpack_unit(qtype, gp, ring);
+    for (int64_t t = 0; t <= units; t++) {
+        if (t < units) {
+            const uint16_t *b = ring + (t & 1) * 1024;
+            if (t + 1 < units) amx_next_unit(qtype, gp, t, ub, ring);
+            const int64_t k = t * AMX_UNIT_K;
+            _tile_zero(0);
+            _tile_loadd(5, b, 64);
+            _tile_loadd(6, b + 512, 64);
+            _tile_loadd(4, pieces + k, in * 2);
+            _tile_loadd(7, xp + k + 32, in * 2);   /* zeros then pieces 1-3 (sub-block 1) */
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_dpbf16ps(0, 7, 6);
+            _tile_stored(0, cbuf + (t & 1) * 96, 64);
+        }
+        if (t > 0)
+            amx_pieces_float(qtype, gp + (t - 1) * ub, t - 1, cbuf + ((t - 1) & 1) * 96, 48, 1, 1, S, ns, &acc);
+    }
+    _mm512_storeu_ps(out, acc);
 }
 
 /* A thread's scratch (grown as needed, kept between calls): activation pieces and sums for all
@@ -512,7 +546,8 @@ static int amx_gemm_team(const float *x, int64_t ldx, int64_t rows, const uint8_
     const int per = (int)((rows + passes - 1) / passes);
     const int64_t per_chunk = pieces ? 2 : 1, chunks = (passes + per_chunk - 1) / per_chunk;
     const int64_t row_bytes = amx_packed_row_bytes(qtype, in), units = in / AMX_UNIT_K;
-    const int64_t pass_elems = 3 * (int64_t)L * per * in;   /* a pass's pieces, bfloat16 */
+    const int one_row = pieces && rows == 1;   /* amx_group_one_row: zero rows around the pieces */
+    const int64_t pass_elems = (one_row ? 9 : 3 * (int64_t)L * per) * in;   /* a pass's A rows, bfloat16 */
     const int64_t xp_bytes = passes * pass_elems * 2, s_bytes = (passes * per * ns * 4 + 63) / 64 * 64;
     const int64_t fixed = 2 * 2048 + 2 * 4 * 256 * 4;   /* the ring of two units, two units' sums */
     uint8_t *buf = amx_scratch_for(xp_bytes + s_bytes + fixed);
@@ -521,7 +556,10 @@ static int amx_gemm_team(const float *x, int64_t ldx, int64_t rows, const uint8_
     float *S = ok && qtype != Q6_K ? (float *)(buf + xp_bytes) : NULL;
     uint16_t *ring = ok ? (uint16_t *)(buf + xp_bytes + s_bytes) : NULL;
     float *cbuf = ok ? (float *)(buf + xp_bytes + s_bytes + 2 * 2048) : NULL;
-    if (ok)
+    if (ok && one_row) {
+        memset(xp, 0, (size_t)pass_elems * 2);
+        amx_split_rows(x, ldx, 1, 1, in, sb, 1, xp + 3 * in, S);
+    } else if (ok)
         for (int64_t ps = 0; ps < passes; ps++) {
             const int R = (int)(rows - ps * per < per ? rows - ps * per : per);
             amx_split_rows(x + ps * per * ldx, ldx, R, per, in, sb, L, xp + ps * pass_elems, S ? S + ps * per * ns : NULL);
@@ -541,7 +579,9 @@ static int amx_gemm_team(const float *x, int64_t ldx, int64_t rows, const uint8_
             const int R0 = (int)(rows - r0 < per ? rows - r0 : per);
             float *o = out + r0 * ldo + g * 16;
             int R = R0;
-            if (pieces) {
+            if (one_row) {
+                amx_group_one_row(qtype, gp, in, xp, S, ring, cbuf, o);
+            } else if (pieces) {
                 const int R1 = p0 + 1 < passes ? (int)(rows - r0 - per < per ? rows - r0 - per : per) : 0;
                 amx_group_pieces(qtype, gp, in, xp + p0 * pass_elems, xp + (p0 + 1) * pass_elems, S + p0 * per * ns,
                                  S + (p0 + 1) * per * ns, per, R0, R1, ring, cbuf, o, ldo);

@@ -257,11 +257,14 @@ static int quant_dequantize(const uint8_t *w, int qtype, const int64_t *ids, int
         vecf acc[R_MAX][4];                                                                            \
         for (int r = 0; r < R; r++)                                                                    \
             for (int j = 0; j < 4; j++) acc[r][j] = (vecf){0};                                         \
-        const int64_t pf_step = row_bytes / nc; /* about a chunk's bytes: prefetch is a hint */        \
+        /* the next 4 rows (the next block's bytes, right after these) are fetched at the pace      \
+         * these are used, a few lines per chunk: by the end they are in cache for its prepass */    \
+        const uint8_t *next = w0 + 4 * row_bytes;                                                      \
+        const int64_t pf_step = (4 * row_bytes + nc - 1) / nc;                                         \
         for (int64_t c = 0; c < nc; c++) {                                                             \
             vecf wv[4][NV];                                                                            \
-            for (int j = 0; j < 4; j++)                                                                \
-                _mm_prefetch((const char *)(w0 + j * row_bytes + c * pf_step + PREFETCH_AHEAD), _MM_HINT_T0); \
+            for (int64_t p = c * pf_step; p < (c + 1) * pf_step; p += 64)                              \
+                _mm_prefetch((const char *)(next + p), _MM_HINT_T0);                                   \
             for (int j = 0; j < 4; j++)                                                                \
                 chunk_##fmt(w0 + j * row_bytes, c, sc[(2 * j) * stride + c], sc[(2 * j + 1) * stride + c], \
                             wv[j]);                                                                    \
