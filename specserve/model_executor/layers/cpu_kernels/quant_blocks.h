@@ -257,9 +257,10 @@ static int quant_dequantize(const uint8_t *w, int qtype, const int64_t *ids, int
         vecf acc[R_MAX][4];                                                                            \
         for (int r = 0; r < R; r++)                                                                    \
             for (int j = 0; j < 4; j++) acc[r][j] = (vecf){0};                                         \
-        /* the next 4 rows (the next block's bytes, right after these) are fetched at the pace      \
-         * these are used, a few lines per chunk: by the end they are in cache for its prepass */    \
-        const uint8_t *next = w0 + 4 * row_bytes;                                                      \
+        /* a later block's 4 rows (about 4 KB ahead, rows lie one after another) are fetched at     \
+         * the pace these are used, a few lines per chunk: they are in cache for its prepass */      \
+        const int64_t ahead = (4096 + 4 * row_bytes - 1) / (4 * row_bytes);                            \
+        const uint8_t *next = w0 + ahead * 4 * row_bytes;                                              \
         const int64_t pf_step = (4 * row_bytes + nc - 1) / nc;                                         \
         for (int64_t c = 0; c < nc; c++) {                                                             \
             vecf wv[4][NV];                                                                            \
