@@ -254,7 +254,7 @@ static inline void amx_unpack_unit(int qtype, const uint8_t *p, uint16_t *b) {
 
 /* Every line of a packed unit into L1 ahead of its use (AMX_PREFETCH_UNITS units ahead). */
 static inline void amx_prefetch_unit(const uint8_t *unit, int ub) {
-    for (int line = 0; line < ub; line += 64) _mm_prefetch((const char *)(unit + line), _MM_HINT_T0);
+    for (int line = 0; line < ub; line += 64) prefetch_l1(unit + line);
 }
 
 /* While unit t is multiplied: prefetch a later unit of the group gp, and unpack unit t + 1 into
@@ -545,7 +545,7 @@ static int amx_gemm_team(const float *x, int64_t ldx, int64_t rows, const uint8_
      * short pass runs with zero rows, which change no other row's sums */
     const int per = (int)((rows + passes - 1) / passes);
     const int64_t per_chunk = pieces ? 2 : 1, chunks = (passes + per_chunk - 1) / per_chunk;
-    const int64_t row_bytes = amx_packed_row_bytes(qtype, in), units = in / AMX_UNIT_K;
+    const int64_t row_bytes = amx_packed_row_bytes(qtype, in);
     const int one_row = pieces && rows == 1;   /* amx_group_one_row: zero rows around the pieces */
     const int64_t pass_elems = (one_row ? 9 : 3 * (int64_t)L * per) * in;   /* a pass's A rows, bfloat16 */
     const int64_t xp_bytes = passes * pass_elems * 2, s_bytes = (passes * per * ns * 4 + 63) / 64 * 64;

@@ -319,7 +319,7 @@ static inline __attribute__((always_inline)) void q8k_tile(const int qtype, cons
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < ngroups; g++) {
         const uint8_t *blk = wrow + g * blk_bytes;
-        for (int64_t b = 0; b < blk_bytes; b += 64) _mm_prefetch((const char *)(blk + pf_ahead + b), _MM_HINT_T1);
+        for (int64_t b = 0; b < blk_bytes; b += 64) prefetch_l2(blk + pf_ahead + b);
         __m512i sc32, u[4], s[4];   /* sc32: one scale (or min) per int32 lane, high words 0 */
         __m512 d, mins = _mm512_setzero_ps();
         if (qtype == Q4_K) {   /* lanes 0-7 the 6-bit scales, 8-15 the mins; y = d * sc * q - dmin * m */

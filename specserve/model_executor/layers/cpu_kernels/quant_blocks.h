@@ -265,7 +265,7 @@ static int quant_dequantize(const uint8_t *w, int qtype, const int64_t *ids, int
         for (int64_t c = 0; c < nc; c++) {                                                             \
             vecf wv[4][NV];                                                                            \
             for (int64_t p = c * pf_step; p < (c + 1) * pf_step; p += 64)                              \
-                _mm_prefetch((const char *)(next + p), _MM_HINT_T0);                                   \
+                prefetch_l1(next + p);                                                                 \
             for (int j = 0; j < 4; j++)                                                                \
                 chunk_##fmt(w0 + j * row_bytes, c, sc[(2 * j) * stride + c], sc[(2 * j + 1) * stride + c], \
                             wv[j]);                                                                    \
