@@ -12,6 +12,7 @@ dequantized instead (``BlockAlignmentError``), with a warning.
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -37,10 +38,11 @@ class TilePackable:
 
     quantized: QuantizedMatrix | None
 
-    def pack_for_tiles(self) -> None:
-        """Multiply on AMX tiles from now on where the CPU and the format allow (quantized.py)."""
+    def pack_for_tiles(self, release: Callable[[list[torch.Tensor]], None] | None = None) -> None:
+        """Multiply on AMX tiles from now on where the CPU and the format allow (quantized.py);
+        ``release`` gets the file's blocks as they are packed."""
         if self.quantized is not None:
-            self.quantized = self.quantized.packed_for_tiles()
+            self.quantized = self.quantized.packed_for_tiles(release)
 
 
 class ColumnParallelLinear(TilePackable, nn.Module):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from typing import Callable
 
 import torch
 
@@ -115,17 +116,28 @@ def supports_amx_int8(qtype: int, out_features: int, in_features: int) -> bool:
     return supports_amx(qtype, out_features, in_features) and bool(_load().specserve_quant_amx_int8_built())
 
 
-def pack_for_amx(data: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
+# Rows packed per call of pack_for_amx's kernel: its ``release`` gets each such slice once done.
+AMX_PACK_ROWS = 4096
+
+
+def pack_for_amx(data: torch.Tensor, qtype: int, in_features: int,
+                 release: Callable[[list[torch.Tensor]], None] | None = None) -> torch.Tensor:
     """data [out, row_bytes] uint8 (the file's blocks) -> [out / 16, amx row bytes] uint8: the same
-    values in the AMX kernel's tile order (``amx_tiles.h``). ``supports_amx`` must hold."""
+    values in the AMX kernel's tile order (``amx_tiles.h``). ``supports_amx`` must hold.
+    ``release`` gets each slice of ``data`` (AMX_PACK_ROWS rows) as soon as it is packed, so a
+    big matrix (an LM head) never holds all its file pages beside its whole packing."""
     lib = _load()
     assert lib is not None and supports_amx(qtype, data.shape[0], in_features)
     data = data.contiguous()
     packed = torch.empty(data.shape[0] // AMX_GROUP, lib.specserve_quant_amx_row_bytes(int(qtype), in_features),
                          dtype=torch.uint8)
-    check_status(lib.specserve_quant_amx_pack(data.data_ptr(), int(qtype), data.shape[0], in_features,
-                                              packed.data_ptr(), torch.get_num_threads()),
-                 f"packing ggml type {qtype} for AMX")
+    for r0 in range(0, data.shape[0], AMX_PACK_ROWS):
+        rows = data[r0 : r0 + AMX_PACK_ROWS]
+        check_status(lib.specserve_quant_amx_pack(rows.data_ptr(), int(qtype), rows.shape[0], in_features,
+                                                  packed[r0 // AMX_GROUP :].data_ptr(), torch.get_num_threads()),
+                     f"packing ggml type {qtype} for AMX")
+        if release is not None:
+            release([rows])
     return packed
 
 

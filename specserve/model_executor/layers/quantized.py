@@ -108,16 +108,18 @@ class QuantizedMatrix:
     def amx_packed(self) -> bool:
         return any(s.amx_packed for s in self.segments)
 
-    def packed_for_tiles(self) -> "QuantizedMatrix":
+    def packed_for_tiles(self, release: Callable[[list[torch.Tensor]], None] | None = None) -> "QuantizedMatrix":
         """This matrix with every segment an AMX kernel multiplies repacked for it: float32
         activations on bfloat16 tiles (``quant_gemm.supports_amx``), ``int8_activations=3`` on
         int8 tiles (``supports_amx_int8``); itself when none is (no AMX, other int8-activation
-        settings, other formats)."""
+        settings, other formats). ``release`` gets the file's blocks as they are packed
+        (``quant_gemm.pack_for_amx``)."""
         int8_tiles = self.int8_activations is not True and self.int8_activations == quant_gemm.AMX_INT8_PIECES
         if self.int8_activations and not int8_tiles:
             return self
         supported = quant_gemm.supports_amx_int8 if int8_tiles else quant_gemm.supports_amx
-        segments = [QuantSegment(s.qtype, quant_gemm.pack_for_amx(s.data, s.qtype, self.in_features), True, int8_tiles)
+        segments = [QuantSegment(s.qtype, quant_gemm.pack_for_amx(s.data, s.qtype, self.in_features, release), True,
+                                 int8_tiles)
                     if not s.amx_packed and supported(s.qtype, s.rows, self.in_features) else s
                     for s in self.segments]
         if all(a is b for a, b in zip(segments, self.segments)):
@@ -260,13 +262,14 @@ def pack_for_tiles(model: torch.nn.Module,
                    release: Callable[[list[torch.Tensor]], None] | None = None) -> int:
     """Every matmul of ``model`` that holds GGUF blocks (layers with ``pack_for_tiles``: linear
     layers and the LM head, not the embedding lookup) repacked for AMX tiles where the CPU and
-    the format allow; nothing changes elsewhere. ``release`` gets each repacked matrix's former
-    block tensors (the loader drops their file pages). Returns how many matrices were repacked."""
+    the format allow; nothing changes elsewhere. ``release`` gets the former block tensors, slice
+    by slice as they are packed and then each repacked matrix's whole (the loader drops their file
+    pages). Returns how many matrices were repacked."""
     packed = 0
     for module in model.modules():
         if hasattr(module, "pack_for_tiles"):
             before = module.quantized
-            module.pack_for_tiles()
+            module.pack_for_tiles(release)
             if module.quantized is not before:
                 packed += 1
                 if release is not None:

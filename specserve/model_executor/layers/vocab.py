@@ -1,6 +1,8 @@
 """Vocabulary-parallel embedding and LM head: each rank holds vocab/N rows."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -62,10 +64,11 @@ class ParallelLMHead(VocabParallelEmbedding):
     # head takes its LM head's rows from the target's): a view of the file, not a copy.
     quantized_file_order: QuantizedMatrix | None = None
 
-    def pack_for_tiles(self) -> None:
-        """Multiply on AMX tiles from now on where the CPU and the format allow (quantized.py)."""
+    def pack_for_tiles(self, release: Callable[[list[torch.Tensor]], None] | None = None) -> None:
+        """Multiply on AMX tiles from now on where the CPU and the format allow (quantized.py);
+        ``release`` gets the file's blocks as they are packed."""
         if self.quantized is not None:
-            packed = self.quantized.packed_for_tiles()
+            packed = self.quantized.packed_for_tiles(release)
             if packed is not self.quantized:
                 self.quantized_file_order, self.quantized = self.quantized, packed
 

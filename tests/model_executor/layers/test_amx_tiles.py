@@ -151,8 +151,9 @@ def test_pack_for_tiles_skips_the_embedding_lookup():
     former = {name: [s.data.data_ptr() for s in model[name].quantized.segments] for name in ("head", "proj", "down")}
     released = []
     assert pack_for_tiles(model, release=released.append) == 3
-    # each repacked matrix's former block tensors handed over once (the loader drops their pages)
-    assert sorted(t.data_ptr() for ts in released for t in ts) == sorted(p for ps in former.values() for p in ps)
+    # each repacked matrix's former block tensors handed over (the loader drops their pages): a
+    # slice at a time while packing (here one slice: 32 rows), then whole
+    assert sorted(t.data_ptr() for ts in released for t in ts) == sorted(2 * [p for ps in former.values() for p in ps])
     assert not model["embed"].quantized.amx_packed
     assert all(model[name].quantized.amx_packed for name in ("head", "proj", "down"))
     assert not model["head"].quantized_file_order.amx_packed   # the file's order, for readers of rows
@@ -160,3 +161,17 @@ def test_pack_for_tiles_skips_the_embedding_lookup():
     x = torch.randn(2, 256)
     torch.testing.assert_close(model["head"].compute_logits(x), x @ gguf_values(blocks.numpy(), T.Q4_K, 256)[:20].T,
                                rtol=1e-5, atol=1e-4)
+
+
+def test_pack_for_amx_hands_over_each_slice_once_packed(monkeypatch):
+    """A big matrix is packed AMX_PACK_ROWS rows a call, each slice released once packed (loading's
+    peak memory); the bytes equal one call's."""
+    blocks = torch.from_numpy(random_blocks(T.Q6_K, 64, 256))
+    whole = quant_gemm.pack_for_amx(blocks, int(T.Q6_K), 256)
+    monkeypatch.setattr(quant_gemm, "AMX_PACK_ROWS", 16)
+    released = []
+    sliced = quant_gemm.pack_for_amx(blocks, int(T.Q6_K), 256, release=released.append)
+    assert torch.equal(sliced, whole)
+    row_bytes = blocks.shape[1]
+    assert [(t.data_ptr(), t.shape[0]) for ts in released for t in ts] == \
+        [(blocks.data_ptr() + r * row_bytes, 16) for r in range(0, 64, 16)]
