@@ -8,7 +8,9 @@ checkout's, and times both in one process, alternated round by round:
 (``--shapes``: Qwen2.5-Coder-1.5B's by default, Q4_K q/k/v/o and gate/up, Q6_K down;
 the 0.5B draft's, Q5_0 and Q8_0; the default model's, Q4_1), cycling
 through enough copies that the weights stream from memory, for each row count
-(1 = a decode step, k + 1 = a verification); G weight-rows/s (median).
+(1 = a decode step, k + 1 = a verification); G weight-rows/s (median). With ``--tiles``
+the matrices are packed for AMX tiles (CPUs with AMX; the baseline must share this
+checkout's packing), else they take the AVX-512/AVX2 path.
 
 ``--model NAME``: a model's forward over one decode step's rows (1, 2, 4, 5, 8 at
 context 64) with each build, ms (median); the engine is built once per build, so
@@ -47,8 +49,9 @@ SHAPES = {
     # the 0.5B draft: Q5_0 layers (Q8_0 v), Q6_K down, a Q8_0 LM head
     "qwen2.5-coder-0.5b": [("q", 6, 1024, 896), ("o", 6, 896, 896), ("gate_up", 6, 9728, 896), ("down", 14, 896, 4864),
                            ("lm_head", 8, 151936, 896)],
-    # the default model, Q4_1 (576 values: a last group of 64)
-    "smollm2-135m": [("qkv", 3, 960, 576), ("o", 3, 576, 576), ("gate_up", 3, 3072, 576), ("down", 3, 576, 1536)],
+    # the default model, Q4_1 (576 values: a last group of 64), a Q8_0 LM head
+    "smollm2-135m": [("qkv", 3, 960, 576), ("o", 3, 576, 576), ("gate_up", 3, 3072, 576), ("down", 3, 576, 1536),
+                     ("lm_head", 8, 49152, 576)],
 }
 
 
@@ -79,7 +82,7 @@ def use(libs: dict[str, ctypes.CDLL]) -> None:
         module.LIBRARY.library, module.LIBRARY.attempted = libs[source], True
 
 
-def matrices(builds: dict, shapes, rows_list, rounds: int, int8: bool) -> None:
+def matrices(builds: dict, shapes, rows_list, rounds: int, int8: bool, tiles: bool = False) -> None:
     sys.path.insert(0, str(HERE.parent / "tests" / "model_executor" / "layers"))
     from test_quant_gemm import random_blocks
 
@@ -94,7 +97,7 @@ def matrices(builds: dict, shapes, rows_list, rounds: int, int8: bool) -> None:
         for _ in range(copies):
             m = QuantizedMatrix.from_blocks(one.segments[0].data.clone(), qt, in_f)
             m.int8_activations = int8
-            group.append(m)
+            group.append(m.packed_for_tiles() if tiles else m)   # the same packing in both builds
         mats.append((name, out_f, in_f, group))
     print(f"| matrix | rows | " + " | ".join(builds) + " | ratio |\n|---|---|" + "---|" * (len(builds) + 1))
     for name, out_f, in_f, group in mats:
@@ -137,6 +140,8 @@ def main() -> int:
     p.add_argument("--model", default=None, help="a catalog name or path: forward time by row count")
     p.add_argument("--shapes", choices=sorted(SHAPES), default="qwen2.5-coder-1.5b")
     p.add_argument("--int8-activations", action="store_true")
+    p.add_argument("--tiles", action="store_true",
+                   help="--matrices packed for AMX tiles (this checkout's packing, which the baseline must share)")
     p.add_argument("--rows", default="1,2,4,5,8")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
@@ -149,7 +154,7 @@ def main() -> int:
         print(f"{'int8' if args.int8_activations else 'float32'} activations, {args.threads} threads, "
               f"{args.rounds} rounds alternated; ratio = this checkout over the baseline (above 1: faster)")
         if args.matrices:
-            matrices(builds, SHAPES[args.shapes], rows_list, args.rounds, args.int8_activations)
+            matrices(builds, SHAPES[args.shapes], rows_list, args.rounds, args.int8_activations, args.tiles)
         if args.model:
             model_forward(builds, args.model, rows_list, args.rounds, args.int8_activations)
     return 0
