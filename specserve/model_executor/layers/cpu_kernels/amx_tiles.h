@@ -485,8 +485,8 @@ static void amx_group_pieces(int qtype, const uint8_t *gp, int64_t in, const uin
 
 /* One row (a decode step): a unit's two sub-blocks stacked in ONE C tile, sub-block 0's three
  * piece sums in rows 0-2 and sub-block 1's in rows 3-5, so a unit takes one tile store instead of
- * two (a store costs more than a multiply of up to 8 A rows: docs/benchmarks.md, "One store a
- * unit"). Each multiply's A tile holds its sub-block's pieces in its own rows and zeros in the
+ * two (a store costs more than a multiply of up to 8 A rows: docs/benchmarks.md, "One tile store
+ * a unit"). Each multiply's A tile holds its sub-block's pieces in its own rows and zeros in the
  * other's (xp: three zero rows, the three pieces, three zero rows, each of in values), so every
  * C row gets its own sub-block's products plus exact zeros: the bits of amx_group_pieces. */
 static void amx_group_one_row(int qtype, const uint8_t *gp, int64_t in, const uint16_t *xp, const float *S,

@@ -16,10 +16,6 @@
  * With AVX-512 the 4- and 5-bit formats look their values up in that table (vpermps), which
  * costs one instruction per 16 weights instead of a conversion and two arithmetic ones. */
 #define NV (32 / VEC)
-/* Bytes ahead of a weight row's read position that the fused path prefetches into L1. */
-#ifndef PREFETCH_AHEAD
-#define PREFETCH_AHEAD 1024
-#endif
 
 #if VEC == 16
 static inline __m512 as_m512(vecf v) { __m512 r; memcpy(&r, &v, sizeof r); return r; }
