@@ -154,7 +154,7 @@ class ModelRunner:
 class _PageReleaser:
     """pack_for_tiles' ``release``: keeps loading's peak memory near the repacked model's size.
     Its first call drops every mapped GGUF page (loading read the whole file: fused matrices are
-    copies), each later one the pages of the matrix just repacked (read again while packing)."""
+    copies), each later one the pages of the slice just packed (read again while packing)."""
 
     def __init__(self) -> None:
         self.first = True

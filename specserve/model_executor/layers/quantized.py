@@ -262,16 +262,13 @@ def pack_for_tiles(model: torch.nn.Module,
                    release: Callable[[list[torch.Tensor]], None] | None = None) -> int:
     """Every matmul of ``model`` that holds GGUF blocks (layers with ``pack_for_tiles``: linear
     layers and the LM head, not the embedding lookup) repacked for AMX tiles where the CPU and
-    the format allow; nothing changes elsewhere. ``release`` gets the former block tensors, slice
-    by slice as they are packed and then each repacked matrix's whole (the loader drops their file
-    pages). Returns how many matrices were repacked."""
+    the format allow; nothing changes elsewhere. ``release`` gets the former block tensors slice
+    by slice as they are packed (``quant_gemm.pack_for_amx``; the loader drops their file pages).
+    Returns how many matrices were repacked."""
     packed = 0
     for module in model.modules():
         if hasattr(module, "pack_for_tiles"):
             before = module.quantized
             module.pack_for_tiles(release)
-            if module.quantized is not before:
-                packed += 1
-                if release is not None:
-                    release([s.data for s in before.segments])
+            packed += module.quantized is not before
     return packed

@@ -556,8 +556,9 @@ static int amx_gemm_team(const float *x, int64_t ldx, int64_t rows, const uint8_
     float *S = ok && qtype != Q6_K ? (float *)(buf + xp_bytes) : NULL;
     uint16_t *ring = ok ? (uint16_t *)(buf + xp_bytes + s_bytes) : NULL;
     float *cbuf = ok ? (float *)(buf + xp_bytes + s_bytes + 2 * 2048) : NULL;
-    if (ok && one_row) {
-        memset(xp, 0, (size_t)pass_elems * 2);
+    if (ok && one_row) {   /* rows 0-2 and 6-8 zero, the pieces between */
+        memset(xp, 0, (size_t)(3 * in) * 2);
+        memset(xp + 6 * in, 0, (size_t)(3 * in) * 2);
         amx_split_rows(x, ldx, 1, 1, in, sb, 1, xp + 3 * in, S);
     } else if (ok)
         for (int64_t ps = 0; ps < passes; ps++) {
