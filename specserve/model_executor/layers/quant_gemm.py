@@ -25,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from specserve.model_executor.layers.huge_pages import empty_in_huge_pages
 from specserve.model_executor.layers.kernel_build import LazyLibrary
 
 COMPILE_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off"]
@@ -129,8 +130,7 @@ def pack_for_amx(data: torch.Tensor, qtype: int, in_features: int,
     lib = _load()
     assert lib is not None and supports_amx(qtype, data.shape[0], in_features)
     data = data.contiguous()
-    packed = torch.empty(data.shape[0] // AMX_GROUP, lib.specserve_quant_amx_row_bytes(int(qtype), in_features),
-                         dtype=torch.uint8)
+    packed = empty_in_huge_pages((data.shape[0] // AMX_GROUP, lib.specserve_quant_amx_row_bytes(int(qtype), in_features)))
     for r0 in range(0, data.shape[0], AMX_PACK_ROWS):
         rows = data[r0 : r0 + AMX_PACK_ROWS]
         check_status(lib.specserve_quant_amx_pack(rows.data_ptr(), int(qtype), rows.shape[0], in_features,

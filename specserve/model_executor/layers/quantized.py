@@ -35,6 +35,7 @@ from typing import Callable
 import torch
 
 from specserve.model_executor.layers import quant_gemm
+from specserve.model_executor.layers.huge_pages import cat_rows
 
 
 # Formats a matrix can be requantized to (``QuantizedMatrix.requantize``): those ``gguf``'s Python
@@ -187,15 +188,16 @@ class QuantizedMatrix:
             m._check_unpacked("stacking")
         if any(m.in_features != in_features for m in mats):
             raise ValueError("matrices to stack have different input widths")
-        merged: list[QuantSegment] = []
+        runs: list[list[QuantSegment]] = []   # neighbouring segments of one format
         for seg in (s for m in mats for s in m.segments):
-            if merged and merged[-1].qtype == seg.qtype:
-                merged[-1] = QuantSegment(seg.qtype, torch.cat([merged[-1].data, seg.data]))
+            if runs and runs[-1][0].qtype == seg.qtype:
+                runs[-1].append(seg)
             else:
-                merged.append(seg)
-        for i, seg in enumerate(merged):   # the kernel reads contiguous rows it owns
-            if not seg.data.is_contiguous():
-                merged[i] = QuantSegment(seg.qtype, seg.data.contiguous())
+                runs.append([seg])
+        merged = []
+        for run in runs:   # the kernel reads contiguous rows it owns
+            data = run[0].data if len(run) == 1 else cat_rows([s.data for s in run])
+            merged.append(QuantSegment(run[0].qtype, data if data.is_contiguous() else data.contiguous()))
         return QuantizedMatrix(merged, in_features, max(m.int8_activations for m in mats))
 
     def contiguous(self) -> "QuantizedMatrix":
