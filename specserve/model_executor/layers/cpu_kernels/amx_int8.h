@@ -90,19 +90,18 @@ static void amx_i8_split_rows(const float *x, int64_t ldx, int R, int Rt, int64_
 
 /* One packed unit's quants -> its B tiles as bytes in TDPBSUD's order, [sub-block][SB / 4][64]
  * (1024 bytes): row j of a sub-block holds, per output o, its codes of inputs 4 j .. 4 j + 3.
- * The packing's pair rows 2 j and 2 j + 1 (32 bytes each: per output two inputs) are adjacent,
- * so one word permute interleaves them. */
+ * The packing's pair rows 2 j and 2 j + 1 share 64 bytes (amx_code_byte), per output o the bytes
+ * 4 o .. 4 o + 3 holding inputs 4 j, 4 j + 2, 4 j + 1, 4 j + 3, so one byte shuffle orders them. */
 static inline void amx_i8_unpack_unit(int qtype, const uint8_t *p, uint8_t *b) {
-    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i quads = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15));
     if (qtype == Q6_K) {   /* a byte a code: 4 sub-blocks x 4 rows */
         for (int j = 0; j < 16; j++)
-            _mm512_store_si512(b + 64 * j, _mm512_permutexvar_epi16(pairs, _mm512_loadu_si512(p + 96 + 64 * j)));
+            _mm512_store_si512(b + 64 * j, _mm512_shuffle_epi8(_mm512_loadu_si512(p + 96 + 64 * j), quads));
         return;
     }
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     for (int j = 0; j < 8; j++) {   /* low nibbles: sub-block 0, high: sub-block 1 */
-        const __m512i v = _mm512_permutexvar_epi16(pairs, _mm512_loadu_si512(p + 128 + 64 * j));
+        const __m512i v = _mm512_shuffle_epi8(_mm512_loadu_si512(p + 128 + 64 * j), quads);
         _mm512_store_si512(b + 64 * j, _mm512_and_si512(v, m4));
         _mm512_store_si512(b + 512 + 64 * j, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
     }

@@ -37,7 +37,8 @@
  * Packing (amx_pack): outputs in groups of 16; each group's row is a run of units of 64 input
  * values, each unit holding the group's scales for those values and its quants in the B-tile
  * order ("VNNI" pairs: tile row p holds, for each of the 16 outputs, the quants of inputs 2p and
- * 2p + 1), two sub-blocks per byte (low and high nibble). Unit layouts (bytes):
+ * 2p + 1), two sub-blocks per byte (low and high nibble), tile rows 2c and 2c + 1 interleaved
+ * byte by byte in 64 bytes (amx_code_byte). Unit layouts (bytes):
  *   Q4_K  640: d[16] f16 | dmin[16] f16 | scale[2][16] u8 | min[2][16] u8 | nibbles[16][32]
  *   Q4_1  640: d[2][16] f16 | m[2][16] f16 | nibbles[16][32]
  *   Q6_K 1120: d[16] f16 | scale[4][16] i8 | quants[4][8][32] u8 (one byte each: 6 bits unpack too slowly)
@@ -88,6 +89,15 @@ __attribute__((unused)) static int amx_supported(int qtype, int64_t out, int64_t
 }
 
 static inline int64_t amx_packed_row_bytes(int qtype, int64_t in) { return in / AMX_UNIT_K * amx_unit_bytes(qtype); }
+
+/* Where, among a unit's quant bytes, B-tile pair row `row` keeps its word w = 2 o + j (output o,
+ * inputs 2 row + j): rows 2c and 2c + 1 share 64 bytes, 2c in the even bytes and 2c + 1 in the odd
+ * ones. Read as 32 words, such 64 bytes hold row 2c's quants in the low bytes and 2c + 1's in the
+ * high bytes, so the unpacking takes both rows from one load with shifts and no widening
+ * (a third fewer shuffle-port instructions than widening 32 bytes at a time: docs/benchmarks.md,
+ * "Quants unpacked without widening"). Rows run 0..15 in each Q4 sub-block's tile, 0..31 over a
+ * Q6_K unit. */
+static inline int amx_code_byte(int row, int w) { return 64 * (row / 2) + 2 * w + row % 2; }
 
 /* ---- packing (at load; plain C, run once) ---- */
 
@@ -149,11 +159,21 @@ __attribute__((unused)) static void amx_pack(const uint8_t *w, int qtype, int64_
                 }
                 uint8_t codes[AMX_UNIT_K];
                 file_codes(qtype, row, k0, codes);
-                if (qtype == Q6_K)   /* a byte a code, pair row kk / 2 */
-                    for (int pr = 0; pr < 32; pr++) memcpy(p + 96 + pr * 32 + 2 * o, codes + 2 * pr, 2);
+                /* amx_code_byte of pair rows 2c, 2c + 1 and words 2o, 2o + 1: four adjacent bytes,
+                 * inputs 4c, 4c + 2, 4c + 1, 4c + 3 */
+                if (qtype == Q6_K)   /* a byte a code */
+                    for (int c = 0; c < 16; c++) {
+                        uint8_t *q = p + 96 + amx_code_byte(2 * c, 2 * o);
+                        q[0] = codes[4 * c], q[1] = codes[4 * c + 2], q[2] = codes[4 * c + 1], q[3] = codes[4 * c + 3];
+                    }
                 else                 /* inputs kk and kk + 32 share a byte: low and high nibble */
-                    for (int kk = 0; kk < 32; kk++)
-                        p[128 + (kk / 2) * 32 + 2 * o + kk % 2] = (uint8_t)(codes[kk] | codes[32 + kk] << 4);
+                    for (int c = 0; c < 8; c++) {
+                        uint8_t *q = p + 128 + amx_code_byte(2 * c, 2 * o);
+                        for (int i = 0; i < 4; i++) {
+                            const int kk = 4 * c + (i % 2) * 2 + i / 2;
+                            q[i] = (uint8_t)(codes[kk] | codes[32 + kk] << 4);
+                        }
+                    }
             }
         }
 }
@@ -170,12 +190,12 @@ __attribute__((unused)) static void amx_dequantize(const uint8_t *packed, int qt
             const uint8_t *p = packed + (g * units + u) * ub;
             float *y = out + i * in + u * AMX_UNIT_K;
             for (int kk = 0; kk < AMX_UNIT_K; kk++) {
-                const int j = 2 * o + kk % 2;
+                const int w = 2 * o + kk % 2;
                 if (qtype == Q6_K) {
-                    const int sub = kk / 16, pr = (kk % 16) / 2, q = p[96 + (sub * 8 + pr) * 32 + j];
+                    const int sub = kk / 16, q = p[96 + amx_code_byte(kk / 2, w)];
                     y[kk] = (float)(q - 32) * (half_at(p + 2 * o) * (float)(int8_t)p[32 + 16 * sub + o]);
                 } else {
-                    const int hi = kk / 32, q = (p[128 + ((kk % 32) / 2) * 32 + j] >> (4 * hi)) & 0x0F;
+                    const int hi = kk / 32, q = (p[128 + amx_code_byte((kk % 32) / 2, w)] >> (4 * hi)) & 0x0F;
                     if (qtype == Q4_K) {
                         const float d1 = half_at(p + 2 * o) * (float)p[64 + 16 * hi + o];
                         const float m1 = half_at(p + 32 + 2 * o) * (float)p[96 + 16 * hi + o];
@@ -220,35 +240,41 @@ static void amx_configure(int a_rows, int kv) {
     _tile_loadconfig(&cfg);
 }
 
-/* bfloat16 of small integers: word i of the first table is i (Q4_K, Q4_1), of the pair i - 32
- * for i in 0..63 (Q6_K). */
-static inline __m512i bf16_table(int first) {
+/* bfloat16 of small integers: word i is first + i % period (exact: |first + i| <= 32). Q6_K's
+ * pair of tables maps i in 0..63 to i - 32; Q4's repeats 0..15 twice, so a word's bit 4 (the
+ * next nibble's lowest bit) picks the same value. */
+static inline __m512i bf16_table(int first, int period) {
     __attribute__((aligned(64))) uint16_t t[32];
     for (int i = 0; i < 32; i++) {
-        const float f = (float)(first + i);
+        const float f = (float)(first + i % period);
         uint32_t u;
         memcpy(&u, &f, 4);
-        t[i] = (uint16_t)(u >> 16);   /* exact: |first + i| <= 32 */
+        t[i] = (uint16_t)(u >> 16);
     }
     return _mm512_load_si512(t);
 }
 
-/* One packed unit's quants -> its B tiles as bfloat16, 2048 bytes: [sub-block][SB / 2][32]. */
+/* One packed unit's quants -> its B tiles as bfloat16, 2048 bytes: [sub-block][SB / 2][32]. Each
+ * 64-byte load is 32 words holding two pair rows' quants (amx_code_byte), which a word permute
+ * reads through its index's low bits: the low byte's (shift 0), or the high byte's (shift 8);
+ * for nibbles also shifts 4 and 12. */
 static inline void amx_unpack_unit(int qtype, const uint8_t *p, uint16_t *b) {
-    const __m512i m4 = _mm512_set1_epi16(0x0F);
     if (qtype == Q6_K) {   /* bytes 0..63 -> bfloat16 of q - 32, 32 rows of 32 */
-        const __m512i lo = bf16_table(-32), hi = bf16_table(0);
-        for (int row = 0; row < 32; row++) {
-            const __m512i q = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(p + 96 + row * 32)));
-            _mm512_store_si512(b + row * 32, _mm512_permutex2var_epi16(lo, q, hi));
+        const __m512i lo = bf16_table(-32, 32), hi = bf16_table(0, 32);
+        for (int c = 0; c < 16; c++) {
+            const __m512i v = _mm512_loadu_si512(p + 96 + 64 * c);
+            _mm512_store_si512(b + 2 * c * 32, _mm512_permutex2var_epi16(lo, v, hi));
+            _mm512_store_si512(b + (2 * c + 1) * 32, _mm512_permutex2var_epi16(lo, _mm512_srli_epi16(v, 8), hi));
         }
         return;
     }
-    const __m512i tab = bf16_table(0);
-    for (int pr = 0; pr < 16; pr++) {
-        const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(p + 128 + pr * 32)));
-        _mm512_store_si512(b + pr * 32, _mm512_permutexvar_epi16(_mm512_and_si512(v, m4), tab));
-        _mm512_store_si512(b + 512 + pr * 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), tab));
+    const __m512i tab = bf16_table(0, 16);
+    for (int c = 0; c < 8; c++) {   /* low nibbles: sub-block 0's tile, high: sub-block 1's */
+        const __m512i v = _mm512_loadu_si512(p + 128 + 64 * c);
+        _mm512_store_si512(b + 2 * c * 32, _mm512_permutexvar_epi16(v, tab));
+        _mm512_store_si512(b + 512 + 2 * c * 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), tab));
+        _mm512_store_si512(b + (2 * c + 1) * 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 8), tab));
+        _mm512_store_si512(b + 512 + (2 * c + 1) * 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 12), tab));
     }
 }
 
