@@ -20,6 +20,12 @@ rounds: ``on`` or ``off`` measures one of them. A comma list may add piece count
 ``--int8-activations off,3`` measures float32 activations against three int8 pieces
 (``int8_activations=3``, float32's precision; ``cpu_kernels/q8_act.h``, or on CPUs with AMX
 the int8 tiles of ``cpu_kernels/amx_int8.h``).
+
+``--native-llama-bin DIR`` adds a second llama.cpp build's ``llama-bench`` to every round (a
+``-DGGML_NATIVE=ON`` build: ``-march=native``, with AMX where the CPU has it), reported beside
+the first. On the development VMs such a build decodes but dies with "Illegal instruction" on
+prompts of more than one token, which is why the ratio is taken against the portable build of
+``build-llamacpp.sh``; the native figure shows what this CPU's best llama.cpp decoding is.
 """
 from __future__ import annotations
 
@@ -69,6 +75,8 @@ def specserve_decode(llm, tokens: int) -> float:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--llama-bin", required=True, help="folder with llama.cpp's llama-bench")
+    p.add_argument("--native-llama-bin", default=None,
+                   help="folder with a -march=native llama.cpp build's llama-bench, measured beside")
     p.add_argument("--models", default="default", help="comma-separated .gguf paths or catalog names ('default')")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
@@ -82,6 +90,7 @@ def main() -> int:
     from specserve.model_executor.loader import default_model_path
 
     bench = os.path.join(os.path.expanduser(args.llama_bin), "llama-bench")
+    native = os.path.join(os.path.expanduser(args.native_llama_bin), "llama-bench") if args.native_llama_bin else None
     print(f"# {time.strftime('%Y-%m-%d %H:%M')} threads={args.threads} tokens={args.tokens} dtype={args.dtype} "
           f"torch={torch.__version__}")
     variants = []
@@ -90,8 +99,10 @@ def main() -> int:
     label = {v: {False: "specserve", True: "specserve int8 act."}.get(v, f"specserve {v} int8 pieces")
              for v in variants}
     head = " | ".join(f"{label[v]} decode tok/s | {label[v]} / llama.cpp" for v in variants)
-    print(f"| model | llama.cpp decode tok/s | {head} | specserve load s | RSS after load MiB | peak RSS MiB | file MiB |")
-    print("|---|---|" + "---|---|" * len(variants) + "---|---|---|---|")
+    native_head = " | llama.cpp native build decode tok/s" if native else ""
+    print(f"| model | llama.cpp decode tok/s | {head}{native_head} | specserve load s | RSS after load MiB | "
+          "peak RSS MiB | file MiB |")
+    print("|---|---|" + "---|---|" * len(variants) + ("---|" if native else "") + "---|---|---|---|")
     for name in args.models.split(","):
         rss0 = proc_status("VmRSS")
         llms, load_s = {}, 0.0
@@ -106,13 +117,15 @@ def main() -> int:
         for llm in llms.values():
             specserve_decode(llm, 8)   # warm-up: kernels built, weights paged in
         ours: dict[bool, list[float]] = {v: [] for v in variants}
-        theirs = []
-        who_all = ["llama"] + variants
+        theirs, native_rates = [], []
+        who_all = ["llama"] + (["native"] if native else []) + variants
         for r in range(args.rounds):
             order = who_all[r % len(who_all):] + who_all[: r % len(who_all)]   # rotate who goes first
             for who in order:
                 if who == "llama":
                     theirs.append(llama_bench(bench, path, args.tokens, args.threads))
+                elif who == "native":
+                    native_rates.append(llama_bench(native, path, args.tokens, args.threads))
                 else:
                     ours[who].append(specserve_decode(llms[who], args.tokens))
         a = statistics.median(theirs)
@@ -120,6 +133,8 @@ def main() -> int:
         for v in variants:
             b = statistics.median(ours[v])
             cells.append(f"{b:.1f} ({', '.join(f'{x:.1f}' for x in ours[v])}) | {b / a:.2f}x")
+        if native:
+            cells.append(f"{statistics.median(native_rates):.1f} ({', '.join(f'{x:.1f}' for x in native_rates)})")
         print(f"| {os.path.basename(path)} | {a:.1f} ({', '.join(f'{x:.1f}' for x in theirs)}) | {' | '.join(cells)} | "
               f"{load_s:.1f} | {rss / 2**20:.0f} | {peak / 2**20:.0f} | {os.path.getsize(path) / 2**20:.0f} |",
               flush=True)
