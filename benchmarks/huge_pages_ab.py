@@ -84,7 +84,6 @@ def main() -> int:
 
     from specserve import LLM
 
-    torch.set_num_threads(args.threads)
     engines, huge = {}, {}
     for label, setting in (("4 KiB pages", "off"), ("huge pages", "")):
         os.environ["SPECSERVE_HUGE_PAGES"] = setting

@@ -15,6 +15,7 @@ Where the kernel has no transparent huge pages, or says ``never``, nothing chang
 from __future__ import annotations
 
 import functools
+import math
 import mmap
 import os
 import threading
@@ -65,10 +66,7 @@ def empty_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype = torch.uint8
     off). Tensors of a quarter region or more, and any with ``shared=False``, get a mapping of their
     own (unmapped when they die: for tensors that may not live as long as the model); smaller ones
     share a region. Pages are only touched, so resident, once written."""
-    numel = 1
-    for n in shape:
-        numel *= int(n)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0 or not huge_pages_enabled():
         return torch.empty(shape, dtype=dtype)
     if nbytes >= REGION_BYTES // 4 or not shared:

@@ -197,7 +197,7 @@ class QuantizedMatrix:
         merged = []
         for run in runs:   # the kernel reads contiguous rows it owns
             data = run[0].data if len(run) == 1 else cat_rows([s.data for s in run])
-            merged.append(QuantSegment(run[0].qtype, data if data.is_contiguous() else data.contiguous()))
+            merged.append(QuantSegment(run[0].qtype, data.contiguous()))
         return QuantizedMatrix(merged, in_features, max(m.int8_activations for m in mats))
 
     def contiguous(self) -> "QuantizedMatrix":
