@@ -133,10 +133,11 @@ def main() -> int:
                                         "answers": tokens})
                     for r in records[-len(names):]:   # plain answered this batch too, in some order
                         r["same_as_plain"] = r.pop("answers") == reference
+            print(f"# {category} done after {time.time() - started:.0f} s", flush=True)
+            if args.json:   # after every category: a long run that stops still leaves its figures
+                with open(args.json, "w") as f:
+                    json.dump({"args": vars(args), "records": records}, f, indent=1)
         print(f"# batch {batch} done after {time.time() - started:.0f} s, load {os.getloadavg()[0]:.1f}", flush=True)
-        if args.json:   # after every batch size: a long run that stops still leaves its figures
-            with open(args.json, "w") as f:
-                json.dump({"args": vars(args), "records": records}, f, indent=1)
         report([r for r in records if r["batch"] == batch], names, args.rounds, args.seed)
     return 0
 
