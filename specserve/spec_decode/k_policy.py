@@ -41,7 +41,11 @@ class RowCost:
     - ``shape``: the row counts timed at start-up (``calibrate``). Later timings of
       those counts move one ``scale`` for all of them (a longer context, a busier
       machine slow every row count alike), so a count the policy stopped choosing
-      never goes stale at a figure of the past;
+      never goes stale at a figure of the past; each timing also moves its own
+      count's shape, more slowly (``shape_weight``), so a start-up timing that came
+      out high or low on a noisy machine is corrected once the policy uses that count
+      (on Qwen2.5-Coder-1.5B the 3-row figure read 7% dear, and drafts of 2 were
+      hardly ever chosen: docs/benchmarks.md, dynamic_k on the 1.5B);
     - ``seconds``: row counts beyond the calibrated ones (larger batches), each a
       moving average of its own timings.
 
@@ -51,6 +55,7 @@ class RowCost:
     """
 
     weight: float = 0.2          # of a new measurement in the moving averages
+    shape_weight: float = 0.05   # of a calibrated count's new measurement in its own shape
     shape: dict[int, float] = field(default_factory=dict)
     scale: float = 1.0
     seconds: dict[int, float] = field(default_factory=dict)
@@ -61,6 +66,7 @@ class RowCost:
     def add(self, rows: int, seconds: float) -> None:
         if rows in self.shape:
             self.scale = (1 - self.weight) * self.scale + self.weight * seconds / self.shape[rows]
+            self.shape[rows] += self.shape_weight * (seconds / self.scale - self.shape[rows])
             return
         old = self.seconds.get(rows)
         self.seconds[rows] = seconds if old is None else (1 - self.weight) * old + self.weight * seconds
