@@ -44,8 +44,8 @@ class RowCost:
       never goes stale at a figure of the past; each timing also moves its own
       count's shape, more slowly (``shape_weight``), so a start-up timing that came
       out high or low on a noisy machine is corrected once the policy uses that count
-      (on Qwen2.5-Coder-1.5B the 3-row figure read 7% dear, and drafts of 2 were
-      hardly ever chosen: docs/benchmarks.md, dynamic_k on the 1.5B);
+      (on Qwen2.5-Coder-1.5B the 3-row figure once read 7% above what its steps took:
+      docs/benchmarks.md, "Is the cost model right on Qwen2.5-Coder-1.5B?");
     - ``seconds``: row counts beyond the calibrated ones (larger batches), each a
       moving average of its own timings.
 
