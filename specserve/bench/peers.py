@@ -25,13 +25,14 @@ DEFAULT_LLAMA_CPP_BIN = os.path.expanduser("~/.cache/specserve-peers/llama.cpp/b
 SHORT_DTYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}
 
 
-def load_transformers_model(model: str | None, dtype_name: str):
-    """transformers' model class on the very weights specserve's loader reads: ``(model, tokenizer, dtype)``."""
+def load_transformers_model(model: str | None, dtype_name: str, device: torch.device | str = "cpu"):
+    """transformers' model class on the very weights specserve's loader reads, on ``device``:
+    ``(model, tokenizer, dtype)``."""
     from transformers import AutoModelForCausalLM
 
     from specserve.model_executor.loader import load_model, resolve_dtype
 
-    dtype = resolve_dtype(dtype_name, torch.device("cpu"))
+    dtype = resolve_dtype(dtype_name, torch.device(device))
     loaded = load_model(model, dtype)
     hf = AutoModelForCausalLM.from_config(loaded.config, dtype=dtype)
     missing, unexpected = hf.load_state_dict(loaded.state_dict, strict=False)
@@ -39,7 +40,7 @@ def load_transformers_model(model: str | None, dtype_name: str):
     bad = [m for m in missing if not (m == "lm_head.weight" and loaded.config.tie_word_embeddings)]
     if bad or unexpected:
         raise RuntimeError(f"transformers peer: missing {bad[:5]}, unexpected {list(unexpected)[:5]}")
-    return hf.eval(), loaded.tokenizer, dtype
+    return hf.to(device).eval(), loaded.tokenizer, dtype
 
 
 class TransformersPeer:
@@ -47,10 +48,13 @@ class TransformersPeer:
 
     ``dtype_name``: default ``opts.transformers_dtype``; ``named_by_dtype``: call it
     ``transformers-bf16`` (etc.) rather than ``transformers``, for runs of several dtypes.
+    It runs on the device specserve runs on (``opts.device``; default: cuda when available).
     """
 
     def __init__(self, opts: BenchOptions, dtype_name: str | None = None, named_by_dtype: bool = False):
-        self.model, self.tok, dtype = load_transformers_model(opts.model, dtype_name or opts.transformers_dtype)
+        self.device = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model, self.tok, dtype = load_transformers_model(opts.model, dtype_name or opts.transformers_dtype,
+                                                              self.device)
         self.name = "transformers-" + SHORT_DTYPES.get(dtype, str(dtype).removeprefix("torch.")) \
             if named_by_dtype else "transformers"
         self.description = f"Hugging Face transformers generate, {dtype}, same weights"
@@ -78,7 +82,7 @@ class TransformersPeer:
         else:
             torch.manual_seed(seeds[0])
             kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
-        out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+        out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), **kwargs)
         rows = [row[width:].tolist() for row in out]
         if not ignore_eos:   # a row that ended early is padded: keep up to its end-of-sequence token
             eos = self.tok.eos_token_id
