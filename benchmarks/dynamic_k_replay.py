@@ -4,9 +4,9 @@ Greedy decoding is deterministic, so one plain run gives every answer the target
 and n-gram's proposals depend only on the tokens so far: replaying an answer token by
 token shows exactly what each configuration would draft and how much of it the target
 would accept (``ngram_draft_length.py`` does this for fixed rules). Here the replay also
-runs ``dynamic_k`` itself: the engine's ``DraftLengthPolicy`` and ``ShadowDrafts``, fed the
-same proposals in the same order (requests one after another, as at batch 1, the
-engine-wide acceptance carried from one to the next), with the forward's cost by row count
+runs ``dynamic_k`` itself: the engine's ``Drafting`` (its ``DraftLengthPolicy`` and
+``ShadowDrafts``), fed the same proposals in the same order (requests one after another,
+as at batch 1, the engine-wide acceptance carried from one to the next), with the forward's cost by row count
 timed on this machine first (``step_costs``: medians of round-robin timings, relative to
 one row). A step costs the forward over its rows; the rest of a step (scheduling,
 sampling) and the prefill are left out, the same for every configuration.
@@ -32,59 +32,51 @@ from spec_bench import SPEC_BENCH
 from specserve import LLM, SamplingParams
 from specserve.bench.options import load_prompts
 from specserve.config import SpeculativeConfig
-from specserve.engine.drafting import calibration_rows
+from specserve.core.request import Request, RequestStatus
+from specserve.core.scheduler import ScheduledRequest
+from specserve.engine.drafting import Drafting, calibration_rows
+from specserve.outputs import SpecDecodeStats
 from specserve.spec_decode.k_policy import DraftLengthPolicy
-from specserve.spec_decode.ngram import ngram_lookup
-from specserve.spec_decode.shadow_drafts import ShadowDrafts
-
-
-class ReplayedRequest:
-    """What ShadowDrafts reads of a request: its tokens so far and whether it has finished."""
-
-    def __init__(self, prompt: list[int]) -> None:
-        self.all_token_ids = list(prompt)
-        self.finished = False
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
-
-    def is_finished(self) -> bool:
-        return self.finished
+from specserve.spec_decode.ngram import NgramProposer
 
 
 class DynamicReplay:
-    """dynamic_k's choices over replayed answers, one request after another (batch 1)."""
+    """dynamic_k's choices over replayed answers, one request after another (batch 1): the
+    engine's own ``Drafting`` (n-gram's full proposal, ``ShadowDrafts`` scoring, the
+    ``DraftLengthPolicy`` cut) fed real ``Request``s step by step, so the replay runs the
+    very code an engine step runs, not a copy of it."""
 
     def __init__(self, max_k: int, cost: list[float], min_n: int, max_n: int) -> None:
         self.policy = DraftLengthPolicy(max_k)
         for rows in calibration_rows(max_k):
             self.policy.calibrate_forward(rows, cost[rows])
-        self.shadows = ShadowDrafts()
-        self.max_k, self.cost, self.min_n, self.max_n = max_k, cost, min_n, max_n
+        self.drafting = Drafting(None, self.policy, SpecDecodeStats())
+        self.proposer = NgramProposer(min_n, max_n)
+        self.max_k, self.cost = max_k, cost
 
     def answer(self, prompt: list[int], answer: list[int]) -> tuple[int, float, int]:
         """(tokens after the first, summed step cost, steps), as ``replay`` counts them."""
-        request = ReplayedRequest(prompt + answer[:1])
-        i, total_cost, steps = 1, 0.0, 0   # the first answer token comes from the prefill
+        request = Request("replay", None, prompt, SamplingParams(temperature=0.0, max_tokens=len(answer)), None, None)
+        request.status = RequestStatus.RUNNING
+        request.append_token(answer[0])   # the first answer token comes from the prefill
+        i, total_cost, steps = 1, 0.0, 0
         while i < len(answer):
-            remaining = len(answer) - i - 1
-            proposal = ngram_lookup(request.all_token_ids, self.min_n, self.max_n, min(self.max_k, remaining), True)
-            self.shadows.remember(request, proposal, None)
-            k = 0
-            if proposal:
-                own = self.shadows.of(request, len(proposal))
-                rates = self.policy.acceptance(own.gained, own.proposed, self.shadows.engine(len(proposal)).rates())
-                k = self.policy.choose([rates], [len(proposal)], [False])[0]
+            request.num_computed_tokens = request.num_tokens - 1
+            step = ScheduledRequest(request, num_new_tokens=1, num_lookahead=min(self.max_k, len(answer) - i - 1))
+            self.drafting.propose_or_skip(self.proposer, [step])
+            drafts = request.draft_token_ids
             accepted = 0
-            while accepted < k and proposal[accepted] == answer[i + accepted]:
+            while accepted < len(drafts) and drafts[accepted] == answer[i + accepted]:
                 accepted += 1
-            total_cost += self.cost[k + 1]
+            total_cost += self.cost[len(drafts) + 1]
             steps += 1
+            request.clear_drafts()
+            for token in answer[i : i + accepted + 1]:   # the accepted drafts and the target's own token
+                request.append_token(token)
             i += accepted + 1
-            request.all_token_ids = prompt + answer[:i]
-            request.finished = i >= len(answer)
-            self.shadows.score(request)
+            if i >= len(answer):
+                request.status = RequestStatus.FINISHED_LENGTH
+            self.drafting.score_proposals([step])
         return len(answer) - 1, total_cost, steps
 
 
