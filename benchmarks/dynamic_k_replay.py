@@ -6,9 +6,9 @@ token shows exactly what each configuration would draft and how much of it the t
 would accept (``ngram_draft_length.py`` does this for fixed rules). Here the replay also
 runs ``dynamic_k`` itself: the engine's ``Drafting`` (its ``DraftLengthPolicy`` and
 ``ShadowDrafts``), fed the same proposals in the same order (requests one after another,
-as at batch 1, the engine-wide acceptance carried from one to the next), with the forward's cost by row count
-timed on this machine first (``step_costs``: medians of round-robin timings, relative to
-one row). A step costs the forward over its rows; the rest of a step (scheduling,
+as at batch 1, the engine-wide acceptance carried from one to the next), with the
+forward's cost by row count timed on this machine first (``step_costs``: medians of
+round-robin timings, relative to one row). A step costs the forward over its rows; the rest of a step (scheduling,
 sampling) and the prefill are left out, the same for every configuration.
 
 So a configuration's figure is its modelled speed-up over plain decoding, identical from
