@@ -20,6 +20,7 @@ from specserve.config import SpeculativeConfig  # noqa: E402
 from specserve.model_executor.loader import load_model  # noqa: E402
 
 from model_cache import share_folder, shared_folder_loads  # noqa: E402
+from tiny_models import write_tiny_llama  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -84,23 +85,6 @@ def _shared_folder_loads():
 def default_model_tokenizer():
     """The default model's tokenizer (from the converted-GGUF cache), loaded once."""
     return load_model(None, torch.float32, load_weights=False).tokenizer
-
-
-def write_tiny_llama(folder: str, seed: int, tokenizer=None) -> str:
-    """A 2-layer, width-64 random Llama with the default model's tokenizer: loads in a second."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    if tokenizer is None:
-        tokenizer = load_model(None, torch.float32, load_weights=False).tokenizer
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
-    )
-    torch.manual_seed(seed)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="session")

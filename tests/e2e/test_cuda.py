@@ -26,7 +26,7 @@ import specserve.drafts
 from specserve import LLM, SamplingParams
 
 from chi_square import chi_square_p
-from conftest import write_tiny_llama
+from tiny_models import write_tiny_llama
 
 # SPECSERVE_TEST_GPU=cpu runs the same tests on the CPU: a dry run of their logic.
 DEVICE = os.environ.get("SPECSERVE_TEST_GPU", "cuda")

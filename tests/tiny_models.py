@@ -1,0 +1,23 @@
+"""Tiny random-weight models the fast tests build: a folder in seconds, no download."""
+from __future__ import annotations
+
+import torch
+
+from specserve.model_executor.loader import load_model
+
+
+def write_tiny_llama(folder: str, seed: int, tokenizer=None) -> str:
+    """A 2-layer, width-64 random Llama with ``tokenizer`` (default: the default model's): loads in a second."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if tokenizer is None:
+        tokenizer = load_model(None, torch.float32, load_weights=False).tokenizer
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+    )
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
