@@ -52,7 +52,9 @@ class TransformersPeer:
     """
 
     def __init__(self, opts: BenchOptions, dtype_name: str | None = None, named_by_dtype: bool = False):
-        self.device = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        from specserve.engine.start_up import resolve_device
+
+        self.device = resolve_device(opts.device)
         self.model, self.tok, dtype = load_transformers_model(opts.model, dtype_name or opts.transformers_dtype,
                                                               self.device)
         self.name = "transformers-" + SHORT_DTYPES.get(dtype, str(dtype).removeprefix("torch.")) \
