@@ -8,8 +8,9 @@ runs ``dynamic_k`` itself: the engine's ``Drafting`` (its ``DraftLengthPolicy`` 
 ``ShadowDrafts``), fed the same proposals in the same order (requests one after another,
 as at batch 1, the engine-wide acceptance carried from one to the next), with the
 forward's cost by row count timed on this machine first (``step_costs``: medians of
-round-robin timings, relative to one row). A step costs the forward over its rows; the rest of a step (scheduling,
-sampling) and the prefill are left out, the same for every configuration.
+round-robin timings, relative to one row). A step costs the forward over its rows; the
+rest of a step (scheduling, sampling) and the prefill are left out, the same for every
+configuration.
 
 So a configuration's figure is its modelled speed-up over plain decoding, identical from
 run to run: the gap between ``dynamic_k`` and the best fixed k here is the policy's own,
