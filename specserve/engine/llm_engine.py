@@ -94,8 +94,10 @@ class LLMEngine:
         self.eos_token_id = self.tokenizer.eos_token_id
 
     # ------------------------------------------------------------------ requests
-    def tokenize(self, prompt: str) -> list[int]:
-        return self.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
+    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        """A completion prompt gets the tokens its tokenizer adds (Gemma's and Llama's BOS), as in
+        vLLM and llama.cpp; a rendered chat template already holds them (add_special_tokens=False)."""
+        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens) if prompt else []
 
     def prepare_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         """Tokenize and check a prompt; raises ValueError naming the problem."""

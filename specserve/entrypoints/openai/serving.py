@@ -66,15 +66,18 @@ class OpenAIServing:
                 code="model_not_found",
             )
 
-    def chat_prompt(self, request: ChatCompletionRequest) -> str:
+    def chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
+        """The conversation rendered by the chat template and tokenized as it is (the template
+        wrote the special tokens, so the tokenizer adds none)."""
         tok = self.tokenizer
         if not getattr(tok, "chat_template", None):
             raise APIError(400, f"the model {self.model_name!r} has no chat template; use /v1/completions", param="messages")
         conversation = [m.to_template_dict() for m in request.messages]
         try:
-            return tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=request.add_generation_prompt)
+            text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=request.add_generation_prompt)
         except Exception as e:  # noqa: BLE001 - a template that rejects the conversation
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+        return self.engine.tokenize(text, add_special_tokens=False)
 
     # --------------------------------------------------------------- endpoints
     def sampling_params(self, request):

@@ -30,7 +30,8 @@ from torch import nn
 from specserve.model_executor.layers.attention import AttentionMetadata
 from specserve.model_executor.layers.norm import RMSNorm
 from specserve.model_executor.layers.rotary import RotaryEmbedding, apply_rotary
-from specserve.model_executor.models.llama import LlamaDecoderLayer
+from specserve.model_executor.models.decoder import DecoderLayer
+from specserve.model_executor.models.decoder_spec import eagle_layer_spec
 
 EAGLE_CONFIG_NAME = "eagle_config.json"
 EAGLE_WEIGHTS_NAME = "model.safetensors"
@@ -97,9 +98,9 @@ class EagleHead(nn.Module):
         self.config = config
         h = config.hidden_size
         self.fc = nn.Linear(2 * h, h, bias=False)
-        self.layer = LlamaDecoderLayer(config, _single_tp())
+        self.layer = DecoderLayer(config, _single_tp(), eagle_layer_spec(config.head_dim), 0)
         self.norm = RMSNorm(h, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta)
+        self.rotary = RotaryEmbedding.plain(config.head_dim, max_positions, config.rope_theta)
         self.num_kv_heads_local = config.num_key_value_heads
         self.head_dim = config.head_dim
         # The target's token ids the LM head rows stand for (None = the whole vocabulary).
@@ -118,8 +119,8 @@ class EagleHead(nn.Module):
         layer.self_attn.o_proj.load(sd.pop(f"{p}self_attn.o_proj.weight"))
         layer.mlp.gate_up_proj.load([sd.pop(f"{p}mlp.gate_proj.weight"), sd.pop(f"{p}mlp.up_proj.weight")])
         layer.mlp.down_proj.load(sd.pop(f"{p}mlp.down_proj.weight"))
-        layer.input_layernorm.weight.data = sd.pop(f"{p}input_layernorm.weight")
-        layer.post_attention_layernorm.weight.data = sd.pop(f"{p}post_attention_layernorm.weight")
+        layer.attn_norm.load(sd.pop(f"{p}input_layernorm.weight"))
+        layer.mlp_norm.load(sd.pop(f"{p}post_attention_layernorm.weight"))
         if sd:
             raise ValueError(f"unexpected weights in the EAGLE head: {sorted(sd)[:5]}")
 
@@ -140,8 +141,8 @@ class EagleHead(nn.Module):
             "layer.mlp.gate_proj.weight": gate,
             "layer.mlp.up_proj.weight": up,
             "layer.mlp.down_proj.weight": layer.mlp.down_proj.weight.detach(),
-            "layer.input_layernorm.weight": layer.input_layernorm.weight.detach(),
-            "layer.post_attention_layernorm.weight": layer.post_attention_layernorm.weight.detach(),
+            "layer.input_layernorm.weight": layer.attn_norm.weight.detach(),
+            "layer.post_attention_layernorm.weight": layer.mlp_norm.weight.detach(),
         }
         if self.draft_vocab is not None:
             sd["draft_vocab"] = self.draft_vocab
@@ -202,7 +203,7 @@ class EagleHead(nn.Module):
         cos, sin = self.rotary.lookup(torch.arange(length, device=x.device), x.dtype)  # [L, 1, hd]
         attn = self.layer.self_attn
         hq, hk, hd = self.config.num_attention_heads, self.config.num_key_value_heads, self.head_dim
-        qkv = attn.qkv_proj(self.layer.input_layernorm(x))                # [B, L, (hq + 2hk) hd]
+        qkv = attn.qkv_proj(self.layer.attn_norm(x))                # [B, L, (hq + 2hk) hd]
         qk, v = qkv.split([(hq + hk) * hd, hk * hd], dim=-1)
         qk = apply_rotary(qk.reshape(b, length, hq + hk, hd), cos, sin)
         q, k = qk.split([hq, hk], dim=2)
@@ -213,7 +214,7 @@ class EagleHead(nn.Module):
         b, hq, length, hd = attn_out.shape
         layer = self.layer
         x = x + layer.self_attn.o_proj(attn_out.transpose(1, 2).reshape(b, length, hq * hd))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = x + layer.mlp(layer.mlp_norm(x))
         return self.norm(x)
 
 

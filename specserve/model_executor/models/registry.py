@@ -1,26 +1,15 @@
-"""Architecture name -> model class. Anything else is a clear error."""
+"""Architecture name -> model class. Every supported family runs on the one decoder
+(``decoder.py``); anything else is a clear error (``decoder_spec.spec_for``)."""
 from __future__ import annotations
 
-from specserve.model_executor.models.llama import LlamaForCausalLM
+from specserve.model_executor.models.decoder import DecoderForCausalLM
+from specserve.model_executor.models.decoder_spec import SUPPORTED_ARCHITECTURES, architecture_of, spec_for
 
-MODEL_REGISTRY = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-}
+MODEL_REGISTRY = {arch: DecoderForCausalLM for arch in SUPPORTED_ARCHITECTURES}
 
-_MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-
-
-def architecture_of(config) -> str:
-    archs = getattr(config, "architectures", None) or []
-    if archs:
-        return archs[0]
-    return _MODEL_TYPE_TO_ARCH.get(getattr(config, "model_type", ""), getattr(config, "model_type", "unknown"))
+__all__ = ["MODEL_REGISTRY", "architecture_of", "get_model_class"]
 
 
 def get_model_class(config):
-    arch = architecture_of(config)
-    if arch not in MODEL_REGISTRY:
-        raise ValueError(f"unsupported architecture {arch}; specserve supports {sorted(MODEL_REGISTRY)}")
-    return MODEL_REGISTRY[arch]
+    spec_for(config)   # raises UnsupportedModelError naming the architecture or feature
+    return MODEL_REGISTRY[architecture_of(config)]
