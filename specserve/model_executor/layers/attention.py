@@ -25,6 +25,16 @@ sharing prefixes, verified at once): its new tokens come with their parents
 itself only; ``tree_layout`` turns parents into depths (for positions) and
 ancestor masks.
 
+Two per-call options serve model families beyond Llama, exactly as Hugging Face
+transformers computes them: ``sliding_window`` W (Mistral; Gemma 2/3's local layers,
+interleaved with global ones, so it is an argument per call, i.e. per layer): a query
+at absolute position p sees key position j iff j <= p and p - j < W
+(``masking_utils.sliding_window_overlay``: ``kv_idx > q_idx - W``), W keys at most,
+itself included; a tree node's position is its request's first new slot + its depth,
+and the window applies to its ancestors at theirs. ``logit_softcap`` c (Gemma 2's
+``attn_logit_softcapping``): scores = tanh(scale * q.k / c) * c, before the mask and
+the softmax. With neither, nothing here costs more than without them.
+
 Gathering pads every request's context to the longest one in its SDPA call, so
 a batch that mixes short and long contexts would read mostly padding. Requests
 are therefore split into *context groups* of similar length (sorted, then cut
@@ -131,6 +141,7 @@ class ContextGroup:
     token_to_padded: torch.Tensor     # [T_g] index of token t in the [B_g * max_q] padded query layout
     query_positions: torch.Tensor     # [B_g, max_q] absolute position of each (padded) query row
     context_lens: torch.Tensor        # [B_g]
+    max_context_len: int              # the longest of context_lens
     block_size: int
     max_query_len: int
     uniform: bool                     # every request has max_query_len new tokens: no padding needed
@@ -153,26 +164,50 @@ class ContextGroup:
             buf = self._context_buffers[dtype] = kv_cache.new_empty(shape, dtype=dtype)
         return buf
 
-    def grouped_mask(self, group: int) -> torch.Tensor:
+    def window_that_cuts(self, sliding_window: int | None) -> int | None:
+        """``sliding_window`` where it hides a key from some row of the group, else None: a
+        window no shorter than the longest context changes nothing, so such layers share the
+        global layers' mask (and fresh prompts keep SDPA's causal mode)."""
+        if sliding_window is None or sliding_window >= self.max_context_len:
+            return None
+        return sliding_window
+
+    def grouped_mask(self, group: int, window: int | None = None) -> torch.Tensor:
         """[1, B_g, group * max_q, S] additive (0 = may attend, -inf = not), causal at each
-        query's absolute position, its query rows repeated for ``group`` query heads per KV
-        head (see ``_attend_group``); built on first use, once per step (a group of fresh
-        prompts never needs it). Additive, in the model dtype: SDPA would otherwise convert
-        a boolean mask in every layer."""
-        if group not in self._grouped_masks:
-            k_pos = torch.arange(self.block_tables.shape[1] * self.block_size)   # [S]
-            allowed = ((k_pos[None, None, :] <= self.query_positions[:, :, None])
-                       & (k_pos[None, None, :] < self.context_lens[:, None, None]))       # [B_g, max_q, S]
-            if self.tree_allowed is not None:
-                max_q = self.max_query_len
-                rel = k_pos[None, :] - self.query_positions[:, :1]                      # [B_g, S] slot - first new slot
-                is_new = (rel >= 0) & (rel < max_q)
-                seen = self.tree_allowed.gather(2, rel.clamp(0, max_q - 1)[:, None, :].expand(-1, max_q, -1))
-                allowed &= ~is_new[:, None, :] | seen                                   # [B_g, max_q, S]
+        query's absolute position (and, with ``window``, only its last ``window`` positions),
+        its query rows repeated for ``group`` query heads per KV head (see ``_attend_group``);
+        built on first use, once per step and window (a group of fresh prompts never needs
+        it). Additive, in the model dtype: SDPA would otherwise convert a boolean mask in
+        every layer."""
+        if (group, window) not in self._grouped_masks:
+            allowed = self._allowed(window)                                             # [B_g, max_q, S]
             mask = torch.zeros(allowed.shape, dtype=self.mask_dtype).masked_fill_(~allowed, float("-inf"))
-            self._grouped_masks[group] = mask.unsqueeze(1).repeat(1, 1, group, 1).transpose(0, 1).to(
+            self._grouped_masks[group, window] = mask.unsqueeze(1).repeat(1, 1, group, 1).transpose(0, 1).to(
                 self.block_tables.device)
-        return self._grouped_masks[group]
+        return self._grouped_masks[group, window]
+
+    def _allowed(self, window: int | None) -> torch.Tensor:
+        """[B_g, max_q, S] bool: (padded) query row i of request b may see key slot s."""
+        k_pos = torch.arange(self.block_tables.shape[1] * self.block_size)             # [S]
+        q_pos = self.query_positions                                                    # [B_g, max_q] slots
+        allowed = ((k_pos[None, None, :] <= q_pos[:, :, None])
+                   & (k_pos[None, None, :] < self.context_lens[:, None, None]))               # [B_g, max_q, S]
+        max_q = self.max_query_len
+        if self.tree_allowed is not None:
+            rel = k_pos[None, :] - q_pos[:, :1]                                         # [B_g, S] slot - first new slot
+            is_new = (rel >= 0) & (rel < max_q)
+            new_index = rel.clamp(0, max_q - 1)                                         # [B_g, S]
+            seen = self.tree_allowed.gather(2, new_index[:, None, :].expand(-1, max_q, -1))
+            allowed &= ~is_new[:, None, :] | seen
+        if window is not None:
+            # Absolute positions are the slots, except for a tree's nodes: first new slot + depth.
+            q_abs, k_abs = q_pos, k_pos[None, :]                                        # [B_g, max_q], [1, S]
+            if self.tree_allowed is not None:
+                depth = self.tree_allowed.sum(-1) - 1           # [B_g, max_q]; a causal request's rows: 0, 1, ...
+                q_abs = q_pos[:, :1] + depth
+                k_abs = k_pos[None, :] - torch.where(is_new, rel - depth.gather(1, new_index), 0)   # [B_g, S]
+            allowed &= k_abs[:, None, :] > q_abs[:, :, None] - window   # transformers: kv_idx > q_idx - window
+        return allowed
 
     @classmethod
     def build(cls, query_lens: list[int], context_lens: list[int], table: torch.Tensor, block_size: int,
@@ -200,6 +235,7 @@ class ContextGroup:
             token_to_padded=(req_of_token * max_q + offset_in_req).to(device),
             query_positions=(ctx_lens - q_lens)[:, None] + torch.arange(max_q)[None, :],
             context_lens=ctx_lens,
+            max_context_len=max(context_lens),
             block_size=block_size,
             max_query_len=max_q,
             uniform=all(n == max_q for n in query_lens),
@@ -334,24 +370,36 @@ def paged_attention(
     kv_cache: torch.Tensor,  # [2, Hk, num_blocks, block_size, hd], q's dtype or (CPU) float16
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:           # [T, Hq, hd]
+    """Writes the step's new K/V into ``kv_cache``, then attends every new token to its
+    request's context. ``sliding_window`` (a query at position p sees keys at p - W + 1 .. p)
+    and ``logit_softcap`` (scores = tanh(scores / c) * c) are this layer's, as in the module
+    docstring; None: plain causal attention."""
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
+    if logit_softcap is not None and not logit_softcap > 0:
+        raise ValueError(f"logit_softcap must be positive, got {logit_softcap}")
     num_kv_heads, head_dim = kv_cache.shape[1], kv_cache.shape[4]
     kn = meta.kernel
     if kn is not None:
         # The kernel writes the new tokens' K/V itself, then attends.
         out = q.new_empty(q.shape)
         cpu_attention.paged_attention_cpu(q, kv_cache, out, kn.block_tables, kn.query_start, kn.query_lens,
-                                          kn.context_lens, scale, kn.tree_masks, (k, v, meta.slot_mapping))
+                                          kn.context_lens, scale, kn.tree_masks, (k, v, meta.slot_mapping),
+                                          sliding_window, logit_softcap)
         return out
     # Write the new tokens' K/V, then read every request's whole context.
     slots = kv_cache.view(2, num_kv_heads, -1, head_dim)   # [2, Hk, num_blocks * block_size, hd]
     slots[0].index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(kv_cache.dtype))
     slots[1].index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(kv_cache.dtype))
     if len(meta.groups) == 1:
-        return _attend_group(q, kv_cache, meta.groups[0], scale)
+        return _attend_group(q, kv_cache, meta.groups[0], scale, sliding_window, logit_softcap)
     out = q.new_empty(q.shape)
     for g in meta.groups:
-        out.index_copy_(0, g.token_index, _attend_group(q.index_select(0, g.token_index), kv_cache, g, scale))
+        out.index_copy_(0, g.token_index, _attend_group(q.index_select(0, g.token_index), kv_cache, g, scale,
+                                                        sliding_window, logit_softcap))
     return out
 
 
@@ -360,6 +408,8 @@ def _attend_group(
     kv_cache: torch.Tensor,  # [2, Hk, num_blocks, block_size, hd]
     g: ContextGroup,
     scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:           # [T_g, Hq, hd]
     """Grouped-query attention runs as plain attention per KV head: the ``group``
     query heads that share a KV head are stacked as extra query rows
@@ -376,7 +426,8 @@ def _attend_group(
     num_heads = q.shape[1]
     group = num_heads // num_kv_heads
     max_q = g.max_query_len
-    if g.fresh:
+    window = g.window_that_cuts(sliding_window)
+    if g.fresh and window is None and logit_softcap is None:
         # Whole prompts with no cached prefix: query i sees keys 0..i, which SDPA's own causal
         # mode computes without a mask and skipping the masked blocks (a third faster than the
         # masked call for a 780-token prompt on CPU). Keys past the prompt (the last block's
@@ -393,8 +444,39 @@ def _attend_group(
     # [B * max_q, Hq, hd] -> [Hk, B, group * max_q, hd]; query head h uses KV head h // group.
     q_rows = (q_pad.view(num_reqs, max_q, num_kv_heads, group, head_dim)
               .permute(2, 0, 3, 1, 4).reshape(num_kv_heads, num_reqs, group * max_q, head_dim))
-    out = F.scaled_dot_product_attention(q_rows, context[0], context[1], attn_mask=g.grouped_mask(group), scale=scale)
+    mask = g.grouped_mask(group, window)
+    if logit_softcap is None:
+        out = F.scaled_dot_product_attention(q_rows, context[0], context[1], attn_mask=mask, scale=scale)
+    else:
+        out = _softcapped_attention(q_rows, context[0], context[1], mask, scale, logit_softcap)
     # [Hk, B, group * max_q, hd] -> [B * max_q, Hq, hd]
     out = (out.view(num_kv_heads, num_reqs, group, max_q, head_dim)
            .permute(1, 3, 0, 2, 4).reshape(num_reqs * max_q, num_heads, head_dim))
     return out if g.uniform else out[g.token_to_padded]
+
+
+# At most this many float32 scores at once in _softcapped_attention (256 MiB).
+SOFTCAP_SCORES_PER_SLICE = 1 << 26
+
+
+def _softcapped_attention(
+    q: torch.Tensor,         # [Hk, B, R, hd] query rows (R = group * max_q)
+    k: torch.Tensor,         # [Hk, B, S, hd]
+    v: torch.Tensor,         # [Hk, B, S, hd]
+    mask: torch.Tensor,      # [1, B, R, S] additive
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:           # [Hk, B, R, hd]
+    """SDPA with Gemma 2's soft cap, which SDPA cannot express: scores computed explicitly as
+    transformers' eager attention does (q.k * scale, then tanh(s / cap) * cap, then the mask),
+    softmax in float32, then the values. The scores of a long prefill do not fit at once
+    ([Hk, B, R, S]), so query rows go in slices of at most SOFTCAP_SCORES_PER_SLICE scores."""
+    out = torch.empty_like(q)
+    rows = max(1, SOFTCAP_SCORES_PER_SLICE // (k.shape[0] * k.shape[1] * k.shape[2]))
+    keys = k.transpose(-1, -2)                                                       # [Hk, B, hd, S]
+    for r0 in range(0, q.shape[2], rows):
+        r1 = min(r0 + rows, q.shape[2])
+        scores = torch.matmul(q[:, :, r0:r1], keys).float().mul_(scale)             # [Hk, B, r, S]
+        scores.div_(softcap).tanh_().mul_(softcap).add_(mask[:, :, r0:r1])
+        out[:, :, r0:r1] = torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+    return out

@@ -44,9 +44,9 @@ COMPILE_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off"]
 def _setup(lib: ctypes.CDLL) -> None:
     fn = lib.specserve_paged_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                   ctypes.c_int, ctypes.c_int, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int, ptr,
-                   ptr, i64, ptr, i64, ptr]
+    c_int, c_float = ctypes.c_int, ctypes.c_float
+    fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, c_int, c_int, c_int, c_int, c_int, i64,
+                   c_float, c_int, c_float, c_int, c_int, ptr, ptr, i64, ptr, i64, ptr]
     fn.restype = ctypes.c_int
     lib.specserve_paged_attention_has_f16.restype = ctypes.c_int
 
@@ -83,10 +83,16 @@ def paged_attention_cpu(
     scale: float,
     tree_masks: torch.Tensor | None = None,  # [T] int32: bit j = row may see new token j of its request
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> None:
     """Attention of the listed requests' new rows. ``new_kv`` = (k [T, Hk, hd], v, slot_mapping [T])
     float32: the kernel first writes every listed request's new K/V into the cache (then q's rows
-    must be exactly the listed requests' new tokens, in order)."""
+    must be exactly the listed requests' new tokens, in order). ``sliding_window``: a row at
+    position p sees key position j only if p - j < sliding_window (a tree node's position: first
+    new slot + depth); keys before a row's window are not read. ``logit_softcap``: scores =
+    tanh(scores / cap) * cap after scaling, before the softmax. None: neither (see
+    ``attention.paged_attention``)."""
     lib = _load()
     assert lib is not None, "call usable() first"
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
@@ -109,8 +115,13 @@ def paged_attention_cpu(
         k = k if k.stride(2) == 1 and k.stride(1) == head_dim else k.contiguous()
         v = v if v.stride(2) == 1 and v.stride(1) == head_dim else v.contiguous()
         write = (k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slot_mapping.data_ptr())
-    status = lib.specserve_paged_attention(*args, torch.get_num_threads(), kv_cache.dtype == torch.float16, masks,
-                                           *write)
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
+    if logit_softcap is not None and not logit_softcap > 0:
+        raise ValueError(f"logit_softcap must be positive, got {logit_softcap}")
+    window = min(sliding_window or 0, 2**31 - 1)   # 0: none (a window past any context changes nothing)
+    status = lib.specserve_paged_attention(*args, window, logit_softcap or 0.0, torch.get_num_threads(),
+                                           kv_cache.dtype == torch.float16, masks, *write)
     if status == -2:
         raise RuntimeError("this build of the paged attention kernel cannot read a float16 cache (no F16C)")
     if status:

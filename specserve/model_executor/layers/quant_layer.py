@@ -10,14 +10,15 @@ dispatch and, for the matmuls, an OpenMP fork and join; at batch 1 on the
 default model those took more than half of a decode step (docs/benchmarks.md,
 "Quantized weights").
 
-Used by ``LlamaForCausalLM`` when every layer's four matrices are ``QuantizedMatrix`` at
+Used by ``DecoderForCausalLM`` (plain-Llama layers) when every layer's four matrices are ``QuantizedMatrix`` at
 tensor-parallel size 1 on a CPU (``QuantizedLayerKernel.for_layer``); anything
 else runs the PyTorch path. ``SPECSERVE_CPU_QUANT_LAYER=off`` turns it off.
 
 ``QuantizedLayerStack``: when the compiled attention kernel serves every request of a
 step (every step on a CPU in float32: ``AttentionMetadata.kernel``), all layers
 run in ONE call (``specserve_qmodel_layers``), which calls the same two halves and the
-same attention kernel with the same arguments, so the bits are those of the per-layer
+same attention kernel with the same arguments (each layer's ``sliding_window`` and
+``logit_softcap``, read from its attention module, included), so the bits are those of the per-layer
 path; what it saves is the Python and ctypes work of ~3 calls per layer.
 """
 from __future__ import annotations
@@ -42,6 +43,7 @@ class _QMatrix(ctypes.Structure):
 class _QLayer(ctypes.Structure):
     _fields_ = [("hidden", ctypes.c_int64), ("num_heads", ctypes.c_int64), ("num_kv_heads", ctypes.c_int64),
                 ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64), ("eps", ctypes.c_float),
+                ("sliding_window", ctypes.c_int32), ("attn_softcap", ctypes.c_float),
                 ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv_bias", ctypes.c_void_p),
                 ("qkv", _QMatrix), ("o", _QMatrix), ("gate_up", _QMatrix), ("down", _QMatrix)]
 
@@ -93,15 +95,19 @@ class QuantizedLayerKernel:
     def __init__(self, layer, eps: float):
         attn, mlp = layer.self_attn, layer.mlp
         self._lib = LIBRARY.get()
-        self._keep = [layer.input_layernorm.weight.data.float().contiguous(),
-                      layer.post_attention_layernorm.weight.data.float().contiguous()]
+        self._keep = [layer.attn_norm.kernel_weight(),
+                      layer.mlp_norm.kernel_weight()]
         bias = attn.qkv_proj.bias
         if bias is not None:
             self._keep.append(bias.data.float().contiguous())
         s = self._struct = _QLayer()
-        s.hidden, s.num_heads, s.num_kv_heads = layer.input_layernorm.weight.shape[0], attn.num_heads, attn.num_kv_heads
+        s.hidden, s.num_heads, s.num_kv_heads = layer.attn_norm.weight.shape[0], attn.num_heads, attn.num_kv_heads
         s.head_dim, s.intermediate = attn.head_dim, mlp.down_proj.quantized.in_features
         s.eps = eps
+        # The layer's attention options, as paged_attention takes them (None: off, 0 here).
+        window, softcap = getattr(attn, "sliding_window", None), getattr(attn, "logit_softcap", None)
+        s.sliding_window = min(window, 2**31 - 1) if window is not None else 0
+        s.attn_softcap = softcap if softcap is not None else 0.0
         s.input_norm, s.post_norm = self._keep[0].data_ptr(), self._keep[1].data_ptr()
         s.qkv_bias = self._keep[2].data_ptr() if bias is not None else None
         self._mats = _matrices(layer)   # kept alive with the pointers into them

@@ -50,7 +50,8 @@ def _random_step(num_reqs: int, kv_heads: int = 3, heads: int = 9, hd: int = 64,
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
-def test_kernel_results_do_not_depend_on_the_thread_count(cache_dtype):
+@pytest.mark.parametrize("window,softcap", [(None, None), (9, 4.0)])
+def test_kernel_results_do_not_depend_on_the_thread_count(cache_dtype, window, softcap):
     """Each (request, KV head) pair is computed whole by one OpenMP thread."""
     if not cpu_attention.usable("cpu", torch.float32, cache_dtype):
         pytest.skip("no C compiler here (or no F16C for a float16 cache)")
@@ -62,7 +63,8 @@ def test_kernel_results_do_not_depend_on_the_thread_count(cache_dtype):
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
             out = torch.zeros_like(q)
-            cpu_attention.paged_attention_cpu(q, kv_cache, out, tables, starts, lens, ctx, 0.125)
+            cpu_attention.paged_attention_cpu(q, kv_cache, out, tables, starts, lens, ctx, 0.125,
+                                              sliding_window=window, logit_softcap=softcap)
             outputs.append(out)
     finally:
         torch.set_num_threads(previous)
@@ -91,3 +93,51 @@ def test_kernel_shares_torchs_openmp_runtime():
             if start <= address < end:
                 break
     assert Path(path).resolve() in {p.resolve() for p in torch_gomp}, path
+
+
+def _dense(q, kv_cache, tables, starts, lens, ctx, scale, window=None, softcap=None):
+    """The step of _random_step by dense attention from positions, in float64."""
+    _, kv_heads, _, block, hd = kv_cache.shape
+    out = torch.empty_like(q)
+    for b in range(len(lens)):
+        n, c = int(lens[b]), int(ctx[b])
+        slots = [int(tables[b][p // block]) * block + p % block for p in range(c)]
+        k = kv_cache[0].reshape(kv_heads, -1, hd)[:, slots].double()            # [Hk, c, hd]
+        v = kv_cache[1].reshape(kv_heads, -1, hd)[:, slots].double()
+        rows = q[int(starts[b]):int(starts[b]) + n].double().transpose(0, 1)    # [Hq, n, hd]
+        group = rows.shape[0] // kv_heads
+        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+        scores = rows @ k.transpose(1, 2) * scale                                # [Hq, n, c]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        distance = torch.arange(c - n, c)[:, None] - torch.arange(c)[None, :]
+        allowed = (distance >= 0) & (distance < (window or c + 1))
+        out[int(starts[b]):int(starts[b]) + n] = (
+            torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ v).transpose(0, 1).float()
+    return out
+
+
+@pytest.mark.parametrize("window,softcap", [(None, 2.0), (17, None), (1, None), (5, 1.5)])
+def test_window_and_softcap_through_the_ctypes_entry(window, softcap):
+    """paged_attention_cpu itself (as benchmarks and the one-call layer stack reach the kernel):
+    a row at position p sees positions p - window + 1 .. p, scores soft-capped after scaling."""
+    if not cpu_attention.usable("cpu", torch.float32):
+        pytest.skip("no C compiler here")
+    q, kv_cache, tables, starts, lens, ctx = _random_step(num_reqs=5)
+    out = torch.zeros_like(q)
+    cpu_attention.paged_attention_cpu(q, kv_cache, out, tables, starts, lens, ctx, 0.125, sliding_window=window,
+                                      logit_softcap=softcap)
+    torch.testing.assert_close(out, _dense(q, kv_cache, tables, starts, lens, ctx, 0.125, window, softcap),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_window_and_softcap_are_checked():
+    if not cpu_attention.usable("cpu", torch.float32):
+        pytest.skip("no C compiler here")
+    q, kv_cache, tables, starts, lens, ctx = _random_step(num_reqs=1)
+    with pytest.raises(ValueError, match="sliding_window"):
+        cpu_attention.paged_attention_cpu(q, kv_cache, torch.zeros_like(q), tables, starts, lens, ctx, 0.125,
+                                          sliding_window=0)
+    with pytest.raises(ValueError, match="logit_softcap"):
+        cpu_attention.paged_attention_cpu(q, kv_cache, torch.zeros_like(q), tables, starts, lens, ctx, 0.125,
+                                          logit_softcap=-1.0)

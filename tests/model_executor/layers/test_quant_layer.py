@@ -67,3 +67,91 @@ def test_one_call_for_all_layers_has_the_bits_of_the_per_layer_calls(loaded, cac
     assert calls == [True, True]                            # the fused path ran twice, the other never
     assert torch.equal(fused, layered)
     assert all(torch.equal(x, y) for x, y in zip(fused_kv, layered_kv))
+
+
+# ----------------------------------------------------------------- per-layer attention options
+def _random_q8_0(out: int, in_features: int, gen: torch.Generator):
+    """A random Q8_0 matrix: per 32 values a float16 scale and 32 int8 quants."""
+    from specserve.model_executor.layers.quantized import QuantizedMatrix
+
+    blocks = out * in_features // 32
+    scales = (torch.randn(blocks, generator=gen) * 0.002).half().view(torch.uint8).view(blocks, 2)
+    quants = torch.randint(0, 256, (blocks, 32), generator=gen, dtype=torch.uint8)
+    return QuantizedMatrix.from_blocks(torch.cat([scales, quants], 1).reshape(out, -1), 8, in_features)
+
+
+def _synthetic_layer(gen, window, softcap, hidden=128, heads=4, kv_heads=2, hd=32, inter=256):
+    """What QuantizedLayerKernel reads of a decoder layer, with random Q8_0 weights; the
+    attention module carries the layer's sliding_window and logit_softcap (Gemma-style)."""
+    from types import SimpleNamespace as NS
+
+    from specserve.model_executor.layers.norm import RMSNorm
+
+    attn = NS(qkv_proj=NS(quantized=_random_q8_0((heads + 2 * kv_heads) * hd, hidden, gen), bias=None),
+              o_proj=NS(quantized=_random_q8_0(hidden, heads * hd, gen)), num_heads=heads, num_kv_heads=kv_heads,
+              head_dim=hd, sliding_window=window, logit_softcap=softcap)
+    mlp = NS(gate_up_proj=NS(quantized=_random_q8_0(2 * inter, hidden, gen)),
+             down_proj=NS(quantized=_random_q8_0(hidden, inter, gen)))
+    norms = [RMSNorm(hidden, 1e-5) for _ in range(2)]
+    for norm in norms:
+        norm.load(1 + 0.1 * torch.randn(hidden, generator=gen))
+    return NS(self_attn=attn, mlp=mlp, attn_norm=norms[0], mlp_norm=norms[1])
+
+
+def test_one_call_passes_each_layers_window_and_softcap():
+    """Layers with different sliding windows and soft caps (local and global, as Gemma
+    interleaves them): the one-call stack gives the bits of per-layer calls that pass each
+    layer's options to paged_attention, over a prefill and a step with a chain and a tree;
+    and the options matter (without them the output differs)."""
+    from specserve.model_executor.layers.attention import (AttentionMetadata, kv_cache_shape, paged_attention,
+                                                           tree_layout)
+    from specserve.model_executor.layers.quant_layer import QuantizedLayerKernel, QuantizedLayerStack
+
+    if not quant_gemm.available() or not cpu_attention.usable("cpu", torch.float32):
+        pytest.skip("the quantized matmul or the attention kernel did not build")
+    options = [(6, None), (None, 5.0), (3, 2.0)]
+    gen = torch.Generator().manual_seed(0)
+    layers = [_synthetic_layer(gen, w, c) for w, c in options]
+    kernels = [QuantizedLayerKernel(layer, 1e-5) for layer in layers]
+    assert [(k._struct.sliding_window, k._struct.attn_softcap) for k in kernels] == [(6, 0.0), (0, 5.0), (3, 2.0)]
+    stack = QuantizedLayerStack.build(kernels)
+    if stack is None:
+        pytest.skip("the one-call path does not run on this build (no F16C?)")
+    hidden, heads, kv_heads, hd, block = 128, 4, 2, 32, 16
+    cos, sin = torch.randn(64, hd // 2, generator=gen), torch.randn(64, hd // 2, generator=gen)
+    tables = [[0, 1, 2], [3, 4]]
+    _, tree = tree_layout([-1, 0, 0, 1, 2])
+    steps = [([30, 20], [30, 20], None), ([4, 5], [34, 25], [None, tree])]   # (query lens, context lens, trees)
+    xs = [torch.randn(sum(q), hidden, generator=gen) for q, _, _ in steps]
+
+    def run(kind):
+        caches = [torch.zeros(kv_cache_shape(6, block, kv_heads, hd)) for _ in layers]
+        outs = []
+        for x, (q_lens, ctx_lens, trees) in zip(xs, steps):
+            x = x.clone()
+            positions = torch.tensor([p for q, c in zip(q_lens, ctx_lens) for p in range(c - q, c)])
+            if trees:   # a tree node's position: first new slot + depth
+                positions[4:] = 20 + torch.tensor([0, 1, 1, 2, 2])
+            meta = AttentionMetadata.build(q_lens, ctx_lens, tables, block, torch.device("cpu"), tree_masks=trees)
+            scratch, gate_up = torch.empty_like(x), torch.empty(x.shape[0], 2 * 256)
+            if kind == "stack":
+                stack.run(x, positions, cos, sin, caches, meta, hd**-0.5, scratch, gate_up)
+            for kernel, cache, (window, softcap) in zip(kernels, caches, options):
+                if kind == "stack":
+                    break
+                if kind == "no options":
+                    window = softcap = None
+                qkv = kernel.attn_in(x, positions, cos, sin, scratch)
+                q, k, v = qkv.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=1)
+                out = paged_attention(q.view(-1, heads, hd), k.view(-1, kv_heads, hd), v.view(-1, kv_heads, hd),
+                                      cache, meta, hd**-0.5, sliding_window=window, logit_softcap=softcap)
+                kernel.mlp(x, out.reshape(x.shape[0], -1), scratch, gate_up)
+            outs.append(x)
+        return torch.cat(outs), caches
+
+    stacked, stacked_kv = run("stack")
+    layered, layered_kv = run("per layer")
+    plain, _ = run("no options")
+    assert torch.equal(stacked, layered)
+    assert all(torch.equal(a, b) for a, b in zip(stacked_kv, layered_kv))
+    assert not torch.allclose(stacked, plain, rtol=1e-3, atol=1e-3)

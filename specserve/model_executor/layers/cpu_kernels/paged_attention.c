@@ -22,7 +22,20 @@
  *                is set (a tree of drafts: a node sees its ancestors and itself)
  * New token i of request b sits in slot context_len - q_len + i and attends to slots
  * 0 .. that slot (causal), except that with tree_masks it sees only the new tokens
- * its mask allows (every cached token before the new ones is always visible).
+ * its mask allows (every cached token before the new ones is visible).
+ *
+ * Per call (per layer: Gemma's local and global layers differ), as Hugging Face
+ * transformers computes them:
+ *   sliding_window W > 0  a row at absolute position p sees key position j only if
+ *                         p - j < W (masking_utils.sliding_window_overlay:
+ *                         kv_idx > q_idx - W), so W keys at most, itself included. A tree
+ *                         node's position is the first new slot + its depth (depth =
+ *                         popcount(mask) - 1), and its ancestors have theirs: the window is
+ *                         applied exactly, to the cached keys and to the ancestors alike.
+ *                         Keys before a row's window are never read (long contexts get
+ *                         faster; docs/benchmarks.md, "Sliding window").
+ *   logit_softcap c > 0   scores = tanh(scale * q.k / c) * c before the softmax (Gemma 2's
+ *                         attn_logit_softcapping).
  */
 #include <math.h>
 #include <stdint.h>
@@ -320,21 +333,25 @@ typedef struct {
     float *kt;            /* [hd, 32] a chunk of keys, transposed (transpose_keys) */
     const float **q_row;  /* [rows] query vector of each row */
     float **out_row;      /* [rows] where each row's output goes */
+    int64_t *first_key;   /* [rows] first slot each row may attend to: 0, or its sliding window's start */
     int64_t *last_key;    /* [rows] last slot each row may attend to */
     uint32_t *allowed;    /* [rows] the new tokens each row may attend to (tree_masks), or all */
     float *packed;        /* [ctx] a tree row's allowed scores, packed (softmax_in_place_masked) */
 } Scratch;
 
-/* Weighted values for R <= 4 rows (weights p[u][j], zero past a row's last key) over keys
- * 0 .. visible - 1, output dims d0 .. d0 + 16 * V - 1 (V = 1 or 2 vectors): each output is
- * one chain of fused multiply-adds over the keys in order. */
+/* Weighted values for R <= 4 rows (weights p[u][j], zero outside a row's keys) over keys
+ * from .. to - 1, output dims d0 .. d0 + 16 * V - 1 (V = 1 or 2 vectors): each output is
+ * one chain of fused multiply-adds over the keys in order. A row whose first key comes after
+ * `from` adds exact zeros until then (fma(0, v, +0) = +0), so its chain starts where its own
+ * keys do, whatever its partners. */
 ALWAYS_INLINE void weigh_values(const float *const *p, const int R, const int V, const void *v_cache,
-                                int64_t head_offset, const int64_t *table, int64_t visible, int hd, int block_size,
-                                int d0, float *const *dst, const int half) {
+                                int64_t head_offset, const int64_t *table, int64_t from, int64_t to, int hd,
+                                int block_size, int d0, float *const *dst, const int half) {
     f32x16 a[4][2] = {{{0}}};
-    for (int64_t j0 = 0; j0 < visible; j0 += block_size) {
-        int64_t v = head_offset + table[j0 / block_size] * block_size * hd + d0;
-        const int64_t n = visible - j0 < block_size ? visible - j0 : block_size;
+    for (int64_t j0 = from, n; j0 < to; j0 += n) {  /* the keys of one block at a time */
+        const int64_t in_block = j0 % block_size;
+        int64_t v = head_offset + (table[j0 / block_size] * block_size + in_block) * hd + d0;
+        n = to - j0 < block_size - in_block ? to - j0 : block_size - in_block;
         for (int64_t o = 0; o < n; o++, v += hd) {
             const f32x16 v0 = kv16(v_cache, v, half);
             const f32x16 v1 = V > 1 ? kv16(v_cache, v + 16, half) : v0;
@@ -351,28 +368,67 @@ ALWAYS_INLINE void weigh_values(const float *const *p, const int R, const int V,
     }
 }
 
+/* The first key a row may see under a sliding window of `window` keys (it sees key position j
+ * iff its position - j < window), and its tree mask (*allowed) cut to the ancestors inside the
+ * window. A row whose mask is all ones is causal: its position is its slot `last`. Any other is
+ * a tree node (req_masks: its request's masks, bit i of node i its own and its highest): its
+ * position is new_start + depth, depth = popcount(mask) - 1, and an ancestor m's position is
+ * new_start + m's depth. Windows are far longer than trees, so the ancestors are normally all
+ * inside; when the window ends among the new tokens they are cut exactly. */
+static inline int64_t window_start(int64_t last, int64_t new_start, int window, const uint32_t *req_masks,
+                                   uint32_t *allowed) {
+    if (*allowed == 0xffffffffu) {
+        const int64_t first = last - window + 1;
+        return first > 0 ? first : 0;
+    }
+    const int depth = __builtin_popcount(*allowed) - 1;
+    const int64_t first = new_start + depth - window + 1;
+    if (first <= new_start) return first > 0 ? first : 0;
+    uint32_t kept = 0;  /* the window starts among the new tokens: no cached key, fewer ancestors */
+    for (int m = 0; m < 32; m++)
+        if ((*allowed >> m & 1u) && __builtin_popcount(req_masks[m]) - 1 > depth - window) kept |= 1u << m;
+    *allowed = kept;
+    return new_start;
+}
+
+/* A score row: keys by slot, room for a chunk of 32 starting at any key before ctx. */
+static inline int64_t score_stride(int64_t ctx) {
+    return (ctx + 2 * KEYS_PER_CHUNK - 1) / KEYS_PER_CHUNK * KEYS_PER_CHUNK;
+}
+
 ALWAYS_INLINE void attend_one(const float *q, int64_t q_token_stride, const void *k_cache, const void *v_cache,
                               float *out, const int64_t *table, int64_t q_first, int q_len, int64_t ctx,
                               int kv_head, int group, int num_heads, int hd, int block_size, int64_t num_blocks,
-                              float scale, const uint32_t *tree_masks, Scratch *w, const int half) {
+                              float scale, int window, float softcap, const uint32_t *tree_masks, Scratch *w,
+                              const int half) {
     /* Row r = new token r / group, query head kv_head * group + r % group (the heads sharing
-     * this KV head); rows are in position order. */
+     * this KV head); rows are in slot order. A row sees slots first_key .. last_key (those its
+     * tree mask allows among the new tokens); `from` is the earliest first_key of the unit. */
     const int rows = q_len * group;
-    const int64_t stride = (ctx + KEYS_PER_CHUNK - 1) / KEYS_PER_CHUNK * KEYS_PER_CHUNK;  /* of a score row */
+    const int64_t new_start = ctx - q_len;  /* the tile's first slot (a tree's: it is one tile) */
+    const int64_t stride = score_stride(ctx);
+    int64_t from = ctx;
     for (int i = 0, r = 0; i < q_len; i++) {
+        uint32_t allowed = tree_masks ? tree_masks[q_first + i] : 0xffffffffu;
+        const int64_t first = window > 0 ? window_start(new_start + i, new_start, window, tree_masks + q_first,
+                                                        &allowed) : 0;
+        from = first < from ? first : from;
         for (int g = 0; g < group; g++, r++) {
             const int head = kv_head * group + g;
             w->q_row[r] = q + (q_first + i) * q_token_stride + (int64_t)head * hd;
             w->out_row[r] = out + ((q_first + i) * num_heads + head) * (int64_t)hd;
-            w->last_key[r] = ctx - q_len + i;
-            w->allowed[r] = tree_masks ? tree_masks[q_first + i] : 0xffffffffu;
+            w->first_key[r] = first;
+            w->last_key[r] = new_start + i;
+            w->allowed[r] = allowed;
         }
     }
     const int64_t head_offset = (int64_t)kv_head * num_blocks * block_size * hd;
-    /* Scores, one chunk of 32 keys at a time: transposed once, then scored for every group
-     * of 4 rows that sees any of it (lanes past a row's last key are computed and ignored). */
+    /* Scores, one chunk of 32 keys at a time from the unit's first key (never a key before
+     * every row's window): transposed once, then scored for every group of 4 rows that sees
+     * any of it (lanes outside a row's keys are computed and ignored). A score is one chain
+     * over the head dims whatever its lane, so where chunks start changes no bit. */
     int first_group = 0;  /* groups before it see none of the chunk: their last row is too early */
-    for (int64_t j0 = 0; j0 <= w->last_key[rows - 1]; j0 += KEYS_PER_CHUNK) {
+    for (int64_t j0 = from; j0 <= w->last_key[rows - 1]; j0 += KEYS_PER_CHUNK) {
         int64_t off[KEYS_PER_CHUNK];
         const int n = ctx - j0 < KEYS_PER_CHUNK ? (int)(ctx - j0) : KEYS_PER_CHUNK;
         for (int o = 0; o < n; o++)
@@ -384,6 +440,10 @@ ALWAYS_INLINE void attend_one(const float *q, int64_t q_token_stride, const void
             const float *qs[4];
             float *ss[4];
             const int R = rows - r < 4 ? rows - r : 4;
+            int64_t group_first = w->first_key[r];
+            for (int u = 1; u < R; u++)
+                group_first = w->first_key[r + u] < group_first ? w->first_key[r + u] : group_first;
+            if (group_first >= j0 + n) continue;  /* the chunk ends before these rows' windows */
             for (int u = 0; u < R; u++) qs[u] = w->q_row[r + u], ss[u] = w->scores + (r + u) * stride + j0;
             switch (R) {
                 case 4: score_chunk(qs, 4, w->kt, hd, ss); break;
@@ -393,15 +453,20 @@ ALWAYS_INLINE void attend_one(const float *q, int64_t q_token_stride, const void
             }
         }
     }
-    /* Softmax per row, in place; keys a row may not see get weight 0. */
+    /* Softmax per row over its own keys, in place; keys a row may not see get weight 0 (from
+     * the unit's first key to the end of its context). The order of the sums depends on the
+     * number of keys alone. */
     for (int r = 0; r < rows; r++) {
         float *score = w->scores + r * stride;
-        const int64_t visible = w->last_key[r] + 1;
-        for (int64_t j = 0; j < visible; j++) score[j] *= scale;
-        if (tree_masks)
-            softmax_in_place_masked(score, visible, ctx - q_len, w->allowed[r], w->packed);
+        const int64_t first = w->first_key[r], visible = w->last_key[r] + 1;
+        for (int64_t j = first; j < visible; j++) score[j] *= scale;
+        if (softcap > 0.0f)  /* as transformers: tanh(s / cap) * cap, s already scaled */
+            for (int64_t j = first; j < visible; j++) score[j] = tanhf(score[j] / softcap) * softcap;
+        if (tree_masks)  /* a tree row's first key is at most new_start (window_start) */
+            softmax_in_place_masked(score + first, visible - first, new_start - first, w->allowed[r], w->packed);
         else
-            softmax_in_place(score, visible);
+            softmax_in_place(score + first, visible - first);
+        memset(score + from, 0, (size_t)(first - from) * sizeof(float));
         memset(score + visible, 0, (size_t)(ctx - visible) * sizeof(float));
     }
     /* Weighted values, 4 rows and 32 output dims at a time held in registers: each value
@@ -411,23 +476,29 @@ ALWAYS_INLINE void attend_one(const float *q, int64_t q_token_stride, const void
         const float *ps[4];
         float *dst[4];
         const int R = rows - r < 4 ? rows - r : 4;
-        for (int u = 0; u < R; u++) ps[u] = w->scores + (r + u) * stride, dst[u] = w->out_row[r + u];
-        const int64_t visible = w->last_key[r + R - 1] + 1;  /* rows are in position order */
+        int64_t lo = w->first_key[r];
+        for (int u = 0; u < R; u++) {
+            ps[u] = w->scores + (r + u) * stride, dst[u] = w->out_row[r + u];
+            lo = w->first_key[r + u] < lo ? w->first_key[r + u] : lo;
+        }
+        const int64_t visible = w->last_key[r + R - 1] + 1;  /* rows are in slot order */
         int d0 = 0;
         for (; d0 + 32 <= hd; d0 += 32) {
             switch (R) {
-                case 4: weigh_values(ps, 4, 2, v_cache, head_offset, table, visible, hd, block_size, d0, dst, half); break;
-                case 3: weigh_values(ps, 3, 2, v_cache, head_offset, table, visible, hd, block_size, d0, dst, half); break;
-                case 2: weigh_values(ps, 2, 2, v_cache, head_offset, table, visible, hd, block_size, d0, dst, half); break;
-                default: weigh_values(ps, 1, 2, v_cache, head_offset, table, visible, hd, block_size, d0, dst, half); break;
+#define WEIGH(R_) weigh_values(ps, R_, 2, v_cache, head_offset, table, lo, visible, hd, block_size, d0, dst, half)
+                case 4: WEIGH(4); break;
+                case 3: WEIGH(3); break;
+                case 2: WEIGH(2); break;
+                default: WEIGH(1); break;
+#undef WEIGH
             }
         }
         for (; d0 + 16 <= hd; d0 += 16)
-            weigh_values(ps, R, 1, v_cache, head_offset, table, visible, hd, block_size, d0, dst, half);
+            weigh_values(ps, R, 1, v_cache, head_offset, table, lo, visible, hd, block_size, d0, dst, half);
         for (; d0 < hd; d0++) {  /* head_dim not a multiple of 16: the same chains, one lane each */
             for (int u = 0; u < R; u++) {
                 float acc = 0.0f;
-                for (int64_t j = 0; j < visible; j++)
+                for (int64_t j = lo; j < visible; j++)
                     acc = fma1(ps[u][j], kv1(v_cache, head_offset + (table[j / block_size] * block_size + j % block_size) * hd + d0, half), acc);
                 dst[u][d0] = acc;
             }
@@ -447,13 +518,16 @@ ALWAYS_INLINE void attend_one(const float *q, int64_t q_token_stride, const void
  * With k_new / v_new ([T, Hk, hd] float32, token strides k_token_stride / v_token_stride), the
  * requests' new K/V are first written into the cache at slot_mapping[t] (saves the caller two
  * scatters and a conversion per layer), one (request, KV head) pair per thread, before any
- * unit attends. Returns 0; -1 when scratch memory could not be allocated (out is then
- * incomplete); -2 when cache_half is asked of a build without F16C. */
+ * unit attends. sliding_window (0: none) and logit_softcap (0: none) as in the file's header:
+ * a windowed row's keys, their order and so its bits depend on its position alone too.
+ * Returns 0; -1 when scratch memory could not be allocated (out is then incomplete); -2 when
+ * cache_half is asked of a build without F16C. */
 int specserve_paged_attention(const float *q, int64_t q_token_stride, const void *k_cache,
                               const void *v_cache, float *out, const int64_t *block_tables,
                               int64_t max_blocks, const int64_t *query_start, const int64_t *query_lens,
                               const int64_t *context_lens, int num_reqs, int num_heads, int num_kv_heads,
-                              int hd, int block_size, int64_t num_blocks, float scale, int num_threads,
+                              int hd, int block_size, int64_t num_blocks, float scale, int sliding_window,
+                              float logit_softcap, int num_threads,
                               int cache_half, const uint32_t *tree_masks, const float *k_new,
                               int64_t k_token_stride, const float *v_new, int64_t v_token_stride,
                               const int64_t *slot_mapping) {
@@ -470,7 +544,7 @@ int specserve_paged_attention(const float *q, int64_t q_token_stride, const void
         unit_first[b + 1] = unit_first[b] + tiles * num_kv_heads;
         max_ctx = context_lens[b] > max_ctx ? context_lens[b] : max_ctx;
         const int64_t rows = (query_lens[b] < tile ? query_lens[b] : tile) * group;
-        const int64_t stride = (context_lens[b] + KEYS_PER_CHUNK - 1) / KEYS_PER_CHUNK * KEYS_PER_CHUNK;
+        const int64_t stride = score_stride(context_lens[b]);
         max_rows = rows > max_rows ? rows : max_rows;
         max_scores = rows * stride > max_scores ? rows * stride : max_scores;
     }
@@ -499,10 +573,12 @@ int specserve_paged_attention(const float *q, int64_t q_token_stride, const void
         w.kt = malloc((size_t)hd * KEYS_PER_CHUNK * sizeof(float));
         w.q_row = malloc((size_t)max_rows * sizeof(*w.q_row));
         w.out_row = malloc((size_t)max_rows * sizeof(*w.out_row));
+        w.first_key = malloc((size_t)max_rows * sizeof(*w.first_key));
         w.last_key = malloc((size_t)max_rows * sizeof(*w.last_key));
         w.allowed = malloc((size_t)max_rows * sizeof(*w.allowed));
         w.packed = tree_masks ? malloc((size_t)max_ctx * sizeof(float)) : NULL;
-        const int ok = w.scores && w.kt && w.q_row && w.out_row && w.last_key && w.allowed && (w.packed || !tree_masks);
+        const int ok = w.scores && w.kt && w.q_row && w.out_row && w.first_key && w.last_key && w.allowed
+                       && (w.packed || !tree_masks);
         if (!ok) status = -1;
         int b = 0;
 #pragma omp for schedule(dynamic, 1)
@@ -519,15 +595,18 @@ int specserve_paged_attention(const float *q, int64_t q_token_stride, const void
             const int64_t *table = block_tables + (int64_t)b * max_blocks;
             if (cache_half)
                 attend_one(q, q_token_stride, k_cache, v_cache, out, table, query_start[b] + t0, len, ctx, h, group,
-                           num_heads, hd, block_size, num_blocks, scale, tree_masks, &w, 1);
+                           num_heads, hd, block_size, num_blocks, scale, sliding_window, logit_softcap, tree_masks,
+                           &w, 1);
             else
                 attend_one(q, q_token_stride, k_cache, v_cache, out, table, query_start[b] + t0, len, ctx, h, group,
-                           num_heads, hd, block_size, num_blocks, scale, tree_masks, &w, 0);
+                           num_heads, hd, block_size, num_blocks, scale, sliding_window, logit_softcap, tree_masks,
+                           &w, 0);
         }
         free(w.scores);
         free(w.kt);
         free(w.q_row);
         free(w.out_row);
+        free(w.first_key);
         free(w.last_key);
         free(w.allowed);
         free(w.packed);

@@ -10,7 +10,7 @@
  * and, when the compiled paged-attention kernel serves every request of the step (decoding
  * and verification steps), all layers in one call: specserve_qmodel_layers runs, per layer,
  * attn_in, that kernel (through the function pointer Python hands it, with the same
- * arguments the Python path gives it) and mlp. Same functions, same inputs: the same bits
+ * arguments the Python path gives it, the layer's sliding window and soft cap included) and mlp. Same functions, same inputs: the same bits
  * as the per-layer calls, without ~3 ctypes calls and their Python per layer.
  *
  * Why: a batch-1 decode step of the default model is ~30 small PyTorch calls per layer outside
@@ -35,10 +35,14 @@ typedef struct {
     const uint8_t *data[4];
 } qmatrix;
 
-/* One decoder layer: shapes, norms, bias and its four matrices (set up once, after loading). */
+/* One decoder layer: shapes, norms, bias and its four matrices (set up once, after loading);
+ * its attention's sliding window (0: none) and logit soft cap (0: none), which differ per
+ * layer in Gemma 2/3 (local and global layers). */
 typedef struct {
     int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
     float eps;
+    int32_t sliding_window;
+    float attn_softcap;
     const float *input_norm, *post_norm; /* [hidden] */
     const float *qkv_bias;               /* [(num_heads + 2 num_kv_heads) head_dim], or NULL */
     qmatrix qkv, o, gate_up, down;
@@ -139,7 +143,7 @@ typedef int (*attention_fn)(const float *q, int64_t q_token_stride, const void *
                             float *out, const int64_t *block_tables, int64_t max_blocks, const int64_t *query_start,
                             const int64_t *query_lens, const int64_t *context_lens, int num_reqs, int num_heads,
                             int num_kv_heads, int hd, int block_size, int64_t num_blocks, float scale,
-                            int num_threads, int cache_half, const uint32_t *tree_masks, const float *k_new,
+                            int sliding_window, float logit_softcap, int num_threads, int cache_half, const uint32_t *tree_masks, const float *k_new,
                             int64_t k_token_stride, const float *v_new, int64_t v_token_stride,
                             const int64_t *slot_mapping);
 
@@ -174,8 +178,8 @@ int specserve_qmodel_layers(const qlayer *const *layers, int num_layers, const v
         const float *k_new = qkv + L->num_heads * hd, *v_new = k_new + L->num_kv_heads * hd;
         status = A->attend(qkv, n_qkv, k_caches[l], v_caches[l], attn, A->block_tables, A->max_blocks,
                            A->query_start, A->query_lens, A->context_lens, A->num_reqs, (int)L->num_heads,
-                           (int)L->num_kv_heads, (int)hd, A->block_size, A->num_blocks, A->scale, num_threads,
-                           A->cache_half, A->tree_masks, k_new, n_qkv, v_new, n_qkv, A->slot_mapping);
+                           (int)L->num_kv_heads, (int)hd, A->block_size, A->num_blocks, A->scale,
+                           L->sliding_window, L->attn_softcap, num_threads, A->cache_half, A->tree_masks, k_new, n_qkv, v_new, n_qkv, A->slot_mapping);
         if (status) return 1000 - status;
         status = specserve_qlayer_mlp(L, x, T, attn, L->num_heads * hd, h, gu, num_threads);
         if (status) return status;
