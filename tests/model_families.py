@@ -13,8 +13,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 WINDOW = 16   # sliding windows in these models; test prompts are longer
+VOCAB = 300
 
-_COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                rms_norm_eps=1e-5, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
@@ -44,7 +45,7 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "phi3": ("phi3", dict(sliding_window=24, rope_parameters={
         "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
         "short_factor": [1.0, 1.3, 2.0, 3.0], "long_factor": [1.0, 2.0, 4.0, 8.0],
-        "original_max_position_embeddings": 64}, original_max_position_embeddings=64)),
+        "original_max_position_embeddings": 128}, original_max_position_embeddings=128)),
     "granite": ("granite", dict(embedding_multiplier=12.0, residual_multiplier=0.22,
                                 attention_multiplier=0.09, logits_scaling=2.0)),
     "olmo2": ("olmo2", {}),

@@ -1,4 +1,4 @@
-"""specserve's Llama-family model against transformers' reference implementation.
+"""specserve's decoder against transformers' reference implementation, for every family.
 
 Same weights, same tokens: our logits (paged KV cache, flat batches, chunked
 prefill) must equal transformers' ``*ForCausalLM`` logits. Everything runs in
@@ -8,10 +8,11 @@ attention kernels), so the tolerances are tight:
 - tiny random models (logits of magnitude ~1-10): max abs diff < 1e-4;
 - the real default model (logits of magnitude ~40): max abs diff < 1e-3.
 
-Measured on the 2-core CPU with one torch thread: exactly 0 for both (the same
-kernels in the same order); ~4e-5 on the real model with other thread counts; a
-1e-3 change to one q/k/v bias of the tiny Qwen2 moves the logits by 2e-4, so the
-tiny-model tolerance does catch a wrong weight.
+Measured on the 2-core CPU with one torch thread: at most 7e-6 over the tiny families
+(prompts of 40-60 tokens, past every sliding window of 16 and every rope scaling's
+original context of 32); ~4e-5 on the real model with other thread counts; a 1e-3
+change to one q/k/v bias of the tiny Qwen2 moves the logits by 2e-4, so the tiny-model
+tolerance does catch a wrong weight.
 
 Paths that compute the same thing with different shapes (one pass vs two
 chunks, one request vs a flat batch of two) are held to the same 1e-4 / 1e-3.
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM
 
 try:  # transformers 5
     from transformers.initialization import no_init_weights
@@ -30,6 +31,8 @@ except ImportError:  # transformers 4
 from specserve.model_executor.layers import cpu_attention, quant_gemm
 from specserve.model_executor.loader import load_model
 from specserve.worker.model_runner import ForwardInput, ModelRunner
+
+from model_families import FAMILIES, VOCAB, WINDOW, WINDOWED, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -61,16 +64,6 @@ def hf_logits(hf_model, tokens: list[int]) -> torch.Tensor:
     return hf_model(torch.tensor([tokens])).logits[0].float()
 
 
-def randomize_(model: torch.nn.Module, seed: int) -> None:
-    """Weights far from the init scale (std 0.02 makes every logit ~0 and every test trivially pass);
-    norm weights away from 1 so a forgotten norm weight shows."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1.0 + 0.2 * noise if "norm" in name else 0.15 * noise)
-
-
 def save_tiny(model, folder, tokenizer) -> str:
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)  # the loader wants a tokenizer; any one will do for logits
@@ -82,39 +75,14 @@ def default_tokenizer(default_model_tokenizer):
     return default_model_tokenizer
 
 
-def tiny_llama() -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2,          # GQA
-        max_position_embeddings=256, rope_theta=500000.0,      # non-default theta
-        rms_norm_eps=1e-5, tie_word_embeddings=False,          # separate LM head (the default model ties)
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
-    randomize_(model, seed=1)
-    return model
-
-
-def tiny_qwen2() -> Qwen2ForCausalLM:
-    config = Qwen2Config(
-        vocab_size=280, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
-        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).eval()
-    randomize_(model, seed=2)  # includes the q/k/v biases
-    assert model.model.layers[0].self_attn.q_proj.bias is not None
-    return model
-
-
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=list(FAMILIES))
 def tiny_pair(request, tmp_path_factory, default_tokenizer):
-    """(transformers model, specserve runner) over the same weights, loaded from a saved folder."""
-    hf = tiny_llama() if request.param == "llama" else tiny_qwen2()
+    """(transformers model, specserve runner) over the same weights, loaded from a saved folder:
+    one of every family and rope variant specserve supports (tests/model_families.py)."""
+    hf = tiny_model(request.param)
     folder = save_tiny(hf, tmp_path_factory.mktemp(f"tiny-{request.param}"), default_tokenizer)
     loaded = load_model(folder, torch.float32)
-    assert loaded.config.model_type == request.param
+    assert loaded.config.model_type == hf.config.model_type
     return hf, make_runner(loaded.config, loaded.state_dict)
 
 
@@ -165,6 +133,61 @@ def test_tiny_flat_batch_equals_each_alone(tiny_pair):
     last = runner.execute([ForwardInput(a, 0, [10, 11], num_logits=1), ForwardInput(b, 0, [2, 3, 4], num_logits=2)])
     assert (last.logits[0] - alone_a[-1]).abs().max() < TINY_ATOL
     assert (last.logits[1:] - alone_b[-2:]).abs().max() < TINY_ATOL
+
+
+@pytest.mark.parametrize("family", WINDOWED)
+def test_sliding_window_ignored_would_fail(family, tmp_path, default_tokenizer):
+    """The window is what makes these families match: the same weights with the window
+    dropped from the config (specserve's behaviour before it read windows) answer differently
+    past the window, by far more than the tolerance."""
+    hf = tiny_model(family)
+    loaded = load_model(save_tiny(hf, tmp_path, default_tokenizer), torch.float32)
+    tokens = prompt(hf.config.vocab_size, 3 * WINDOW, seed=8)
+    ref = hf_logits(hf, tokens)
+    assert (run_chunks(make_runner(loaded.config, loaded.state_dict), tokens, [len(tokens)], [0, 1, 2]) - ref
+            ).abs().max() < TINY_ATOL
+    loaded.config.sliding_window = None
+    windowless = run_chunks(make_runner(loaded.config, loaded.state_dict), tokens, [len(tokens)], [0, 1, 2])
+    assert (windowless[:WINDOW] - ref[:WINDOW]).abs().max() < TINY_ATOL   # inside the window: the same
+    assert (windowless - ref).abs().max() > 100 * TINY_ATOL
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_tiny_greedy_tokens_equal_transformers(family, tmp_path, default_tokenizer):
+    """32 greedy tokens through the engine (prefill, then decode steps crossing the sliding
+    windows) equal transformers' ``generate`` from the same 40-token prompt, in float32."""
+    from specserve import LLM, SamplingParams
+
+    hf = tiny_model(family)
+    folder = save_tiny(hf, tmp_path, default_tokenizer)
+    tokens = prompt(hf.config.vocab_size, 40, seed=9)
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([tokens]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)[0, 40:].tolist()
+    llm = LLM(model=folder, dtype="float32", max_model_len=128, kv_cache_memory=1 << 22)
+    out = llm.generate([tokens], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    assert out[0].outputs[0].token_ids == ref
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_tiny_greedy_speculation_equals_plain_in_default_dtype(family, tmp_path, default_tokenizer):
+    """Lossless greedy speculation on every family in the CPU default dtype: n-gram drafts and a
+    draft model of the same family (other weights, same vocabulary) give plain decoding's tokens."""
+    from specserve import LLM, SamplingParams
+
+    target = save_tiny(tiny_model(family), tmp_path / "target", default_tokenizer)
+    draft = save_tiny(tiny_model(family, seed=7), tmp_path / "draft", default_tokenizer)
+    vocab = VOCAB
+    motif = prompt(vocab, 12, seed=10)
+    prompts = [motif * 4, prompt(vocab, 30, seed=11) + motif * 2]   # repeats give n-gram drafts
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    common = dict(model=target, max_model_len=160, kv_cache_memory=1 << 22)
+    plain = [o.outputs[0].token_ids for o in LLM(**common).generate(prompts, params)]
+    for spec in ({"method": "ngram", "num_speculative_tokens": 3},
+                 {"method": "draft_model", "model": draft, "num_speculative_tokens": 3}):
+        llm = LLM(**common, speculative_config=spec)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain, spec["method"]
+        assert llm.get_spec_decode_stats().num_draft_tokens > 0
 
 
 # ------------------------------------------------------------------- the default model
