@@ -214,7 +214,29 @@ def test_sharded_model_matches_unsharded_with_ranks_as_threads(n):
         [ForwardInput(list(range(3, 23)), 0, [0, 1], 2), ForwardInput(list(range(40, 47)), 0, [2], 7)],
         [ForwardInput([7], 20, [0, 1], 1), ForwardInput([9, 11, 13], 7, [2], 3)],
     ]
+    _ranks_as_threads_match_unsharded(config, state, steps, n)
 
+
+@pytest.mark.parametrize("family", ["qwen3", "olmo2", "gemma3", "mistral"])
+def test_family_with_qk_norms_or_sliding_windows_sharded_matches_unsharded(family):
+    """TP 2 == TP 1 where the families differ most: per-head q/k norms (Qwen3, Gemma 3), q/k norms
+    over the whole projection, summed over ranks (OLMo 2), sliding windows (Gemma 3, Mistral),
+    with contexts past the window (16)."""
+    from model_families import tiny_model
+
+    hf = tiny_model(family, seed=3)
+    config = hf.config
+    config.architectures = [type(hf).__name__]
+    state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    steps = [
+        [ForwardInput(list(range(3, 43)), 0, [0, 1, 2], 2), ForwardInput(list(range(40, 47)), 0, [3], 7)],
+        [ForwardInput([7], 40, [0, 1, 2], 1), ForwardInput([9, 11, 13], 7, [3], 3)],
+    ]
+    _ranks_as_threads_match_unsharded(config, state, steps, 2)
+
+
+def _ranks_as_threads_match_unsharded(config, state, steps, n):
+    """Run ``steps`` unsharded and on ``n`` ranks (threads): rank 0's logits equal the unsharded ones."""
     def run(tp):
         runner = ModelRunner(config, state, torch.float32, torch.device("cpu"), 256, 16, tp=tp)
         runner.allocate_kv_cache(4)
