@@ -10,7 +10,9 @@ dispatch and, for the matmuls, an OpenMP fork and join; at batch 1 on the
 default model those took more than half of a decode step (docs/benchmarks.md,
 "Quantized weights").
 
-Used by ``DecoderForCausalLM`` (plain-Llama layers) when every layer's four matrices are ``QuantizedMatrix`` at
+Used by ``DecoderForCausalLM`` (every family: the layer's norms, q/k norms, activation,
+residual scale, rotary table and attention options come from its ``DecoderSpec``) when every
+layer's four matrices are ``QuantizedMatrix`` at
 tensor-parallel size 1 on a CPU (``QuantizedLayerKernel.for_layer``); anything
 else runs the PyTorch path. ``SPECSERVE_CPU_QUANT_LAYER=off`` turns it off.
 
@@ -45,7 +47,14 @@ class _QLayer(ctypes.Structure):
                 ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64), ("eps", ctypes.c_float),
                 ("sliding_window", ctypes.c_int32), ("attn_softcap", ctypes.c_float),
                 ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv_bias", ctypes.c_void_p),
-                ("qkv", _QMatrix), ("o", _QMatrix), ("gate_up", _QMatrix), ("down", _QMatrix)]
+                ("qkv", _QMatrix), ("o", _QMatrix), ("gate_up", _QMatrix), ("down", _QMatrix),
+                ("attn_out_norm", ctypes.c_void_p), ("mlp_out_norm", ctypes.c_void_p),
+                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
+                ("qk_norm", ctypes.c_int32), ("activation", ctypes.c_int32), ("residual_scale", ctypes.c_float),
+                ("cos_table", ctypes.c_void_p), ("sin_table", ctypes.c_void_p), ("rotary_dim", ctypes.c_int64)]
+
+_QK_NORM_KINDS = {None: 0, "head": 1, "all": 2}   # quant_layer.c's QK_NORM_*
+_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}        # quant_layer.c's ACT_*
 
 
 class _QAttention(ctypes.Structure):
@@ -63,12 +72,11 @@ def _setup(lib: ctypes.CDLL) -> None:
     lib.specserve_qlayer_struct_sizes(sizes)
     if (sizes[0], sizes[1]) != (ctypes.sizeof(_QMatrix), ctypes.sizeof(_QLayer)):
         raise RuntimeError(f"quant_layer.c's structs ({sizes[0]}, {sizes[1]} bytes) differ from their ctypes mirror")
-    lib.specserve_qlayer_attn_in.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, c_int]
+    lib.specserve_qlayer_attn_in.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, c_int]
     lib.specserve_qlayer_mlp.argtypes = [ptr, ptr, i64, ptr, i64, ptr, ptr, c_int]
     lib.specserve_qlayer_attn_in.restype = lib.specserve_qlayer_mlp.restype = c_int
     lib.specserve_qattention_struct_size.restype = c_int
-    lib.specserve_qmodel_layers.argtypes = [ptr, c_int, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr,
-                                            c_int]
+    lib.specserve_qmodel_layers.argtypes = [ptr, c_int, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, c_int]
     lib.specserve_qmodel_layers.restype = c_int
 
 
@@ -92,45 +100,62 @@ def _matrices(layer) -> list[QuantizedMatrix | None]:
 class QuantizedLayerKernel:
     """One decoder layer's two compiled halves (module docstring); holds its tensors' pointers."""
 
-    def __init__(self, layer, eps: float):
+    def __init__(self, layer, eps: float, rotary):
+        """``layer``: a ``DecoderLayer``; ``rotary``: its ``RotaryEmbedding`` (None: no rotary)."""
         attn, mlp = layer.self_attn, layer.mlp
         self._lib = LIBRARY.get()
-        self._keep = [layer.attn_norm.kernel_weight(),
-                      layer.mlp_norm.kernel_weight()]
-        bias = attn.qkv_proj.bias
-        if bias is not None:
-            self._keep.append(bias.data.float().contiguous())
+        self._keep: list[torch.Tensor] = []   # every tensor the struct points into, kept alive
+
+        def pointer(t: torch.Tensor | None) -> int | None:
+            if t is None:
+                return None
+            self._keep.append(t.float().contiguous())
+            return self._keep[-1].data_ptr()
+
+        def norm_weight(norm) -> int | None:
+            return None if norm is None else pointer(norm.kernel_weight())
+
         s = self._struct = _QLayer()
-        s.hidden, s.num_heads, s.num_kv_heads = layer.attn_norm.weight.shape[0], attn.num_heads, attn.num_kv_heads
+        s.hidden, s.num_heads, s.num_kv_heads = mlp.down_proj.quantized.shape[0], attn.num_heads, attn.num_kv_heads
         s.head_dim, s.intermediate = attn.head_dim, mlp.down_proj.quantized.in_features
         s.eps = eps
         # The layer's attention options, as paged_attention takes them (None: off, 0 here).
         window, softcap = getattr(attn, "sliding_window", None), getattr(attn, "logit_softcap", None)
         s.sliding_window = min(window, 2**31 - 1) if window is not None else 0
         s.attn_softcap = softcap if softcap is not None else 0.0
-        s.input_norm, s.post_norm = self._keep[0].data_ptr(), self._keep[1].data_ptr()
-        s.qkv_bias = self._keep[2].data_ptr() if bias is not None else None
+        s.input_norm, s.post_norm = norm_weight(layer.attn_norm), norm_weight(layer.mlp_norm)
+        s.attn_out_norm, s.mlp_out_norm = norm_weight(layer.attn_out_norm), norm_weight(layer.mlp_out_norm)
+        s.q_norm, s.k_norm = norm_weight(attn.q_norm), norm_weight(attn.k_norm)
+        s.qk_norm, s.activation = _QK_NORM_KINDS[attn.qk_norm], _ACTIVATIONS[mlp.activation]
+        s.residual_scale = layer.residual_scale
+        bias = attn.qkv_proj.bias
+        s.qkv_bias = pointer(bias.data) if bias is not None else None
+        if rotary is not None:
+            s.cos_table, s.sin_table, s.rotary_dim = pointer(rotary.cos), pointer(rotary.sin), rotary.rotary_dim
+            self.max_positions = rotary.cos.shape[0]
+        else:
+            s.cos_table = s.sin_table = None
+            s.rotary_dim, self.max_positions = 0, None
         self._mats = _matrices(layer)   # kept alive with the pointers into them
         s.qkv, s.o, s.gate_up, s.down = (_qmatrix(m) for m in self._mats)
         self._ref = ctypes.byref(s)
         self.qkv_width = (attn.num_heads + 2 * attn.num_kv_heads) * attn.head_dim
 
     @staticmethod
-    def for_layer(layer, eps: float, tp_world_size: int) -> "QuantizedLayerKernel | None":
+    def for_layer(layer, eps: float, tp_world_size: int, rotary) -> "QuantizedLayerKernel | None":
         """The kernel for ``layer`` where it applies (module docstring), else None."""
         if tp_world_size != 1 or any(m is None or len(m.segments) > MAX_SEGMENTS for m in _matrices(layer)):
             return None
         if LIBRARY.get() is None:
             return None
-        return QuantizedLayerKernel(layer, eps)
+        return QuantizedLayerKernel(layer, eps, rotary)
 
-    def attn_in(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                scratch: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] -> qkv [T, (Hq + 2 Hk) hd], q and k rotated; scratch [T, hidden]."""
+    def attn_in(self, x: torch.Tensor, positions: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> qkv [T, (Hq + 2 Hk) hd], q and k normed and rotated; scratch [T, hidden]."""
         qkv = torch.empty(x.shape[0], self.qkv_width, dtype=torch.float32)
         check_status(self._lib.specserve_qlayer_attn_in(self._ref, x.data_ptr(), x.shape[0], positions.data_ptr(),
-                                                  cos.data_ptr(), sin.data_ptr(), scratch.data_ptr(),
-                                                  qkv.data_ptr(), torch.get_num_threads()), "a layer's q/k/v")
+                                                        scratch.data_ptr(), qkv.data_ptr(), torch.get_num_threads()),
+                     "a layer's q/k/v")
         return qkv
 
     def mlp(self, x: torch.Tensor, attn_out: torch.Tensor, scratch: torch.Tensor, gate_up: torch.Tensor) -> None:
@@ -171,8 +196,8 @@ class QuantizedLayerStack:
             self._caches = (key, ks, vs)
         return self._caches[1], self._caches[2]
 
-    def run(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-            kv_caches: list[torch.Tensor], meta, scale: float, scratch: torch.Tensor, gate_up: torch.Tensor) -> None:
+    def run(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta, scale: float,
+            scratch: torch.Tensor, gate_up: torch.Tensor) -> None:
         """x [T, hidden] float32 through every layer, in place; ``meta.kernel`` must cover the step
         (each kv cache [2, Hk, num_blocks, block_size, hd], contiguous, float32 or float16)."""
         kn, cache = meta.kernel, kv_caches[0]
@@ -191,8 +216,7 @@ class QuantizedLayerStack:
         ks, vs = self._cache_pointers(kv_caches)
         status = self._lib.specserve_qmodel_layers(
             self._layers, len(self.kernels), ks, vs, ctypes.byref(a), x.data_ptr(), tokens, positions.data_ptr(),
-            cos.data_ptr(), sin.data_ptr(), scratch.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gate_up.data_ptr(),
-            torch.get_num_threads())
+            scratch.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gate_up.data_ptr(), torch.get_num_threads())
         if status == 1002:
             raise RuntimeError("this build of the paged attention kernel cannot read a float16 cache (no F16C)")
         if status > 1000:

@@ -7,9 +7,10 @@ scales and soft-caps, each layer's sliding window and rotary table.
 
 Weights arrive in Hugging Face naming through ``load_weights`` (GGUF files are renamed to
 it by the loader); q/k/v and gate/up are fused into one matmul each (fewer kernel launches
-per token; Phi-3 ships them fused). With GGUF-quantized weights on a CPU, each plain-Llama
-layer's norms, matmuls, rotary, activation and residual adds run as two compiled calls
-around attention (``quant_layer``; ``use_cpu_layer_kernels``).
+per token; Phi-3 ships them fused). With GGUF-quantized weights on a CPU, each layer's norms,
+matmuls, q/k norms, rotary, activation and residual adds run as two compiled calls around
+attention (``quant_layer``; ``use_cpu_layer_kernels``), the spec's differences passed as
+parameters.
 """
 from __future__ import annotations
 
@@ -44,6 +45,10 @@ class FullWidthRMSNorm(nn.Module):
 
     def load(self, full: torch.Tensor) -> None:
         self.weight.data = full[self.local_start : self.local_start + self.weight.shape[0]].clone()
+
+    def kernel_weight(self) -> torch.Tensor:
+        """[local_width] float32 (the compiled CPU kernels' input; TP 1 there)."""
+        return self.weight.data.float().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:   # [T, local_width]
         h = x.float()
@@ -185,10 +190,9 @@ class DecoderForCausalLM(nn.Module):
 
     def use_cpu_layer_kernels(self) -> bool:
         """Run every layer through ``quant_layer``'s two compiled calls when all of them can
-        (a plain-Llama layer, quantized weights, TP 1, CPU, kernel built); returns whether they do."""
-        if not self.spec.is_plain_llama:
-            return False
-        kernels = [QuantizedLayerKernel.for_layer(layer, layer.attn_norm.eps, self.tp.world_size)
+        (quantized weights, TP 1, CPU, kernel built); returns whether they do."""
+        kernels = [QuantizedLayerKernel.for_layer(layer, self.config.rms_norm_eps, self.tp.world_size,
+                                                  None if layer.rope_key is None else self.rotary(layer.rope_key))
                    for layer in self.layers]
         self.layer_kernels = kernels if kernels and all(k is not None for k in kernels) else None
         self.layer_stack = QuantizedLayerStack.build(kernels) if self.layer_kernels is not None else None
@@ -211,20 +215,21 @@ class DecoderForCausalLM(nn.Module):
         x = self.embed(input_ids)
         if self.layer_kernels is not None and x.device.type == "cpu":
             return self.norm(self._forward_layer_kernels(x, positions, kv_caches, meta))
-        for key, table in self.rotaries.items():
-            if positions.numel() and int(positions.max()) >= table.cos.shape[0]:
-                raise ValueError(f"position {int(positions.max())} beyond the rotary table ({table.cos.shape[0]})")
+        self._check_positions(positions)
         ropes = {key: table.lookup(positions, x.dtype) for key, table in self.rotaries.items()}
         for layer, kv_cache in zip(self.layers, kv_caches):
             rope = None if layer.rope_key is None else ropes[layer.rope_key or "default"]
             x = layer(rope, x, kv_cache, meta)
         return self.norm(x)
 
+    def _check_positions(self, positions: torch.Tensor) -> None:
+        for table in self.rotaries.values():
+            if positions.numel() and int(positions.max()) >= table.cos.shape[0]:
+                raise ValueError(f"position {int(positions.max())} beyond the rotary table ({table.cos.shape[0]})")
+
     def _forward_layer_kernels(self, x, positions, kv_caches, meta) -> torch.Tensor:
         """The layers as quant_layer's compiled halves around attention; x [T, hidden] float32."""
-        rotary = self.rotary(self.layers[0].rope_key)
-        if positions.numel() and int(positions.max()) >= rotary.cos.shape[0]:
-            raise ValueError(f"position {int(positions.max())} beyond the rotary table ({rotary.cos.shape[0]})")
+        self._check_positions(positions)
         x = x.float().contiguous()
         positions = positions.to(torch.int64).contiguous()
         tokens = x.shape[0]
@@ -232,12 +237,11 @@ class DecoderForCausalLM(nn.Module):
         gate_up = torch.empty(tokens, 2 * self.config.intermediate_size)   # [T, 2 I] (TP 1 only)
         if self.layer_stack is not None and meta.kernel is not None:
             # every layer, attention included, in one call
-            self.layer_stack.run(x, positions, rotary.cos, rotary.sin, kv_caches, meta,
-                                 self.layers[0].self_attn.scale, scratch, gate_up)
+            self.layer_stack.run(x, positions, kv_caches, meta, self.layers[0].self_attn.scale, scratch, gate_up)
             return x
         for layer, kernel, kv_cache in zip(self.layers, self.layer_kernels, kv_caches):
             attn = layer.self_attn
-            qkv = kernel.attn_in(x, positions, rotary.cos, rotary.sin, scratch)   # [T, (Hq + 2 Hk) hd]
+            qkv = kernel.attn_in(x, positions, scratch)                                 # [T, (Hq + 2 Hk) hd]
             qk, v = qkv.split([(attn.num_heads + attn.num_kv_heads) * attn.head_dim, attn.num_kv_heads * attn.head_dim],
                               dim=-1)
             out = attn.attend(qk.view(tokens, -1, attn.head_dim), v, kv_cache, meta)     # [T, Hq, hd]

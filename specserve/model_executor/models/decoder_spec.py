@@ -90,14 +90,6 @@ class DecoderSpec:
         """The distinct rotary tables the layers use (keys of ``LayerSpec.rope``)."""
         return tuple(sorted({layer.rope for layer in self.layers if layer.rope is not None}))
 
-    @property
-    def is_plain_llama(self) -> bool:
-        """The Llama layer exactly (pre-norms, silu, no q/k norm, no scales or caps): the shape
-        the compiled CPU layer kernels (``quant_layer``) compute."""
-        return (self.norms == "pre" and self.norm_offset == 0.0 and self.qk_norm is None
-                and self.activation == "silu" and self.residual_scale == 1.0 and self.attn_softcap is None
-                and len(self.rope_layer_types) == 1 and all(layer.rope is not None for layer in self.layers))
-
 
 def architecture_of(config) -> str:
     """The config's architecture name (GGUF-derived configs may only have a model_type)."""

@@ -3,6 +3,8 @@ give the bits of the per-layer calls, logits and the K/V written: decoding, a dr
 a tree of drafts in one step, with a float32 and a float16 KV cache."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -89,13 +91,14 @@ def _synthetic_layer(gen, window, softcap, hidden=128, heads=4, kv_heads=2, hd=3
 
     attn = NS(qkv_proj=NS(quantized=_random_q8_0((heads + 2 * kv_heads) * hd, hidden, gen), bias=None),
               o_proj=NS(quantized=_random_q8_0(hidden, heads * hd, gen)), num_heads=heads, num_kv_heads=kv_heads,
-              head_dim=hd, sliding_window=window, logit_softcap=softcap)
+              head_dim=hd, sliding_window=window, logit_softcap=softcap, q_norm=None, k_norm=None, qk_norm=None)
     mlp = NS(gate_up_proj=NS(quantized=_random_q8_0(2 * inter, hidden, gen)),
-             down_proj=NS(quantized=_random_q8_0(hidden, inter, gen)))
+             down_proj=NS(quantized=_random_q8_0(hidden, inter, gen)), activation="silu")
     norms = [RMSNorm(hidden, 1e-5) for _ in range(2)]
     for norm in norms:
         norm.load(1 + 0.1 * torch.randn(hidden, generator=gen))
-    return NS(self_attn=attn, mlp=mlp, attn_norm=norms[0], mlp_norm=norms[1])
+    return NS(self_attn=attn, mlp=mlp, attn_norm=norms[0], mlp_norm=norms[1], attn_out_norm=None, mlp_out_norm=None,
+              residual_scale=1.0)
 
 
 def test_one_call_passes_each_layers_window_and_softcap():
@@ -112,13 +115,14 @@ def test_one_call_passes_each_layers_window_and_softcap():
     options = [(6, None), (None, 5.0), (3, 2.0)]
     gen = torch.Generator().manual_seed(0)
     layers = [_synthetic_layer(gen, w, c) for w, c in options]
-    kernels = [QuantizedLayerKernel(layer, 1e-5) for layer in layers]
+    hidden, heads, kv_heads, hd, block = 128, 4, 2, 32, 16
+    cos, sin = torch.randn(64, hd // 2, generator=gen), torch.randn(64, hd // 2, generator=gen)
+    rotary = SimpleNamespace(cos=cos, sin=sin, rotary_dim=hd)
+    kernels = [QuantizedLayerKernel(layer, 1e-5, rotary) for layer in layers]
     assert [(k._struct.sliding_window, k._struct.attn_softcap) for k in kernels] == [(6, 0.0), (0, 5.0), (3, 2.0)]
     stack = QuantizedLayerStack.build(kernels)
     if stack is None:
         pytest.skip("the one-call path does not run on this build (no F16C?)")
-    hidden, heads, kv_heads, hd, block = 128, 4, 2, 32, 16
-    cos, sin = torch.randn(64, hd // 2, generator=gen), torch.randn(64, hd // 2, generator=gen)
     tables = [[0, 1, 2], [3, 4]]
     _, tree = tree_layout([-1, 0, 0, 1, 2])
     steps = [([30, 20], [30, 20], None), ([4, 5], [34, 25], [None, tree])]   # (query lens, context lens, trees)
@@ -135,13 +139,13 @@ def test_one_call_passes_each_layers_window_and_softcap():
             meta = AttentionMetadata.build(q_lens, ctx_lens, tables, block, torch.device("cpu"), tree_masks=trees)
             scratch, gate_up = torch.empty_like(x), torch.empty(x.shape[0], 2 * 256)
             if kind == "stack":
-                stack.run(x, positions, cos, sin, caches, meta, hd**-0.5, scratch, gate_up)
+                stack.run(x, positions, caches, meta, hd**-0.5, scratch, gate_up)
             for kernel, cache, (window, softcap) in zip(kernels, caches, options):
                 if kind == "stack":
                     break
                 if kind == "no options":
                     window = softcap = None
-                qkv = kernel.attn_in(x, positions, cos, sin, scratch)
+                qkv = kernel.attn_in(x, positions, scratch)
                 q, k, v = qkv.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=1)
                 out = paged_attention(q.view(-1, heads, hd), k.view(-1, kv_heads, hd), v.view(-1, kv_heads, hd),
                                       cache, meta, hd**-0.5, sliding_window=window, logit_softcap=softcap)
@@ -155,3 +159,63 @@ def test_one_call_passes_each_layers_window_and_softcap():
     assert torch.equal(stacked, layered)
     assert all(torch.equal(a, b) for a, b in zip(stacked_kv, layered_kv))
     assert not torch.allclose(stacked, plain, rtol=1e-3, atol=1e-3)
+
+
+# ------------------------------------------------------------------- every family's layers
+def _q8_0_state(hf) -> dict:
+    """The tiny model's tensors, every 2-D layer matrix as Q8_0 blocks (gguf's quantizer)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from specserve.model_executor.layers.quantized import QuantizedMatrix
+
+    state = {}
+    for name, t in hf.state_dict().items():
+        t = t.detach().float()
+        if t.dim() == 2 and name.startswith("model.layers."):
+            blocks = quantize(t.numpy().astype(np.float32), GGMLQuantizationType.Q8_0)     # [out, row bytes] uint8
+            state[name] = QuantizedMatrix.from_blocks(torch.from_numpy(np.ascontiguousarray(blocks)), 8, t.shape[1])
+        else:
+            state[name] = t.clone()
+    return state
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3", "mistral", "gemma3", "gemma2", "phi3", "granite",
+                                    "olmo2", "smollm3"])
+def test_every_family_through_the_compiled_layers(family):
+    """Each family's declared differences as quant_layer.c's parameters (q/k norms per head or over
+    the projection, (1 + w) and branch-output norms, GELU-tanh, residual scale, partial and absent
+    rotary, per-layer rotary tables and windows): logits close to the PyTorch path over the same
+    Q8_0 weights; and a verified draft chain, batched with another request, gets exactly the bits
+    of decoding alone (what lossless greedy speculation rests on)."""
+    from model_families import tiny_model
+
+    if not quant_gemm.available() or not cpu_attention.usable("cpu", torch.float32):
+        pytest.skip("the quantized matmul or the attention kernel did not build")
+    hf = tiny_model(family)
+    config = hf.config
+    config.architectures = [type(hf).__name__]
+    state = _q8_0_state(hf)
+    runner = ModelRunner(config, state, torch.float16, torch.device("cpu"), 256, 16)
+    runner.allocate_kv_cache(16)
+    assert runner.model.layer_kernels is not None and runner.model.layer_stack is not None
+    reference = ModelRunner(config, state, torch.float16, torch.device("cpu"), 256, 16)
+    reference.model.layer_kernels = reference.model.layer_stack = None   # the PyTorch path
+    reference.allocate_kv_cache(16)
+    tokens = torch.randint(0, config.vocab_size, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    compiled = runner.execute([ForwardInput(tokens, 0, [0, 1, 2], 40)]).logits
+    pytorch = reference.execute([ForwardInput(tokens, 0, [0, 1, 2], 40)]).logits
+    assert pytorch.abs().max() > 1.0
+    torch.testing.assert_close(compiled, pytorch, atol=1e-3, rtol=1e-3)   # K/V cached in float16 by both
+
+    # Decode 5 tokens alone, one step each; then verify them as one chain beside another prefill.
+    generated, alone, logits = [], [], compiled[-1:]
+    for i in range(5):
+        generated.append(int(logits[-1].argmax()))
+        logits = runner.execute([ForwardInput(generated[-1:], 40 + i, [0, 1, 2], 1)]).logits
+        alone.append(logits[0])
+    runner.execute([ForwardInput(tokens, 0, [3, 4, 5], 0)])
+    verified = runner.execute([ForwardInput(tokens[:17], 0, [6, 7], 1),
+                               ForwardInput(generated, 40, [3, 4, 5], 5)]).logits[1:]
+    assert torch.equal(verified, torch.stack(alone))

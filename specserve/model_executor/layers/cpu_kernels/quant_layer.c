@@ -1,11 +1,17 @@
-/* A Llama-family decoder layer's row-wise work in two calls, for quantized weights on CPUs.
+/* A decoder layer's row-wise work in two calls, for quantized weights on CPUs.
  *
  * Called from specserve/model_executor/layers/quant_layer.py through ctypes, around the
  * paged-attention call that stays in Python (it mixes the compiled kernel and SDPA):
  *
- *   specserve_qlayer_attn_in:  h = rms_norm(x) ; qkv = h @ Wqkv.T (+ bias) ; rotate q and k
- *   specserve_qlayer_mlp:      x += attn @ Wo.T ; h = rms_norm(x) ; gu = h @ Wgate_up.T ;
- *                              a = silu(gate) * up ; x += a @ Wdown.T
+ *   specserve_qlayer_attn_in:  h = [norm](x) ; qkv = h @ Wqkv.T (+ bias) ; [q/k norms] ;
+ *                              rotate q and k (the first rotary_dim dims; none in NoPE layers)
+ *   specserve_qlayer_mlp:      h = [out_norm](attn @ Wo.T) ; x += h * rs ; h = [norm](x) ;
+ *                              gu = h @ Wgate_up.T ; a = act(gate) * up ;
+ *                              h = [out_norm](a @ Wdown.T) ; x += h * rs
+ *
+ * The bracketed parts are the family's (models/decoder_spec.py), set per layer in ``qlayer``:
+ * a NULL norm is absent, act is silu or GELU-tanh, rs the residual scale (Granite; 1 adds
+ * without a multiply), each layer its own rotary tables (Gemma 3's local and global layers).
  *
  * and, when the compiled paged-attention kernel serves every request of the step (decoding
  * and verification steps), all layers in one call: specserve_qmodel_layers runs, per layer,
@@ -24,6 +30,7 @@
  * product and the sum rounded once); the norm and silu are this file's own.
  */
 #include <math.h>
+#include <string.h>
 
 #include "quant_blocks.h"
 
@@ -35,17 +42,27 @@ typedef struct {
     const uint8_t *data[4];
 } qmatrix;
 
+enum { QK_NORM_NONE = 0, QK_NORM_HEAD = 1, QK_NORM_ALL = 2 };
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
+
 /* One decoder layer: shapes, norms, bias and its four matrices (set up once, after loading);
  * its attention's sliding window (0: none) and logit soft cap (0: none), which differ per
- * layer in Gemma 2/3 (local and global layers). */
+ * layer in Gemma 2/3 (local and global layers). Norm weights are what x / rms(x) is
+ * multiplied by (Gemma's 1 + w already added). */
 typedef struct {
     int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
     float eps;
     int32_t sliding_window;
     float attn_softcap;
-    const float *input_norm, *post_norm; /* [hidden] */
+    const float *input_norm, *post_norm; /* [hidden]: before attention and before the MLP, or NULL */
     const float *qkv_bias;               /* [(num_heads + 2 num_kv_heads) head_dim], or NULL */
     qmatrix qkv, o, gate_up, down;
+    const float *attn_out_norm, *mlp_out_norm; /* [hidden] on each branch's output, or NULL */
+    const float *q_norm, *k_norm;        /* [head_dim] (QK_NORM_HEAD) or [heads * head_dim] (QK_NORM_ALL) */
+    int32_t qk_norm, activation;
+    float residual_scale;
+    const float *cos_table, *sin_table;  /* [max_positions, rotary_dim / 2], or NULL: no rotary */
+    int64_t rotary_dim;
 } qlayer;
 
 int specserve_qlayer_struct_sizes(int64_t *sizes) { /* the Python side checks its mirror */
@@ -76,33 +93,70 @@ static inline void rms_norm_row(const float *x, const float *w, int64_t n, float
     for (int64_t i = 0; i < n; i++) y[i] = (x[i] * inv) * w[i];
 }
 
-/* x [T, hidden]; positions [T]; cos, sin [max_positions, head_dim / 2] (RotaryEmbedding's tables);
- * h [T, hidden] scratch; qkv [T, (Hq + 2 Hk) hd] out, q and k rotated. */
-int specserve_qlayer_attn_in(const qlayer *L, const float *x, int64_t T, const int64_t *positions,
-                             const float *cos_table, const float *sin_table, float *h, float *qkv,
-                             int num_threads) {
-    const int64_t H = L->hidden, hd = L->head_dim, half = hd / 2;
+static inline float gelu_tanh(float x) { /* torch's gelu(approximate="tanh") */
+    const float inner = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+    return 0.5f * x * (1.0f + tanhf(inner));
+}
+
+/* x [T, hidden]; positions [T] (indices into the layer's rotary tables); h [T, hidden]
+ * scratch; qkv [T, (Hq + 2 Hk) hd] out, q and k normed (if the layer has q/k norms) and rotated. */
+int specserve_qlayer_attn_in(const qlayer *L, const float *x, int64_t T, const int64_t *positions, float *h,
+                             float *qkv, int num_threads) {
+    const int64_t H = L->hidden, hd = L->head_dim, half = L->rotary_dim / 2;
     const int64_t n_qkv = (L->num_heads + 2 * L->num_kv_heads) * hd, n_rot = L->num_heads + L->num_kv_heads;
+    const int64_t q_width = L->num_heads * hd, k_width = L->num_kv_heads * hd;
     if (num_threads < 1) num_threads = 1;
     int status = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : status)
     {
+        const float *in = x;
+        if (L->input_norm) {
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; t++) rms_norm_row(x + t * H, L->input_norm, H, L->eps, h + t * H);
-        status |= qmatrix_gemm(&L->qkv, h, H, T, H, L->qkv_bias, qkv, n_qkv);
+            for (int64_t t = 0; t < T; t++) rms_norm_row(x + t * H, L->input_norm, H, L->eps, h + t * H);
+            in = h;
+        }
+        status |= qmatrix_gemm(&L->qkv, in, H, T, H, L->qkv_bias, qkv, n_qkv);
+        if (L->qk_norm == QK_NORM_HEAD) {
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < T * n_rot; i++) {
-            const int64_t t = i / n_rot, head = i % n_rot;
-            float *v = qkv + t * n_qkv + head * hd;
-            const float *c = cos_table + positions[t] * half, *s = sin_table + positions[t] * half;
-            for (int64_t j = 0; j < half; j++) {
-                const float x1 = v[j], x2 = v[j + half];
-                v[j] = x1 * c[j] + (-x2) * s[j];
-                v[j + half] = x2 * c[j] + x1 * s[j];
+            for (int64_t i = 0; i < T * n_rot; i++) {
+                const int64_t t = i / n_rot, head = i % n_rot;
+                float *v = qkv + t * n_qkv + head * hd;
+                rms_norm_row(v, head < L->num_heads ? L->q_norm : L->k_norm, hd, L->eps, v);
+            }
+        } else if (L->qk_norm == QK_NORM_ALL) {
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < 2 * T; i++) {
+                float *v = qkv + (i / 2) * n_qkv + (i % 2) * q_width;
+                if (i % 2) rms_norm_row(v, L->k_norm, k_width, L->eps, v);
+                else rms_norm_row(v, L->q_norm, q_width, L->eps, v);
+            }
+        }
+        if (L->cos_table) {
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < T * n_rot; i++) {
+                const int64_t t = i / n_rot, head = i % n_rot;
+                float *v = qkv + t * n_qkv + head * hd;
+                const float *c = L->cos_table + positions[t] * half, *s = L->sin_table + positions[t] * half;
+                for (int64_t j = 0; j < half; j++) {
+                    const float x1 = v[j], x2 = v[j + half];
+                    v[j] = x1 * c[j] + (-x2) * s[j];
+                    v[j + half] = x2 * c[j] + x1 * s[j];
+                }
             }
         }
     }
     return status;
+}
+
+/* x += h (* residual_scale), h first normed by ``out_norm`` where the layer has one. */
+static inline void add_branch(const qlayer *L, float *xt, float *ht, const float *out_norm) {
+    const int64_t H = L->hidden;
+    if (out_norm) rms_norm_row(ht, out_norm, H, L->eps, ht);
+    if (L->residual_scale == 1.0f) {
+        for (int64_t i = 0; i < H; i++) xt[i] = xt[i] + ht[i];
+    } else {
+        for (int64_t i = 0; i < H; i++) xt[i] = xt[i] + ht[i] * L->residual_scale;
+    }
 }
 
 /* x [T, hidden] updated in place; attn [T, Hq hd] (row stride ld_attn); h [T, hidden] and
@@ -118,22 +172,21 @@ int specserve_qlayer_mlp(const qlayer *L, float *x, int64_t T, const float *attn
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++) {
             float *xt = x + t * H, *ht = h + t * H;
-            for (int64_t i = 0; i < H; i++) xt[i] = xt[i] + ht[i];
-            rms_norm_row(xt, L->post_norm, H, L->eps, ht);
+            add_branch(L, xt, ht, L->attn_out_norm);
+            if (L->post_norm) rms_norm_row(xt, L->post_norm, H, L->eps, ht);
+            else memcpy(ht, xt, (size_t)H * sizeof(float));
         }
         status |= qmatrix_gemm(&L->gate_up, h, H, T, H, NULL, gu, 2 * I);
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < T * I; i++) { /* silu(gate) * up, into gate's place */
+        for (int64_t i = 0; i < T * I; i++) { /* act(gate) * up, into gate's place */
             float *g = gu + (i / I) * 2 * I + i % I;
             const float gate = *g;
-            *g = (gate / (1.0f + expf(-gate))) * g[I];
+            const float a = L->activation == ACT_GELU_TANH ? gelu_tanh(gate) : gate / (1.0f + expf(-gate));
+            *g = a * g[I];
         }
         status |= qmatrix_gemm(&L->down, gu, 2 * I, T, I, NULL, h, H);
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; t++) {
-            float *xt = x + t * H, *ht = h + t * H;
-            for (int64_t i = 0; i < H; i++) xt[i] = xt[i] + ht[i];
-        }
+        for (int64_t t = 0; t < T; t++) add_branch(L, x + t * H, h + t * H, L->mlp_out_norm);
     }
     return status;
 }
@@ -168,12 +221,12 @@ int specserve_qattention_struct_size(void) { return (int)sizeof(qattention); }
  * attention kernel's status (-2: no F16C for a float16 cache, else scratch). */
 int specserve_qmodel_layers(const qlayer *const *layers, int num_layers, const void *const *k_caches,
                             const void *const *v_caches, const qattention *A, float *x, int64_t T,
-                            const int64_t *positions, const float *cos_table, const float *sin_table, float *h,
-                            float *qkv, float *attn, float *gu, int num_threads) {
+                            const int64_t *positions, float *h, float *qkv, float *attn, float *gu,
+                            int num_threads) {
     for (int l = 0; l < num_layers; l++) {
         const qlayer *L = layers[l];
         const int64_t hd = L->head_dim, n_qkv = (L->num_heads + 2 * L->num_kv_heads) * hd;
-        int status = specserve_qlayer_attn_in(L, x, T, positions, cos_table, sin_table, h, qkv, num_threads);
+        int status = specserve_qlayer_attn_in(L, x, T, positions, h, qkv, num_threads);
         if (status) return status;
         const float *k_new = qkv + L->num_heads * hd, *v_new = k_new + L->num_kv_heads * hd;
         status = A->attend(qkv, n_qkv, k_caches[l], v_caches[l], attn, A->block_tables, A->max_blocks,
@@ -189,10 +242,9 @@ int specserve_qmodel_layers(const qlayer *const *layers, int num_layers, const v
 
 #else /* no F16C */
 
-int specserve_qlayer_attn_in(const qlayer *L, const float *x, int64_t T, const int64_t *positions,
-                             const float *cos_table, const float *sin_table, float *h, float *qkv,
-                             int num_threads) {
-    (void)L, (void)x, (void)T, (void)positions, (void)cos_table, (void)sin_table, (void)h, (void)qkv, (void)num_threads;
+int specserve_qlayer_attn_in(const qlayer *L, const float *x, int64_t T, const int64_t *positions, float *h,
+                             float *qkv, int num_threads) {
+    (void)L, (void)x, (void)T, (void)positions, (void)h, (void)qkv, (void)num_threads;
     return -2;
 }
 
@@ -206,10 +258,10 @@ int specserve_qattention_struct_size(void) { return -1; }
 
 int specserve_qmodel_layers(const void *const *layers, int num_layers, const void *const *k_caches,
                             const void *const *v_caches, const void *A, float *x, int64_t T,
-                            const int64_t *positions, const float *cos_table, const float *sin_table, float *h,
-                            float *qkv, float *attn, float *gu, int num_threads) {
+                            const int64_t *positions, float *h, float *qkv, float *attn, float *gu,
+                            int num_threads) {
     (void)layers, (void)num_layers, (void)k_caches, (void)v_caches, (void)A, (void)x, (void)T, (void)positions;
-    (void)cos_table, (void)sin_table, (void)h, (void)qkv, (void)attn, (void)gu, (void)num_threads;
+    (void)h, (void)qkv, (void)attn, (void)gu, (void)num_threads;
     return -2;
 }
 
