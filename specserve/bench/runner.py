@@ -116,12 +116,19 @@ def run_bench(opts: BenchOptions) -> dict:
             e.close()
 
 
+def prompt_token_ids(tok, text: str) -> list[int]:
+    """A question as the model's chat template renders it; a model without one (a base model such
+    as Gemma 3 270M) gets the question as a plain-text completion, with its tokenizer's BOS."""
+    if not getattr(tok, "chat_template", None):
+        return tok.encode(text, add_special_tokens=True)
+    rendered = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    return tok.encode(rendered, add_special_tokens=False)
+
+
 def _run(opts: BenchOptions, prompts: list[BenchPrompt], engines: list, machine: dict, started) -> dict:
     tok = engines[0].tokenizer()
     for p in prompts:
-        text = tok.apply_chat_template([{"role": "user", "content": p.text}], tokenize=False,
-                                       add_generation_prompt=True)
-        p.token_ids = tok.encode(text, add_special_tokens=False)
+        p.token_ids = prompt_token_ids(tok, p.text)
     categories = list(OrderedDict.fromkeys(p.category for p in prompts))
     by_cat = {c: [p for p in prompts if p.category == c] for c in categories}
     names = [e.name for e in engines]
