@@ -16,8 +16,42 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from specserve.model_executor.models.decoder_spec import spec_for
 from specserve.model_executor.models.eagle import EagleConfig, EagleHead, save_eagle_head
 from specserve.training.trainer import Batch, distill_loss
+
+
+def _plain_norm(target_config, weight: torch.Tensor) -> torch.Tensor:
+    """A target norm's weight as the head's plain RMSNorm takes it (Gemma's norms multiply by 1 + w)."""
+    return weight.float() + spec_for(target_config).norm_offset
+
+
+def _last_layer_as_llama(target_config, target_sd: dict) -> dict[str, torch.Tensor]:
+    """The head's one Llama layer, started from the target's last layer (what EAGLE does):
+    its matrices, and its norms before attention and before the MLP where the family has them
+    (else ones). Whatever a Llama layer lacks (biases, q/k norms, norms on the branch outputs)
+    is left out: the head is trained from there."""
+    p = f"model.layers.{target_config.num_hidden_layers - 1}."
+    heads, kv_heads = target_config.num_attention_heads, target_config.num_key_value_heads
+    hd = getattr(target_config, "head_dim", None) or target_config.hidden_size // heads
+    out = {}
+    if f"{p}self_attn.qkv_proj.weight" in target_sd:   # Phi-3's fused matrices
+        q, k, v = target_sd[f"{p}self_attn.qkv_proj.weight"].split([heads * hd, kv_heads * hd, kv_heads * hd])
+        gate, up = target_sd[f"{p}mlp.gate_up_proj.weight"].chunk(2)
+        out.update({"self_attn.q_proj.weight": q, "self_attn.k_proj.weight": k, "self_attn.v_proj.weight": v,
+                    "mlp.gate_proj.weight": gate, "mlp.up_proj.weight": up})
+    else:
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            out[f"{name}.weight"] = target_sd[f"{p}{name}.weight"]
+    out["self_attn.o_proj.weight"] = target_sd[f"{p}self_attn.o_proj.weight"]
+    out["mlp.down_proj.weight"] = target_sd[f"{p}mlp.down_proj.weight"]
+    ones = torch.ones(target_config.hidden_size)
+    pre_mlp = "post_attention_layernorm" if f"{p}pre_feedforward_layernorm.weight" not in target_sd and \
+        f"{p}input_layernorm.weight" in target_sd else "pre_feedforward_layernorm"
+    for head_name, target_name in (("input_layernorm", "input_layernorm"), ("post_attention_layernorm", pre_mlp)):
+        weight = target_sd.get(f"{p}{target_name}.weight")
+        out[head_name + ".weight"] = ones if weight is None else _plain_norm(target_config, weight)
+    return {"layer." + k: v for k, v in out.items()}
 
 
 class EagleTask:
@@ -28,13 +62,10 @@ class EagleTask:
             target_config, len(draft_vocab) if draft_vocab is not None else None, target_name
         )
         head = EagleHead(config, max_positions=4096)
-        last = target_config.num_hidden_layers - 1
-        p = f"model.layers.{last}."
         h = config.hidden_size
-        sd = {"fc.weight": torch.cat([torch.eye(h), torch.eye(h)], dim=1), "norm.weight": target_sd["model.norm.weight"]}
-        for name, t in target_sd.items():
-            if name.startswith(p) and not name.endswith(".bias"):  # (a Qwen2 layer's qkv bias is dropped)
-                sd["layer." + name[len(p):]] = t
+        sd = {"fc.weight": torch.cat([torch.eye(h), torch.eye(h)], dim=1),
+              "norm.weight": _plain_norm(target_config, target_sd["model.norm.weight"])}
+        sd.update(_last_layer_as_llama(target_config, target_sd))
         if draft_vocab is not None:
             sd["draft_vocab"] = draft_vocab
         head.load_weights({k: (v.float() if v.is_floating_point() else v) for k, v in sd.items()})

@@ -171,12 +171,20 @@ def test_tiny_greedy_tokens_equal_transformers(family, tmp_path, default_tokeniz
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_tiny_greedy_speculation_equals_plain_in_default_dtype(family, tmp_path, default_tokenizer):
-    """Lossless greedy speculation on every family in the CPU default dtype: n-gram drafts and a
-    draft model of the same family (other weights, same vocabulary) give plain decoding's tokens."""
+    """Lossless greedy speculation on every family in the CPU default dtype: n-gram drafts, a draft
+    model of the same family (other weights, same vocabulary) and an EAGLE head over the target's
+    hidden states (started from its last layer, its fc perturbed) give plain decoding's tokens."""
     from specserve import LLM, SamplingParams
+    from specserve.training.train_eagle import EagleTask
 
     target = save_tiny(tiny_model(family), tmp_path / "target", default_tokenizer)
     draft = save_tiny(tiny_model(family, seed=7), tmp_path / "draft", default_tokenizer)
+    loaded = load_model(target, torch.float32)
+    task = EagleTask(loaded.config, loaded.state_dict, None, family)
+    with torch.no_grad():
+        task.module.fc.weight.add_(0.3 * torch.randn(task.module.fc.weight.shape, generator=torch.Generator().manual_seed(5)))
+    eagle = str(tmp_path / "eagle")
+    task.export(eagle, {})
     vocab = VOCAB
     motif = prompt(vocab, 12, seed=10)
     prompts = [motif * 4, prompt(vocab, 30, seed=11) + motif * 2]   # repeats give n-gram drafts
@@ -184,7 +192,8 @@ def test_tiny_greedy_speculation_equals_plain_in_default_dtype(family, tmp_path,
     common = dict(model=target, max_model_len=160, kv_cache_memory=1 << 22)
     plain = [o.outputs[0].token_ids for o in LLM(**common).generate(prompts, params)]
     for spec in ({"method": "ngram", "num_speculative_tokens": 3},
-                 {"method": "draft_model", "model": draft, "num_speculative_tokens": 3}):
+                 {"method": "draft_model", "model": draft, "num_speculative_tokens": 3},
+                 {"method": "eagle", "model": eagle, "num_speculative_tokens": 3}):
         llm = LLM(**common, speculative_config=spec)
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain, spec["method"]
         assert llm.get_spec_decode_stats().num_draft_tokens > 0
