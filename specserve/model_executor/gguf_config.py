@@ -32,8 +32,9 @@ all         rope.freq_base -> rope_theta (llama.cpp's default 10000 when absent)
             tensor rope_freqs (Llama 3.x) -> see below;
             blk.0.attn_q.bias / blk.0.ffn_up.bias -> attention_bias / mlp_bias
 mistral     attention.sliding_window -> sliding_window
-gemma2      attn_logit_softcapping, final_logit_softcapping (llama.cpp's defaults 50 and 30),
-            attention.sliding_window, every other layer sliding (llama.cpp's fixed pattern)
+gemma2      attn_logit_softcapping, final_logit_softcapping, attention.sliding_window
+            (llama.cpp's defaults 50, 30 and 4096 for files converted before those keys), every
+            other layer sliding (llama.cpp's fixed pattern)
 gemma3      attention.sliding_window (0: none), five sliding layers then one global
             (llama.cpp's fixed pattern), sliding layers' rope base 10000 (llama.cpp's fixed
             value), rope.freq_base and rope.scaling.* for the global layers only,
@@ -41,7 +42,8 @@ gemma3      attention.sliding_window (0: none), five sliding layers then one glo
 gemma2/3    query_pre_attn_scalar: hidden / heads for the 27B models (46 / 62 layers), else
             head_dim: llama.cpp's rule, the file has no key for it
 phi3        rope.dimension_count -> partial_rotary_factor, attention.sliding_window (0: none),
-            rope.scaling.original_context_length, tensors rope_factors_long/short ->
+            rope.scaling.original_context_length (else the context length, as llama.cpp),
+            tensors rope_factors_long/short ->
             longrope's long_factor/short_factor, rope.scaling.attn_factor -> attention_factor
 granite     attention.scale, embedding_scale, residual_scale, logit_scale -> the multipliers
             (absent: llama.cpp's neutral values, head_dim^-1/2 for attention)
@@ -61,8 +63,10 @@ transformers and specserve compute as llama.cpp does, from the config alone (ten
 workers, drafts and the transformers peer build their rotary tables from the config), with
 the factors kept in float32 as the file has them.
 
-Architectures llama.cpp writes that none of specserve's families are raise
-``UnsupportedModelError`` naming the architecture.
+Architectures llama.cpp writes that none of specserve's families are, and what a config
+cannot hold (an OLMo 3 file, rope scalings llama.cpp does not write), raise
+``UnsupportedModelError`` naming it; a file without a key the converter always writes raises
+``InvalidModelFileError``.
 """
 from __future__ import annotations
 
@@ -72,7 +76,7 @@ import numpy as np
 import transformers
 from transformers import AutoConfig
 
-from specserve.model_executor.gguf_file import GGUFTable, read_gguf_table
+from specserve.model_executor.gguf_file import GGUFTable, InvalidModelFileError, read_gguf_table
 from specserve.model_executor.models.decoder_spec import SUPPORTED_ARCHITECTURES, UnsupportedModelError
 
 # GGUF general.architecture -> (Hugging Face model_type, architecture). llama.cpp converts
@@ -93,7 +97,8 @@ GGUF_ARCHITECTURES = {
 
 # llama.cpp's values where a key is absent (llama_hparams defaults, llama-model.cpp).
 _DEFAULT_ROPE_THETA = 10000.0
-_GEMMA2_SOFTCAPS = (50.0, 30.0)   # attention logits, final logits
+_GEMMA2_SOFTCAPS = (50.0, 30.0)   # attention logits, final logits (files converted before the keys)
+_GEMMA2_WINDOW = 4096
 _GEMMA3_SLIDING_ROPE_THETA = 10000.0
 _GEMMA3_PATTERN = 6               # five sliding layers, then a global one
 _SMOLLM3_NO_ROPE_STEP = 4         # layer i has no rotary when (i + 1) % 4 == 0
@@ -112,8 +117,8 @@ class _Keys:
     def __getitem__(self, name: str):
         key = f"{self.arch}.{name}"
         if key not in self.md:
-            raise UnsupportedModelError(f"{self.path}: this {self.arch!r} GGUF file has no {key!r}, "
-                                        "which llama.cpp's converter writes")
+            raise InvalidModelFileError(f"{self.path}: not a usable GGUF file: it has no {key!r}, which "
+                                        f"llama.cpp's converter writes for {self.arch!r} models")
         return self.md[key]
 
 
@@ -213,7 +218,8 @@ def _f32_tensor(keys: _Keys, name: str) -> list[float]:
     t = keys.table.tensor(name)
     if t is None or t.ggml_type != GGMLQuantizationType.F32:
         found = "missing" if t is None else GGMLQuantizationType(t.ggml_type).name
-        raise UnsupportedModelError(f"{keys.path}: tensor {name!r} is {found}; llama.cpp writes it as F32")
+        raise InvalidModelFileError(f"{keys.path}: not a usable GGUF file: tensor {name!r} is {found}, "
+                                    "llama.cpp writes it as F32")
     with open(keys.path, "rb") as fh:
         fh.seek(t.offset)
         return np.frombuffer(fh.read(t.nbytes), dtype="<f4").astype(np.float64).tolist()
@@ -232,7 +238,7 @@ def _mistral(keys: _Keys, fields: dict) -> dict:
     return dict(sliding_window=_sliding_window(keys))
 
 
-def _gemma_attention_scalar(keys: _Keys, fields: dict) -> float:
+def _gemma_attention_scalar(keys: _Keys, fields: dict) -> int:
     """Gemma's query_pre_attn_scalar as llama.cpp chooses it (the file has no key for it):
     hidden / heads for the 27B models, else head_dim (what Gemma 2 and 3 of every other size use)."""
     if fields["num_hidden_layers"] == _GEMMA_27B_LAYERS[keys.arch]:
@@ -245,7 +251,7 @@ def _gemma2(keys: _Keys, fields: dict) -> dict:
     return dict(
         attn_logit_softcapping=float(keys.get("attn_logit_softcapping", _GEMMA2_SOFTCAPS[0])),
         final_logit_softcapping=float(keys.get("final_logit_softcapping", _GEMMA2_SOFTCAPS[1])),
-        sliding_window=keys["attention.sliding_window"],
+        sliding_window=keys.get("attention.sliding_window", _GEMMA2_WINDOW),
         layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)],
         query_pre_attn_scalar=_gemma_attention_scalar(keys, fields),
     )
@@ -270,7 +276,8 @@ def _gemma3(keys: _Keys, fields: dict) -> dict:
 
 
 def _phi3(keys: _Keys, fields: dict) -> dict:
-    original = int(keys["rope.scaling.original_context_length"])
+    # llama.cpp: the training context where the file does not say
+    original = int(keys.get("rope.scaling.original_context_length", fields["max_position_embeddings"]))
     rope = dict(fields["rope_parameters"])
     rope.setdefault("partial_rotary_factor", 1.0)
     if keys.table.tensor("rope_factors_long.weight") is not None:

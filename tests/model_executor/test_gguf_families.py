@@ -13,10 +13,10 @@ and a per-position table agree, see layers/rotary.py). Tolerances, float32 throu
   against transformers on the model whose matrices went through the same Q8_0 round trip:
   < 1e-4 (measured ~6e-6 and ~2e-5); the Q8_0 round trip itself moves the logits by ~0.3.
 
-The configs transformers' own GGUF conversion builds for the same files give logits off by 5 to
-8 (llama3, linear, yarn, Gemma 2/3, Phi-3, a windowed mistral file), fail to load (Qwen3) or do
-not exist (granite, olmo2, smollm3); ``test_transformers_config_differs_only_where_corrected``
-names the fields.
+The configs transformers' own GGUF conversion builds for the same files give other logits
+(llama3, linear, yarn, Gemma 2/3, Phi-3, a windowed mistral file: by 5 to 8), fail to load
+(Qwen3) or do not exist (granite, olmo2, smollm3): ``test_transformers_config_*`` and
+``test_families_transformers_has_no_gguf_config_for``, which also name the fields corrected.
 """
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ from transformers import AutoConfig
 from specserve.model_executor import gguf_config, loader
 from specserve.model_executor.gguf_config import config_from_gguf
 from specserve.model_executor.layers.rotary import RotaryEmbedding
-from specserve.model_executor.loader import UnsupportedArchitectureError, default_model_path, load_model
+from specserve.model_executor.loader import (InvalidModelFileError, UnsupportedArchitectureError,
+                                             default_model_path, load_model)
 from specserve.model_executor.models.decoder_spec import spec_for
 
 from gguf_writer import Q8_0, dequantized_copy, write_gguf
@@ -115,7 +116,7 @@ def _same(a, b) -> bool:
 
 
 # ----------------------------------------------------------------------------------- configs
-def test_config_computes_what_the_models_does(case):
+def test_config_computes_what_the_models_config_does(case):
     """Same decoder spec (norms, scales, soft-caps, each layer's window and rotary table) and the
     same rotary tables as the Hugging Face config; and the same config again from the cache."""
     name, hf, f32, _ = case
@@ -134,7 +135,8 @@ def test_config_computes_what_the_models_does(case):
     assert cached.to_dict() == loaded.config.to_dict()
 
 
-# llama.cpp key names read for each case's correction; transformers' conversion ignores them.
+# Config fields where transformers' GGUF conversion of a case's file differs (the llama.cpp key read
+# for each in the comment; gguf_config's module docstring lists them all).
 CORRECTED = {
     "llama": set(),
     "llama3": {"rope_parameters"},                                   # rope_freqs tensor
@@ -162,6 +164,30 @@ def test_transformers_config_differs_only_where_corrected(name, tmp_path):
     naming = {"_name_or_path", "_model_name_or_path", "architectures"}   # transformers sets no architectures
     differing = {k for k in (set(theirs) | set(ours)) - naming if theirs.get(k, "absent") != ours.get(k, "absent")}
     assert differing == CORRECTED[name]
+
+
+@pytest.mark.parametrize("name", [n for n, fields in CORRECTED.items() if fields - {"attention_bias", "head_dim"}]
+                         + ["qwen3"])
+def test_transformers_config_computes_another_model(name, tmp_path):
+    """The corrections matter: the same file's weights under transformers' GGUF config give other
+    logits past the window and the original context (by 5 to 8 here), or do not load (Qwen3's
+    head_dim)."""
+    family, overrides, arch = CASES[name]
+    hf = tiny_model(family, **overrides)
+    path = write_gguf(hf, tmp_path / "model.gguf", None, arch=arch)
+    theirs = AutoConfig.from_pretrained(str(tmp_path), gguf_file="model.gguf")
+    loader._check_architecture(theirs)   # as the loader did with it
+    tokens = prompt(hf.config.vocab_size, PROMPT_LEN, seed=3)
+
+    def logits():
+        state_dict = loader._gguf_state_dict(path, theirs, torch.float32)
+        return run_chunks(make_runner(theirs, state_dict), tokens, [len(tokens)], block_table=[7, 2, 19])
+
+    if name == "qwen3":   # head_dim 128 (Qwen3Config's default) where the weights have 24
+        with pytest.raises(RuntimeError, match="split"):
+            logits()
+        return
+    assert (logits() - hf_logits(hf, tokens)).abs().max() > 1.0
 
 
 @pytest.mark.parametrize("family", ["granite", "olmo2", "smollm3"])
@@ -283,8 +309,7 @@ _SHAPE = dict(context_length=64, block_count=2, feed_forward_length=8, embedding
 @pytest.mark.parametrize("arch,keys,tensors,expected", [
     # llama.cpp's defaults where the converter wrote nothing
     ("llama", {}, None, dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
-    ("gemma2", {"attention.sliding_window": 4}, None,
-     dict(attn_logit_softcapping=50.0, final_logit_softcapping=30.0, sliding_window=4)),
+    ("gemma2", {}, None, dict(attn_logit_softcapping=50.0, final_logit_softcapping=30.0, sliding_window=4096)),
     # no attention.scale: llama.cpp scales by head_dim ** -0.5 (head_dim 4 here)
     ("granite", {}, None, dict(attention_multiplier=0.5, embedding_multiplier=1.0, residual_multiplier=1.0,
                                logits_scaling=1.0)),
@@ -301,8 +326,8 @@ _SHAPE = dict(context_length=64, block_count=2, feed_forward_length=8, embedding
                "rope.scaling.attn_factor": 1.25}, None,
      dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                            "original_max_position_embeddings": 16, "attention_factor": 1.25})),
-    ("phi3", {"rope.scaling.original_context_length": 32, "rope.dimension_count": 2}, None,
-     dict(original_max_position_embeddings=32, sliding_window=None,
+    ("phi3", {"rope.dimension_count": 2}, None,
+     dict(original_max_position_embeddings=64, sliding_window=None,   # the context length
           rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
     ("llama", {}, {"blk.0.attn_q.bias": [0.0] * 4, "blk.0.ffn_up.bias": [0.0] * 8},
      dict(attention_bias=True, mlp_bias=True)),
@@ -334,8 +359,7 @@ def test_an_architecture_specserve_does_not_run_is_named(tmp_path):
     ("llama", {"rope.scaling.type": "dynamic"}, None, "rope scaling type 'dynamic'"),
     ("llama", {"rope.scaling.type": "linear", "rope.scaling.factor": 2.0},
      {"rope_freqs.weight": [1.0, 2.0]}, "rope_freqs together with linear"),
-    ("qwen2", {"block_count": None}, None, "has no 'qwen2.block_count'"),
-], ids=["olmo3", "dynamic-rope", "rope-freqs-and-linear", "missing-key"])
+], ids=["olmo3", "dynamic-rope", "rope-freqs-and-linear"])
 def test_what_the_config_cannot_hold_is_refused(tmp_path, arch, keys, tensors, match):
     import numpy as np
 
@@ -344,6 +368,14 @@ def test_what_the_config_cannot_hold_is_refused(tmp_path, arch, keys, tensors, m
               **{k: np.asarray(v, np.float32) for k, v in (tensors or {}).items()}}
     with pytest.raises(UnsupportedArchitectureError, match=match):
         config_from_gguf(_gguf_with(tmp_path / "model.gguf", arch, fields, arrays))
+
+
+def test_a_file_without_a_key_the_converter_always_writes(tmp_path):
+    shape = {k: v for k, v in _SHAPE.items() if k != "block_count"}
+    path = _gguf_with(tmp_path / "model.gguf", "qwen2", shape)
+    with pytest.raises(InvalidModelFileError, match="has no 'qwen2.block_count'") as info:
+        load_model(path, torch.float32)
+    assert path in str(info.value)
 
 
 def test_caches_of_an_earlier_conversion_are_not_read(tmp_path, monkeypatch):
