@@ -22,8 +22,8 @@ def gguf_parsed_once():
     """Each GGUF file's metadata parsed once for this module. ``gguf.GGUFReader`` parses every
     field in Python, the 49152-token vocabulary and its merges included (~4 s for the default
     model), and transformers' ``load_gguf_checkpoint`` turns them all into Python values (~2 s);
-    transformers' conversion runs that once for the config and once for the tokenizer, and the
-    reference weights below open another reader. A reader is a read-only view of the file; each
+    the tokenizer's conversion (transformers') runs that, and the reference weights below open
+    another reader (specserve's config comes from its own header walk, gguf_config.py). A reader is a read-only view of the file; each
     caller gets its own copy of the parsed values."""
     import copy
 
