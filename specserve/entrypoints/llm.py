@@ -19,11 +19,16 @@ def build_speculative_config(
     num_speculative_tokens: int | None,
     speculative_config: dict | SpeculativeConfig | None,
     speculative_method: str | None = None,
+    draft_tensor_parallel_size: int | None = None,
 ) -> SpeculativeConfig | None:
     """Merge the flat keyword arguments and the dict form into one config."""
     if isinstance(speculative_config, SpeculativeConfig):
+        if draft_tensor_parallel_size is not None:
+            speculative_config.draft_tensor_parallel_size = draft_tensor_parallel_size
         return speculative_config
     values = dict(speculative_config or {})
+    if draft_tensor_parallel_size is not None:
+        values["draft_tensor_parallel_size"] = draft_tensor_parallel_size
     if speculative_model is not None:
         values["model"] = speculative_model
     if speculative_method is not None:
@@ -35,6 +40,15 @@ def build_speculative_config(
     if "method" not in values and "model" not in values:
         raise ValueError("speculative decoding needs a speculative model or a method (e.g. 'ngram')")
     return SpeculativeConfig.from_dict(values)
+
+
+def _draft_tp_from_vllm_spellings(uses_tp_1: bool | None, draft_tp: int | None, target_tp: int) -> int | None:
+    """The draft's TP size from vLLM's two keyword spellings (None: neither given)."""
+    from_flag = None if uses_tp_1 is None else (1 if uses_tp_1 else target_tp)
+    if from_flag is not None and draft_tp is not None and from_flag != draft_tp:
+        raise ValueError(f"speculative_model_uses_tp_1={uses_tp_1} and speculative_draft_tensor_parallel_size="
+                         f"{draft_tp} disagree; give one of them")
+    return draft_tp if draft_tp is not None else from_flag
 
 
 class LLM:
@@ -66,8 +80,16 @@ class LLM:
         enable_prefix_caching: bool = True,
         int8_activations: bool | int = False,
         proposer=None,
+        speculative_model_uses_tp_1: bool | None = None,
+        speculative_draft_tensor_parallel_size: int | None = None,
     ):
-        spec = build_speculative_config(speculative_model, num_speculative_tokens, speculative_config)
+        """``speculative_model_uses_tp_1`` (vLLM's original draft-model spelling) and
+        ``speculative_draft_tensor_parallel_size`` (its later one) set the speculative config's
+        ``draft_tensor_parallel_size``: the draft at TP 1 while the target runs at TP N."""
+        draft_tp = _draft_tp_from_vllm_spellings(speculative_model_uses_tp_1, speculative_draft_tensor_parallel_size,
+                                                 tensor_parallel_size)
+        spec = build_speculative_config(speculative_model, num_speculative_tokens, speculative_config,
+                                        draft_tensor_parallel_size=draft_tp)
         config = EngineConfig(
             model=model,
             dtype=dtype,

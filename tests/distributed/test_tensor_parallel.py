@@ -385,6 +385,33 @@ def test_tp_greedy_equals_tp1_and_leaves_no_process(case, reference, truncated_d
 
 
 @pytest.mark.slow
+def test_vllm_draft_model_call_runs_verbatim(reference, truncated_draft_dir):
+    """vLLM's original draft-model interface, as its docs write it (TP 2 on gloo here): the draft
+    at TP 1 in the driver, the target sharded, greedy output equal to TP 1 plain."""
+    ref_tokens, _ = reference
+    llm = LLM(model=None, speculative_model=truncated_draft_dir, tensor_parallel_size=2,
+              speculative_model_uses_tp_1=True, num_speculative_tokens=3, **ENGINE)
+    assert type(llm.engine.proposer.runner) is ModelRunner          # the draft in the driver only
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == ref_tokens
+    assert llm.get_spec_decode_stats().as_dict()["num_draft_tokens"] > 0
+    pids = llm.engine.runner.worker_pids
+    del llm
+    gc.collect()
+    assert wait_gone(pids) == []
+
+
+def test_vllm_draft_tp_spellings_set_draft_tensor_parallel_size():
+    from specserve.entrypoints.llm import _draft_tp_from_vllm_spellings
+
+    assert _draft_tp_from_vllm_spellings(True, None, 4) == 1
+    assert _draft_tp_from_vllm_spellings(False, None, 4) == 4
+    assert _draft_tp_from_vllm_spellings(None, 1, 4) == 1
+    assert _draft_tp_from_vllm_spellings(None, None, 4) is None
+    with pytest.raises(ValueError, match="disagree"):
+        _draft_tp_from_vllm_spellings(True, 4, 4)
+
+
+@pytest.mark.slow
 @pytest.mark.default_dynamic_k
 def test_tp_with_ngram_defaults_equals_tp1(reference):
     """n-gram's default, dynamic_k on: the policy calibrates and times the sharded forward."""
