@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 from specserve.bench.command import add_bench_parser
 from specserve.entrypoints.engine_args import (  # speculative_config_from_args: still importable from here
@@ -32,10 +33,12 @@ def cmd_generate(args) -> int:
         repetition_penalty=args.repetition_penalty,
     )
     llm = build_llm(args)
+    started = time.perf_counter()
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
     else:
         out = llm.generate(args.prompt, params)[0]
+    elapsed = time.perf_counter() - started
     stats = llm.get_spec_decode_stats()
     if args.json:
         for completion in out.outputs:   # one JSON line per sample (--n)
@@ -59,9 +62,20 @@ def cmd_generate(args) -> int:
             if len(out.outputs) > 1:
                 print(f"--- sample {completion.index}")
             print(completion.text)
+        if llm.engine.spec_config is not None:
+            print_summary(llm.engine.spec_config.method, stats, sum(len(c.token_ids) for c in out.outputs), elapsed)
         if args.stats:
             print_stats(stats, file=sys.stderr)
     return 0
+
+
+def print_summary(method: str, stats, tokens: int, seconds: float, file=None) -> None:
+    """One line of what speculation did (on stderr, so the answer alone goes to stdout)."""
+    file = sys.stderr if file is None else file
+    d = stats.as_dict()
+    print(f"[speculation: {method}] {d['num_accepted_tokens']} of {d['num_draft_tokens']} drafted tokens accepted, "
+          f"{d['mean_acceptance_length']:.2f} tokens per target step, {tokens / max(seconds, 1e-9):.1f} tok/s "
+          f"({tokens} tokens in {seconds:.2f} s, prefill included)", file=file)
 
 
 def print_stats(stats, file=sys.stderr) -> None:

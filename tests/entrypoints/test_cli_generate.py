@@ -32,3 +32,17 @@ def test_a_bad_penalty_is_a_clear_error(tiny_llama_dir, capsys):
     code = main(["generate", "x", "--model", tiny_llama_dir, "--presence-penalty", "5"])
     assert code == 2
     assert "presence_penalty must be a number in [-2, 2]" in capsys.readouterr().err
+
+
+def test_speculation_prints_one_summary_line_after_the_answer(tiny_llama_dir, capsys):
+    """With a proposer, the answer goes to stdout and one line of what speculation did to stderr;
+    without one, no such line."""
+    args = ["generate", "one two three one two three one two", "--model", tiny_llama_dir, "--dtype", "float32",
+            "--max-tokens", "12", "--kv-cache-memory", str(8 << 20)]
+    assert main(args + ["--speculative-method", "ngram", "--num-speculative-tokens", "3"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() and "[speculation: ngram]" not in out
+    line = [x for x in err.splitlines() if x.startswith("[speculation: ngram]")]
+    assert len(line) == 1 and "drafted tokens accepted" in line[0] and "tok/s" in line[0]
+    assert main(args) == 0
+    assert "[speculation" not in capsys.readouterr().err
