@@ -22,13 +22,13 @@ class RequestStatus(enum.Enum):
         return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
 
 
-def request_generator(params: SamplingParams, seed_rng: torch.Generator, device) -> torch.Generator | None:
-    """A sampled request's own RNG, seeded by its seed or else by the engine's seed sequence;
-    None for greedy requests."""
+def request_seed(params: SamplingParams, seed_rng: torch.Generator) -> int | None:
+    """The seed of a sampled request's random numbers: its own, or else the next of the engine's
+    seed sequence; None for greedy requests. The sampler keys every number by this seed and the
+    output index it decides (``sample.sampler.keyed_generator``)."""
     if params.greedy:
         return None
-    seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=seed_rng))
-    return torch.Generator(device=device).manual_seed(seed)
+    return params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=seed_rng))
 
 
 class Request:
@@ -46,14 +46,14 @@ class Request:
         prompt: str | None,
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
-        generator: torch.Generator | None,
+        seed: int | None,
         eos_token_id: int | None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
-        self.generator = generator            # per-request RNG; None for greedy
+        self.seed = seed                      # keys its random numbers (request_seed); None for greedy
         self.eos_token_id = eos_token_id
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
@@ -68,6 +68,9 @@ class Request:
         self.draft_parents: list[int] | None = None    # a tree of drafts: parent of each (-1 = last token)
         self.proposer_num_computed_tokens = 0
         self.spec_stats = SpecDecodeStats()
+        # Structured output: the request's matcher (structured_output.matcher.RequestGrammar), which
+        # stands after the output so far, and this step's masks; None when unconstrained.
+        self.grammar = None
         # Output bookkeeping.
         self.output_text = ""
         self.detok_prefix_offset = 0           # stop strings: output_text is decoded incrementally

@@ -131,15 +131,15 @@ class Drafting:
 
     def _propose_then_trim(self, proposer, decoding: list[ScheduledRequest]) -> None:
         """A free proposer's full proposals, each remembered for scoring, then cut to the
-        lengths the policy picks (their lookahead slots stay reserved, unused). Seeded sampled
-        requests keep theirs whole: their random draws depend on k. Requests the back-off
-        sits out this step get no lookup and no drafts."""
+        lengths the policy picks (their lookahead slots stay reserved, unused); a seeded request's
+        tokens do not depend on them (``sample.verify``). Requests the back-off sits out this step
+        get no lookup and no drafts."""
         started = time.perf_counter()
         policy, asked = self.k_policy, []
         back_off = (policy.forward.known() and self.lookup_seconds_per_request * len(decoding)
                     >= LOOKUP_SHARE * policy.forward(len(decoding)))
         for s in decoding:
-            if back_off and _policy_may_shorten(s) and self.backoff.skips(s.request):
+            if back_off and self.backoff.skips(s.request):
                 s.num_lookahead = 0
                 s.request.clear_drafts()
             else:
@@ -150,16 +150,14 @@ class Drafting:
         parents = proposal.parents or [None] * len(asked)
         for s, tokens, tree in zip(asked, proposal.token_ids, parents):
             self.shadows.remember(s.request, tokens[: s.num_lookahead], None if tree is None else tree[: s.num_lookahead])
-        chosen = [i for i, s in enumerate(asked) if _policy_may_shorten(s)]
-        if chosen:
-            rates = []
-            limits = [min(len(proposal.token_ids[i]), asked[i].num_lookahead) for i in chosen]
-            for i, size in zip(chosen, limits):
-                own = self.shadows.of(asked[i].request, size)
-                rates.append(policy.acceptance(own.gained, own.proposed, self.shadows.engine(size).rates()))
-            for i, size, k in zip(chosen, limits, policy.choose(rates, limits, [False] * len(chosen))):
-                asked[i].num_lookahead = k
-                self.backoff.chosen(asked[i].request, size, k)
+        rates = []
+        limits = [min(len(tokens), s.num_lookahead) for s, tokens in zip(asked, proposal.token_ids)]
+        for s, size in zip(asked, limits):
+            own = self.shadows.of(s.request, size)
+            rates.append(policy.acceptance(own.gained, own.proposed, self.shadows.engine(size).rates()))
+        for s, size, k in zip(asked, limits, policy.choose(rates, limits, [False] * len(asked))):
+            s.num_lookahead = k
+            self.backoff.chosen(s.request, size, k)
         self._set_drafts(proposer, asked, proposal)
         self.lookup_seconds_per_request = (time.perf_counter() - started) / len(asked)
 
@@ -193,23 +191,14 @@ class Drafting:
 
     def _choose_draft_lengths(self, decoding: list[ScheduledRequest]) -> None:
         """Lower each request's lookahead to the draft length the policy picks (its slots stay
-        reserved, unused). Seeded sampled requests keep theirs: their random draws depend on k."""
+        reserved, unused); a seeded request's tokens do not depend on it (``sample.verify``)."""
         policy = self.k_policy
-        chosen = [s for s in decoding if _policy_may_shorten(s)]
-        if not chosen:
-            return
         prior = self.engine_stats.acceptance_by_position
         rates = [policy.acceptance(s.request.spec_stats.accepted_per_position,
-                                   s.request.spec_stats.drafted_per_position, prior) for s in chosen]
-        probe = [policy.is_probe_step(s.request.spec_stats.num_steps) for s in chosen]
-        for s, k in zip(chosen, policy.choose(rates, [s.num_lookahead for s in chosen], probe)):
+                                   s.request.spec_stats.drafted_per_position, prior) for s in decoding]
+        probe = [policy.is_probe_step(s.request.spec_stats.num_steps) for s in decoding]
+        for s, k in zip(decoding, policy.choose(rates, [s.num_lookahead for s in decoding], probe)):
             s.num_lookahead = k
-
-
-def _policy_may_shorten(s: ScheduledRequest) -> bool:
-    """Greedy and unseeded requests: a seeded sampled request's draws depend on k, so it keeps its own."""
-    params = s.request.sampling_params
-    return params.greedy or params.seed is None
 
 
 def calibration_rows(k: int) -> list[int]:

@@ -18,10 +18,11 @@ import torch
 
 from specserve.config import EngineConfig, SpeculativeConfig
 from specserve.core.kv_cache_manager import KVCacheManager
-from specserve.core.request import Request, RequestStatus, request_generator
+from specserve.core.request import Request, RequestStatus, request_seed
 from specserve.core.scheduler import ScheduledRequest, Scheduler
 from specserve.distributed.launcher import WorkerError
 from specserve.engine import input_checks
+from specserve.engine.constraints import Constraints
 from specserve.engine.drafting import Drafting, calibrate_k_policy
 from specserve.engine.errors import StepFailedError
 from specserve.engine.output_processor import OutputProcessor
@@ -92,6 +93,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self._seed_rng = torch.Generator().manual_seed(config.seed)
         self.eos_token_id = self.tokenizer.eos_token_id
+        self.constraints = Constraints(self.tokenizer, self.vocab_size, self.eos_token_id,
+                                       grammar_drafts=bool(spec_config and spec_config.grammar_drafts))
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
@@ -117,6 +120,7 @@ class LLMEngine:
         params = params or SamplingParams()
         text, token_ids = prepared if prepared is not None else self.prepare_prompt(prompt)
         input_checks.check_params(params, self.vocab_size)
+        self.constraints.check(params)    # a schema, regex or grammar compiled (cached), or refused here
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests or request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -135,9 +139,9 @@ class LLMEngine:
     def _new_request(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams) -> Request:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        generator = request_generator(params, self._seed_rng, self.device)
-        req = Request(request_id, text, token_ids, params, generator, self.eos_token_id)
+        req = Request(request_id, text, token_ids, params, request_seed(params, self._seed_rng), self.eos_token_id)
         self.requests[request_id] = req
+        self.constraints.attach(req)
         return req
 
     def abort_request(self, request_id: str) -> None:
@@ -172,7 +176,9 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return []
+        reserved = [s.num_lookahead for s in plan.scheduled]   # room for the grammar's forced drafts
         self.drafting.propose_or_skip(self.proposer, plan.scheduled)
+        self.constraints.prepare(plan.scheduled, reserved)      # drafts cut to the grammar, masks
         inputs = [forward_input(s, self.kv_cache.block_table(s.request.request_id)) for s in plan.scheduled]
         # EAGLE-style proposers also see the target's hidden state of every kept position.
         want_hidden = self.proposer is not None and self.proposer.needs_target_hidden
@@ -219,6 +225,7 @@ class LLMEngine:
             self._keep_tree_branch(req, verified.tree_path, last=req.num_computed_tokens + s.num_new_tokens - 1)
         req.commit_step(s.num_new_tokens, verified.num_accepted)
         status, appended = self.output_processor.append_verified(req, verified)
+        status = self.constraints.after_append(req, verified.token_ids[:appended], status)
         # Every token below num_computed_tokens is now verified and appended (a stop may
         # have cut the accepted drafts short): their full blocks may be shared.
         self.kv_cache.cache_full_blocks(req.request_id, req.all_token_ids, min(req.num_computed_tokens, req.num_tokens))

@@ -18,9 +18,12 @@ with probability p_i(x_i), recover from p_i with x_i removed. Greedy requests
 take the exact-match path: accept while x_i == argmax p_i, then emit the argmax.
 With k = 0 this is plain sampling, so the engine has a single sampling path.
 
-Randomness comes from each request's own generator, drawn in a fixed order
-(its own num_draft uniforms, then V exponentials; never the batch's padded K),
-so a seeded request is reproducible alone or in any batch. Sampling from a
+Randomness comes from the generator passed for each request, drawn in a fixed
+order (its own num_draft uniforms, then V exponentials; never the batch's padded
+K), so a request's draws never depend on its batch. The engine passes a fresh
+generator per step, keyed by the request's seed and the step's first output
+index (``sampler.keyed_generator``), and sends only unseeded requests here: a
+seeded request's tokens must not depend on its drafts (``verify``). Sampling from a
 distribution uses the exponential race ``argmax(p / Exp(1))``: no cumulative
 sums and no host synchronisation (pass num_draft as a host list on GPU).
 """

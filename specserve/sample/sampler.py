@@ -1,4 +1,4 @@
-"""Logits -> processed probabilities -> tokens, seeded per request, no host sync.
+"""Logits -> processed probabilities -> tokens, keyed per request and output position, no host sync.
 
 "Processed" means temperature, top-k, top-p and min-p applied, in that order
 (the order vLLM and transformers use). Both the target's and a draft's
@@ -11,6 +11,10 @@ Numerics that cannot produce garbage: the most likely token always survives
 top-k (k >= 1) and top-p (rank 0 is never masked, even when ``top_p`` rounds
 to 0 in float32), and min-p keeps the maximum, so every row keeps at least one
 finite logit and its softmax is a distribution, never NaN.
+
+Randomness: a sampled request's numbers come from ``keyed_generator(seed, j, purpose)``,
+a generator of its own for each output index j, so output token j is decided by the same
+numbers alone or in a batch, with any drafts before it, and after a preemption.
 """
 from __future__ import annotations
 
@@ -72,6 +76,40 @@ def processed_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     return probs
 
 
+# What a request's random numbers decide. Every number a sampled request uses is drawn from a
+# generator keyed by (the request's seed, an output index, one of these purposes), never from a
+# running stream, so which numbers decide output token j does not depend on how the steps before
+# it went: how many drafts they verified, whether the request was preempted and recomputed, which
+# other requests shared its batch (issue 47).
+CHOICE = 0      # the exponential race that picks output token j: the target's choice, and a draft's guess of it
+REJECTION = 1   # a rejection-sampling step whose first token is output j: its uniforms and residual noise
+_NUM_PURPOSES = 2
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """A bijective 64-bit mixer (Steele, Lea and Flood's SplitMix64 finalizer)."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def keyed_generator(seed: int | None, index: int, purpose: int, device) -> torch.Generator | None:
+    """The generator for output index ``index`` of the request seeded ``seed``, for ``purpose``
+    (``CHOICE`` or ``REJECTION``); None for a greedy request (``seed`` None).
+
+    The key is the mixed seed plus ``index * 2 + purpose``: the seeds of sample i and i + 1 of one
+    request (seed, seed + 1) land far apart, and within one request every (index, purpose) gets
+    its own key. PyTorch's CPU generator (mt19937) is seeded by the key's low 32 bits only; they
+    still differ for every index of a request below 2^31.
+    """
+    if seed is None:
+        return None
+    key = (_splitmix64(seed) + index * _NUM_PURPOSES + purpose) & _MASK64
+    return torch.Generator(device=device).manual_seed(key)
+
+
 def exponential_noise(num_rows: int, vocab_size: int, generators: list[torch.Generator | None], device) -> torch.Tensor:
     """[num_rows, V] Exp(1) noise; row i drawn from generators[i] (None: global RNG).
 
@@ -101,10 +139,13 @@ class Choice:
 def choose_tokens(logits: torch.Tensor, params: list[SamplingParams],
                   generators: list[torch.Generator | None]) -> Choice:
     """The one way specserve picks a token from a row of logits, wherever it does: the target's
-    choice at every node of a tree of drafts, and each proposer's drafts. Greedy rows take the
-    argmax; the others an exponential-race sample from their processed probabilities, drawn
-    from their request's generator (so a row's token never depends on the other rows).
-    logits [N, V] fp32 (bias and penalties already applied); one host sync."""
+    choice at every node of drafts, and each proposer's drafts. Greedy rows take the argmax;
+    the others an exponential-race sample from their processed probabilities, drawn from the
+    row's generator (so a row's token never depends on the other rows). The engine passes
+    ``keyed_generator(seed, j, CHOICE)`` for a row that picks output token j, to the target
+    and to the draft alike: the draft's guess of token j then races with the target's own noise,
+    so it is accepted as often as that coupling allows, and the target's choice is the same
+    whatever was drafted. logits [N, V] fp32 (bias and penalties already applied); one host sync."""
     tokens = logits.argmax(dim=-1)                                            # [N]
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if not sampled:

@@ -1,16 +1,30 @@
 """Verification: one step's target logits and each request's drafts -> the tokens it emits.
 
 Three ways to choose tokens give the same distribution as plain decoding: all-greedy
-batches compare drafts with the target's argmax on the host (``_greedy_tokens``), trees
-of one-hot drafts (chains included) walk the target's choice at every node
-(``_tree_tokens``, ``tree_sampler``), and anything else runs the rejection sampler over
-processed probabilities (``_sampled_tokens``, ``rejection_sampler``). Each request's
-result is a ``Verified``: the tokens to append, how many drafts were accepted, their
-log-probabilities, the accepted tree path and how each token came.
+batches of chains compare drafts with the target's argmax on the host (``_greedy_tokens``); an
+unseeded sampled request with a draft's probabilities runs the rejection sampler over
+processed probabilities (``_sampled_tokens``, ``rejection_sampler``); every other request
+(drafts one-hot, as a chain or a tree, or none; or seeded) takes the target's own choice
+at every node and walks the drafts (``_chosen_tokens``, ``tree_sampler``).
+
+Why seeded requests never take the rejection sampler: its token at a position depends on
+whether a draft stood there and what the draft's q was, and that changes with batching
+(``disable_by_batch_size``, the token budget's lookahead), preemption (a recomputed request
+samples its next token without drafts) and the proposer's state (suffix decoding learns
+from other requests). The target's choice for output index j is the exponential race with
+``keyed_generator(seed, j, CHOICE)``, the same numbers whatever came before, so a seeded
+request's tokens are those of plain decoding with its seed (issue 47). A draft model drafts
+with the same noise (``sampler.choose_tokens``), which couples its guess to the target's
+choice; that accepts a little less often than rejection sampling's sum of min(p, q)
+(docs/speculative_decoding.md, "Seeded requests"), which unseeded requests, promised no
+particular draw, keep.
+
+Each request's result is a ``Verified``: the tokens to append, how many drafts were
+accepted, their log-probabilities, the accepted tree path and how each token came.
 
 ``reqs`` are the engine's requests (``core.request.Request``), read for their drafts
-(``draft_token_ids``, ``draft_parents``, ``draft_probs``), ``sampling_params``,
-``generator`` and token history; this module does not import the engine.
+(``draft_token_ids``, ``draft_parents``, ``draft_probs``), ``sampling_params``, ``seed``
+and token history; this module does not import the engine.
 """
 from __future__ import annotations
 
@@ -21,8 +35,9 @@ import torch
 from specserve.outputs import logprob_entries, step_token_sources
 from specserve.sample.penalties import adjust_logits, draft_histories
 from specserve.sample.rejection_sampler import rejection_sample
-from specserve.sample.sampler import SamplingTensors, processed_probs
-from specserve.sample.tree_sampler import target_choices, walk_tree
+from specserve.sample.sampler import CHOICE, REJECTION, SamplingTensors, keyed_generator, processed_probs
+from specserve.sample.tree_sampler import node_depths, target_choices, walk_tree
+from specserve.structured_output.rows import mask_verified_rows
 
 
 @dataclass
@@ -46,16 +61,14 @@ class Verifier:
 
     def verify_isolated(self, reqs: list, logits: torch.Tensor) -> dict:
         """``verify`` over the batch; if it raises, each request again alone, so the
-        failing one gets its exception and the others their tokens. The generators are
-        rewound first: a seeded request draws the same numbers as if nothing failed."""
-        states = [(r.generator, r.generator.get_state()) for r in reqs if r.generator is not None and len(reqs) > 1]
+        failing one gets its exception and the others their tokens. A request's random
+        numbers are keyed by its seed and output indices, not drawn from a running
+        generator, so verifying it again draws the same numbers as if nothing failed."""
         try:
             return self.verify(reqs, logits)
         except Exception as e:  # noqa: BLE001
             if len(reqs) == 1:
                 return {reqs[0].request_id: e}
-        for gen, state in states:
-            gen.set_state(state)
         result, row = {}, 0
         for r in reqs:
             rows = len(r.draft_token_ids) + 1
@@ -73,13 +86,12 @@ class Verifier:
         counts = [len(r.draft_token_ids) for r in reqs]
         params = [r.sampling_params for r in reqs]
         raw_logits, logits = logits, self.adjusted_logits(reqs, logits)
-        paths: list[list[int] | None] = [None] * len(reqs)
-        if any(r.draft_parents is not None for r in reqs):
-            token_ids, num_accepted, paths = self._tree_tokens(reqs, logits)
-        elif all(p.greedy for p in params):
+        logits = mask_verified_rows(reqs, logits)   # structured output: each row's grammar mask
+        if all(p.greedy for p in params) and all(r.draft_parents is None for r in reqs):
             token_ids, num_accepted = self._greedy_tokens(reqs, logits)
+            paths: list[list[int] | None] = [None] * len(reqs)
         else:
-            token_ids, num_accepted = self._sampled_tokens(reqs, counts, params, logits)
+            token_ids, num_accepted, paths = self._sampled_or_chosen(reqs, counts, logits)
         # Row (within the request's logits) of each emitted token's distribution.
         rows_of_emitted = [list(range(num_accepted[b] + 1)) if paths[b] is None else [0] + [1 + i for i in paths[b]]
                            for b in range(len(reqs))]
@@ -91,6 +103,29 @@ class Verifier:
             result[r.request_id] = Verified(emitted, num_accepted[b], logprobs[b], paths[b], sources)
             r.draft_probs = None
         return result
+
+    def _sampled_or_chosen(self, reqs, counts, logits: torch.Tensor):
+        """Requests ``rejection_sampled`` through the rejection sampler, the others through the
+        target's choices; each part over its own rows of ``logits`` -> (token_ids, num_accepted,
+        paths), in ``reqs``' order."""
+        token_ids: list = [None] * len(reqs)
+        num_accepted, paths = [0] * len(reqs), [None] * len(reqs)
+        starts = [0]
+        for n in counts:
+            starts.append(starts[-1] + n + 1)
+        by_rejection = [rejection_sampled(r) for r in reqs]
+        for wanted, choose in ((False, self._chosen_tokens), (True, self._sampled_tokens)):
+            part = [b for b in range(len(reqs)) if by_rejection[b] == wanted]
+            if not part:
+                continue
+            rows = logits
+            if len(part) < len(reqs):
+                index = [i for b in part for i in range(starts[b], starts[b + 1])]
+                rows = logits.index_select(0, torch.tensor(index, device=logits.device))
+            part_tokens, part_accepted, part_paths = choose([reqs[b] for b in part], rows)
+            for j, b in enumerate(part):
+                token_ids[b], num_accepted[b], paths[b] = part_tokens[j], part_accepted[j], part_paths[j]
+        return token_ids, num_accepted, paths
 
     @staticmethod
     def adjusted_logits(reqs: list, logits: torch.Tensor) -> torch.Tensor:
@@ -108,13 +143,18 @@ class Verifier:
             row += n + 1
         return out
 
-    def _tree_tokens(self, reqs, logits: torch.Tensor):
-        """Trees of one-hot drafts (chains count as trees): the target's choice at every node,
-        then a walk down each tree (``tree_sampler``) -> (token_ids, num_accepted, paths)."""
+    def _chosen_tokens(self, reqs, logits: torch.Tensor):
+        """The target's choice at every node (the last token and each draft, chain or tree), then
+        a walk down each request's drafts (``tree_sampler``) -> (token_ids, num_accepted, paths;
+        a path is None for a chain). A node at depth d picks output index num_output_tokens + d,
+        with that index's keyed noise."""
         row_params, row_generators = [], []
         for r in reqs:
-            row_params += [r.sampling_params] * (len(r.draft_token_ids) + 1)
-            row_generators += [r.generator] * (len(r.draft_token_ids) + 1)
+            n = len(r.draft_token_ids)
+            depths = node_depths(r.draft_parents) if r.draft_parents is not None else range(1, n + 1)
+            first = r.num_output_tokens
+            row_params += [r.sampling_params] * (n + 1)
+            row_generators += [keyed_generator(r.seed, first + d, CHOICE, logits.device) for d in (0, *depths)]
         choices = target_choices(logits, row_params, row_generators)    # the one host sync of the step
         token_ids, num_accepted, paths, row = [], [], [], 0
         for r in reqs:
@@ -123,12 +163,16 @@ class Verifier:
             emitted, path = walk_tree(r.draft_token_ids, parents, choices[row : row + n + 1])
             token_ids.append(emitted)
             num_accepted.append(len(path))
-            paths.append(path)
+            paths.append(path if r.draft_parents is not None else None)
             row += n + 1
         return token_ids, num_accepted, paths
 
-    def _sampled_tokens(self, reqs, counts, params, logits: torch.Tensor):
-        """The rejection sampler over processed probabilities -> (token_ids [B][K+1], num_accepted [B])."""
+    def _sampled_tokens(self, reqs, logits: torch.Tensor):
+        """The rejection sampler over processed probabilities -> (token_ids [B][K+1], num_accepted
+        [B], paths: all None). Each request draws from a generator keyed by the step's first
+        output index: fresh numbers every step, the same ones if the step is verified again."""
+        counts = [len(r.draft_token_ids) for r in reqs]
+        params = [r.sampling_params for r in reqs]
         k = max(counts)
         batch = len(reqs)
         row_params = [p for p, n in zip(params, counts) for _ in range(n + 1)]
@@ -159,9 +203,9 @@ class Verifier:
             counts,
             draft_probs,
             [p.greedy for p in params],
-            [r.generator for r in reqs],
+            [keyed_generator(r.seed, r.num_output_tokens, REJECTION, logits.device) for r in reqs],
         )
-        return out.token_ids.tolist(), out.num_accepted.tolist()   # the one host sync of the step
+        return out.token_ids.tolist(), out.num_accepted.tolist(), [None] * batch   # the one host sync of the step
 
     def _greedy_tokens(self, reqs, logits: torch.Tensor):
         """All requests greedy: the rejection sampler's exact-match path, on the host.
@@ -203,6 +247,15 @@ class Verifier:
                 ]
             row += rows_per_req[b]
         return out
+
+
+def rejection_sampled(req) -> bool:
+    """An unseeded sampled request with a draft's probabilities (a chain): verified by rejection
+    sampling, which accepts the most drafts. Every other request takes the target's choices
+    (module docstring: a seeded request's tokens must not depend on its drafts)."""
+    params = req.sampling_params
+    return (req.draft_probs is not None and req.draft_parents is None and not params.greedy
+            and params.seed is None)
 
 
 def ends_at_leaf(req, num_accepted: int, tree_path: list[int] | None) -> bool:

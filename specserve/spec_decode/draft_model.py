@@ -17,8 +17,9 @@ import torch
 from specserve.core.kv_cache_manager import KVCacheManager
 from specserve.core.scheduler import ScheduledRequest
 from specserve.sample.penalties import adjust_each_row
-from specserve.sample.sampler import choose_tokens
+from specserve.sample.sampler import CHOICE, choose_tokens, keyed_generator
 from specserve.spec_decode.proposer import Proposal, Proposer
+from specserve.structured_output.rows import mask_draft_rows
 from specserve.worker.model_runner import ForwardInput, ModelRunner
 
 
@@ -47,7 +48,11 @@ class DraftModelProposer(Proposer):
                 logits = torch.nn.functional.pad(logits, (0, self.vocab_size - logits.shape[1]), value=float("-inf"))
             logits = adjust_each_row(logits, [params[i] for i in active], [reqs[i].prompt_token_ids for i in active],
                                      [reqs[i].output_token_ids + drafts[i] for i in active])
-            choice = choose_tokens(logits, [params[i] for i in active], [reqs[i].generator for i in active])
+            logits = mask_draft_rows(logits, [reqs[i] for i in active], [drafts[i] for i in active])   # grammars
+            # Draft j guesses output token num_output_tokens + j with that token's own noise.
+            generators = [keyed_generator(reqs[i].seed, reqs[i].num_output_tokens + len(drafts[i]), CHOICE,
+                                          logits.device) for i in active]
+            choice = choose_tokens(logits, [params[i] for i in active], generators)
             for row, i in enumerate(active):
                 reqs[i].proposer_num_computed_tokens += len(inputs[row].token_ids)
                 drafts[i].append(choice.tokens[row])

@@ -36,10 +36,11 @@ from specserve.model_executor.layers.linear import ColumnParallelLinear
 from specserve.model_executor.layers.quantized import QuantizedMatrix
 from specserve.model_executor.models.eagle import EagleHead
 from specserve.sample.penalties import adjust_each_row
-from specserve.sample.sampler import choose_tokens
+from specserve.sample.sampler import CHOICE, choose_tokens, keyed_generator
 from specserve.spec_decode.checks import check_vocab
 from specserve.spec_decode.context import ProposerContext
 from specserve.spec_decode.proposer import Proposal, Proposer, TargetHidden
+from specserve.structured_output.rows import mask_draft_rows
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +142,8 @@ class EagleProposer(Proposer):
         logits = self.lm_head(hidden).float()                                           # [n, Vd]
         params = [reqs[i].sampling_params for i in rows]
         adjusts = any(p.adjusts_logits for p in params)
-        if all(p.greedy for p in params) and not adjusts:
+        constrained = any(reqs[i].grammar is not None for i in rows)
+        if all(p.greedy for p in params) and not adjusts and not constrained:
             best = logits.argmax(dim=-1)
             tokens = self.draft_vocab[best] if self.draft_vocab is not None else best
             return tokens.tolist(), None
@@ -152,7 +154,12 @@ class EagleProposer(Proposer):
         if adjusts:
             logits = adjust_each_row(logits, params, [reqs[i].prompt_token_ids for i in rows],
                                      [reqs[i].output_token_ids + drafts[i] for i in rows])
-        choice = choose_tokens(logits, params, [reqs[i].generator for i in rows])
+        if constrained:   # structured output: drafts under the request's grammar
+            logits = mask_draft_rows(logits, [reqs[i] for i in rows], [drafts[i] for i in rows])
+        # A draft guesses output token num_output_tokens + (drafts so far) with that token's own noise.
+        generators = [keyed_generator(reqs[i].seed, reqs[i].num_output_tokens + len(drafts[i]), CHOICE, logits.device)
+                      for i in rows]
+        choice = choose_tokens(logits, params, generators)
         return choice.tokens, choice.probs                                             # probs [n, V] or None
 
     @torch.inference_mode()

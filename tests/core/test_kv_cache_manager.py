@@ -101,7 +101,7 @@ def test_random_requests_with_aborts_and_preemption_free_every_block():
     for i in range(1000):
         prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, max_model_len - 1))]
         params = SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 24))
-        pending.append(Request(str(i), None, prompt, params, generator=None, eos_token_id=None))
+        pending.append(Request(str(i), None, prompt, params, seed=None, eos_token_id=None))
     all_requests = list(pending)
     pending.reverse()
     live: list[Request] = []
@@ -263,7 +263,7 @@ def test_random_requests_with_prefix_caching_read_back_their_own_tokens():
         # Many exact repeats (outputs are deterministic, so those share output blocks too).
         prompt = base[: rng.choice([3, 8, 13, 20])] + [rng.randrange(VOCAB) for _ in range(rng.choice([0, 0, 5]))]
         params = SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 16))
-        pending.append(Request(str(i), None, prompt, params, generator=None, eos_token_id=None))
+        pending.append(Request(str(i), None, prompt, params, seed=None, eos_token_id=None))
     pending.reverse()
     live: list[Request] = []
     steps = 0

@@ -28,7 +28,7 @@ def next_token(tokens: list[int]) -> int:
 def make_request(request_id: str, prompt_len: int, max_tokens: int | None = 16, first: int = 1) -> Request:
     prompt = [(first + 13 * i) % VOCAB for i in range(prompt_len)]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    return Request(request_id, None, prompt, params, generator=None, eos_token_id=None)
+    return Request(request_id, None, prompt, params, seed=None, eos_token_id=None)
 
 
 def reference_output(req: Request, max_model_len: int) -> list[int]:

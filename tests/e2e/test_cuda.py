@@ -110,17 +110,20 @@ def test_greedy_speculative_output_is_plain_output_on_the_gpu(proposer, tiny_pai
         assert stats.acceptance_rate > 0.9
 
 
-def _second_tokens(llm: LLM, prompt: list[int], n: int, max_tokens: int) -> list[int]:
+def _second_tokens(llm: LLM, prompt: list[int], n: int, max_tokens: int, first_seed: int | None = 0) -> list[int]:
     # Temperature 0.05: a random tiny model's logits are nearly flat; this makes the target's
     # top tokens carry ~70% of the mass, so the test sees them (and the draft's differ).
-    params = [SamplingParams(temperature=0.05, seed=s, max_tokens=max_tokens, ignore_eos=True) for s in range(n)]
+    seeds = [None] * n if first_seed is None else range(first_seed, first_seed + n)
+    params = [SamplingParams(temperature=0.05, seed=s, max_tokens=max_tokens, ignore_eos=True) for s in seeds]
     return [o.outputs[0].token_ids[1] for o in llm.generate([prompt] * n, params, use_tqdm=False)]
 
 
-def test_sampled_second_token_has_the_targets_distribution_on_the_gpu(tiny_pair, prompts):
-    """Rejection sampling on the GPU: with a draft that mostly disagrees, the second token
-    (drafted, verified, accepted or recovered) is distributed as plain sampling's; the same
-    test rejects the draft's own distribution (it has power)."""
+@pytest.mark.parametrize("seeded", [True, False], ids=["seeded", "rejection-sampled"])
+def test_sampled_second_token_has_the_targets_distribution_on_the_gpu(tiny_pair, prompts, seeded):
+    """Both random paths on the GPU (``sample.verify``): with a draft that mostly disagrees, the
+    second token (drafted, verified, accepted or recovered) is distributed as plain sampling's,
+    for seeded requests (the target's own choice, with seeds other than plain's) and unseeded
+    ones (rejection sampling); the same test rejects the draft's own distribution (it has power)."""
     target, draft = tiny_pair
     n, prompt = 400, prompts[0]
     plain = LLM(model=target, device=DEVICE, dtype="float32", **KW)
@@ -128,7 +131,7 @@ def test_sampled_second_token_has_the_targets_distribution_on_the_gpu(tiny_pair,
                speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 1})
     # max_tokens=3: the scheduler never drafts past max_tokens - 1, so after the first token
     # exactly one draft is verified.
-    second_spec = _second_tokens(spec, prompt, n, max_tokens=3)
+    second_spec = _second_tokens(spec, prompt, n, max_tokens=3, first_seed=n if seeded else None)
     stats = spec.get_spec_decode_stats()
     assert stats.num_draft_tokens == n and 0 < stats.num_accepted_tokens < n
     second_plain = _second_tokens(plain, prompt, n, max_tokens=2)

@@ -81,34 +81,24 @@ def test_a_request_failing_in_its_output_handling_does_not_hurt_the_others(llm, 
     assert idle(llm)
 
 
-def test_a_fault_after_the_batch_drew_its_random_numbers_rewinds_the_generators(llm, monkeypatch):
-    """The batched sampler fails after every request drew from its generator; each request is
-    then verified alone from the same generator state, so seeded outputs are unchanged."""
+def test_a_fault_after_the_batch_drew_its_random_numbers_leaves_the_others_their_tokens(llm, monkeypatch):
+    """The batched sampler fails after every request drew its random numbers; each request is
+    then verified alone, and draws the same numbers again (they are keyed by its seed and
+    output index, not taken from a running generator), so seeded outputs are unchanged."""
     expected = alone(llm, greedy=False)
     engine = llm.engine
-    real = verify_module.rejection_sample
-    bad_generator = {}
+    real_choices = verify_module.target_choices
+    bad = {}
 
-    def failing_rejection_sample(target_probs, drafts, num_draft, draft_probs, greedy, generators):
-        out = real(target_probs, drafts, num_draft, draft_probs, greedy, generators)   # draws happen
-        if any(g is bad_generator.get("g") for g in generators):
+    def failing_choices(logits, row_params, row_generators):
+        out = real_choices(logits, row_params, row_generators)   # draws happen
+        if any(p is bad["params"] for p in row_params):
             raise RuntimeError("injected sampling fault")
         return out
 
-    monkeypatch.setattr(verify_module, "rejection_sample", failing_rejection_sample)
+    monkeypatch.setattr(verify_module, "target_choices", failing_choices)
     ids = [engine.add_request(p, params_for(i, False), request_id=f"r{i}") for i, p in enumerate(PROMPTS)]
-    bad_generator["g"] = engine.requests["r1"].generator
-    if engine.proposer is not None:
-        # n-gram requests verify on the tree path (``target_choices``); fault that one instead.
-        real_choices = verify_module.target_choices
-
-        def failing_choices(logits, row_params, row_generators):
-            out = real_choices(logits, row_params, row_generators)
-            if any(g is bad_generator["g"] for g in row_generators):
-                raise RuntimeError("injected sampling fault")
-            return out
-
-        monkeypatch.setattr(verify_module, "target_choices", failing_choices)
+    bad["params"] = engine.requests["r1"].sampling_params
     outs = run_all(engine, ids)
     assert outs["r1"].outputs[0].finish_reason == "error"
     assert "injected sampling fault" in str(engine.take_request_error("r1"))

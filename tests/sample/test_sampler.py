@@ -1,6 +1,7 @@
 """processed_probs against a plain per-row reference, and sample_from_probs:
 seeded reproducibility, independence from batch neighbours, and that it really
-samples from p (chi-square and total-variation checks)."""
+samples from p (chi-square and total-variation checks); keyed_generator: one
+stream per (seed, output index, purpose), independent of one another."""
 from __future__ import annotations
 
 import math
@@ -9,7 +10,8 @@ import pytest
 import torch
 from scipy import stats
 
-from specserve.sample.sampler import SamplingTensors, choose_tokens, processed_probs, sample_from_probs
+from specserve.sample.sampler import (CHOICE, REJECTION, SamplingTensors, choose_tokens, keyed_generator,
+                                      processed_probs, sample_from_probs)
 from specserve.sampling_params import SamplingParams
 
 V = 40
@@ -215,3 +217,53 @@ def test_a_row_without_top_p_keeps_its_whole_distribution_beside_a_row_with_it()
     alone = run_processed(logits[:1], [plain])
     beside = run_processed(logits, [plain, SamplingParams(temperature=1.0, top_p=0.5)])[:1]
     assert torch.equal(alone, beside) and (alone > 0).all()
+
+
+# ---------------------------------------------------------------------------- keyed generators
+
+
+def _uniforms(gen: torch.Generator, n: int = 8) -> list[float]:
+    return torch.empty(n).uniform_(generator=gen).tolist()
+
+
+def test_a_keyed_generator_depends_on_its_key_alone():
+    """The numbers for (seed, index, purpose) are the same however often and in whatever order
+    they are asked for, and differ when any part of the key does."""
+    a = _uniforms(keyed_generator(7, 3, CHOICE, "cpu"))
+    _uniforms(keyed_generator(7, 4, CHOICE, "cpu"))
+    assert _uniforms(keyed_generator(7, 3, CHOICE, "cpu")) == a
+    others = [keyed_generator(7, 4, CHOICE, "cpu"), keyed_generator(7, 3, REJECTION, "cpu"),
+              keyed_generator(8, 3, CHOICE, "cpu"),
+              keyed_generator(7 + 2**32, 3, CHOICE, "cpu")]   # the CPU generator reads 32 bits of its seed
+    assert all(_uniforms(g) != a for g in others)
+    assert keyed_generator(None, 3, CHOICE, "cpu") is None     # greedy
+
+
+def test_no_two_keys_of_one_request_share_a_stream():
+    """Every (index, purpose) of one request seeds a different stream, also in the 32 bits the
+    CPU generator keeps, and sample i + 1 of a request (seed + 1) does not repeat sample i's
+    streams one index later."""
+    firsts = {(s, i, p): tuple(_uniforms(keyed_generator(s, i, p, "cpu"), 4))
+              for s in (41, 42) for i in range(2000) for p in (CHOICE, REJECTION)}
+    assert len(set(firsts.values())) == len(firsts)
+
+
+def test_keyed_draws_over_output_indices_sample_from_p():
+    """One request's choices at 20,000 output indices of the same p are independent draws
+    from p (chi-square), and consecutive ones are not correlated."""
+    n = 20_000
+    logits = torch.randn(V, generator=torch.Generator().manual_seed(8)) * 1.5
+    p = torch.softmax(logits, dim=-1)
+    tokens = sample_from_probs(p.expand(n, V), [keyed_generator(123, j, CHOICE, "cpu") for j in range(n)])
+    counts = torch.bincount(tokens, minlength=V).double()
+    assert stats.chisquare(counts.numpy(), (p.double() * n).numpy()).pvalue > 1e-6
+    # Pairs of consecutive indices are distributed as p x p: each of the 25 pairs of the five
+    # likeliest tokens is counted about as often as p x p says (a multinomial cell count is
+    # about Poisson, so the sum of (observed - expected)^2 / expected is about chi-square, 25 df).
+    pairs = torch.bincount(tokens[:-1] * V + tokens[1:], minlength=V * V).double().view(V, V)
+    top = p.topk(5).indices
+    observed = pairs[top][:, top]
+    expected = (p[top, None] * p[None, top]).double() * (n - 1)
+    assert expected.min() > 50
+    statistic = ((observed - expected) ** 2 / expected).sum().item()
+    assert stats.chi2.sf(statistic, df=25) > 1e-6
