@@ -8,7 +8,7 @@ if TYPE_CHECKING:
     from specserve.config import EngineConfig, SpeculativeConfig
     from specserve.entrypoints.llm import LLM
     from specserve.outputs import CompletionOutput, RequestOutput, SpecDecodeStats
-    from specserve.sampling_params import SamplingParams
+    from specserve.sampling_params import SamplingParams, StructuredOutput
 
 # Imported on first use (PEP 562), so a process that needs only a submodule (a
 # tensor-parallel worker: torch and the model code) skips transformers and the loader.
@@ -20,6 +20,7 @@ _EXPORTS = {
     "RequestOutput": "specserve.outputs",
     "SpecDecodeStats": "specserve.outputs",
     "SamplingParams": "specserve.sampling_params",
+    "StructuredOutput": "specserve.sampling_params",
 }
 
 
@@ -30,5 +31,5 @@ def __getattr__(name: str):
         return value
     raise AttributeError(f"module 'specserve' has no attribute {name!r}")
 
-__all__ = ["LLM", "SamplingParams", "SpeculativeConfig", "EngineConfig", "RequestOutput", "CompletionOutput", "SpecDecodeStats"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutput", "SpeculativeConfig", "EngineConfig", "RequestOutput", "CompletionOutput", "SpecDecodeStats"]
 __version__ = "0.1.0"

@@ -30,8 +30,9 @@ class SpeculativeConfig:
     method: "draft_model" (a smaller model with the target's vocabulary),
     "ngram" (prompt lookup: no model), "suffix" (suffix decoding: counted
     continuations of the request's own tokens and of recent requests', no model)
-    or "eagle" (a head over the target's hidden states). ``model`` is anything
-    the loader accepts.
+    or "eagle" (a head over the target's hidden states), or "grammar" (no proposer:
+    only the forced tokens of constrained requests' grammars, below). ``model`` is
+    anything the loader accepts.
     """
 
     method: str | None = None
@@ -86,8 +87,13 @@ class SpeculativeConfig:
     # fixed draft row costs about a request's own row; suffix 1.12x its fixed k on a repeated
     # task. Off for draft_model and eagle (docs/speculative_decoding.md says why).
     dynamic_k: bool | None = None
+    # Structured output: where a request's grammar allows only one continuation (a schema's keys,
+    # quotes, braces, commas), its tokens are added to the proposer's drafts, up to k in all
+    # (engine/constraints.py). Verification keeps them exact like any draft; they are nearly
+    # always accepted. With method "grammar" they are the only drafts.
+    grammar_drafts: bool = True
 
-    METHODS = ("draft_model", "ngram", "eagle", "suffix")
+    METHODS = ("draft_model", "ngram", "eagle", "suffix", "grammar")
     DYNAMIC_K_BY_DEFAULT = ("ngram", "suffix")   # the methods whose dynamic_k default (None) means on
     # the names of quantized.REQUANTIZE_FORMATS (config sits below model_executor)
     DRAFT_QUANTIZATIONS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
@@ -105,6 +111,10 @@ class SpeculativeConfig:
         b = self.disable_by_batch_size
         if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 1):
             raise ValueError(f"disable_by_batch_size must be a positive integer, got {b!r}")
+        if not isinstance(self.grammar_drafts, bool):
+            raise ValueError(f"grammar_drafts must be True or False, got {self.grammar_drafts!r}")
+        if self.method == "grammar" and self.model is not None:
+            raise ValueError("the grammar method takes no speculative model")
         if self.dynamic_k is None:
             self.dynamic_k = self.method in self.DYNAMIC_K_BY_DEFAULT
         if not isinstance(self.dynamic_k, bool):

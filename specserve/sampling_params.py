@@ -8,6 +8,7 @@ is what ``torch.Generator.manual_seed`` takes, [0, 2^64).
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -20,6 +21,7 @@ MAX_TOKEN_ID = 2**31 - 1
 MAX_SEED = 2**64 - 1          # torch.Generator.manual_seed's range, [0, 2^64)
 MAX_N = 64                    # samples of one prompt per request
 MAX_LOGIT_BIAS_ENTRIES = 2048
+MAX_CHOICES = 1024            # StructuredOutput.choice entries
 
 
 def _is_int(x) -> bool:
@@ -28,6 +30,77 @@ def _is_int(x) -> bool:
 
 def _is_real(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass
+class StructuredOutput:
+    """A constraint on a request's output: exactly one of
+
+    - ``json_schema``: a JSON schema (a dict, or its JSON text); the output is one JSON value it
+      validates, written compactly with ", " and ": " separators and no other whitespace;
+    - ``json_object``: True for any JSON object (OpenAI's ``response_format: {"type": "json_object"}``);
+    - ``regex``: the output matches this regular expression whole (Rust ``regex`` syntax, which
+      llguidance takes: Python's, without look-around or back-references);
+    - ``choice``: the output is exactly one of these strings;
+    - ``grammar``: a context-free grammar, in llguidance's Lark dialect or in llama.cpp's GBNF
+      (a ``root ::= ...`` rule), detected from its text.
+
+    Checked here for shape only; whether the schema, regex or grammar is valid is decided when the
+    engine compiles it (``structured_output.compiler``), before the request is queued. Sampling
+    under a constraint is plain constrained sampling: every position's distribution is the
+    model's, with the tokens the constraint forbids there removed, with or without speculation.
+    """
+
+    json_schema: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        def bad(msg: str) -> ValueError:
+            return ValueError(f"invalid StructuredOutput: {msg}")
+
+        if not isinstance(self.json_object, bool):
+            raise bad(f"json_object must be True or False, got {self.json_object!r}")
+        given = [n for n in ("json_schema", "regex", "choice", "grammar") if getattr(self, n) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise bad(f"set exactly one of json_schema, json_object, regex, choice, grammar; got {given or 'none'}")
+        if self.json_schema is not None:
+            if isinstance(self.json_schema, str):
+                try:
+                    schema = json.loads(self.json_schema)
+                except ValueError as e:
+                    raise bad(f"json_schema is not JSON: {e}") from None
+            else:
+                schema = self.json_schema
+            if not isinstance(schema, (dict, bool)):
+                raise bad(f"json_schema must be a JSON object (a schema), got {type(schema).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise bad(f"{name} must be a non-empty string, got {value!r}")
+        if self.choice is not None:
+            if isinstance(self.choice, tuple):
+                self.choice = list(self.choice)
+            if not isinstance(self.choice, list) or not self.choice or len(self.choice) > MAX_CHOICES \
+                    or any(not isinstance(c, str) or not c for c in self.choice):
+                raise bad(f"choice must be a list of 1 to {MAX_CHOICES} non-empty strings, got {self.choice!r}")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: "json_schema", "json_object", "regex", "choice" or "grammar"."""
+        if self.json_object:
+            return "json_object"
+        return next(n for n in ("json_schema", "regex", "choice", "grammar") if getattr(self, n) is not None)
+
+    @property
+    def source(self) -> str:
+        """The constraint as text (a schema as JSON, choices as a JSON list): what its size is
+        measured on and what compiled grammars are cached by (with ``kind``)."""
+        value = {"json_object": '{"type":"object"}'}.get(self.kind, getattr(self, self.kind))
+        return value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
 
 
 @dataclass
@@ -51,6 +124,10 @@ class SamplingParams:
     ``presence_penalty`` (once if it is) are subtracted; both in [-2, 2] as in
     OpenAI's API. Under speculation each position uses exactly the tokens before
     it, accepted draft tokens included (``sample.penalties``).
+
+    ``structured_output`` (a ``StructuredOutput``, or a dict of its fields) constrains the
+    output to a JSON schema, a regex, a choice of strings or a grammar; a request whose
+    constraint cannot finish within ``max_tokens`` ends with finish_reason "length".
     """
 
     n: int = 1
@@ -69,8 +146,14 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_output, dict):
+            self.structured_output = StructuredOutput(**self.structured_output)
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            raise ValueError(f"invalid SamplingParams: structured_output must be a StructuredOutput, "
+                             f"got {self.structured_output!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None and not isinstance(self.stop, (list, tuple)):

@@ -2,8 +2,8 @@
 others (imports inside functions count), and no lower layer imports a higher one.
 
 Layers, bottom up (docs/architecture.md): the base modules (config, sampling_params,
-outputs, catalog); model_executor, distributed, worker; core and sample; spec_decode;
-engine; entrypoints, training and bench on top.
+outputs, catalog); model_executor, distributed, worker; structured_output; core and sample;
+spec_decode; engine; entrypoints, training and bench on top.
 """
 from __future__ import annotations
 
@@ -19,10 +19,12 @@ BASE = {"config", "sampling_params", "outputs", "catalog"}
 TOP = {"entrypoints", "training", "bench", "specserve"}     # "specserve": the package's own __init__
 # What each part may never import (its own part and the layers below it are allowed).
 FORBIDDEN = {
-    "base": {"model_executor", "distributed", "worker", "core", "sample", "spec_decode", "engine", "drafts"} | TOP,
+    "base": {"model_executor", "distributed", "worker", "structured_output", "core", "sample", "spec_decode", "engine",
+             "drafts"} | TOP,
     "model_executor": {"worker", "core", "sample", "spec_decode", "engine"} | TOP,
     "distributed": {"worker", "core", "sample", "spec_decode", "engine"} | TOP,
     "worker": {"core", "sample", "spec_decode", "engine"} | TOP,
+    "structured_output": {"model_executor", "distributed", "worker", "core", "sample", "spec_decode", "engine"} | TOP,
     "core": {"model_executor", "distributed", "worker", "sample", "spec_decode", "engine"} | TOP,
     "sample": {"model_executor", "distributed", "worker", "core", "spec_decode", "engine"} | TOP,
     "spec_decode": {"engine"} | TOP,

@@ -20,6 +20,10 @@ from specserve.worker.tp_executor import build_draft_runner
 
 logger = logging.getLogger(__name__)
 
+# k of method "grammar" when none is given: a schema's forced runs (a key with its quotes and
+# colon, a closing brace and the next key) are often longer than DEFAULT_SPECULATIVE_TOKENS.
+GRAMMAR_SPECULATIVE_TOKENS = 8
+
 
 def resolve_speculative_config(spec: SpeculativeConfig, target_model: str | None) -> SpeculativeConfig:
     """Fill in what the user left to specserve: the shipped draft and k.
@@ -42,12 +46,17 @@ def resolve_speculative_config(spec: SpeculativeConfig, target_model: str | None
                 k = EagleConfig.load(spec.model).num_speculative_tokens
         elif spec.method == "suffix":
             k = spec.suffix_max_depth
+        elif spec.method == "grammar":
+            k = GRAMMAR_SPECULATIVE_TOKENS
         spec = dataclasses.replace(spec, num_speculative_tokens=k or DEFAULT_SPECULATIVE_TOKENS)
     return spec
 
 
-def build_proposer(spec: SpeculativeConfig, ctx: ProposerContext) -> Proposer:
-    """``spec`` as returned by ``resolve_speculative_config``."""
+def build_proposer(spec: SpeculativeConfig, ctx: ProposerContext) -> Proposer | None:
+    """``spec`` as returned by ``resolve_speculative_config``; None for method "grammar", whose
+    only drafts are the grammar's forced tokens (engine/constraints.py)."""
+    if spec.method == "grammar":
+        return None
     if spec.method == "ngram":
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.prompt_lookup_adaptive,
                              spec.prompt_lookup_tree)

@@ -1,0 +1,151 @@
+"""The engine's side of structured output: compile a request's constraint before it is queued,
+give each request its own matcher, and, each step, fit the drafts to the grammar and set the
+masks the verifier applies.
+
+Per step, for every constrained request that samples (``prepare``, after drafting, before the
+target's forward):
+
+1. Drafts are checked against the grammar from the request's current state and cut at their
+   first invalid token (a tree loses the branches below an invalid node). One-hot drafts
+   (n-gram, suffix, forced tokens, greedy draft models) are simply cut: the target's masked
+   distribution gives an invalid token probability 0, so rejecting it and sampling the
+   position from the masked distribution is what verification would have done. A draft with
+   a distribution q (a sampled draft model, EAGLE) keeps its first invalid token: it is
+   rejected for certain, and the position is sampled from the residual of q, as rejection
+   sampling requires. (Those proposers mask their own drafts, so this is rare.)
+2. With ``grammar_drafts`` on, the grammar's forced continuation (llguidance's fast-forward
+   tokens: where only one string can follow, tokenized) is appended as drafts, up to the
+   lookahead slots the scheduler reserved: schema keys, quotes, braces and commas then cost
+   one verification, not one step each. A tree gets them below its first branch.
+3. The verification masks: row j is the grammar's state after the drafts before row j (its
+   ancestors in a tree), including the bonus row; ``sample.verify`` applies them to the
+   target's logits before any token is chosen.
+
+After the step, ``after_append`` advances the matcher by the tokens actually appended (a
+stop may cut them). A complete constraint allows only the end of sequence, so the request
+stops as any request does at its end of sequence (with ``ignore_eos`` too); in plain
+decoding that is one more step, under speculation a forced draft.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from specserve.core.request import Request, RequestStatus
+from specserve.core.scheduler import ScheduledRequest
+from specserve.sampling_params import SamplingParams
+from specserve.structured_output.compiler import GrammarCompiler, GrammarLimits, request_grammar
+
+logger = logging.getLogger(__name__)
+
+
+class Constraints:
+    def __init__(self, tokenizer, vocab_size: int, eos_token_id: int | None, grammar_drafts: bool,
+                 limits: GrammarLimits | None = None):
+        self.compiler = GrammarCompiler(tokenizer, vocab_size, eos_token_id, limits)
+        self.grammar_drafts = grammar_drafts
+
+    def check(self, params: SamplingParams) -> None:
+        """Compile the constraint (cached); raises InvalidConstraintError, a ValueError, naming
+        what is wrong with it, before the request is queued."""
+        if params.structured_output is not None:
+            self.compiler.compile(params.structured_output)
+
+    def attach(self, req: Request) -> None:
+        """The request's own matcher, in the constraint's start state."""
+        so = req.sampling_params.structured_output
+        if so is not None:
+            req.grammar = request_grammar(self.compiler, so)
+
+    def prepare(self, scheduled: list[ScheduledRequest], reserved: list[int]) -> None:
+        """Fit each sampling constrained request's drafts to its grammar and set its masks
+        (``reserved``: each request's lookahead slots before drafting, the room for forced
+        drafts). A request whose grammar fails here fails alone in verification."""
+        for s, room in zip(scheduled, reserved):
+            req = s.request
+            if req.grammar is None or not s.will_sample:
+                continue
+            try:
+                fit_drafts(req, room if self.grammar_drafts else 0)
+            except Exception as e:  # noqa: BLE001 - this request's grammar, not the batch's
+                logger.exception("request %s: its grammar failed", req.request_id)
+                req.clear_drafts()
+                req.grammar.failed = e
+
+    def after_append(self, req: Request, appended: list[int], status: RequestStatus | None) -> RequestStatus | None:
+        """Advance the matcher by the step's appended tokens -> the request's status. A complete
+        constraint allows only the end of sequence, which stops the request as usual; with
+        ignore_eos it stops it too (nothing else could follow)."""
+        g = req.grammar
+        if g is None:
+            return status
+        g.advance(appended)
+        if g.is_done and appended and appended[-1] == req.eos_token_id and status != RequestStatus.FINISHED_STOPPED:
+            req.stop_reason = None        # ignore_eos: the constraint is complete and has ended
+            return RequestStatus.FINISHED_STOPPED
+        return status
+
+
+def fit_drafts(req: Request, room: int) -> None:
+    """Cut the request's drafts to the grammar, add forced ones (at most ``room`` drafts in all)
+    and set ``req.grammar.step_bitmask`` [drafts + 1, W] (module docstring)."""
+    if req.draft_parents is None:
+        _fit_chain(req, room)
+    else:
+        _fit_tree(req, room)
+
+
+def _fit_chain(req: Request, room: int) -> None:
+    g = req.grammar
+    tokens, probs = list(req.draft_token_ids), req.draft_probs
+    valid = g.valid_prefix(tokens)
+    keep = valid if valid == len(tokens) or probs is None else valid + 1   # q's residual needs its rejected draft
+    tokens = tokens[:keep]
+    probs = probs[:keep] if probs is not None and keep else None
+    if valid == keep and room > keep:
+        forced = g.forced_after(tokens)[: room - keep]
+        if forced and req.draft_probs is not None:   # forced drafts are certain: one-hot q
+            one_hot = torch.zeros(len(forced), req.draft_probs.shape[-1], dtype=req.draft_probs.dtype,
+                                  device=req.draft_probs.device)
+            one_hot[torch.arange(len(forced)), torch.tensor(forced)] = 1.0
+            probs = one_hot if probs is None else torch.cat([probs, one_hot])
+        tokens += forced
+        valid = keep = len(tokens)
+    rows = [g.mask_after(tokens[:i]) for i in range(valid + 1)]
+    rows += [rows[-1]] * (keep - valid)     # the row after a certainly rejected draft is never sampled
+    req.draft_token_ids, req.draft_probs = tokens, probs
+    g.step_bitmask = torch.stack(rows)                                             # [keep + 1, W]
+
+
+def _fit_tree(req: Request, room: int) -> None:
+    g = req.grammar
+    tokens, parents = req.draft_token_ids, req.draft_parents
+    kept = g.prune_tree(tokens, parents)
+    new_index = {old: new for new, old in enumerate(kept)}
+    tokens = [tokens[i] for i in kept]
+    parents = [new_index[parents[i]] if parents[i] >= 0 else -1 for i in kept]
+    paths: list[list[int]] = []
+    for t, p in zip(tokens, parents):
+        paths.append((paths[p] if p >= 0 else []) + [t])
+    if room > len(tokens):
+        leaf = _first_branch_leaf(parents)
+        forced = g.forced_after(paths[leaf] if leaf >= 0 else [])[: room - len(tokens)]
+        for t in forced:
+            paths.append((paths[leaf] if leaf >= 0 else []) + [t])
+            tokens.append(t)
+            parents.append(leaf)
+            leaf = len(tokens) - 1
+    req.draft_token_ids = tokens
+    req.draft_parents = parents if tokens else None
+    g.step_bitmask = torch.stack([g.mask_after([])] + [g.mask_after(p) for p in paths])   # [n + 1, W]
+
+
+def _first_branch_leaf(parents: list[int]) -> int:
+    """The last node down the first branch (first child each time); -1 for an empty tree."""
+    node = -1
+    while True:
+        child = next((i for i, p in enumerate(parents) if p == node), None)
+        if child is None:
+            return node
+        node = child
