@@ -24,7 +24,7 @@ def ours(table: RotaryEmbedding, positions: torch.Tensor) -> tuple[torch.Tensor,
     return cos[:, 0], sin[:, 0]
 
 
-@pytest.mark.parametrize("family", ["llama", "llama3", "llama_linear", "qwen2_yarn"])
+@pytest.mark.parametrize("family", ["llama", "llama3", "llama_linear", "llama_dynamic", "qwen2_yarn"])
 def test_scaled_tables_equal_transformers(family):
     config = config_of(family)
     table = RotaryEmbedding.from_config(config, 200)
