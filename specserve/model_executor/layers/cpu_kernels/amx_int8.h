@@ -1,10 +1,12 @@
 /* The float32-precision matmul on AMX int8 tiles: activations as three int8 pieces, byte
  * products (TDPBSUD) over the same packed weights as amx_tiles.h.
  *
- * Included by quant_blocks.h after amx_tiles.h; quant_gemm_team() calls amx_i8_gemm_team() when
+ * Included by quant_blocks.h (and quant_gemm.c); quant_gemm_team() calls amx_i8_gemm_team() when
  * the caller sets AMX_PACKED_FLAG | AMX_I8_FLAG in qtype (QuantizedMatrix.packed_for_tiles, for
  * int8_activations=3 on CPUs with AMX: the same arithmetic as q8_act.h's three pieces, grouped
- * per sub-block instead of per 256 values).
+ * per sub-block instead of per 256 values). Includes amx_tiles.h (HAVE_AMX, the packing, the
+ * tile configuration and scratch, amx_unit_scales, ...), gemm_core.h (work_chunk) and
+ * ggml_blocks.h (the formats).
  *
  * Why: amx_tiles.h's bfloat16 path spends a 1-row step unpacking quants to bfloat16 (two bytes
  * a weight through a table) and runs three tile multiplies per sub-block, one per activation
@@ -43,6 +45,10 @@
  */
 #ifndef SPECSERVE_AMX_INT8_H
 #define SPECSERVE_AMX_INT8_H
+
+#include "gemm_core.h"
+#include "ggml_blocks.h"
+#include "amx_tiles.h"
 
 #define AMX_I8_FLAG 4096
 

@@ -1,10 +1,12 @@
 /* The float32-activation matmul on AMX tiles (bfloat16 products, float32 sums), over GGUF
  * weights repacked at load into a tile order: the few-row path of CPUs that have AMX.
  *
- * Included by quant_blocks.h; quant_gemm_team() calls amx_gemm_team() when the caller sets
- * AMX_PACKED_FLAG (without amx_int8.h's AMX_I8_FLAG) in qtype (QuantizedMatrix.packed_for_tiles)
- * and the weight bytes are this file's packing of the format. amx_int8.h multiplies the same
- * packing on int8 tiles for int8_activations=3; float32 activations take this file's path.
+ * Included by quant_blocks.h, amx_int8.h and quant_gemm.c; quant_gemm_team() calls
+ * amx_gemm_team() when the caller sets AMX_PACKED_FLAG (without amx_int8.h's AMX_I8_FLAG) in
+ * qtype (QuantizedMatrix.packed_for_tiles) and the weight bytes are this file's packing of the
+ * format. amx_int8.h multiplies the same packing on int8 tiles for int8_activations=3; float32
+ * activations take this file's path. Includes gemm_core.h (work_chunk, prefetch_l1) and
+ * ggml_blocks.h (the formats, half_at, scale_min_k4).
  *
  * Why: with AVX-512 alone every weight costs a table look-up and one FMA per row, so a
  * verification of k + 1 rows costs nearly k + 1 times the FMAs of a decode step. An AMX tile
@@ -47,10 +49,14 @@
 #ifndef SPECSERVE_AMX_TILES_H
 #define SPECSERVE_AMX_TILES_H
 
+#include "gemm_core.h"
+#include "ggml_blocks.h"
+
 #define AMX_PACKED_FLAG 512
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && \
-    defined(__linux__)
+/* F16C: ggml_blocks.h's half_at (every AMX CPU has it) */
+#if defined(__F16C__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__) && \
+    defined(__AVX512BF16__) && defined(__linux__)
 #define HAVE_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>

@@ -6,6 +6,10 @@
  * is the same sequence of operations whatever the row count or the block its row lands in:
  * VEC float32 lanes accumulate over k in order, one FMA each, then a fixed tree adds the
  * lanes (lanes_sum / lanes_sum4), then the bias. Build with -ffp-contract=off.
+ *
+ * The bottom layer of the kernels' headers: includes only system headers. Included by
+ * fp16_gemm.c, quant_gemm.c and the GGUF kernels' headers (quant_unpack.h, quant_chunks.h, q8_act.h,
+ * amx_tiles.h, amx_int8.h, quant_blocks.h).
  */
 #ifndef SPECSERVE_GEMM_CORE_H
 #define SPECSERVE_GEMM_CORE_H

@@ -1,7 +1,9 @@
 /* The int8-activation matmul over GGUF blocks (AVX-512 VNNI): an opt-in kernel for CPUs.
  *
- * Included by quant_blocks.h; quant_gemm_team() calls q8_gemm_team() when the caller sets
- * Q8_ACT_FLAG in qtype (QuantizedMatrix.int8_activations) and this file knows the format.
+ * Included by quant_blocks.h (and quant_gemm.c); quant_gemm_team() calls q8_gemm_team() when the
+ * caller sets Q8_ACT_FLAG in qtype (QuantizedMatrix.int8_activations) and this file knows the
+ * format. Includes gemm_core.h (work_chunk, KEEP_IN_REGISTER, prefetch_l2) and ggml_blocks.h (the
+ * formats, half_at, k4_scales_then_mins).
  *
  * Why: with float32 activations every weight costs a table look-up or a conversion plus one
  * FMA per row, so batch-1 decoding is bound by arithmetic (~10 Gweights/s a core), not by the
@@ -30,6 +32,9 @@
 #ifndef SPECSERVE_Q8_ACT_H
 #define SPECSERVE_Q8_ACT_H
 
+#include "gemm_core.h"
+#include "ggml_blocks.h"
+
 #define Q8_ACT_FLAG 256
 /* qtype | Q8_ACT_FLAG | ((P - 1) << Q8_PIECES_SHIFT): each activation row is multiplied as P
  * int8 rows ("pieces") whose sum is the row to about 8 P bits of each 256-value group's largest
@@ -47,7 +52,8 @@
  * ~20 GB/s streamed from memory (noisy machine; docs/benchmarks.md). */
 #define Q8_PF_ROWS 16
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+/* F16C: ggml_blocks.h's half_at (every AVX-512 CPU has it) */
+#if defined(__F16C__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define HAVE_Q8_ACT 1
 
 static inline int q8_act_supported(int qtype, int64_t in) {

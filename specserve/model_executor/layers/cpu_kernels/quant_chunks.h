@@ -1,11 +1,21 @@
 /* GGUF blocks, 32 values at a time straight into registers: the fused few-row path's loaders.
  *
- * Included by quant_blocks.h (after its block_<fmt> unpackers, whose values these reproduce
- * exactly) and used by its DEFINE_FUSED matmul. Split out of quant_blocks.h to keep each file
- * to one role: that one unpacks whole blocks and multiplies, this one loads chunks.
+ * Holds scales_<fmt> (a weight row's per-chunk scales and offsets, a prepass) and chunk_<fmt>
+ * (32 values of a row into NV vectors), whose values reproduce quant_unpack.h's block_<fmt>
+ * exactly; used by quant_blocks.h's DEFINE_FUSED matmul. Split from the unpackers to keep each
+ * file to one role: those unpack whole blocks, this one loads chunks.
+ *
+ * Includes gemm_core.h (VEC, vecf), ggml_blocks.h (half_at, scale_min_k4, k4_scales_then_mins)
+ * and quant_unpack.h (the lane helpers: veci, load_u8, load_i8, to_float, fifth_bits).
  */
 #ifndef SPECSERVE_QUANT_CHUNKS_H
 #define SPECSERVE_QUANT_CHUNKS_H
+
+#include "gemm_core.h"
+#include "ggml_blocks.h"
+#include "quant_unpack.h"
+
+#if defined(__F16C__)
 
 /* ---- 32 values of a row straight into registers, for the fused few-row path ----
  * Per output row, a prepass (scales_<fmt>) turns each 32-value chunk's scale and offset into
@@ -58,21 +68,6 @@ SCALES_32(q4_1, 20, 1)
 SCALES_32(q5_0, 22, 0)
 SCALES_32(q5_1, 24, 1)
 SCALES_32(q8_0, 34, 0)
-
-#if VEC == 16
-/* A K-quant super-block's 12 scale bytes -> bytes 0-7 its eight 6-bit scales, bytes 8-15 its
- * eight 6-bit mins (the same bits as scale_min_k4), unpacked four at a time in 32-bit words and
- * built in registers (four 4-byte stores read back as one 16-byte load stall). */
-static inline __m128i k4_scales_then_mins(const uint8_t *scales12) {
-    uint32_t u[3];
-    memcpy(u, scales12, 12);
-    return _mm_setr_epi32(
-        (int)(u[0] & 0x3f3f3f3fu),                                                /* scales 0-3 */
-        (int)((u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4)),          /* scales 4-7 */
-        (int)(u[1] & 0x3f3f3f3fu),                                                /* mins 0-3 */
-        (int)(((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4)));  /* mins 4-7 */
-}
-#endif
 
 /* Q4_K / Q5_K: chunk c is sub-block c % 8 of super-block c / 8; s0 = d * scale, s1 = dmin * min.
  * The scales and mins are converted and scaled 16 at a time. */
@@ -264,5 +259,7 @@ static inline __attribute__((always_inline)) void chunk_q6_k(const uint8_t *row,
     }
 #endif
 }
+
+#endif /* __F16C__ */
 
 #endif /* SPECSERVE_QUANT_CHUNKS_H */

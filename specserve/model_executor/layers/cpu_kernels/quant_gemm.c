@@ -9,12 +9,19 @@
  *
  * Why: a batch-1 decode step streams every weight once, so its cost follows the bytes per
  * weight; GGUF's formats hold 4.5-8.5 bits a weight where float16 holds 16. How the blocks are
- * unpacked, and why the results are row-invariant, is in quant_blocks.h.
+ * unpacked is in quant_unpack.h and quant_chunks.h, why the results are row-invariant in
+ * quant_blocks.h (the matmul, which includes the other kernels' headers).
  *
  * qtype is ggml's type id (GGML_TYPE_Q4_0 = 2, ...); formats this file does not know give
  * specserve_quant_block_elems(qtype) == 0 and the Python side dequantizes them at load.
  */
-#include "quant_blocks.h"
+#include "quant_blocks.h"  /* quant_gemm_team, and first: it includes the headers below in its order */
+#include "gemm_core.h"     /* VEC */
+#include "ggml_blocks.h"   /* qblock_elems, qblock_bytes */
+#include "quant_unpack.h"  /* quant_dequantize */
+#include "q8_act.h"        /* q8_act_supported */
+#include "amx_tiles.h"     /* amx_supported, amx_pack, amx_packed_row_bytes, amx_dequantize */
+#include "amx_int8.h"      /* HAVE_AMX_I8, AMX_I8_FLAG */
 
 int specserve_quant_block_elems(int qtype) { return qblock_elems(qtype); }
 
