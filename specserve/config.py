@@ -92,8 +92,16 @@ class SpeculativeConfig:
     # (engine/constraints.py). Verification keeps them exact like any draft; they are nearly
     # always accepted. With method "grammar" they are the only drafts.
     grammar_drafts: bool = True
+    # draft_model: a draft whose tokenizer differs from the target's drafts across vocabularies
+    # (spec_decode/cross_vocab.py): "slem" (its text tokenized again for the target, one-hot
+    # drafts) or "tli" (its distribution kept on the tokens both vocabularies spell alike, moved to
+    # target ids). Both are lossless at every temperature. None: "slem" when the vocabularies
+    # differ (docs/speculative_decoding.md, "Drafts with another tokenizer", says why), the plain
+    # draft model when they are the same; naming a method forces that path on any draft.
+    cross_vocab: str | None = None
 
     METHODS = ("draft_model", "ngram", "eagle", "suffix", "grammar")
+    CROSS_VOCAB_METHODS = ("slem", "tli")           # spec_decode/cross_vocab.py's METHODS (config sits below it)
     DYNAMIC_K_BY_DEFAULT = ("ngram", "suffix")   # the methods whose dynamic_k default (None) means on
     # the names of quantized.REQUANTIZE_FORMATS (config sits below model_executor)
     DRAFT_QUANTIZATIONS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
@@ -126,6 +134,12 @@ class SpeculativeConfig:
             raise ValueError(f"draft_vocab_size must be a positive integer, got {v!r}")
         if v is not None and self.method != "draft_model":
             raise ValueError(f"draft_vocab_size is a draft_model option, not for method {self.method!r}")
+        if self.cross_vocab is not None:
+            if self.cross_vocab not in self.CROSS_VOCAB_METHODS:
+                raise ValueError(f"cross_vocab must be one of {list(self.CROSS_VOCAB_METHODS)} or None, "
+                                 f"got {self.cross_vocab!r}")
+            if self.method != "draft_model":
+                raise ValueError(f"cross_vocab is a draft_model option, not for method {self.method!r}")
         q = self.draft_quantization
         if q is not None:
             if q not in self.DRAFT_QUANTIZATIONS:

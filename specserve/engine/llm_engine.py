@@ -73,7 +73,8 @@ class LLMEngine:
         prefix_caching = prefix_caching_allowed(config, spec_config, proposer)
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, enable_prefix_caching=prefix_caching)
         if proposer is None and spec_config is not None:
-            ctx = proposer_context(config, self.runner, self.dtype, self.hf_config, self.max_model_len, self.kv_cache)
+            ctx = proposer_context(config, self.runner, self.dtype, self.hf_config, self.max_model_len, self.kv_cache,
+                                   self.tokenizer)
             proposer = build_proposer(spec_config, ctx)
         self.proposer = proposer
         self.k_policy = DraftLengthPolicy(k) if spec_config is not None and spec_config.dynamic_k else None

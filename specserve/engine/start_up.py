@@ -54,8 +54,9 @@ def prefix_caching_allowed(config: EngineConfig, spec_config, proposer) -> bool:
 
 
 def proposer_context(config: EngineConfig, runner, dtype: torch.dtype, hf_config, max_model_len: int,
-                     kv_cache: KVCacheManager) -> ProposerContext:
-    """``runner``: the target's ModelRunner, or its TensorParallelExecutor at TP > 1."""
+                     kv_cache: KVCacheManager, tokenizer=None) -> ProposerContext:
+    """``runner``: the target's ModelRunner, or its TensorParallelExecutor at TP > 1; ``tokenizer``:
+    the target's."""
     tp = config.tensor_parallel_size
     model = runner.model if tp == 1 else None   # at TP > 1 the embedding and LM head are sharded over ranks
     lm_head = None
@@ -75,4 +76,5 @@ def proposer_context(config: EngineConfig, runner, dtype: torch.dtype, hf_config
         tp_group=runner if tp > 1 else None,
         target_embed_tokens=model.embed_tokens if model is not None else None,
         target_lm_head_weight=lm_head,
+        target_tokenizer=tokenizer,
     )

@@ -34,3 +34,5 @@ class ProposerContext:
     # proposers that reuse them (EAGLE); None where they are not in this process (TP > 1).
     target_embed_tokens: torch.nn.Module | None = None
     target_lm_head_weight: Any = None
+    # The target's tokenizer: a draft with another vocabulary is mapped onto it (``vocab_map``).
+    target_tokenizer: Any = None

@@ -101,9 +101,14 @@ def requantize_draft(runner, name: str) -> None:
     logger.info("draft requantized to %s in %.1f s", name, time.perf_counter() - start)
 
 
-def build_draft_model_proposer(spec: SpeculativeConfig, ctx: ProposerContext) -> DraftModelProposer:
+def build_draft_model_proposer(spec: SpeculativeConfig, ctx: ProposerContext) -> Proposer:
+    """A draft model: ``DraftModelProposer`` with the target's vocabulary, else (the start-up check
+    found another tokenizer, or ``cross_vocab`` names a method) ``CrossVocabProposer``."""
     dtype = resolve_dtype(spec.draft_dtype, ctx.device) if spec.draft_dtype else ctx.dtype
-    check_draft_config(spec.model, ctx.target_vocab_size, ctx.max_model_len, dtype)
+    fit = check_draft_config(spec.model, ctx.target_vocab_size, ctx.max_model_len, dtype, ctx.target_tokenizer,
+                             spec.cross_vocab)
+    if fit.mapping is not None and (spec.draft_tensor_parallel_size or 1) > 1:
+        raise ValueError("a draft with another vocabulary runs at draft_tensor_parallel_size 1")
     keep = keeps_quantized(spec.draft_dtype or ctx.dtype_setting, ctx.device)
     int8 = spec.draft_int8_activations is not False   # None: on (the draft only guesses)
     loaded = load_model(spec.model, dtype, keep_quantized=keep, int8_activations=int8)
@@ -116,4 +121,9 @@ def build_draft_model_proposer(spec: SpeculativeConfig, ctx: ProposerContext) ->
     if spec.draft_quantization is not None:
         requantize_draft(runner, spec.draft_quantization)
     runner.allocate_kv_cache(ctx.kv_cache.num_blocks)
+    if fit.mapping is not None:
+        from specserve.spec_decode.cross_vocab import DEFAULT_METHOD, CrossVocabProposer
+
+        return CrossVocabProposer(runner, fit.mapping, spec.cross_vocab or DEFAULT_METHOD, ctx.target_tokenizer,
+                                  fit.meta.tokenizer, ctx.kv_cache.num_blocks, ctx.block_size, ctx.max_model_len)
     return DraftModelProposer(runner, ctx.kv_cache, ctx.target_vocab_size)

@@ -13,7 +13,7 @@ import torch
 from transformers import LlamaConfig
 
 from specserve import LLM, catalog
-from specserve.model_executor.loader import ModelNotFoundError
+from specserve.model_executor.loader import ModelNotFoundError, load_model
 from specserve.spec_decode.factory import VocabularyMismatchError, check_draft_config
 
 from model_cache import share_folder
@@ -37,11 +37,26 @@ def engine_with_draft(target: str, draft: str) -> LLM:
                device="cpu", max_model_len=128, kv_cache_memory=1 << 22)
 
 
-def test_vocabulary_mismatch_found_before_the_draft_weights(tmp_path, tiny_llama_dir):
+def test_another_vocabulary_goes_on_to_load_its_weights(tmp_path, tiny_llama_dir, caplog):
+    """A draft with more token ids than the target (its tokenizer's, padded) is not refused: the
+    check maps the vocabularies and selects the cross-vocabulary path, with a log line."""
     target_vocab = LlamaConfig.from_pretrained(tiny_llama_dir).vocab_size
     draft = weightless_draft(tmp_path / "draft", tiny_llama_dir, vocab_size=target_vocab + 64)
-    with pytest.raises(VocabularyMismatchError, match=f"vocabulary of {target_vocab + 64} tokens but the "
-                                                      f"target has {target_vocab}"):
+    with caplog.at_level("INFO", logger="specserve.spec_decode.checks"):
+        with pytest.raises(ModelNotFoundError, match="no \\*.safetensors"):  # past the checks, at the weights
+            engine_with_draft(tiny_llama_dir, draft)
+    assert "drafting across vocabularies" in caplog.text
+
+
+def test_no_usable_overlap_found_before_the_draft_weights(tmp_path, tiny_llama_dir):
+    from cross_vocab_models import disjoint
+
+    draft = weightless_draft(tmp_path / "draft", tiny_llama_dir, vocab_size=66)
+    for name in os.listdir(draft):
+        if name.startswith(("tokenizer", "special_tokens", "chat_template", "vocab", "merges")):
+            os.remove(os.path.join(draft, name))
+    disjoint().save_pretrained(draft)
+    with pytest.raises(VocabularyMismatchError, match="shares 0 of its 64 text tokens with the target's vocabulary"):
         engine_with_draft(tiny_llama_dir, draft)
 
 
@@ -63,6 +78,8 @@ def test_real_pair_checked_on_metadata():
     if catalog.verified_path(entry) is None and catalog.missing_packages(entry):
         pytest.skip(f"{entry.name} is not installed (optional; `{entry.install_command}`)")
     target = catalog.lookup("qwen2.5-coder-1.5b-instruct")
-    check_draft_config(entry.name, target.vocab_size, 4096, torch.float16)
+    assert check_draft_config(entry.name, target.vocab_size, 4096, torch.float16).mapping is None
     with pytest.raises(VocabularyMismatchError, match="vocabulary of 151936 tokens but the target has 49152"):
-        check_draft_config(entry.name, 49152, 4096, torch.float16)
+        check_draft_config(entry.name, 49152, 4096, torch.float16)   # without the target's tokenizer: sizes only
+    fit = check_draft_config(entry.name, 49152, 4096, torch.float16, load_model(None, torch.float32, False).tokenizer)
+    assert fit.mapping is not None and fit.mapping.num_shared > 10_000   # SmolLM2's tokens mostly spelled alike
