@@ -94,6 +94,7 @@ class CrossVocabProposer(Proposer):
         self._released: list[str] = []             # keys of collected requests' blocks (a finalizer's list)
         self._keys = itertools.count()
         self._step = 0
+        self.num_evictions = 0                      # requests whose draft KV went to make room
 
     # ------------------------------------------------------------------ requests' state
     def _slot(self, request: Request) -> _Slot:
@@ -119,6 +120,7 @@ class CrossVocabProposer(Proposer):
         for other in idle:
             self.blocks.free(other.key)
             other.seq.num_computed = 0
+            self.num_evictions += 1
             if self.blocks.allocate_slots(slot.key, num_tokens):
                 return True
         return False
@@ -224,13 +226,31 @@ class CrossVocabProposer(Proposer):
 
 def slem_tokens(drafted: list[int], final: bool, target_text: TokenText) -> list[int]:
     """The target tokens that spell the draft's text ``drafted`` (symbols), in the target's
-    tokenization; the last one left out unless the text is ``final`` (it may still change)."""
+    tokenization; the last one left out unless the text is ``final`` (it may still change), and
+    nothing from a byte the target cannot spell on (the text before it is complete)."""
     out: list[int] = []
     run_start = 0
-    for i, s in enumerate(drafted):
-        if s >= SPECIAL_BASE:
-            out += target_text.encode(bytes(drafted[run_start:i]))   # complete: a special follows
-            out.append(s - SPECIAL_BASE)
-            run_start = i + 1
-    tail = target_text.encode(bytes(drafted[run_start:]))
-    return out + (tail if final else tail[:-1])
+    for i, s in enumerate(drafted + [None]):
+        if s is not None and s < SPECIAL_BASE:
+            continue
+        run = bytes(drafted[run_start:i])
+        spans = target_text.spans(run)
+        complete = [t for t, _ in _contiguous(spans, target_text)]
+        if len(complete) < len(spans) or (s is None and not final):
+            return out + (complete if len(complete) < len(spans) else complete[:-1])
+        out += complete
+        if s is not None:
+            out.append(s - SPECIAL_BASE)          # a special: the text before it is complete
+        run_start = i + 1
+    return out
+
+
+def _contiguous(spans: list[tuple[int, int]], target_text: TokenText) -> list[tuple[int, int]]:
+    """The spans up to the first byte left out."""
+    out, at = [], 0
+    for token, end in spans:
+        if end - len(target_text.table.pieces[token]) != at:
+            break
+        out.append((token, end))
+        at = end
+    return out

@@ -13,9 +13,9 @@ own. ``sync`` then brings the draft's tokens in line with the target's text:
 2. the last kept token goes too (and any before it that end inside a UTF-8 character),
    so that the text from there is read again in the draft's own tokenization: the
    draft had ``Hel`` + ``lo`` where it would read ``Hello``;
-3. the rest of the target's text is tokenized for the draft (``TokenText.encode``): runs of
+3. the rest of the target's text is tokenized for the draft (``TokenText.spans``): runs of
    bytes with the draft's tokenizer, a special token as the draft's twin of it
-   (``VocabMapping``), or not at all where it has none.
+   (``VocabMapping``), or not at all where it has none (nor a byte the draft cannot spell).
 
 ``num_computed`` drops to the kept tokens, so the draft's cache is rolled back to the common
 prefix of draft tokens, and its next forward computes the rest (the position of each token
@@ -146,11 +146,9 @@ class DraftSequence:
     def _read_bytes(self, start: int, stop: int) -> None:
         if stop <= start:
             return
-        end = start
-        for token in self.draft_text.encode(bytes(self.symbols[start:stop])):
-            end += len(self.mapping.draft.pieces[token])
+        for token, end in self.draft_text.spans(bytes(self.symbols[start:stop])):
             self.ids.append(token)
-            self.ends.append(end)
+            self.ends.append(start + end)
 
     # ------------------------------------------------------------------ the draft's side
     def push_draft(self, token: int, symbols: list[int]) -> None:

@@ -12,11 +12,12 @@ bytes: they are never matched as text (``TokenTable.special`` holds their string
 ``vocab_map`` pairs them across vocabularies). Added tokens that are not special
 (Gemma's ``'\\n\\n'``, ``'<table>'``) are their literal text.
 
-``TokenText.encode`` turns bytes into this tokenizer's tokens with the tokenizer itself, and
+``TokenText.spans`` turns bytes into this tokenizer's tokens with the tokenizer itself, and
 checks that the tokens' bytes are the input's: where they are not (a literal special token
 string in the text, a normalizer that rewrites characters), or where the bytes are not valid
-UTF-8, it falls back to one byte token per byte, which every byte-level and byte-fallback
-vocabulary has. The result always spells the input exactly.
+UTF-8, it falls back to one byte token per byte, which byte-level and byte-fallback
+vocabularies have, save bytes UTF-8 never uses (the default model has no 0xF8): those are
+left out. The tokens thus spell the input exactly, but for such bytes.
 """
 from __future__ import annotations
 
@@ -159,35 +160,52 @@ class TokenText:
         self.backend = exact_backend(tokenizer, table)
 
     def encode(self, data: bytes) -> list[int]:
-        """The tokenizer's tokens for ``data`` (valid UTF-8 runs through the tokenizer, other bytes
-        as byte tokens); raises ValueError for a byte the vocabulary cannot spell."""
+        """The tokens that spell ``data`` exactly; ValueError for a byte the vocabulary cannot
+        spell (the default model's has no token for 0xF8, which UTF-8 never uses)."""
+        ids = [i for i, _ in self.spans(data)]
+        if sum(len(self.table.pieces[i]) for i in ids) != len(data):   # spans only ever leave bytes out
+            raise ValueError(f"the vocabulary cannot spell {data!r}")
+        return ids
+
+    def spans(self, data: bytes) -> list[tuple[int, int]]:
+        """-> [(token id, where it ends in ``data``)]: the tokenizer's tokens for the valid UTF-8
+        runs, one byte token for each other byte; a byte the vocabulary cannot spell is left out
+        (the next token's span starts after it)."""
         if not data:
             return []
         text = data.decode("utf-8", errors="surrogateescape")
-        if _ESCAPED.search(text):
-            out: list[int] = []
-            for part in _ESCAPED.split(text):
-                if len(part) == 1 and "\udc80" <= part <= "\udcff":
-                    out.append(self._byte_id(ord(part) - 0xDC00))
-                elif part:
-                    out += self._encode_text(part)
-            return out
-        return self._encode_text(text)
+        if not _ESCAPED.search(text):
+            return self._spans_of_text(text, 0)
+        out: list[tuple[int, int]] = []
+        at = 0
+        for part in _ESCAPED.split(text):
+            if len(part) == 1 and "\udc80" <= part <= "\udcff":
+                at += 1
+                i = self.table.byte_ids[ord(part) - 0xDC00]
+                if i is not None:
+                    out.append((i, at))
+            elif part:
+                out += self._spans_of_text(part, at)
+                at += len(part.encode("utf-8"))
+        return out
 
-    def _encode_text(self, text: str) -> list[int]:
+    def _spans_of_text(self, text: str, at: int) -> list[tuple[int, int]]:
         want = text.encode("utf-8")
-        ids = self.backend.encode(text, add_special_tokens=False).ids if self.backend is not None else []
         pieces = self.table.pieces
-        if self.backend is not None and all(i < len(pieces) and pieces[i] is not None for i in ids) \
-                and b"".join(pieces[i] for i in ids) == want:
-            return ids
-        return [self._byte_id(b) for b in want]
-
-    def _byte_id(self, b: int) -> int:
-        i = self.table.byte_ids[b]
-        if i is None:
-            raise ValueError(f"the vocabulary has no token for the byte 0x{b:02X}")
-        return i
+        if self.backend is not None:
+            ids = self.backend.encode(text, add_special_tokens=False).ids
+            if all(i < len(pieces) and pieces[i] is not None for i in ids) and b"".join(pieces[i] for i in ids) == want:
+                out, end = [], at
+                for i in ids:
+                    end += len(pieces[i])
+                    out.append((i, end))
+                return out
+        out = []
+        for n, b in enumerate(want):   # the tokenizer did not spell it as given: byte by byte
+            i = self.table.byte_ids[b]
+            if i is not None:
+                out.append((i, at + n + 1))
+        return out
 
 
 def exact_backend(tokenizer, table: TokenTable):
