@@ -46,6 +46,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-quantization", choices=SpeculativeConfig.DRAFT_QUANTIZATIONS, default=None,
                    help="draft_model: requantize the draft's GGUF blocks to this format at load (fewer bytes "
                         "a draft step; output unchanged)")
+    p.add_argument("--speculative-cross-vocab", choices=SpeculativeConfig.CROSS_VOCAB_METHODS, default=None,
+                   help="draft_model: how a draft with another tokenizer drafts (slem: its text tokenized again "
+                        "for the target; tli: its distribution on the tokens both vocabularies share); default: "
+                        "slem when the tokenizers differ; naming one forces it on any draft")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of earlier requests' identical prefixes (default: on; off with EAGLE)")
     p.add_argument("--int8-activations", action=argparse.BooleanOptionalAction, default=False,
@@ -75,6 +79,7 @@ def speculative_config_from_args(args) -> dict | None:
         "draft_vocab_size": getattr(args, "draft_vocab_size", None),
         "draft_quantization": getattr(args, "draft_quantization", None),
         "draft_int8_activations": getattr(args, "draft_int8_activations", None),
+        "cross_vocab": getattr(args, "speculative_cross_vocab", None),
         "disable_by_batch_size": args.speculative_disable_by_batch_size,
         "dynamic_k": getattr(args, "speculative_dynamic_k", None),
     }
