@@ -24,7 +24,9 @@ target's forward):
 After the step, ``after_append`` advances the matcher by the tokens actually appended (a
 stop may cut them). A complete constraint allows only the end of sequence, so the request
 stops as any request does at its end of sequence (with ``ignore_eos`` too); in plain
-decoding that is one more step, under speculation a forced draft.
+decoding that is one more step, under speculation a forced draft. A grammar that runs out of
+one of its limits (``GrammarLimits``: lexer states, fuel per mask) cannot be continued within
+its bounds: the request ends there with finish_reason "length", as it would at max_tokens.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from specserve.core.request import Request, RequestStatus
 from specserve.core.scheduler import ScheduledRequest
 from specserve.sampling_params import SamplingParams
 from specserve.structured_output.compiler import GrammarCompiler, GrammarLimits, request_grammar
+from specserve.structured_output.matcher import GrammarLimitError, eos_only_mask
 
 logger = logging.getLogger(__name__)
 
@@ -61,13 +64,22 @@ class Constraints:
     def prepare(self, scheduled: list[ScheduledRequest], reserved: list[int]) -> None:
         """Fit each sampling constrained request's drafts to its grammar and set its masks
         (``reserved``: each request's lookahead slots before drafting, the room for forced
-        drafts). A request whose grammar fails here fails alone in verification."""
+        drafts). A grammar that runs out of a limit here ends its request ("length": its last
+        token is the end of sequence); one that fails otherwise fails alone in verification."""
         for s, room in zip(scheduled, reserved):
             req = s.request
             if req.grammar is None or not s.will_sample:
                 continue
             try:
                 fit_drafts(req, room if self.grammar_drafts else 0)
+            except GrammarLimitError as e:
+                logger.warning("request %s: %s; it ends here (finish_reason length)", req.request_id, e)
+                req.clear_drafts()
+                if req.eos_token_id is None:
+                    req.grammar.failed = e
+                    continue
+                req.grammar.exhausted = True
+                req.grammar.step_bitmask = eos_only_mask(req.grammar.vocab_size, req.eos_token_id)
             except Exception as e:  # noqa: BLE001 - this request's grammar, not the batch's
                 logger.exception("request %s: its grammar failed", req.request_id)
                 req.clear_drafts()
@@ -80,7 +92,15 @@ class Constraints:
         g = req.grammar
         if g is None:
             return status
-        g.advance(appended)
+        if not g.exhausted:
+            try:
+                g.advance(appended)
+            except GrammarLimitError as e:
+                logger.warning("request %s: %s; it ends here (finish_reason length)", req.request_id, e)
+                g.exhausted = True
+        if g.exhausted:     # the grammar cannot go on within its limits: cut, as at max_tokens
+            req.stop_reason = None
+            return RequestStatus.FINISHED_LENGTH
         if g.is_done and appended and appended[-1] == req.eos_token_id and status != RequestStatus.FINISHED_STOPPED:
             req.stop_reason = None        # ignore_eos: the constraint is complete and has ended
             return RequestStatus.FINISHED_STOPPED

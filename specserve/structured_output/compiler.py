@@ -23,9 +23,10 @@ from dataclasses import dataclass
 import torch
 
 from specserve.sampling_params import StructuredOutput
-from specserve.structured_output.bitmask import words_for
+from specserve.structured_output.bitmask import allowed_tokens, words_for
 
 CACHE_ENTRIES = 256
+PROBE_TOKENS = 4     # tokens walked at compile time (``GrammarCompiler._probe``)
 
 
 class InvalidConstraintError(ValueError):
@@ -168,10 +169,30 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(tok, text, log_level=0, limits=limits)
         # The start state's mask builds the lexer's first states: a regex whose analysis runs
         # out of fuel fails here, before the request is queued.
-        llt.fill_next_token_bitmask(matcher, torch.empty(1, words_for(self.vocab_size), dtype=torch.int32), 0)
+        mask = torch.empty(1, words_for(self.vocab_size), dtype=torch.int32)
+        llt.fill_next_token_bitmask(matcher, mask, 0)
         if matcher.is_error():
             raise InvalidConstraintError(f"invalid {so.kind}: {_first_line(matcher.get_error())}", so.kind)
+        self._probe(so, matcher.deep_copy(), mask)
         return CompiledGrammar(matcher, self.vocab_size)
+
+    def _probe(self, so: StructuredOutput, matcher, mask: torch.Tensor) -> None:
+        """Walk the first PROBE_TOKENS tokens (the lowest allowed id each time, never the end of
+        sequence) on a copy: a regex that explodes (``a{1000}{1000}``) runs out of its limits
+        within its first tokens, and is refused here rather than cut short in the engine."""
+        import llguidance.torch as llt
+
+        for _ in range(PROBE_TOKENS):
+            allowed = allowed_tokens(mask, self.vocab_size)[0]
+            allowed[self.eos_token_id if self.eos_token_id is not None else 0] &= self.eos_token_id is None
+            ids = allowed.nonzero()
+            if not len(ids) or not matcher.consume_token(int(ids[0])):
+                break
+            llt.fill_next_token_bitmask(matcher, mask, 0)
+        if matcher.is_error():
+            raise InvalidConstraintError(f"the {so.kind} is too complex to follow within the grammar limits: "
+                                         f"{_first_line(matcher.get_error())}", so.kind,
+                                         code="structured_output_too_complex")
 
 
 def _first_line(message: str) -> str:

@@ -23,7 +23,19 @@ from specserve.structured_output.bitmask import words_for
 
 
 class GrammarStateError(RuntimeError):
-    """The matcher refused an emitted token or ran out of a limit: the request fails alone."""
+    """The matcher refused a token the masks allowed: a bug, so the request fails alone ("error")."""
+
+
+class GrammarLimitError(GrammarStateError):
+    """The grammar ran out of one of its limits (GrammarLimits: lexer states, fuel per step)
+    while the request ran: it cannot be continued within its bounds, so the request ends as it
+    would at max_tokens, finish_reason "length" (engine/constraints.py)."""
+
+
+def _grammar_error(matcher, what: str) -> GrammarStateError:
+    message = matcher.get_error()
+    cls = GrammarStateError if "doesn't satisfy the grammar" in message else GrammarLimitError
+    return cls(f"{what}: {message.split(chr(10) + '<')[0][:300]}")
 
 
 class RequestGrammar:
@@ -39,6 +51,7 @@ class RequestGrammar:
         # Set when preparing this step's masks failed (a limit ran out): the verifier raises it,
         # so the request fails alone (finish_reason "error") and the batch carries on.
         self.failed: Exception | None = None
+        self.exhausted = False    # a limit ran out (GrammarLimitError): the request ends, "length"
 
     # ------------------------------------------------------------------ state
     @property
@@ -56,7 +69,7 @@ class RequestGrammar:
                     raise GrammarStateError("the end of sequence came before the constraint was complete")
                 return
             if not self._m.consume_token(t):
-                raise GrammarStateError(f"token {t} breaks the request's grammar: {self._m.get_error()[:300]}")
+                raise _grammar_error(self._m, f"token {t} could not be added to the request's grammar")
 
     def _through_eos(self, tokens) -> int:
         """How many of ``tokens`` come up to and including the first end of sequence."""
@@ -77,15 +90,15 @@ class RequestGrammar:
         if mask is None:
             import llguidance.torch as llt
 
-            mask = torch.zeros(1, words_for(self.vocab_size), dtype=torch.int32)
             if key and key[-1] == self.eos_token_id:   # the sequence has ended: only the end again
-                mask[0, key[-1] // 32] = _bit(key[-1] % 32)
+                mask = eos_only_mask(self.vocab_size, self.eos_token_id)
             else:
+                mask = torch.zeros(1, words_for(self.vocab_size), dtype=torch.int32)
                 self._walk(key)
                 try:
                     llt.fill_next_token_bitmask(self._m, mask, 0)
                     if self._m.is_error():
-                        raise GrammarStateError(f"the grammar failed: {self._m.get_error()[:300]}")
+                        raise _grammar_error(self._m, "the grammar's next mask failed")
                 finally:
                     self._m.rollback(len(key))
             mask = self._masks[key] = mask[0]
@@ -125,6 +138,13 @@ class RequestGrammar:
                 paths[i] = path
                 keep.append(i)
         return keep
+
+
+def eos_only_mask(vocab_size: int, eos_token_id: int) -> torch.Tensor:
+    """[1, W]: only the end of sequence allowed."""
+    mask = torch.zeros(1, words_for(vocab_size), dtype=torch.int32)
+    mask[0, eos_token_id // 32] = _bit(eos_token_id % 32)
+    return mask
 
 
 def _bit(i: int) -> int:

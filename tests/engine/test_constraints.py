@@ -182,3 +182,19 @@ def test_n_samples_each_follow_the_constraint(tiny_llama_dir):
     for t in texts:
         value = json.loads(t)
         assert set(value) == {"v", "w", "tags"}
+
+
+def test_a_regex_that_explodes_is_refused_or_cut_never_the_engine(tiny_llama_dir):
+    """Counted repetitions of counted repetitions run out of the lexer's limits at the first
+    token: refused when compiled. A Unicode class repeated 500 times runs out later, after a
+    few words: that request ends with "length" (its grammar cannot go on within its bounds)
+    and the request beside it is untouched."""
+    llm = make(tiny_llama_dir)
+    with pytest.raises(ValueError, match="too complex"):
+        llm.engine.add_request(PROMPT, SamplingParams(structured_output={"regex": "a{1000}{1000}"}))
+    words = SamplingParams(temperature=1.0, seed=1, max_tokens=100, structured_output={"regex": r"(\w+\s?){1,500}\."})
+    outs = llm.generate([PROMPT, PROMPT], [words, constrained()], use_tqdm=False)
+    cut, normal = outs[0].outputs[0], outs[1].outputs[0]
+    assert cut.finish_reason == "length" and 0 < len(cut.token_ids) < 100
+    assert normal.finish_reason == "stop"
+    assert normal.token_ids == llm.generate(PROMPT, constrained(), use_tqdm=False)[0].outputs[0].token_ids
