@@ -196,11 +196,8 @@ class GrammarCompiler:
 
 
 def _first_line(message: str) -> str:
-    """llguidance's message without the parser state and backtrace it may append."""
-    message = message.strip()
-    for marker in ("\n<state>", "\n<backtrace>"):
-        message = message.split(marker)[0]
-    return message.strip()[:500]
+    """llguidance's message without what it may append (``<state>``, ``<non-verbose/>``, a backtrace)."""
+    return message.strip().split("\n<")[0].strip()[:500]
 
 
 def request_grammar(compiler: GrammarCompiler, so: StructuredOutput):

@@ -72,6 +72,7 @@ class ServerLimits:
     max_header_bytes: int = 64 << 10     # 431 + close beyond: request line and headers (connection.py)
     max_json_depth: int = 32             # 400 beyond (objects and arrays nested)
     max_prompts: int = 64                # 400: prompts in one /v1/completions batch
+    max_structured_output_bytes: int = 64 << 10   # 400 beyond: a JSON schema, regex, grammar or tools' constraint
 
     @classmethod
     def from_env(cls, **overrides) -> "ServerLimits":
@@ -117,6 +118,8 @@ OPTIONS = [
                 "deepest nesting of JSON objects and arrays (400 beyond)"),
     LimitOption("max_prompts", "SPECSERVE_MAX_PROMPTS", "--max-prompts", positive_int,
                 "most prompts in one /v1/completions request (400 beyond)"),
+    LimitOption("max_structured_output_bytes", "SPECSERVE_MAX_STRUCTURED_OUTPUT_BYTES", "--max-structured-output-bytes",
+                positive_int, "largest JSON schema, regex or grammar of a request, in bytes (400 beyond)"),
 ]
 
 

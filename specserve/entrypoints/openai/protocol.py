@@ -33,6 +33,60 @@ class StreamOptions(StrictModel):
     continuous_usage_stats: bool | None = False
 
 
+class JsonSchemaSpec(StrictModel):
+    """``response_format.json_schema``: OpenAI's name, description, schema and strict."""
+
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictModel):
+    """OpenAI's ``response_format``: text (no constraint), any JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema is needed with type "json_schema", and only then')
+        return self
+
+
+class StructuredOutputsField(StrictModel):
+    """vLLM's ``structured_outputs`` extension: exactly one of a JSON schema, any JSON object,
+    a regex, a choice of strings or a grammar (Lark or GBNF)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
+class FunctionDefinition(StrictModel):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class SpecserveOptions(StrictModel):
     """The ``specserve`` extension object of a request; OpenAI clients never send it."""
 
@@ -61,6 +115,14 @@ class _SamplingFields(StrictModel):
                           Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
     user: str | None = None
     specserve: SpecserveOptions | None = None
+    # Structured output (docs/serving.md, "Structured output and tools"): OpenAI's response_format,
+    # vLLM's structured_outputs, and vLLM's older guided_* names; at most one of them.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("max_tokens")
     @classmethod
@@ -236,6 +298,9 @@ class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions. ``max_tokens`` defaults to what the context leaves."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: Annotated[list[ToolDefinition], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
@@ -259,6 +324,17 @@ class ChatCompletionRequest(_SamplingFields):
     def _top_logprobs_needs_logprobs(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
+        return self
+
+    @model_validator(mode="after")
+    def _tool_choice_needs_tools(self):
+        choice = self.tool_choice
+        if choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools}:
+            raise ValueError(f"tool_choice names the function {choice.function.name!r}, which is not among the tools")
+        if self.tools and len({t.function.name for t in self.tools}) != len(self.tools):
+            raise ValueError("tools: two functions have the same name")
         return self
 
     def to_sampling_params(self, default_max_tokens: int | None = None) -> SamplingParams:

@@ -16,6 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from specserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineStepError, RequestFailedError
+from specserve.entrypoints.openai import structured, tool_calls
 from specserve.entrypoints.openai.errors import engine_error, error_body, sampling_error
 from specserve.entrypoints.openai.limits import APIError, ServerLimits
 from specserve.entrypoints.openai.metrics import ServerMetrics
@@ -72,9 +73,11 @@ class OpenAIServing:
         tok = self.tokenizer
         if not getattr(tok, "chat_template", None):
             raise APIError(400, f"the model {self.model_name!r} has no chat template; use /v1/completions", param="messages")
-        conversation = [m.to_template_dict() for m in request.messages]
+        conversation, tools = tool_calls.conversation(request, tok)
+        extra = {"tools": tools} if tools else {}
         try:
-            text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=request.add_generation_prompt)
+            text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=request.add_generation_prompt,
+                                           **extra)
         except Exception as e:  # noqa: BLE001 - a template that rejects the conversation
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
         return self.engine.tokenize(text, add_special_tokens=False)
@@ -97,10 +100,27 @@ class OpenAIServing:
                                code="invalid_value")
         return params
 
+    async def constrained(self, request, params):
+        """``params`` with the request's structured-output constraint (its fields, or for chat
+        tool_choice "required" / a named function), compiled and checked: a 400 here, before
+        the request reaches the engine (``structured.py``)."""
+        so, field = structured.requested(request)
+        tool_so = tool_calls.constraint(request) if isinstance(request, ChatCompletionRequest) else None
+        if tool_so is not None:
+            if so is not None:
+                raise APIError(400, f"tool_choice {request.tool_choice!r} constrains the output already; it cannot be "
+                                    f"combined with {field}", param=field, code="invalid_value")
+            so, field = tool_so, "tool_choice"
+        if so is None:
+            return params
+        params = structured.with_constraint(params, so)
+        await structured.check(self.async_engine, params, field, self.limits.max_structured_output_bytes)
+        return params
+
     async def completions(self, request: CompletionRequest, raw: Request) -> Response:
         self.check_model(request.model)
         arrival = time.monotonic()
-        params = self.sampling_params(request)
+        params = await self.constrained(request, self.sampling_params(request))
         prompts = request.prompts()
         if len(prompts) > self.limits.max_prompts:
             raise APIError(400, f"at most {self.limits.max_prompts} prompts per request, got {len(prompts)}",
@@ -111,7 +131,7 @@ class OpenAIServing:
     async def chat_completions(self, request: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(request.model)
         arrival = time.monotonic()
-        params = self.sampling_params(request)
+        params = await self.constrained(request, self.sampling_params(request))
         prompt = await self.async_engine.run_off_thread(self.chat_prompt, request)
         streams = await start_requests(self.async_engine, [prompt], params, "messages")
         return await self._respond(request, raw, streams, params, arrival, chat=True)
@@ -147,11 +167,17 @@ class OpenAIServing:
             completion = c.output.outputs[0]
             n = len(completion.token_ids)
             if chat:
+                message, finish = {"role": "assistant", "content": completion.text}, completion.finish_reason
+                if tool_calls.mode(request):
+                    content, calls = tool_calls.parse(completion.text, tool_names(request))
+                    if calls:
+                        message = {"role": "assistant", "content": content, "tool_calls": [t.as_dict() for t in calls]}
+                        finish = "tool_calls" if finish == "stop" else finish
                 choice = {
                     "index": c.index,
-                    "message": {"role": "assistant", "content": completion.text},
+                    "message": message,
                     "logprobs": chat_logprobs(self.tokenizer, completion, 0, n, num_top),
-                    "finish_reason": completion.finish_reason,
+                    "finish_reason": finish,
                     "stop_reason": completion.stop_reason,
                 }
             else:
@@ -184,6 +210,9 @@ class OpenAIServing:
         provenance = request.wants_provenance
         offsets = [0] * len(choices)
         counted_prompt = [False] * len(choices)
+        # Chat with tools: each choice's text split into content and completed calls as it streams.
+        parsers = ([tool_calls.ToolCallStream(tool_names(request)) for _ in choices]
+                   if chat and tool_calls.mode(request) else None)
 
         def chunk(choice_list: list[dict], usage: Any = None, with_usage: bool = False) -> str:
             body = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choice_list}
@@ -211,10 +240,19 @@ class OpenAIServing:
                 tokens = (token_entries(self.tokenizer, completion, start, end, params.skip_special_tokens)
                           if provenance else None)
                 if chat:
-                    if delta or (start < end and (completion.logprobs is not None or provenance)):
+                    calls = []
+                    if parsers is not None:
+                        delta, calls = parsers[i].feed(delta, final=finish is not None)
+                        if finish == "stop" and parsers[i].calls:
+                            finish = "tool_calls"
+                    if delta or calls or (start < end and (completion.logprobs is not None or provenance)):
+                        body_delta = {"content": delta} if delta or not calls else {}
+                        if calls:
+                            first = len(parsers[i].calls) - len(calls)
+                            body_delta["tool_calls"] = [call.as_delta(first + k) for k, call in enumerate(calls)]
                         choice = {
                             "index": c.index,
-                            "delta": {"content": delta},
+                            "delta": body_delta,
                             "logprobs": chat_logprobs(self.tokenizer, completion, start, end, num_top),
                             "finish_reason": None,
                         }
@@ -251,3 +289,7 @@ class OpenAIServing:
                 if c.output is None or not c.output.finished:
                     m.finished.labels(ln, "abort").inc()
         yield "data: [DONE]\n\n"
+
+
+def tool_names(request) -> set[str]:
+    return {t.function.name for t in request.tools or []}

@@ -1,0 +1,236 @@
+"""Tool calls in chat completions: the tools in the prompt, the constraint for ``tool_choice``
+"required" or a named function, and the calls parsed out of the model's text.
+
+The format is the one the chat templates of the families served use for tools (Qwen2.5's,
+SmolLM2's and Hermes' models): each call a JSON object in its own block,
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+A template that takes ``tools`` (Qwen2.5's) renders them itself; for one that does not (the
+default model's) the tools and the format are described in a system message (``TOOLS_PROMPT``),
+and earlier calls and tool results in the conversation are written in the same format.
+
+- ``tool_choice`` "none": no tools in the prompt, nothing parsed.
+- "auto" (the default with tools): the model writes what it wants; blocks that hold a call of
+  a known function become ``tool_calls``, the rest stays ``content``.
+- "required" or ``{"type": "function", "function": {"name": ...}}``: the output is constrained
+  (a Lark grammar embedding each function's parameters as a JSON schema) to one call, or with
+  ``parallel_tool_calls`` (the default) one or more, so it always parses.
+
+With calls, the message's ``content`` is the text outside the blocks (null when none) and
+``finish_reason`` is "tool_calls"; a stream sends the text as ``delta.content`` and each call,
+once its block is complete, as one ``delta.tool_calls`` entry (index, id, name, arguments).
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from specserve.sampling_params import StructuredOutput
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
+
+TOOLS_PROMPT = """# Tools
+
+You may call one or more functions to help with the user's request. The functions are described in JSON within <tools></tools> tags:
+<tools>
+{tools}
+</tools>
+
+To call a function, write a JSON object with its name and arguments within <tool_call></tool_call> tags:
+<tool_call>
+{{"name": <function name>, "arguments": <arguments as a JSON object>}}
+</tool_call>"""
+
+# The JSON of a constrained call is written as the JSON constraints are (structured_output.compiler).
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def mode(request) -> str | None:
+    """None (no tools, or tool_choice "none"), "auto", "required" or "named"."""
+    if not request.tools or request.tool_choice == "none":
+        return None
+    if request.tool_choice in (None, "auto"):
+        return "auto"
+    return "required" if request.tool_choice == "required" else "named"
+
+
+def template_takes_tools(tokenizer) -> bool:
+    return "tools" in (getattr(tokenizer, "chat_template", None) or "")
+
+
+def tool_dicts(request) -> list[dict]:
+    return [t.model_dump(by_alias=True, exclude_none=True) for t in request.tools]
+
+
+def conversation(request, tokenizer) -> tuple[list[dict], list[dict] | None]:
+    """(messages for the chat template, ``tools`` to pass it or None)."""
+    messages = [m.to_template_dict() for m in request.messages]
+    if mode(request) is None and not any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+        return messages, None
+    if template_takes_tools(tokenizer):
+        for m in messages:   # templates write arguments with tojson: give them objects, not JSON text
+            for call in m.get("tool_calls") or []:
+                fn = call.get("function", call)
+                if isinstance(fn.get("arguments"), str):
+                    try:
+                        fn["arguments"] = json.loads(fn["arguments"])
+                    except ValueError:
+                        pass
+        return messages, (tool_dicts(request) if mode(request) else None)
+    out = []
+    for m in messages:
+        if m["role"] == "tool":
+            out.append({"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"})
+            continue
+        calls = m.pop("tool_calls", None) or []
+        if calls:
+            blocks = [f"{OPEN}\n{json.dumps(_call_body(c))}\n{CLOSE}" for c in calls]
+            m["content"] = "\n".join(([m["content"]] if m["content"] else []) + blocks)
+        out.append(m)
+    if mode(request):
+        tools_text = TOOLS_PROMPT.format(tools="\n".join(json.dumps(t) for t in tool_dicts(request)))
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{tools_text}"}
+        else:
+            out.insert(0, {"role": "system", "content": tools_text})
+    return out, None
+
+
+def _call_body(call: dict) -> dict:
+    fn = call.get("function", call)
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            pass
+    return {"name": fn.get("name"), "arguments": args}
+
+
+def constraint(request) -> StructuredOutput | None:
+    """The grammar of "required" / a named function: calls in the template's format whose
+    arguments match the function's parameters; None for "auto" and "none"."""
+    m = mode(request)
+    if m not in ("required", "named"):
+        return None
+    functions = [t.function for t in request.tools]
+    if m == "named":
+        functions = [f for f in functions if f.name == request.tool_choice.function.name]
+    options = [{"type": "object",
+                "properties": {"name": {"const": f.name}, "arguments": f.parameters or {"type": "object"}},
+                "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
+    schema = {**(options[0] if len(options) == 1 else {"anyOf": options}), "x-guidance": _JSON_OPTIONS}
+    several = m == "required" and request.parallel_tool_calls is not False
+    lark = "\n".join([
+        'start: call ("\\n" call)*' if several else "start: call",
+        f"call: {json.dumps(OPEN + chr(10))} body {json.dumps(chr(10) + CLOSE)}",
+        f"body: %json {json.dumps(schema)}",
+    ])
+    return StructuredOutput(grammar=lark)
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str          # JSON text, as OpenAI sends it
+    id: str
+
+    def as_dict(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+    def as_delta(self, index: int) -> dict:
+        return {"index": index, **self.as_dict()}
+
+
+def parse_block(body: str, names: set[str]) -> ToolCall | None:
+    """A block's JSON -> a call of a known function, or None (it stays text)."""
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or value.get("name") not in names:
+        return None
+    args = value.get("arguments", value.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(value["name"], json.dumps(args, ensure_ascii=False), f"call_{uuid.uuid4().hex[:24]}")
+
+
+def parse(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
+    """(content outside the call blocks or None, the calls) of a whole answer."""
+    calls, content, at = [], [], 0
+    for match in _BLOCK.finditer(text):
+        call = parse_block(match.group(1), names)
+        if call is None:
+            continue
+        content.append(text[at : match.start()])
+        calls.append(call)
+        at = match.end()
+    content.append(text[at:])
+    rest = "".join(content).strip() if calls else text
+    return (rest or None), calls
+
+
+class ToolCallStream:
+    """A streamed answer's text -> content deltas and completed calls, as they become certain.
+
+    Text that could still turn out to open a block (a tail that is a prefix of ``<tool_call>``)
+    is held back; a block's text is held until it closes, then sent as a call (or, if it holds
+    no call of a known function, as content)."""
+
+    def __init__(self, names: set[str]):
+        self.names = names
+        self.pending = ""          # received, not yet sent
+        self.calls: list[ToolCall] = []
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
+        """New text -> (content to send, calls completed)."""
+        self.pending += text
+        content, calls = [], []
+        while True:
+            start = self.pending.find(OPEN)
+            if start < 0:
+                keep = 0 if final else _open_prefix_len(self.pending)
+                content.append(self.pending[: len(self.pending) - keep])
+                self.pending = self.pending[len(self.pending) - keep:]
+                break
+            end = self.pending.find(CLOSE, start)
+            if end < 0:
+                content.append(self.pending[:start])
+                self.pending = self.pending[start:]
+                if final:
+                    content.append(self.pending)
+                    self.pending = ""
+                break
+            block_end = end + len(CLOSE)
+            call = parse_block(self.pending[start + len(OPEN) : end].strip(), self.names)
+            if call is None:
+                content.append(self.pending[:block_end])
+            else:
+                content.append(self.pending[:start])
+                calls.append(call)
+            self.pending = self.pending[block_end:]
+        self.calls += calls
+        text_out = "".join(content)
+        if self.calls:   # whitespace between and around calls is not content
+            text_out = text_out.strip() if not text_out.strip() else text_out
+        return text_out, calls
+
+
+def _open_prefix_len(text: str) -> int:
+    """Length of the longest tail of ``text`` that is a proper prefix of ``<tool_call>``."""
+    for k in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if text.endswith(OPEN[:k]):
+            return k
+    return 0
