@@ -15,10 +15,44 @@ from specserve.entrypoints.engine_args import (  # speculative_config_from_args:
 from specserve.training.cli import add_train_draft_parser
 
 
+def structured_output_from_args(args):
+    """--json-schema FILE, --json-object, --regex R, --grammar FILE or --choice S (repeated) -> a
+    StructuredOutput, or None; SystemExit naming the problem (an unreadable file, two at once)."""
+    from specserve import StructuredOutput
+
+    given = {}
+    if args.json_schema is not None:
+        try:
+            with open(args.json_schema, encoding="utf-8") as f:
+                given["json_schema"] = json.load(f)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"error: --json-schema {args.json_schema}: {e}") from None
+    if args.grammar is not None:
+        try:
+            with open(args.grammar, encoding="utf-8") as f:
+                given["grammar"] = f.read()
+        except OSError as e:
+            raise SystemExit(f"error: --grammar {args.grammar}: {e}") from None
+    if args.regex is not None:
+        given["regex"] = args.regex
+    if args.choice:
+        given["choice"] = args.choice
+    if args.json_object:
+        given["json_object"] = True
+    if len(given) > 1:
+        raise SystemExit(f"error: one of --json-schema, --json-object, --regex, --grammar, --choice at a time, got "
+                         f"{', '.join('--' + k.replace('_', '-') for k in given)}")
+    try:
+        return StructuredOutput(**given) if given else None
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
 def cmd_generate(args) -> int:
     from specserve import SamplingParams
 
     params = SamplingParams(
+        structured_output=structured_output_from_args(args),
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
@@ -110,6 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]: per occurrence in the output")
     gen.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages prompt and output tokens")
     gen.add_argument("--json", action="store_true", help="print the output as JSON, token ids included")
+    so = gen.add_argument_group("structured output (one at a time; docs/serving.md)")
+    so.add_argument("--json-schema", metavar="FILE", default=None, help="the output is JSON valid under this schema")
+    so.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    so.add_argument("--regex", metavar="R", default=None, help="the output matches this regular expression")
+    so.add_argument("--grammar", metavar="FILE", default=None, help="the output follows this grammar (Lark or GBNF)")
+    so.add_argument("--choice", action="append", default=None, help="the output is one of these strings (repeatable)")
     gen.add_argument("--stats", action="store_true", help="print speculative-decoding metrics")
     gen.set_defaults(func=cmd_generate)
 

@@ -19,7 +19,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--speculative-model", default=None, help="draft model (anything --model accepts)")
-    p.add_argument("--speculative-method", default=None, choices=["draft_model", "ngram", "eagle", "suffix"])
+    p.add_argument("--speculative-method", default=None, choices=["draft_model", "ngram", "eagle", "suffix", "grammar"],
+                   help="grammar: no proposer, only the forced tokens of constrained requests' grammars as drafts")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="k, draft tokens per step (default: an EAGLE head's own k; suffix: its tree depth, 16; else 4)")
     p.add_argument("--prompt-lookup-max", type=int, default=None, help="ngram: longest suffix to match")
@@ -38,6 +39,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-dynamic-k", action=argparse.BooleanOptionalAction, default=None,
                    help="choose each request's draft length every step from measured costs and acceptance "
                         "(--num-speculative-tokens is the maximum; default: on for ngram and suffix, off otherwise)")
+    p.add_argument("--grammar-drafts", action=argparse.BooleanOptionalAction, default=None,
+                   help="structured output: add the tokens a request's grammar forces to the proposer's drafts "
+                        "(default: on)")
     p.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
                    help="skip drafting in steps with at least this many decoding requests")
     p.add_argument("--draft-tensor-parallel-size", type=int, default=None)
@@ -82,6 +86,7 @@ def speculative_config_from_args(args) -> dict | None:
         "cross_vocab": getattr(args, "speculative_cross_vocab", None),
         "disable_by_batch_size": args.speculative_disable_by_batch_size,
         "dynamic_k": getattr(args, "speculative_dynamic_k", None),
+        "grammar_drafts": getattr(args, "grammar_drafts", None),
     }
     values = {k: v for k, v in values.items() if v is not None}
     if not values:

@@ -46,3 +46,30 @@ def test_speculation_prints_one_summary_line_after_the_answer(tiny_llama_dir, ca
     assert len(line) == 1 and "drafted tokens accepted" in line[0] and "tok/s" in line[0]
     assert main(args) == 0
     assert "[speculation" not in capsys.readouterr().err
+
+
+def test_structured_output_flags(tiny_llama_dir, tmp_path, capsys):
+    """--json-schema FILE, --regex, --grammar FILE, --choice: the answer follows each; two at once,
+    an unreadable file or an invalid constraint is a clear error."""
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+                                  "required": ["n"], "additionalProperties": False}))
+    grammar = tmp_path / "g.gbnf"
+    grammar.write_text('root ::= "x" [0-9] [0-9]')
+    base = ["generate", "answer:", "--model", tiny_llama_dir, "--dtype", "float32", "--max-tokens", "20",
+            "--kv-cache-memory", str(8 << 20), "--temperature", "1.0", "--seed", "3"]
+    checks = [
+        (["--json-schema", str(schema)], lambda t: 0 <= json.loads(t)["n"] <= 9),
+        (["--regex", "[a-c]{3}"], lambda t: len(t) == 3 and set(t) <= set("abc")),
+        (["--grammar", str(grammar), "--speculative-method", "grammar"], lambda t: t[0] == "x" and t[1:].isdigit()),
+        (["--choice", "left", "--choice", "right"], lambda t: t in ("left", "right")),
+    ]
+    for flags, check in checks:
+        assert main(base + flags) == 0
+        assert check(capsys.readouterr().out.splitlines()[0]), flags
+    for flags, message in [(["--regex", "a", "--choice", "a"], "one of --json-schema"),
+                           (["--json-schema", str(tmp_path / "missing.json")], "missing.json")]:
+        with pytest.raises(SystemExit, match=message):
+            main(base + flags)
+    assert main(base + ["--regex", "(a"]) == 2
+    assert "invalid regex" in capsys.readouterr().err
