@@ -1,0 +1,172 @@
+"""JSON extraction under a schema: plain vs constrained vs every proposer, with and without the
+grammar's forced tokens as drafts (issue 43), on the default model.
+
+Each request turns one synthetic record, given as a sentence, into an object of a fixed schema
+(name, age, city, email, a status enum, a list of tags), greedy. Configurations:
+
+- ``plain``: no constraint (the answer is whatever the model writes; its schema validity is
+  counted too);
+- ``constrained``: the schema, plain decoding;
+- ``grammar``: the schema, only the grammar's forced tokens as drafts (method "grammar");
+- ``ngram``, ``suffix``, ``draft``, ``eagle``: the schema, that proposer without forced drafts;
+- ``ngram+forced``, ``suffix+forced``, ``draft+forced``, ``eagle+forced``: with them.
+
+Requests are interleaved (record i on every config, in an order rotated per record, so a slow
+spell of the shared machine hits them alike), in batches of ``--batch-size`` records.
+
+    python benchmarks/json_extraction.py --records 50
+    python benchmarks/json_extraction.py --records 32 --batch-size 16 --configs constrained,grammar,ngram+forced
+
+Printed per config: output tokens/s (wall time of the requests, prefill included), the ratio to
+``constrained``, tau (tokens per decoding step), acceptance rate, schema-valid answers, and the
+grammar's share of the wall time (constraints.prepare, the verifier's masking, after_append and
+the proposers' draft masks, timed around the calls).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import jsonschema
+
+import specserve.engine.constraints as constraints
+import specserve.sample.verify as verify
+import specserve.spec_decode.draft_model as draft_model
+import specserve.spec_decode.eagle as eagle
+from specserve import LLM, SamplingParams, StructuredOutput
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"type": "string", "maxLength": 30},
+        "email": {"type": "string", "maxLength": 60},
+        "status": {"enum": ["active", "inactive", "pending"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 4},
+    },
+    "required": ["name", "age", "city", "email", "status", "tags"],
+    "additionalProperties": False,
+}
+FIRST = ["Maria", "John", "Aiko", "Lars", "Fatima", "Pedro", "Chen", "Olga", "Kwame", "Sofia", "Liam", "Noor"]
+LAST = ["Lopez", "Smith", "Tanaka", "Berg", "Haddad", "Silva", "Wei", "Ivanova", "Mensah", "Rossi", "Walsh", "Khan"]
+CITIES = ["Madrid", "Boston", "Osaka", "Oslo", "Cairo", "Lisbon", "Shanghai", "Kyiv", "Accra", "Rome", "Dublin", "Lahore"]
+TAGS = ["vip", "new", "newsletter", "wholesale", "returning", "priority"]
+STATUS = ["active", "inactive", "pending"]
+
+CONFIGS = {
+    "plain": (None, False),
+    "constrained": (None, True),
+    "grammar": ({"method": "grammar"}, True),
+    "ngram": ({"method": "ngram", "grammar_drafts": False}, True),
+    "ngram+forced": ({"method": "ngram"}, True),
+    "suffix": ({"method": "suffix", "grammar_drafts": False}, True),
+    "suffix+forced": ({"method": "suffix"}, True),
+    "draft": ({"method": "draft_model", "num_speculative_tokens": 4, "grammar_drafts": False}, True),
+    "draft+forced": ({"method": "draft_model", "num_speculative_tokens": 4}, True),
+    "eagle": ({"method": "eagle", "grammar_drafts": False}, True),
+    "eagle+forced": ({"method": "eagle"}, True),
+}
+
+
+def records(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        first, last, city = rng.choice(FIRST), rng.choice(LAST), rng.choice(CITIES)
+        tags = rng.sample(TAGS, rng.randint(0, 3))
+        out.append(f"{first} {last}, {rng.randint(18, 90)} years old, lives in {city}; email "
+                   f"{first.lower()}.{last.lower()}@example.com; account {rng.choice(STATUS)}"
+                   + (f"; tags: {', '.join(tags)}." if tags else "; no tags."))
+    return out
+
+
+def prompt(record: str) -> list[dict]:
+    keys = ", ".join(SCHEMA["properties"])
+    return [{"role": "user", "content": f"Convert this customer record to a JSON object with the keys {keys}:\n{record}"}]
+
+
+class GrammarClock:
+    """Seconds spent in the grammar's calls (wrapped once, module-wide)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        for owner, name in ((constraints.Constraints, "prepare"), (constraints.Constraints, "after_append"),
+                            (verify, "mask_verified_rows"), (draft_model, "mask_draft_rows"),
+                            (eagle, "mask_draft_rows")):
+            setattr(owner, name, self._timed(getattr(owner, name)))
+
+    def _timed(self, fn):
+        def wrapper(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - started
+        return wrapper
+
+
+def valid(text: str) -> bool:
+    try:
+        jsonschema.validate(json.loads(text), SCHEMA)
+        return True
+    except (ValueError, jsonschema.ValidationError):
+        return False
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--records", type=int, default=50)
+    ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args()
+    names = args.configs.split(",")
+    clock = GrammarClock()
+    engines = {}
+    for name in names:
+        spec, _ = CONFIGS[name]
+        engines[name] = LLM(model=args.model, speculative_config=spec) if spec else LLM(model=args.model)
+    tallies = {n: {"tokens": 0, "seconds": 0.0, "grammar": 0.0, "valid": 0, "answers": 0} for n in names}
+    items = records(args.records)
+    batches = [items[i : i + args.batch_size] for i in range(0, len(items), args.batch_size)]
+    for b, batch in enumerate(batches):
+        for name in names[b % len(names):] + names[: b % len(names)]:
+            llm, constrained = engines[name], CONFIGS[name][1]
+            so = StructuredOutput(json_schema=SCHEMA) if constrained else None
+            params = SamplingParams(temperature=0, max_tokens=args.max_tokens, structured_output=so)
+            if b == 0:   # warm: the first request compiles the schema and builds llguidance's tokenizer
+                llm.chat([prompt(batch[0])], params, use_tqdm=False)
+            clock.seconds = 0.0
+            started = time.perf_counter()
+            outs = llm.chat([prompt(r) for r in batch], params, use_tqdm=False)
+            t = tallies[name]
+            t["seconds"] += time.perf_counter() - started
+            t["grammar"] += clock.seconds
+            t["tokens"] += sum(len(o.outputs[0].token_ids) for o in outs)
+            t["valid"] += sum(valid(o.outputs[0].text) for o in outs)
+            t["answers"] += len(outs)
+    base = tallies.get("constrained")
+    print(f"{args.records} records, batch size {args.batch_size}, greedy, max_tokens {args.max_tokens}")
+    print(f"{'config':15s} {'tok/s':>7s} {'vs constrained':>15s} {'tau':>6s} {'accept':>7s} {'valid':>8s} {'grammar':>8s}")
+    rows = {}
+    for name in names:
+        t, stats = tallies[name], engines[name].get_spec_decode_stats()
+        speed = t["tokens"] / t["seconds"]
+        ratio = speed / (base["tokens"] / base["seconds"]) if base else float("nan")
+        d = stats.as_dict()
+        rows[name] = {**t, "tok_per_s": speed, "vs_constrained": ratio, "tau": d["mean_acceptance_length"],
+                      "acceptance_rate": d["acceptance_rate"]}
+        print(f"{name:15s} {speed:7.1f} {ratio:14.2f}x {d['mean_acceptance_length']:6.2f} {d['acceptance_rate']:7.2f} "
+              f"{t['valid']:3d}/{t['answers']:<4d} {t['grammar'] / t['seconds'] * 100:7.1f}%")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"args": vars(args), "configs": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
