@@ -1,0 +1,96 @@
+"""tool_calls.py alone: the <tool_call> blocks parsed whole and streamed in any split, the
+conversation written for templates with and without tools, and the tool_choice grammar."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specserve.entrypoints.openai import tool_calls
+from specserve.entrypoints.openai.protocol import ChatCompletionRequest
+
+NAMES = {"get_weather", "get_time"}
+TWO_CALLS = ('Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>')
+
+
+def request(**kw) -> ChatCompletionRequest:
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in sorted(NAMES)]
+    return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "tools": tools, **kw})
+
+
+def test_parse_takes_known_calls_and_leaves_the_rest():
+    content, calls = tool_calls.parse(TWO_CALLS, NAMES)
+    assert content == "Sure."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}),
+                                                                   ("get_time", {"zone": "CET"})]
+    assert len({c.id for c in calls}) == 2
+    unknown = '<tool_call>\n{"name": "launch", "arguments": {}}\n</tool_call>'
+    assert tool_calls.parse(unknown, NAMES) == (unknown, [])
+    broken = '<tool_call>\n{"name": "get_time", "arguments": {\n</tool_call>'
+    assert tool_calls.parse(broken, NAMES) == (broken, [])
+    assert tool_calls.parse("just text", NAMES) == ("just text", [])
+    cut = '<tool_call>\n{"name": "get_time"'                           # cut by max_tokens: stays text
+    assert tool_calls.parse(cut, NAMES) == (cut, [])
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 7, 50])
+def test_streaming_in_any_split_gives_the_whole_parse(step):
+    stream = tool_calls.ToolCallStream(NAMES)
+    content, calls = "", []
+    pieces = [TWO_CALLS[i : i + step] for i in range(0, len(TWO_CALLS), step)]
+    for i, piece in enumerate(pieces):
+        text, done = stream.feed(piece, final=i == len(pieces) - 1)
+        assert "<" not in text                      # nothing of a block ever leaks into content
+        content += text
+        calls += done
+    whole_content, whole_calls = tool_calls.parse(TWO_CALLS, NAMES)
+    assert content.strip() == whole_content
+    assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in whole_calls]
+
+
+def test_streaming_text_that_only_looks_like_a_block_is_sent_at_the_end():
+    stream = tool_calls.ToolCallStream(NAMES)
+    assert stream.feed("a < b and <tool") == ("a < b and ", [])
+    assert stream.feed("_c", final=True) == ("<tool_c", [])
+
+
+def test_conversation_without_template_tools_writes_the_format():
+    class Plain:
+        chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+
+    req = request(messages=[
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "-3 C"},
+    ])
+    messages, tools = tool_calls.conversation(req, Plain())
+    assert tools is None
+    assert messages[0]["role"] == "system" and '"name": "get_weather"' in messages[0]["content"]
+    assert messages[2]["content"] == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    assert messages[3] == {"role": "user", "content": "<tool_response>\n-3 C\n</tool_response>"}
+    none_messages, _ = tool_calls.conversation(request(tool_choice="none"), Plain())
+    assert [m["role"] for m in none_messages] == ["user"]
+
+
+def test_conversation_with_template_tools_passes_them_and_decodes_arguments():
+    class TakesTools:
+        chat_template = "{% for t in tools %}{{ t }}{% endfor %}"
+
+    req = request(messages=[{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}]}])
+    messages, tools = tool_calls.conversation(req, TakesTools())
+    assert [t["function"]["name"] for t in tools] == sorted(NAMES)
+    assert messages[0]["tool_calls"][0]["function"]["arguments"] == {"zone": "UTC"}
+
+
+def test_the_constraint_by_tool_choice():
+    assert tool_calls.constraint(request()) is None                                     # auto
+    assert tool_calls.constraint(request(tool_choice="none")) is None
+    several = tool_calls.constraint(request(tool_choice="required")).grammar
+    assert several.startswith('start: call ("\\n" call)*') and "get_time" in several and "get_weather" in several
+    one = tool_calls.constraint(request(tool_choice="required", parallel_tool_calls=False)).grammar
+    assert one.startswith("start: call\n")
+    named = tool_calls.constraint(request(tool_choice={"type": "function", "function": {"name": "get_time"}})).grammar
+    assert "get_time" in named and "get_weather" not in named and named.startswith("start: call\n")
