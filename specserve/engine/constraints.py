@@ -45,9 +45,10 @@ logger = logging.getLogger(__name__)
 
 class Constraints:
     def __init__(self, tokenizer, vocab_size: int, eos_token_id: int | None, grammar_drafts: bool,
-                 limits: GrammarLimits | None = None):
+                 limits: GrammarLimits | None = None, disable_by_batch_size: int | None = None):
         self.compiler = GrammarCompiler(tokenizer, vocab_size, eos_token_id, limits)
         self.grammar_drafts = grammar_drafts
+        self.disable_by_batch_size = disable_by_batch_size   # SpeculativeConfig's: no forced drafts either
 
     def check(self, params: SamplingParams) -> None:
         """Compile the constraint (cached); raises InvalidConstraintError, a ValueError, naming
@@ -66,12 +67,14 @@ class Constraints:
         (``reserved``: each request's lookahead slots before drafting, the room for forced
         drafts). A grammar that runs out of a limit here ends its request ("length": its last
         token is the end of sequence); one that fails otherwise fails alone in verification."""
+        limit = self.disable_by_batch_size
+        forced = self.grammar_drafts and (limit is None or sum(r > 0 for r in reserved) < limit)
         for s, room in zip(scheduled, reserved):
             req = s.request
             if req.grammar is None or not s.will_sample:
                 continue
             try:
-                fit_drafts(req, room if self.grammar_drafts else 0)
+                fit_drafts(req, room if forced else 0)
             except GrammarLimitError as e:
                 logger.warning("request %s: %s; it ends here (finish_reason length)", req.request_id, e)
                 req.clear_drafts()

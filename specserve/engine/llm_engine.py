@@ -95,7 +95,8 @@ class LLMEngine:
         self._seed_rng = torch.Generator().manual_seed(config.seed)
         self.eos_token_id = self.tokenizer.eos_token_id
         self.constraints = Constraints(self.tokenizer, self.vocab_size, self.eos_token_id,
-                                       grammar_drafts=bool(spec_config and spec_config.grammar_drafts))
+                                       grammar_drafts=bool(spec_config and spec_config.grammar_drafts),
+                                       disable_by_batch_size=spec_config.disable_by_batch_size if spec_config else None)
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:

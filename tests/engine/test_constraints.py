@@ -125,6 +125,14 @@ def test_forced_drafts_fill_the_lookahead(tiny_llama_dir, plain):
     assert len(out.token_ids) > stats.num_steps + 4     # fewer steps than tokens
 
 
+def test_no_forced_drafts_where_speculation_is_disabled_by_batch_size(tiny_llama_dir, plain):
+    _, expected = plain
+    llm = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=256, kv_cache_memory=8 << 20,
+              speculative_config={"method": "grammar", "num_speculative_tokens": K, "disable_by_batch_size": 1})
+    out = llm.generate(PROMPT, constrained(), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == expected.token_ids and llm.get_spec_decode_stats().num_draft_tokens == 0
+
+
 def test_a_constraint_that_cannot_finish_ends_with_length(tiny_llama_dir):
     llm = make(tiny_llama_dir)
     out = llm.generate(PROMPT, constrained(max_tokens=5), use_tqdm=False)[0].outputs[0]
