@@ -81,6 +81,7 @@ class CrossVocabProposer(Proposer):
         self.mapping = mapping
         self.method = method
         self.twins = mapping.same_tokens
+        self.identical = mapping.identical          # (properties that compare whole vocabularies: once)
         self.target_text = TokenText(target_tokenizer, mapping.target)
         self.draft_text = TokenText(draft_tokenizer, mapping.draft)
         self.blocks = KVCacheManager(num_blocks, block_size)
@@ -208,7 +209,7 @@ class CrossVocabProposer(Proposer):
         choice = choose_tokens(rows, params, generators)
         done = set()
         for row, (i, token) in enumerate(zip(active, choice.tokens)):
-            twin = self.mapping.target_to_draft[token]
+            twin = token if self.identical else self.mapping.target_to_draft[token]
             drafts[i].append(token)
             if not params[row].greedy:
                 probs[i].append(choice.probs[row])                             # [V_target]
@@ -218,7 +219,10 @@ class CrossVocabProposer(Proposer):
         return done
 
     def target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
-        """[R, V_draft] -> [R, V_target]: each shared token's logit at its target twin, -inf elsewhere."""
+        """[R, V_draft] -> [R, V_target]: each shared token's logit at its target twin, -inf elsewhere
+        (identical vocabularies: the same row, an id is the same token in both)."""
+        if self.identical:
+            return draft_logits
         out = draft_logits.new_full((draft_logits.shape[0], self.target_vocab), float("-inf"))
         out[:, self.shared_target] = draft_logits.index_select(1, self.shared_draft)
         return out
