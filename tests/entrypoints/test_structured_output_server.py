@@ -132,7 +132,7 @@ def test_parallel_calls_streamed(client):
     """Several calls in one answer, each a delta.tool_calls entry with its index; the end of
     sequence is pushed down so that the random model goes on to a second call."""
     found = 0
-    for seed in range(6):
+    for seed in range(2):     # seed 0 makes ten calls, seed 1 one (when written)
         stream = chat(client, seed=seed, tools=TOOLS, tool_choice="required", stream=True, logit_bias={"2": -2},
                       max_tokens=400)
         calls: dict[int, dict] = {}
