@@ -497,16 +497,26 @@ def test_greedy_equals_plain_under_preemption(prompts, ref, truncated_draft_dir,
 
 
 # ------------------------------------------------------------------ configuration errors
-def test_vocabulary_mismatch_is_a_clear_error(tmp_path, shared_weights):
+def test_vocabulary_mismatch_selects_the_cross_vocabulary_path(tmp_path, shared_weights, caplog):
+    """A draft whose vocabulary differs from the target's (here 1,000 ids against 49,152) is no
+    longer refused: the start-up check selects the cross-vocabulary path and says so in a log line
+    naming both sizes (docs/speculative_decoding.md; its own tests are tests/spec_decode/)."""
+    import logging
+
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specserve.spec_decode.cross_vocab import CrossVocabProposer
 
     config = LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024)
     LlamaForCausalLM(config).save_pretrained(tmp_path)
     shared_weights(None, torch.float32, load_weights=False).tokenizer.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"1000.*49152|49152.*1000"):
-        LLM(dtype="float32", max_model_len=128, kv_cache_memory=12 * BYTES_PER_BLOCK_FP32,
-            speculative_model=str(tmp_path), num_speculative_tokens=2)
+    with caplog.at_level(logging.INFO, logger="specserve.spec_decode.checks"):
+        llm = LLM(dtype="float32", max_model_len=128, kv_cache_memory=12 * BYTES_PER_BLOCK_FP32,
+                  speculative_model=str(tmp_path), num_speculative_tokens=2)
+    assert isinstance(llm.engine.proposer, CrossVocabProposer)
+    assert any("across vocabularies" in r.getMessage() and "1000" in r.getMessage() and "49152" in r.getMessage()
+               for r in caplog.records)
 
 
 @pytest.mark.parametrize("k", [0, -1, 100])
