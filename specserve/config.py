@@ -95,7 +95,7 @@ class SpeculativeConfig:
     # draft_model: a draft whose tokenizer differs from the target's drafts across vocabularies
     # (spec_decode/cross_vocab.py): "slem" (its text tokenized again for the target, one-hot
     # drafts) or "tli" (its distribution kept on the tokens both vocabularies spell alike, moved to
-    # target ids). Both are lossless at every temperature. None: "slem" when the vocabularies
+    # target ids). Both are lossless at every temperature. None: "tli" when the vocabularies
     # differ (docs/speculative_decoding.md, "Drafts with another tokenizer", says why), the plain
     # draft model when they are the same; naming a method forces that path on any draft.
     cross_vocab: str | None = None

@@ -53,7 +53,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-cross-vocab", choices=SpeculativeConfig.CROSS_VOCAB_METHODS, default=None,
                    help="draft_model: how a draft with another tokenizer drafts (slem: its text tokenized again "
                         "for the target; tli: its distribution on the tokens both vocabularies share); default: "
-                        "slem when the tokenizers differ; naming one forces it on any draft")
+                        "tli when the tokenizers differ; naming one forces it on any draft")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of earlier requests' identical prefixes (default: on; off with EAGLE)")
     p.add_argument("--int8-activations", action=argparse.BooleanOptionalAction, default=False,
