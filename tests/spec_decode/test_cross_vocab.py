@@ -105,6 +105,14 @@ def test_seeded_samples_equal_plain_samples(tiny_llama_dir, plain, sp_draft, pro
     assert llm.get_spec_decode_stats().num_draft_tokens > 0
 
 
+@pytest.mark.parametrize("method", ["slem", "tli"])
+def test_a_draft_vocabulary_cut_to_its_first_ids(tiny_llama_dir, plain, sp_draft, prompts, method):
+    """``draft_vocab_size`` keeps the draft's LM head to its first ids (the rest is never drafted)."""
+    llm = speculative(tiny_llama_dir, sp_draft, method, draft_vocab_size=300)
+    assert generate(llm, prompts, GREEDY) == generate(plain, prompts, GREEDY)
+    assert llm.get_spec_decode_stats().num_draft_tokens > 0
+
+
 def test_the_default_method_and_a_same_vocabulary_draft(tiny_llama_dir, tiny_draft_dir, sp_draft):
     assert speculative(tiny_llama_dir, sp_draft, None).engine.proposer.method == cross_vocab.DEFAULT_METHOD
     assert isinstance(speculative(tiny_llama_dir, tiny_draft_dir, None).engine.proposer, DraftModelProposer)
