@@ -11,21 +11,16 @@ from __future__ import annotations
 
 import pytest
 
-from specserve import LLM, SamplingParams, catalog
+from specserve import LLM, SamplingParams
 from specserve.spec_decode.cross_vocab import CrossVocabProposer
+
+from catalog_files import installed_file
 
 GEMMA = "gemma-3-270m"
 
 
-def _gemma_path() -> str | None:
-    try:
-        return catalog.ensure_file(catalog.lookup(GEMMA))
-    except (ValueError, OSError):
-        return None
-
-
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread"),
-              pytest.mark.skipif(_gemma_path() is None, reason=f"the {GEMMA} packages are not installed (docs/models.md)")]
+              pytest.mark.skipif(installed_file(GEMMA) is None, reason=f"the {GEMMA} packages are not installed (docs/models.md)")]
 
 KW = dict(max_model_len=1024, kv_cache_memory=64 << 20)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40)

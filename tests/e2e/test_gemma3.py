@@ -13,20 +13,15 @@ import os
 import pytest
 import torch
 
-from specserve import LLM, SamplingParams, catalog
+from specserve import LLM, SamplingParams
+
+from catalog_files import installed_file
 
 NAME = "gemma-3-270m"
 
 
-def _path() -> str | None:
-    try:
-        return catalog.ensure_file(catalog.lookup(NAME))
-    except (ValueError, OSError):
-        return None
-
-
 pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(_path() is None, reason=f"the {NAME} packages are not installed (docs/models.md)")]
+              pytest.mark.skipif(installed_file(NAME) is None, reason=f"the {NAME} packages are not installed (docs/models.md)")]
 
 WINDOW = 512
 
@@ -48,7 +43,7 @@ def test_greedy_tokens_equal_transformers_on_the_same_file_past_the_window(long_
     pytest.importorskip("accelerate", reason="transformers needs accelerate to read a GGUF file")
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    path = _path()
+    path = installed_file(NAME)
     folder, filename = os.path.split(path)
     llm = LLM(model=NAME, dtype="float32", max_model_len=2048, kv_cache_memory=1 << 27)
     tok = llm.engine.tokenizer

@@ -10,23 +10,16 @@ import gc
 
 import pytest
 
-from specserve import LLM, SamplingParams, catalog
+from specserve import LLM, SamplingParams
+from catalog_files import installed_file
 from test_spec_decode import _chi_square_p, _second_tokens
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 
 
-def _installed(name: str) -> bool:
-    try:
-        catalog.ensure_file(catalog.lookup(name))
-        return True
-    except (ValueError, OSError):
-        return False
-
-
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not (_installed(TARGET) and _installed(DRAFT)),
+    pytest.mark.skipif(not (installed_file(TARGET) and installed_file(DRAFT)),
                        reason=f"the {TARGET} / {DRAFT} packages are not installed (see docs/real_models.md)"),
 ]
 
