@@ -118,12 +118,15 @@ def llama_server_exe(bin_dir: str | None) -> str:
 
 
 def start_llama_server(exe: str, model_path: str, threads: int, ctx_size: int, slots: int = 1,
-                       log=subprocess.DEVNULL, timeout_s: float = 600) -> tuple[subprocess.Popen, str]:
-    """Start ``llama-server`` on a free local port and wait until ``/health`` answers: ``(process, base URL)``."""
+                       log=subprocess.DEVNULL, timeout_s: float = 600,
+                       extra_args: list[str] = ()) -> tuple[subprocess.Popen, str]:
+    """Start ``llama-server`` on a free local port and wait until ``/health`` answers: ``(process, base URL)``.
+
+    ``extra_args`` go on its command line as they are (for example ``-md DRAFT.gguf``)."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen([exe, "-m", model_path, "-t", str(threads), "-c", str(ctx_size), "-np", str(slots),
-                             "--port", str(port), "--host", "127.0.0.1"], stdout=log, stderr=log)
+                             "--port", str(port), "--host", "127.0.0.1", *extra_args], stdout=log, stderr=log)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
