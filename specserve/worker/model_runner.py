@@ -35,6 +35,11 @@ class ForwardInput:
     # last cached token). Token i's K/V still fills slot start_position + i, but it sits at
     # position start_position + depth and attends to its ancestors only. None = a chain.
     tree_parents: list[int] | None = None
+    # A tree grown over several forwards (a draft's): the first tree_cached entries of
+    # tree_parents are nodes already in the cache, in slots start_position - tree_cached ..
+    # start_position - 1; tree_parents then covers them and token_ids (indices count from the
+    # tree's first slot), and every position is that slot + depth.
+    tree_cached: int = 0
 
 
 @dataclass
@@ -117,6 +122,7 @@ class ModelRunner:
         positions: list[int] = []
         logit_indices: list[int] = []
         tree_masks: list[list[int] | None] | None = None
+        tree_back: list[int] = [0] * len(inputs)
         for b, inp in enumerate(inputs):
             first = len(token_ids)
             n = len(inp.token_ids)
@@ -125,9 +131,12 @@ class ModelRunner:
                 positions.extend(range(inp.start_position, inp.start_position + n))
             else:
                 depths, masks = tree_layout(inp.tree_parents)
-                positions.extend(inp.start_position + d for d in depths)
+                assert len(depths) == inp.tree_cached + n, "tree_parents covers the cached nodes and the new"
+                tree_start = inp.start_position - inp.tree_cached
+                positions.extend(tree_start + d for d in depths[inp.tree_cached:])
                 tree_masks = tree_masks or [None] * len(inputs)
-                tree_masks[b] = masks
+                tree_masks[b] = masks[inp.tree_cached:]
+                tree_back[b] = inp.tree_cached
             logit_indices.extend(range(first + n - inp.num_logits, first + n))
         meta = AttentionMetadata.build(
             query_lens=[len(i.token_ids) for i in inputs],
@@ -138,6 +147,7 @@ class ModelRunner:
             dtype=self.dtype,
             cache_dtype=self.kv_cache_dtype,
             tree_masks=tree_masks,
+            tree_back=tree_back,
         )
         ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)

@@ -23,7 +23,11 @@ A verification run may also be a *tree* of drafts (several continuations
 sharing prefixes, verified at once): its new tokens come with their parents
 (``tree_parents``) and each attends to the cached context, its ancestors and
 itself only; ``tree_layout`` turns parents into depths (for positions) and
-ancestor masks.
+ancestor masks. A draft growing a tree over several forwards has the tree's
+earlier nodes cached: a request's tree may start ``back`` slots before its
+first new token (``tree_back``), and its masks' bits then count from there.
+Masks are Python integers of any width: a tree may hold any number of nodes
+(the kernel reads them as 32-bit words, as many as the widest tree needs).
 
 Two per-call options serve model families beyond Llama, exactly as Hugging Face
 transformers computes them: ``sliding_window`` W (Mistral; Gemma 2/3's local layers,
@@ -147,7 +151,8 @@ class ContextGroup:
     uniform: bool                     # every request has max_query_len new tokens: no padding needed
     fresh: bool                       # ... and nothing cached before them: plain causal attention
     mask_dtype: torch.dtype
-    tree_allowed: torch.Tensor | None = None  # [B_g, max_q, max_q] bool: row i may see new token j
+    tree_allowed: torch.Tensor | None = None  # [B_g, max_q, span] bool: row i may see tree slot j
+    tree_back: torch.Tensor | None = None     # [B_g] the tree's first slot, back from the first new slot
     _grouped_masks: dict = field(default_factory=dict, repr=False)
     _context_buffers: dict = field(default_factory=dict, repr=False)
 
@@ -193,37 +198,47 @@ class ContextGroup:
         allowed = ((k_pos[None, None, :] <= q_pos[:, :, None])
                    & (k_pos[None, None, :] < self.context_lens[:, None, None]))               # [B_g, max_q, S]
         max_q = self.max_query_len
+        k_abs = k_pos[None, None, :]                                                    # [1, 1, S]
+        q_abs = q_pos                                                                   # [B_g, max_q]
         if self.tree_allowed is not None:
-            rel = k_pos[None, :] - q_pos[:, :1]                                         # [B_g, S] slot - first new slot
-            is_new = (rel >= 0) & (rel < max_q)
-            new_index = rel.clamp(0, max_q - 1)                                         # [B_g, S]
-            seen = self.tree_allowed.gather(2, new_index[:, None, :].expand(-1, max_q, -1))
-            allowed &= ~is_new[:, None, :] | seen
+            span = self.tree_allowed.shape[2]
+            tree_start = q_pos[:, :1] - self.tree_back[:, None]                         # [B_g, 1]
+            rel = k_pos[None, :] - tree_start                                           # [B_g, S] slot - tree start
+            in_tree = (rel >= 0) & (rel < span)
+            tree_index = rel.clamp(0, span - 1)[:, None, :].expand(-1, max_q, -1)       # [B_g, max_q, S]
+            seen = self.tree_allowed.gather(2, tree_index)
+            allowed &= ~in_tree[:, None, :] | seen
+            # Absolute positions are the slots, except for a tree's nodes: tree start + depth; an
+            # ancestor's depth is the number of the row's mask bits below it (parents come first).
+            depth = self.tree_allowed.sum(-1) - 1               # [B_g, max_q]; a causal request's rows: 0, 1, ...
+            q_abs = tree_start + depth
+            below = self.tree_allowed.cumsum(-1) - self.tree_allowed.long()             # [B_g, max_q, span]
+            k_abs = torch.where(in_tree[:, None, :], tree_start[:, :, None] + below.gather(2, tree_index),
+                                k_pos[None, None, :])                                   # [B_g, max_q, S]
         if window is not None:
-            # Absolute positions are the slots, except for a tree's nodes: first new slot + depth.
-            q_abs, k_abs = q_pos, k_pos[None, :]                                        # [B_g, max_q], [1, S]
-            if self.tree_allowed is not None:
-                depth = self.tree_allowed.sum(-1) - 1           # [B_g, max_q]; a causal request's rows: 0, 1, ...
-                q_abs = q_pos[:, :1] + depth
-                k_abs = k_pos[None, :] - torch.where(is_new, rel - depth.gather(1, new_index), 0)   # [B_g, S]
-            allowed &= k_abs[:, None, :] > q_abs[:, :, None] - window   # transformers: kv_idx > q_idx - window
+            allowed &= k_abs > q_abs[:, :, None] - window       # transformers: kv_idx > q_idx - window
         return allowed
 
     @classmethod
     def build(cls, query_lens: list[int], context_lens: list[int], table: torch.Tensor, block_size: int,
               token_index: torch.Tensor | None, device: torch.device, dtype: torch.dtype,
-              tree_masks: list[list[int] | None] | None = None) -> "ContextGroup":
+              tree_masks: list[list[int] | None] | None = None,
+              tree_back: list[int] | None = None) -> "ContextGroup":
         """table: [B_g, max_blocks] block ids covering each request's context; tree_masks:
-        per request the ancestor bitmasks of its new tokens (``tree_layout``), None = causal."""
+        per request the ancestor bitmasks of its new tokens (``tree_layout``), None = causal;
+        tree_back: per request, its tree's first slot back from its first new slot (None: 0)."""
         num_reqs = len(query_lens)
         max_q = max(query_lens)
-        tree_allowed = None
+        tree_allowed = back = None
         if tree_masks is not None and any(m is not None for m in tree_masks):
-            bits = torch.arange(max_q)
-            tree_allowed = torch.ones(num_reqs, max_q, max_q, dtype=torch.bool).tril_()
+            backs = [0 if tree_back is None or m is None else tree_back[b] for b, m in enumerate(tree_masks)]
+            span = max(max_q, max(backs[b] + query_lens[b] for b in range(num_reqs)))
+            tree_allowed = torch.zeros(num_reqs, max_q, span, dtype=torch.bool)
+            tree_allowed[:, :, :max_q] = torch.ones(max_q, max_q, dtype=torch.bool).tril_()
             for b, masks in enumerate(tree_masks):
                 if masks is not None:
-                    tree_allowed[b, : len(masks)] = (torch.tensor(masks)[:, None] >> bits[None, :]) & 1 == 1
+                    tree_allowed[b, : len(masks)] = _mask_bits(masks, span)
+            back = torch.tensor(backs, dtype=torch.long)
         q_lens = torch.tensor(query_lens, dtype=torch.long)
         ctx_lens = torch.tensor(context_lens, dtype=torch.long)
         req_of_token = torch.repeat_interleave(torch.arange(num_reqs), q_lens)  # [T_g]
@@ -242,7 +257,21 @@ class ContextGroup:
             fresh=tree_allowed is None and all(n == max_q == c for n, c in zip(query_lens, context_lens)),
             mask_dtype=dtype,
             tree_allowed=tree_allowed,
+            tree_back=back,
         )
+
+
+def _mask_bits(masks: list[int], span: int) -> torch.Tensor:
+    """[len(masks), span] bool: bit j of each (arbitrarily wide) mask."""
+    words = _mask_words(masks, -(-span // 32))                                  # [n, W] int64 of 32 bits
+    bits = torch.arange(span)
+    return (words[:, bits // 32] >> (bits % 32)[None, :]) & 1 == 1
+
+
+def _mask_words(masks: list[int], num_words: int) -> torch.Tensor:
+    """[len(masks), num_words] int64: each mask cut into 32-bit words, lowest first."""
+    return torch.tensor([[(m >> (32 * u)) & 0xFFFFFFFF for u in range(num_words)] for m in masks],
+                        dtype=torch.long).reshape(len(masks), num_words)
 
 
 @dataclass
@@ -253,7 +282,7 @@ class KernelInputs:
     query_start: torch.Tensor    # [B_k] int64: first row of each request's new tokens in the flat batch
     query_lens: torch.Tensor     # [B_k] int64
     context_lens: torch.Tensor   # [B_k] int64
-    tree_masks: torch.Tensor | None = None  # [T] int32 ancestor bitmask per row (trees in the step), else None
+    tree_masks: torch.Tensor | None = None  # int32 tree descriptor (trees in the step: ``_tree_descriptor``), else None
 
 
 @dataclass
@@ -291,13 +320,16 @@ class AttentionMetadata:
         dtype: torch.dtype = torch.float32,
         cache_dtype: torch.dtype | None = None,
         tree_masks: list[list[int] | None] | None = None,
+        tree_back: list[int] | None = None,
     ) -> "AttentionMetadata":
         """query_lens[b] new tokens of request b fill slots context_lens[b] - query_lens[b] ..
         context_lens[b] - 1. ``dtype`` is the queries' dtype, ``cache_dtype`` the KV cache's
-        (default: the same). ``tree_masks[b]``: request b's new tokens form a tree with these
-        ancestor bitmasks (``tree_layout``); None (or a None entry) = causal."""
+        (default: the same). ``tree_masks[b]``: request b's new tokens are nodes of a tree with
+        these ancestor bitmasks (``tree_layout``; bit j = the tree's slot j); None (or a None
+        entry) = causal. ``tree_back[b]``: the tree starts that many slots before request b's
+        first new token (its earlier nodes cached; None: 0, the new tokens are the tree)."""
         if tree_masks is not None and all(m is None for m in tree_masks):
-            tree_masks = None
+            tree_masks = tree_back = None
         # Slot of every new token (positions ctx - q_len .. ctx - 1 of its request).
         slots: list[int] = []
         token_start: list[int] = []
@@ -312,23 +344,32 @@ class AttentionMetadata:
                 query_start=torch.tensor(token_start, dtype=torch.long),
                 query_lens=torch.tensor(query_lens, dtype=torch.long),
                 context_lens=torch.tensor(context_lens, dtype=torch.long),
-                tree_masks=None if tree_masks is None else _row_masks(tree_masks, query_lens),
+                tree_masks=None if tree_masks is None else _tree_descriptor(tree_masks, tree_back, query_lens),
             )
         return cls(
             slot_mapping=torch.tensor(slots, dtype=torch.long).to(device),
             kernel=kernel,
             _group_args=(len(query_lens), query_lens, context_lens, token_start, block_tables,
-                         block_size, device, dtype, tree_masks),
+                         block_size, device, dtype, tree_masks, tree_back),
         )
 
 
-def _row_masks(tree_masks: list[list[int] | None], query_lens: list[int]) -> torch.Tensor:
-    """[T] int32: each new token's ancestor bitmask; rows of causal requests see all bits
-    (the kernel's causal limit already stops them at themselves)."""
+# tree_back of a request without a tree in a step with trees (the kernel's NO_TREE).
+_NO_TREE = 0xFFFFFFFF
+
+
+def _tree_descriptor(tree_masks: list[list[int] | None], tree_back: list[int] | None,
+                     query_lens: list[int]) -> torch.Tensor:
+    """The kernel's int32 tree buffer (cpu_kernels/paged_attention.c's header): [W, back per
+    request (NO_TREE: causal), each row's mask in W 32-bit words]; W fits the widest tree."""
+    backs = [_NO_TREE if m is None else (0 if tree_back is None else tree_back[b]) for b, m in enumerate(tree_masks)]
+    widest = max(m.bit_length() for masks in tree_masks if masks is not None for m in masks)
+    words = max(1, -(-widest // 32))
     rows: list[int] = []
     for masks, q_len in zip(tree_masks, query_lens):
-        rows.extend(masks if masks is not None else [-1] * q_len)
-    return torch.tensor([m - (1 << 32) if m >= 1 << 31 else m for m in rows], dtype=torch.int32)
+        rows.extend(masks if masks is not None else [0] * q_len)
+    flat = torch.cat([torch.tensor([words] + backs, dtype=torch.long), _mask_words(rows, words).view(-1)])
+    return torch.where(flat >= 1 << 31, flat - (1 << 32), flat).to(torch.int32)
 
 
 def _padded_block_table(block_tables: list[list[int]], members: list[int], context_lens: list[int],
@@ -342,7 +383,7 @@ def _padded_block_table(block_tables: list[list[int]], members: list[int], conte
 
 
 def _build_groups(num_requests, query_lens, context_lens, token_start, block_tables,
-                  block_size, device, dtype, tree_masks) -> list[ContextGroup]:
+                  block_size, device, dtype, tree_masks, tree_back) -> list[ContextGroup]:
     """Context groups over the step's requests."""
     if not num_requests:
         return []
@@ -359,6 +400,7 @@ def _build_groups(num_requests, query_lens, context_lens, token_start, block_tab
             [query_lens[b] for b in members], [context_lens[b] for b in members],
             table, block_size, token_index, device, dtype,
             None if tree_masks is None else [tree_masks[b] for b in members],
+            None if tree_back is None else [tree_back[b] for b in members],
         ))
     return groups
 

@@ -81,7 +81,7 @@ def paged_attention_cpu(
     query_lens: torch.Tensor,    # [B] int64
     context_lens: torch.Tensor,  # [B] int64 (new tokens included)
     scale: float,
-    tree_masks: torch.Tensor | None = None,  # [T] int32: bit j = row may see new token j of its request
+    tree_masks: torch.Tensor | None = None,  # int32 tree descriptor (attention._tree_descriptor), or None
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
@@ -106,7 +106,9 @@ def paged_attention_cpu(
             context_lens.data_ptr(), num_reqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale)
     masks = None
     if tree_masks is not None:
-        assert tree_masks.dtype == torch.int32 and tree_masks.is_contiguous() and tree_masks.shape[0] == q.shape[0]
+        words = int(tree_masks[0])
+        assert tree_masks.dtype == torch.int32 and tree_masks.is_contiguous()
+        assert tree_masks.shape[0] == 1 + num_reqs + q.shape[0] * words
         masks = tree_masks.data_ptr()
     write = (None, 0, None, 0, None)
     if new_kv is not None:

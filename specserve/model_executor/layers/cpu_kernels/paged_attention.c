@@ -18,18 +18,26 @@
  *   query_start  [B]      request b's first new token is row query_start[b] of q and out
  *   query_lens   [B]      ... and it has query_lens[b] new tokens
  *   context_lens [B]      tokens in the cache for request b, its new tokens included
- *   tree_masks   [T] uint32, or NULL: row t may attend new token j of its request iff bit j
- *                is set (a tree of drafts: a node sees its ancestors and itself)
+ *   tree         uint32 words, or NULL: trees of drafts in the step, laid out as
+ *                  tree[0]          W, the 32-bit words of one row's mask
+ *                  tree[1 + b]      back[b]: request b's tree starts back[b] slots before its
+ *                                   first new slot (0: its new tokens are the whole tree; a
+ *                                   draft growing a tree over several forwards has the
+ *                                   earlier nodes cached)
+ *                  tree[1 + B + t*W .. +W]  row t's mask: bit j = it may see slot tree_start + j
+ *                                   (tree_start = its first new slot - back); a node sees its
+ *                                   ancestors and itself; back = 0xffffffff (NO_TREE): a
+ *                                   causal request (its rows' words are not read)
  * New token i of request b sits in slot context_len - q_len + i and attends to slots
- * 0 .. that slot (causal), except that with tree_masks it sees only the new tokens
- * its mask allows (every cached token before the new ones is visible).
+ * 0 .. that slot (causal), except that with a tree it sees only the tree slots its mask
+ * allows (every slot before the tree is visible). A tree has at most 32 * W nodes.
  *
  * Per call (per layer: Gemma's local and global layers differ), as Hugging Face
  * transformers computes them:
  *   sliding_window W > 0  a row at absolute position p sees key position j only if
  *                         p - j < W (masking_utils.sliding_window_overlay:
  *                         kv_idx > q_idx - W), so W keys at most, itself included. A tree
- *                         node's position is the first new slot + its depth (depth =
+ *                         node's position is tree_start + its depth (depth =
  *                         popcount(mask) - 1), and its ancestors have theirs: the window is
  *                         applied exactly, to the cached keys and to the ancestors alike.
  *                         Keys before a row's window are never read (long contexts get
@@ -297,35 +305,49 @@ static void softmax_in_place(float *s, int64_t n) {
     for (; j < n; j++) s[j] *= inv;
 }
 
-/* Bit (j - new_start) of allowed says whether key j >= new_start may be seen. */
-static inline int key_allowed(int64_t j, int64_t new_start, uint32_t allowed) {
-    return j < new_start || ((allowed >> (j - new_start)) & 1u);
+/* Bit (j - tree_start) of the W-word mask `allowed` says whether key j >= tree_start may be seen. */
+static inline int key_allowed(int64_t j, int64_t tree_start, const uint32_t *allowed) {
+    if (j < tree_start) return 1;
+    const int64_t m = j - tree_start;
+    return (allowed[m >> 5] >> (m & 31)) & 1u;
 }
 
-/* softmax_in_place for a node of a tree of drafts: keys j >= new_start that `allowed`
+/* Whether bits 0 .. span - 1 of the W-word mask are all set. */
+static inline int all_bits_set(const uint32_t *allowed, int64_t span) {
+    for (int64_t m = 0; m < span; m += 32) {
+        const int64_t bits = span - m < 32 ? span - m : 32;
+        const uint32_t all = bits == 32 ? 0xffffffffu : (1u << bits) - 1u;
+        if ((allowed[m >> 5] & all) != all) return 0;
+    }
+    return 1;
+}
+
+/* softmax_in_place for a node of a tree of drafts: keys j >= tree_start that `allowed`
  * leaves out (other branches) get weight 0. The allowed keys are packed into `packed`
  * (room for n floats) and go through softmax_in_place itself, so they get exactly the bits
  * of the same branch verified as a chain; the value sums that follow add the zeros
  * exactly, so the whole row equals the chain's. */
-static void softmax_in_place_masked(float *s, int64_t n, int64_t new_start, uint32_t allowed, float *packed) {
-    const int64_t span = n - new_start;
-    const uint32_t all = span >= 32 ? 0xffffffffu : (1u << span) - 1u;
-    if (span <= 0 || (allowed & all) == all) {
+static void softmax_in_place_masked(float *s, int64_t n, int64_t tree_start, const uint32_t *allowed, float *packed) {
+    const int64_t span = n - tree_start;
+    if (span <= 0 || all_bits_set(allowed, span)) {
         softmax_in_place(s, n);
         return;
     }
     int64_t kept = 0;
     for (int64_t j = 0; j < n; j++)
-        if (key_allowed(j, new_start, allowed)) packed[kept++] = s[j];
+        if (key_allowed(j, tree_start, allowed)) packed[kept++] = s[j];
     softmax_in_place(packed, kept);
     for (int64_t j = n - 1; j >= 0; j--)
-        s[j] = key_allowed(j, new_start, allowed) ? packed[--kept] : 0.0f;
+        s[j] = key_allowed(j, tree_start, allowed) ? packed[--kept] : 0.0f;
 }
 
 /* A request's new tokens are attended in tiles of this many (trees of drafts: whole), so a
  * long prefill chunk is shared out over the threads like many short requests. A row's bits
  * do not depend on its tile. */
 #define TILE_TOKENS 32
+
+/* tree[1 + b] of a request without a tree in a step with trees. */
+#define NO_TREE 0xffffffffu
 
 /* Scratch for one work unit (request, KV head, tile), sized for the largest unit of the call. */
 typedef struct {
@@ -335,7 +357,7 @@ typedef struct {
     float **out_row;      /* [rows] where each row's output goes */
     int64_t *first_key;   /* [rows] first slot each row may attend to: 0, or its sliding window's start */
     int64_t *last_key;    /* [rows] last slot each row may attend to */
-    uint32_t *allowed;    /* [rows] the new tokens each row may attend to (tree_masks), or all */
+    uint32_t *allowed;    /* [q_len, W] the tree slots each new token may attend to (its mask) */
     float *packed;        /* [ctx] a tree row's allowed scores, packed (softmax_in_place_masked) */
 } Scratch;
 
@@ -369,26 +391,29 @@ ALWAYS_INLINE void weigh_values(const float *const *p, const int R, const int V,
 }
 
 /* The first key a row may see under a sliding window of `window` keys (it sees key position j
- * iff its position - j < window), and its tree mask (*allowed) cut to the ancestors inside the
- * window. A row whose mask is all ones is causal: its position is its slot `last`. Any other is
- * a tree node (req_masks: its request's masks, bit i of node i its own and its highest): its
- * position is new_start + depth, depth = popcount(mask) - 1, and an ancestor m's position is
- * new_start + m's depth. Windows are far longer than trees, so the ancestors are normally all
- * inside; when the window ends among the new tokens they are cut exactly. */
-static inline int64_t window_start(int64_t last, int64_t new_start, int window, const uint32_t *req_masks,
-                                   uint32_t *allowed) {
-    if (*allowed == 0xffffffffu) {
+ * iff its position - j < window), and its tree mask (allowed, W words) cut to the ancestors
+ * inside the window. A row whose mask covers every tree slot up to its own (`last`) is causal:
+ * its position is its slot. Any other is a tree node: its position is tree_start + depth,
+ * depth = popcount(mask) - 1, and its ancestors are a chain laid out parents first, so the
+ * ancestor at bit m has depth = the mask's set bits below m. Windows are far longer than
+ * trees, so the ancestors are normally all inside; when the window ends inside the tree
+ * they are cut exactly. */
+static inline int64_t window_start(int64_t last, int64_t tree_start, int window, int words, uint32_t *allowed) {
+    if (all_bits_set(allowed, last - tree_start + 1)) {
         const int64_t first = last - window + 1;
         return first > 0 ? first : 0;
     }
-    const int depth = __builtin_popcount(*allowed) - 1;
-    const int64_t first = new_start + depth - window + 1;
-    if (first <= new_start) return first > 0 ? first : 0;
-    uint32_t kept = 0;  /* the window starts among the new tokens: no cached key, fewer ancestors */
-    for (int m = 0; m < 32; m++)
-        if ((*allowed >> m & 1u) && __builtin_popcount(req_masks[m]) - 1 > depth - window) kept |= 1u << m;
-    *allowed = kept;
-    return new_start;
+    int depth = -1;
+    for (int u = 0; u < words; u++) depth += __builtin_popcount(allowed[u]);
+    const int64_t first = tree_start + depth - window + 1;
+    if (first <= tree_start) return first > 0 ? first : 0;
+    int below = 0;  /* the window starts inside the tree: no key before it, fewer ancestors */
+    for (int m = 0; m < 32 * words; m++) {
+        if (!(allowed[m >> 5] >> (m & 31) & 1u)) continue;
+        if (below <= depth - window) allowed[m >> 5] &= ~(1u << (m & 31));
+        below++;
+    }
+    return tree_start;
 }
 
 /* A score row: keys by slot, room for a chunk of 32 starting at any key before ctx. */
@@ -399,19 +424,23 @@ static inline int64_t score_stride(int64_t ctx) {
 ALWAYS_INLINE void attend_one(const float *q, int64_t q_token_stride, const void *k_cache, const void *v_cache,
                               float *out, const int64_t *table, int64_t q_first, int q_len, int64_t ctx,
                               int kv_head, int group, int num_heads, int hd, int block_size, int64_t num_blocks,
-                              float scale, int window, float softcap, const uint32_t *tree_masks, Scratch *w,
-                              const int half) {
+                              float scale, int window, float softcap, const uint32_t *tree_masks, int words,
+                              int64_t back, Scratch *w, const int half) {
     /* Row r = new token r / group, query head kv_head * group + r % group (the heads sharing
      * this KV head); rows are in slot order. A row sees slots first_key .. last_key (those its
-     * tree mask allows among the new tokens); `from` is the earliest first_key of the unit. */
+     * tree mask allows among the tree's slots); `from` is the earliest first_key of the unit.
+     * tree_masks: the rows' masks (words each), NULL: causal; back: the tree starts that many
+     * slots before the first new one. */
     const int rows = q_len * group;
     const int64_t new_start = ctx - q_len;  /* the tile's first slot (a tree's: it is one tile) */
+    const int64_t tree_start = new_start - back;
     const int64_t stride = score_stride(ctx);
     int64_t from = ctx;
     for (int i = 0, r = 0; i < q_len; i++) {
-        uint32_t allowed = tree_masks ? tree_masks[q_first + i] : 0xffffffffu;
-        const int64_t first = window > 0 ? window_start(new_start + i, new_start, window, tree_masks + q_first,
-                                                        &allowed) : 0;
+        uint32_t *allowed = w->allowed + (int64_t)i * words;
+        if (tree_masks) memcpy(allowed, tree_masks + (q_first + (int64_t)i) * words, (size_t)words * sizeof(uint32_t));
+        const int64_t first = window > 0 && tree_masks ? window_start(new_start + i, tree_start, window, words, allowed)
+                              : window > 0 ? (new_start + i - window + 1 > 0 ? new_start + i - window + 1 : 0) : 0;
         from = first < from ? first : from;
         for (int g = 0; g < group; g++, r++) {
             const int head = kv_head * group + g;
@@ -419,7 +448,6 @@ ALWAYS_INLINE void attend_one(const float *q, int64_t q_token_stride, const void
             w->out_row[r] = out + ((q_first + i) * num_heads + head) * (int64_t)hd;
             w->first_key[r] = first;
             w->last_key[r] = new_start + i;
-            w->allowed[r] = allowed;
         }
     }
     const int64_t head_offset = (int64_t)kv_head * num_blocks * block_size * hd;
@@ -462,8 +490,9 @@ ALWAYS_INLINE void attend_one(const float *q, int64_t q_token_stride, const void
         for (int64_t j = first; j < visible; j++) score[j] *= scale;
         if (softcap > 0.0f)  /* as transformers: tanh(s / cap) * cap, s already scaled */
             for (int64_t j = first; j < visible; j++) score[j] = tanhf(score[j] / softcap) * softcap;
-        if (tree_masks)  /* a tree row's first key is at most new_start (window_start) */
-            softmax_in_place_masked(score + first, visible - first, new_start - first, w->allowed[r], w->packed);
+        if (tree_masks)  /* a tree row's first key is at most tree_start (window_start) */
+            softmax_in_place_masked(score + first, visible - first, tree_start - first,
+                                    w->allowed + (int64_t)(r / group) * words, w->packed);
         else
             softmax_in_place(score + first, visible - first);
         memset(score + from, 0, (size_t)(first - from) * sizeof(float));
@@ -528,11 +557,14 @@ int specserve_paged_attention(const float *q, int64_t q_token_stride, const void
                               const int64_t *context_lens, int num_reqs, int num_heads, int num_kv_heads,
                               int hd, int block_size, int64_t num_blocks, float scale, int sliding_window,
                               float logit_softcap, int num_threads,
-                              int cache_half, const uint32_t *tree_masks, const float *k_new,
+                              int cache_half, const uint32_t *tree, const float *k_new,
                               int64_t k_token_stride, const float *v_new, int64_t v_token_stride,
                               const int64_t *slot_mapping) {
     if (cache_half && !specserve_paged_attention_has_f16()) return -2;
     const int group = num_heads / num_kv_heads;
+    const int words = tree ? (int)tree[0] : 1;                        /* see the file's header */
+    const uint32_t *tree_back = tree ? tree + 1 : NULL;
+    const uint32_t *tree_masks = tree ? tree + 1 + num_reqs : NULL;   /* [T, words] */
     const int64_t tile = tree_masks ? INT64_MAX / 2 : TILE_TOKENS;
     /* unit_first[b]: index of request b's first unit; its units are head-major, then tile. */
     int64_t *unit_first = malloc((size_t)(num_reqs + 1) * sizeof(int64_t));
@@ -575,7 +607,7 @@ int specserve_paged_attention(const float *q, int64_t q_token_stride, const void
         w.out_row = malloc((size_t)max_rows * sizeof(*w.out_row));
         w.first_key = malloc((size_t)max_rows * sizeof(*w.first_key));
         w.last_key = malloc((size_t)max_rows * sizeof(*w.last_key));
-        w.allowed = malloc((size_t)max_rows * sizeof(*w.allowed));
+        w.allowed = malloc((size_t)max_rows * words * sizeof(*w.allowed));
         w.packed = tree_masks ? malloc((size_t)max_ctx * sizeof(float)) : NULL;
         const int ok = w.scores && w.kt && w.q_row && w.out_row && w.first_key && w.last_key && w.allowed
                        && (w.packed || !tree_masks);
@@ -593,14 +625,16 @@ int specserve_paged_attention(const float *q, int64_t q_token_stride, const void
             /* The tile's rows see the context up to its last token: ctx - q_len + t0 + len. */
             const int64_t ctx = context_lens[b] - query_lens[b] + t0 + len;
             const int64_t *table = block_tables + (int64_t)b * max_blocks;
+            /* A request without a tree in a step with trees: back = NO_TREE, causal. */
+            const uint32_t *req_masks = tree_masks && tree_back[b] != NO_TREE ? tree_masks : NULL;
             if (cache_half)
                 attend_one(q, q_token_stride, k_cache, v_cache, out, table, query_start[b] + t0, len, ctx, h, group,
-                           num_heads, hd, block_size, num_blocks, scale, sliding_window, logit_softcap, tree_masks,
-                           &w, 1);
+                           num_heads, hd, block_size, num_blocks, scale, sliding_window, logit_softcap, req_masks,
+                           words, req_masks ? (int64_t)tree_back[b] : 0, &w, 1);
             else
                 attend_one(q, q_token_stride, k_cache, v_cache, out, table, query_start[b] + t0, len, ctx, h, group,
-                           num_heads, hd, block_size, num_blocks, scale, sliding_window, logit_softcap, tree_masks,
-                           &w, 0);
+                           num_heads, hd, block_size, num_blocks, scale, sliding_window, logit_softcap, req_masks,
+                           words, req_masks ? (int64_t)tree_back[b] : 0, &w, 0);
         }
         free(w.scores);
         free(w.kt);
