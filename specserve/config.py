@@ -13,6 +13,9 @@ from dataclasses import dataclass, fields
 # drafts that deep (docs/benchmarks.md, "Suffix decoding"); a model's drafts rarely pay past 8.
 MAX_SPECULATIVE_TOKENS = 31
 DEFAULT_SPECULATIVE_TOKENS = 4  # k when neither the user nor the draft says otherwise
+# A draft model's or EAGLE head's tree holds at most this many drafts (the attention masks have
+# no width limit; this bounds the lookahead slots a request reserves).
+MAX_TREE_NODES = 256
 
 
 def _from_dict(cls, values: dict, what: str):
@@ -99,6 +102,10 @@ class SpeculativeConfig:
     # differ (docs/speculative_decoding.md, "Drafts with another tokenizer", says why), the plain
     # draft model when they are the same; naming a method forces that path on any draft.
     cross_vocab: str | None = None
+    # draft_model / eagle: propose a tree of drafts instead of a chain (spec_decode/draft_tree.py),
+    # e.g. {"top_k": 4, "max_nodes": 16}; a dict of TreeConfig's fields (or a TreeConfig). The tree
+    # is num_speculative_tokens deep at most unless max_depth says otherwise. None: a chain.
+    tree: "TreeConfig | dict | None" = None
 
     METHODS = ("draft_model", "ngram", "eagle", "suffix", "grammar")
     CROSS_VOCAB_METHODS = ("slem", "tli")           # spec_decode/cross_vocab.py's METHODS (config sits below it)
@@ -149,6 +156,17 @@ class SpeculativeConfig:
         d = self.draft_tensor_parallel_size
         if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 1):
             raise ValueError(f"draft_tensor_parallel_size must be a positive integer, got {d!r}")
+        if self.tree is not None:
+            if self.method not in ("draft_model", "eagle"):
+                raise ValueError(f"tree is a draft_model / eagle option (ngram: prompt_lookup_tree), "
+                                 f"not for method {self.method!r}")
+            if isinstance(self.tree, dict):
+                self.tree = _from_dict(TreeConfig, dict(self.tree), "speculative_config tree")
+            if not isinstance(self.tree, TreeConfig):
+                raise ValueError(f"tree must be a dict of {[f.name for f in fields(TreeConfig)]} or None, "
+                                 f"got {self.tree!r}")
+            if self.cross_vocab is not None:
+                raise ValueError("a tree of drafts needs a draft with the target's vocabulary (no cross_vocab)")
         if self.prompt_lookup_tree and self.method != "ngram":
             raise ValueError(f"prompt_lookup_tree is an ngram option (trees of drafts are verified for "
                              f"proposers without probabilities), not for method {self.method!r}")
@@ -182,9 +200,52 @@ class SpeculativeConfig:
             if not _is_int(cached) or cached < 0:
                 raise ValueError(f"suffix_max_cached_requests must be a non-negative integer, got {cached!r}")
 
+    @property
+    def num_lookahead_slots(self) -> int:
+        """KV slots a decoding request reserves for drafts: a tree's nodes, else k."""
+        if self.tree is not None:
+            return self.tree.max_nodes
+        return self.num_speculative_tokens or 0
+
     @classmethod
     def from_dict(cls, values: dict) -> "SpeculativeConfig":
         return _from_dict(cls, dict(values), "speculative_config")
+
+
+@dataclass
+class TreeConfig:
+    """A draft model's or EAGLE head's tree of drafts (spec_decode/draft_tree.py).
+
+    Grown best first by EAGLE-2's rule: every expanded node's ``top_k`` likeliest children are
+    candidates, each depth expands the ``top_k`` candidates of highest cumulative draft
+    probability in one batched draft forward, and the ``max_nodes`` best candidates form the
+    tree, ``max_depth`` deep at most (None: num_speculative_tokens). ``children``: "topk" (a
+    node's children are the draft's top_k tokens, verified by the target's choice at every node)
+    or "sampled" (drawn from the draft without replacement, verified by recursive rejection
+    sampling; seeded requests by the target's choices). ``dynamic``: pick each step's tree size
+    (or a chain) from measured costs and acceptance (spec_decode/tree_policy.py).
+    """
+
+    top_k: int = 4
+    max_nodes: int = 16
+    max_depth: int | None = None
+    children: str = "topk"
+    dynamic: bool = False
+
+    CHILDREN = ("topk", "sampled")
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.top_k) or not 1 <= self.top_k <= 64:
+            raise ValueError(f"tree top_k must be an integer in [1, 64], got {self.top_k!r}")
+        if not _is_int(self.max_nodes) or not 1 <= self.max_nodes <= MAX_TREE_NODES:
+            raise ValueError(f"tree max_nodes must be an integer in [1, {MAX_TREE_NODES}], got {self.max_nodes!r}")
+        if self.max_depth is not None and (not _is_int(self.max_depth) or not 1 <= self.max_depth <= MAX_TREE_NODES):
+            raise ValueError(f"tree max_depth must be an integer in [1, {MAX_TREE_NODES}] or None, "
+                             f"got {self.max_depth!r}")
+        if self.children not in self.CHILDREN:
+            raise ValueError(f"tree children must be one of {list(self.CHILDREN)}, got {self.children!r}")
+        if not isinstance(self.dynamic, bool):
+            raise ValueError(f"tree dynamic must be True or False, got {self.dynamic!r}")
 
 
 @dataclass

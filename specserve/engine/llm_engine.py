@@ -67,7 +67,8 @@ class LLMEngine:
         del loaded
         self.vocab_size = self.hf_config.vocab_size
         self.verifier = Verifier(self.vocab_size, self.device, self.tokenizer)
-        self.num_speculative_tokens = k = spec_config.num_speculative_tokens if spec_config else 0
+        # lookahead slots per decoding request: k for a chain, a draft tree's max_nodes
+        self.num_speculative_tokens = k = spec_config.num_lookahead_slots if spec_config else 0
         num_blocks = kv_cache_blocks(config, self.runner.bytes_per_block, self.max_model_len, k)
         self.runner.allocate_kv_cache(num_blocks)
         prefix_caching = prefix_caching_allowed(config, spec_config, proposer)
@@ -259,7 +260,10 @@ class LLMEngine:
         self.requests.pop(req.request_id, None)
 
     def _keep_tree_branch(self, req: Request, path: list[int], last: int) -> None:
-        """Copy the K/V of the accepted branch's drafts down to the slots of their positions."""
+        """Copy the K/V of the accepted branch's drafts down to the slots of their positions
+        (the target's here, a proposer's own cache in its ``keep_tree_branch``)."""
+        if self.proposer is not None:
+            self.proposer.keep_tree_branch(req, path, last)
         moves = tree_branch_moves(path, last)
         if moves:
             table, bs = self.kv_cache.block_table(req.request_id), self.config.block_size

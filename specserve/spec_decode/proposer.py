@@ -71,6 +71,13 @@ class Proposer(ABC):
     def observe(self, states: list[TargetHidden]) -> None:  # noqa: B027 - optional hook
         """The target's hidden states after a step (only if ``needs_target_hidden``)."""
 
+    def keep_tree_branch(self, request: Request, path: list[int], last: int) -> None:  # noqa: B027
+        """A tree of drafts was verified: ``path`` are the accepted draft indices, root first, and
+        ``last`` the position of the request's last token. A proposer with its own KV cache (a draft
+        tree's model) moves the branch's K/V to positions last + 1, ... and may raise
+        ``request.proposer_num_computed_tokens`` past ``last`` (the engine clamps it to what the
+        target keeps). Called before ``Request.commit_step``."""
+
 
 def kept_hidden_states(
     scheduled: list[ScheduledRequest],
