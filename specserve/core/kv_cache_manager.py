@@ -77,6 +77,22 @@ class KVCacheManager:
             table.append(block)
         return True
 
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> int:
+        """Give ``child_id`` (holding no blocks) the parent's full blocks below ``num_tokens`` by
+        reference (beam search: beams share their common prefix); -> the tokens shared, a multiple
+        of the block size. Their K/V is final, so neither writes to them again; the caller allocates
+        the child's other blocks and copies what it needs of the parent's partial block (copy on
+        write, done at the fork). Freeing either drops one reference."""
+        if self._tables.get(child_id):
+            raise ValueError(f"request {child_id!r} already holds KV blocks")
+        shared = self._tables.get(parent_id, [])[: num_tokens // self.block_size]
+        for block in shared:
+            self._refs[block] += 1
+        if shared:
+            self._tables[child_id] = list(shared)
+            self._chain[child_id] = list(self._chain.get(parent_id, []))[: len(shared)]
+        return len(shared) * self.block_size
+
     def free(self, request_id: str) -> None:
         """Release a request's blocks; registered ones stay findable until reused."""
         self._chain.pop(request_id, None)

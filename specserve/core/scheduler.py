@@ -60,6 +60,12 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
 
+    def add_running(self, request: Request) -> None:
+        """A request that already holds its KV blocks (a beam forked from another) runs from the
+        next step, without waiting for admission."""
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
