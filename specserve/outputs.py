@@ -127,6 +127,7 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None  # one dict per token: chosen + top n
     token_sources: list[str] = field(default_factory=list)  # one TOKEN_SOURCE_* per token id
     spec_decode_stats: SpecDecodeStats | None = None        # this completion's own (RequestOutput's sums n samples)
+    cumulative_logprob: float | None = None   # beam search's: the sum of its tokens' log-probabilities
 
     def finished(self) -> bool:
         return self.finish_reason is not None
