@@ -16,12 +16,14 @@ import time
 
 import torch
 
+from specserve.beam_search_params import BeamSearchParams
 from specserve.config import EngineConfig, SpeculativeConfig
 from specserve.core.kv_cache_manager import KVCacheManager
 from specserve.core.request import Request, RequestStatus, request_seed
 from specserve.core.scheduler import ScheduledRequest, Scheduler
 from specserve.distributed.launcher import WorkerError
 from specserve.engine import input_checks
+from specserve.engine.beam_groups import BeamGroups, beam_capable_proposer, draft_cache_runner
 from specserve.engine.constraints import Constraints
 from specserve.engine.drafting import Drafting, calibrate_k_policy
 from specserve.engine.errors import StepFailedError
@@ -89,6 +91,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.groups = SampleGroups()                      # requests with n > 1
         self.spec_stats = SpecDecodeStats()
+        self.beams = BeamGroups(self.kv_cache, self.scheduler, self.runner, draft_cache_runner(self.proposer),
+                                self.tokenizer, self.spec_stats)      # beam search requests
         self.drafting = Drafting(spec_config.disable_by_batch_size if spec_config else None, self.k_policy,
                                  self.spec_stats)
         self.request_errors: dict[str, BaseException] = {}   # finish_reason "error" -> why
@@ -125,7 +129,7 @@ class LLMEngine:
         input_checks.check_params(params, self.vocab_size)
         self.constraints.check(params)    # a schema, regex or grammar compiled (cached), or refused here
         request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self.requests or request_id in self.groups:
+        if request_id in self.requests or request_id in self.groups or request_id in self.beams:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.n == 1:
             self.scheduler.add_request(self._new_request(request_id, text, token_ids, params))
@@ -139,6 +143,19 @@ class LLMEngine:
                 self.scheduler.add_request(c)
         return request_id
 
+    def add_beam_search(self, prompt: str | list[int], params: BeamSearchParams, request_id: str | None = None,
+                        prepared: tuple[str | None, list[int]] | None = None) -> str:
+        """Queue a beam search (engine/beam_search.py); its one output comes when it is done."""
+        text, token_ids = prepared if prepared is not None else self.prepare_prompt(prompt)
+        beam_capable_proposer(self.proposer, params.beam_width, self.config.max_num_seqs,
+                              self.config.max_num_batched_tokens, self.vocab_size)
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.requests or request_id in self.groups or request_id in self.beams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        max_tokens = min(params.max_tokens, self.max_model_len - len(token_ids))
+        self.beams.add(request_id, text, token_ids, params, max_tokens, self.eos_token_id)
+        return request_id
+
     def _new_request(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams) -> Request:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -148,6 +165,9 @@ class LLMEngine:
         return req
 
     def abort_request(self, request_id: str) -> None:
+        if request_id in self.beams:
+            self.beams.abort(request_id)
+            return
         group = self.groups.pop(request_id)
         if group is not None:
             for c in group.children:
@@ -195,10 +215,16 @@ class LLMEngine:
             hit = dict.fromkeys(self.groups.public_id(s.request.request_id) for s in plan.scheduled)
             raise StepFailedError(list(hit), e) from e
         sampling = [s for s in plan.scheduled if s.will_sample]
-        emitted = self.verifier.verify_isolated([s.request for s in sampling], result.logits) if sampling else {}
+        logits, beam_rows = result.logits, {}
+        if self.beams:    # beam search requests' rows go to their search, not to the verifier
+            sampling, logits, beam_rows = self.beams.split(sampling, [len(s.request.draft_token_ids) + 1
+                                                                      for s in sampling], logits)
+        emitted = self.verifier.verify_isolated([s.request for s in sampling], logits) if sampling else {}
         verified_at = time.perf_counter()   # the logits are on the host now
         outputs = []
         for s in plan.scheduled:
+            if s.request.request_id in beam_rows:
+                continue
             try:
                 out = self._update(s, emitted)
             except Exception as e:  # noqa: BLE001 - this request's failure, not the batch's
@@ -206,6 +232,8 @@ class LLMEngine:
             if out is not None:
                 outputs.append(out)
         outputs = self.groups.merge_outputs(outputs, self.abort_request, self.request_errors)
+        if beam_rows:
+            outputs += self.beams.advance(beam_rows, self.request_errors)
         self.drafting.score_proposals(plan.scheduled)
         self.drafting.record_step_costs(plan.scheduled, inputs, step_started, started, verified_at)
         if want_hidden:

@@ -5,6 +5,7 @@ from typing import Sequence
 
 from tqdm.auto import tqdm
 
+from specserve.beam_search_params import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from specserve.config import EngineConfig, SpeculativeConfig
 from specserve.engine.async_engine import running_driver
 from specserve.engine.llm_engine import LLMEngine
@@ -145,6 +146,37 @@ class LLM:
         ids = [self.engine.add_request(p, sp, prepared=pp) for p, sp, pp in zip(prompts, params, prepared)]
         return self._run(ids, use_tqdm if use_tqdm is not None else len(ids) > 8)
 
+    def beam_search(
+        self,
+        prompts: Sequence[Prompt | dict],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search (vLLM's signature): per prompt, the ``beam_width`` best finished beams, best
+        first. Prompts are strings, token-id lists, or vLLM's ``{"prompt": ...}`` /
+        ``{"prompt_token_ids": [...]}``. With speculation the beams and their scores are the same as
+        without (engine/beam_search.py says how); every prompt is checked before any work starts."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prepared = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, dict):
+                p = p["prompt_token_ids"] if "prompt_token_ids" in p else p["prompt"]
+            try:
+                prepared.append((p, self.engine.prepare_prompt(p)))
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        ids = []
+        try:
+            for p, pp in prepared:
+                ids.append(self.engine.add_beam_search(p, params, prepared=pp))
+        except BaseException:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        outputs = self._run(ids, use_tqdm)
+        return [beam_search_output(out, params.length_penalty) for out in outputs]
+
     def chat(
         self,
         messages: list[dict] | list[list[dict]],
@@ -186,3 +218,21 @@ class LLM:
         finally:
             bar.close()
         return [finished[i] for i in ids]
+
+
+def beam_search_output(out: RequestOutput, length_penalty: float) -> BeamSearchOutput:
+    """The engine's output of a beam search -> vLLM's shape (``tokens``: the prompt's, then the beam's)."""
+    if any(c.finish_reason == "error" for c in out.outputs):
+        raise RuntimeError(f"beam search {out.request_id} failed")
+    return BeamSearchOutput([
+        BeamSearchSequence(
+            tokens=list(out.prompt_token_ids) + c.token_ids,
+            logprobs=c.logprobs or [],
+            cum_logprob=c.cumulative_logprob,
+            score=c.cumulative_logprob / len(c.token_ids) ** length_penalty,
+            text=c.text,
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+        )
+        for c in out.outputs
+    ])
