@@ -126,8 +126,10 @@ class Drafting:
             s.request.draft_probs = probs
             # Parents come before children, so the first num_lookahead nodes are still a tree.
             s.request.draft_parents = None if tree is None else list(tree[: s.num_lookahead])
-            if tree is not None and (probs is not None or proposer.needs_target_hidden):
-                raise ValueError("trees of drafts are verified for one-hot proposers without hidden states only")
+            if tree is not None and proposer.needs_target_hidden and not proposer.takes_tree_hidden:
+                raise ValueError("this proposer reads the target's hidden states by position: no trees")
+            if tree is not None and probs is not None:
+                s.request.draft_probs = probs[: s.num_lookahead]   # per node: its parent's distribution
 
     def _propose_then_trim(self, proposer, decoding: list[ScheduledRequest]) -> None:
         """A free proposer's full proposals, each remembered for scoring, then cut to the

@@ -27,6 +27,17 @@ those plain decoding draws with the same keyed noise, whatever was drafted,
 however many drafts there were, and whichever proposer drafted them: a seeded
 request gives the same tokens with any proposer and k, alone or batched, and
 after a preemption. Drafts decide only how many tokens one forward verifies.
+
+A draft model's tree with children *sampled* from its distribution q (``spec_decode.draft_tree``,
+children "sampled") is verified instead by recursive rejection sampling (``walk_tree_rejection``),
+for unseeded sampled requests: at node v with target distribution p and children c_1..c_m drawn
+from q without replacement, child c_i is accepted with probability min(1, p(c_i) / q(c_i)); on
+a rejection p becomes the residual normalize(max(p - q, 0)) and q loses c_i (renormalized);
+the walk moves into an accepted child, and after m rejections the next token is drawn from the
+last residual (at a leaf: from p). This is SpecInfer's multi-draft rejection sampling with the
+drafts drawn without replacement (Jeon et al., 2024, "Recursive Speculative Decoding"): each
+emitted token is distributed as p exactly, and a rejected child's mass is 0 in every later
+residual, so no sibling repeats it.
 """
 from __future__ import annotations
 
@@ -71,3 +82,52 @@ def walk_tree(draft_tokens: list[int], parents: list[int], choices: list[int]) -
             return emitted, path
         path.append(child)
         node = child
+
+
+def recursive_residual(p: torch.Tensor, q: torch.Tensor, rejected: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """After child ``rejected`` (drawn from q) was rejected under target p: (normalize(max(p - q, 0)),
+    q without the rejected token, renormalized). p, q [V]."""
+    residual = (p - q).clamp(min=0)
+    mass = residual.sum()
+    residual = residual / mass if mass > 0 else p   # p == q: a rejection has probability 0
+    q = q.clone()
+    q[rejected] = 0.0
+    q_mass = q.sum()
+    return residual, (q / q_mass if q_mass > 0 else q)
+
+
+def walk_tree_rejection(
+    draft_tokens: list[int],
+    parents: list[int],
+    target_probs: torch.Tensor,          # [n + 1, V] processed p at the root, then at each draft
+    draft_probs: torch.Tensor,           # [n, V] per draft, the q it was drawn from (its parent's)
+    generator: torch.Generator | None,
+    residual=recursive_residual,         # (p, q, rejected) -> (p, q) after a rejection
+) -> tuple[list[int], list[int]]:
+    """Recursive rejection sampling down a tree of sampled drafts (module docstring) ->
+    (emitted tokens, accepted draft indices in path order). Random numbers come from
+    ``generator`` in a fixed order: one uniform per child tried, one race per final draw."""
+    children: dict[int, list[int]] = {}
+    for i, parent in enumerate(parents):
+        children.setdefault(parent, []).append(i)
+    node, path, emitted = -1, [], []
+    device = target_probs.device
+    while True:
+        p = target_probs[node + 1]
+        kids = children.get(node, [])
+        q = draft_probs[kids[0]] if kids else None
+        accepted = None
+        for child in kids:
+            token = draft_tokens[child]
+            u = torch.rand(1, generator=generator, device=device)
+            if (u * q[token] < p[token]).item():
+                accepted = child
+                break
+            p, q = residual(p, q, token)
+        if accepted is None:
+            noise = torch.empty_like(p).exponential_(generator=generator).clamp_(min=torch.finfo(p.dtype).tiny)
+            emitted.append(int((p / noise).argmax()))
+            return emitted, path
+        emitted.append(draft_tokens[accepted])
+        path.append(accepted)
+        node = accepted

@@ -36,7 +36,7 @@ from specserve.outputs import logprob_entries, step_token_sources
 from specserve.sample.penalties import adjust_logits, draft_histories
 from specserve.sample.rejection_sampler import rejection_sample
 from specserve.sample.sampler import CHOICE, REJECTION, SamplingTensors, keyed_generator, processed_probs
-from specserve.sample.tree_sampler import node_depths, target_choices, walk_tree
+from specserve.sample.tree_sampler import node_depths, target_choices, walk_tree, walk_tree_rejection
 from specserve.structured_output.rows import mask_verified_rows
 
 
@@ -113,9 +113,11 @@ class Verifier:
         starts = [0]
         for n in counts:
             starts.append(starts[-1] + n + 1)
-        by_rejection = [rejection_sampled(r) for r in reqs]
-        for wanted, choose in ((False, self._chosen_tokens), (True, self._sampled_tokens)):
-            part = [b for b in range(len(reqs)) if by_rejection[b] == wanted]
+        route = [(TREE_REJECTION if r.draft_parents is not None else CHAIN_REJECTION) if rejection_sampled(r)
+                 else CHOSEN for r in reqs]
+        for wanted, choose in ((CHOSEN, self._chosen_tokens), (CHAIN_REJECTION, self._sampled_tokens),
+                               (TREE_REJECTION, self._tree_rejection_tokens)):
+            part = [b for b in range(len(reqs)) if route[b] == wanted]
             if not part:
                 continue
             rows = logits
@@ -207,6 +209,24 @@ class Verifier:
         )
         return out.token_ids.tolist(), out.num_accepted.tolist(), [None] * batch   # the one host sync of the step
 
+    def _tree_rejection_tokens(self, reqs, logits: torch.Tensor):
+        """Trees of sampled drafts with their q (``tree_sampler.walk_tree_rejection``) ->
+        (token_ids, num_accepted, paths). One generator per request and step, keyed by the step's
+        first output index, as the chain's rejection sampler."""
+        counts = [len(r.draft_token_ids) for r in reqs]
+        row_params = [r.sampling_params for r, n in zip(reqs, counts) for _ in range(n + 1)]
+        probs = processed_probs(logits, SamplingTensors.build(row_params, self.vocab_size, self.device))   # [R, V]
+        token_ids, num_accepted, paths, row = [], [], [], 0
+        for r, n in zip(reqs, counts):
+            generator = keyed_generator(r.seed, r.num_output_tokens, REJECTION, logits.device)
+            emitted, path = walk_tree_rejection(r.draft_token_ids, r.draft_parents, probs[row : row + n + 1],
+                                                r.draft_probs[:n].to(probs.device, probs.dtype), generator)
+            token_ids.append(emitted)
+            num_accepted.append(len(path))
+            paths.append(path)
+            row += n + 1
+        return token_ids, num_accepted, paths
+
     def _greedy_tokens(self, reqs, logits: torch.Tensor):
         """All requests greedy: the rejection sampler's exact-match path, on the host.
 
@@ -249,13 +269,17 @@ class Verifier:
         return out
 
 
+# How a request's drafts are verified (``Verifier._sampled_or_chosen``).
+CHOSEN, CHAIN_REJECTION, TREE_REJECTION = "chosen", "chain_rejection", "tree_rejection"
+
+
 def rejection_sampled(req) -> bool:
-    """An unseeded sampled request with a draft's probabilities (a chain): verified by rejection
-    sampling, which accepts the most drafts. Every other request takes the target's choices
-    (module docstring: a seeded request's tokens must not depend on its drafts)."""
+    """An unseeded sampled request with a draft's probabilities (a chain, or a tree of sampled
+    children): verified by rejection sampling, which accepts the most drafts. Every other request
+    takes the target's choices (module docstring: a seeded request's tokens must not depend on its
+    drafts)."""
     params = req.sampling_params
-    return (req.draft_probs is not None and req.draft_parents is None and not params.greedy
-            and params.seed is None)
+    return req.draft_probs is not None and not params.greedy and params.seed is None
 
 
 def ends_at_leaf(req, num_accepted: int, tree_path: list[int] | None) -> bool:

@@ -9,28 +9,40 @@ going back to the scheduler. With ``draft_vocab_size`` its LM head covers only
 the first token ids (``ParallelLMHead.keep_first_tokens``); the others get
 probability 0 in the draft, which rejection sampling handles like any other
 draft distribution, so the output stays the target's.
+
+With a ``TreeConfig`` it proposes a tree instead (``draft_tree``): the catch-up forward
+gives the root's distribution, then one batched tree-attention forward per depth.
 """
 from __future__ import annotations
 
 import torch
 
+from specserve.config import TreeConfig
 from specserve.core.kv_cache_manager import KVCacheManager
+from specserve.core.request import Request
 from specserve.core.scheduler import ScheduledRequest
+from specserve.model_executor.layers.attention import cache_slot
 from specserve.sample.penalties import adjust_each_row
 from specserve.sample.sampler import CHOICE, choose_tokens, keyed_generator
+from specserve.spec_decode.draft_tree import DraftTreeGrower, TreeStep
 from specserve.spec_decode.proposer import Proposal, Proposer
 from specserve.structured_output.rows import mask_draft_rows
 from specserve.worker.model_runner import ForwardInput, ModelRunner
 
 
 class DraftModelProposer(Proposer):
-    def __init__(self, runner: ModelRunner, kv_cache: KVCacheManager, vocab_size: int):
+    def __init__(self, runner: ModelRunner, kv_cache: KVCacheManager, vocab_size: int,
+                 tree: TreeConfig | None = None, depth: int = 0):
+        """``tree``: propose trees of drafts, ``depth`` deep unless ``tree.max_depth`` says."""
         self.runner = runner
         self.kv_cache = kv_cache
         self.vocab_size = vocab_size
+        self.tree = DraftTreeGrower(tree, depth, vocab_size) if tree is not None else None
 
     @torch.inference_mode()
     def propose(self, scheduled: list[ScheduledRequest]) -> Proposal:
+        if self.tree is not None:
+            return self._propose_trees(scheduled)
         reqs = [s.request for s in scheduled]
         budgets = [s.num_lookahead for s in scheduled]
         params = [r.sampling_params for r in reqs]
@@ -71,3 +83,29 @@ class DraftModelProposer(Proposer):
             token_ids=drafts,
             probs=[torch.stack(p) if p else None for p in probs],
         )
+
+    def _propose_trees(self, scheduled: list[ScheduledRequest]) -> Proposal:
+        """Catch up (the last token's logits are the root's), then grow each request's tree."""
+        reqs = [s.request for s in scheduled]
+        tables = [self.kv_cache.block_table(r.request_id) for r in reqs]
+        inputs = []
+        for r, table in zip(reqs, tables):
+            start = r.proposer_num_computed_tokens
+            inputs.append(ForwardInput(r.all_token_ids[start:], start, table, 1))
+        root_logits = self.runner.execute(inputs).logits                                # [B, V or Vd]
+        for r, inp in zip(reqs, inputs):
+            r.proposer_num_computed_tokens += len(inp.token_ids)
+
+        def forward(steps: list[TreeStep]) -> torch.Tensor:
+            return self.runner.execute([
+                ForwardInput(st.token_ids, st.start_position, tables[st.index], len(st.token_ids),
+                             tree_parents=st.span_parents, tree_cached=st.tree_cached)
+                for st in steps]).logits                                                # [sum nodes, V or Vd]
+
+        return self.tree.grow(reqs, [s.num_lookahead for s in scheduled], root_logits, forward)
+
+    def keep_tree_branch(self, request: Request, path: list[int], last: int) -> None:
+        if self.tree is not None:
+            table = self.kv_cache.block_table(request.request_id)
+            self.tree.keep_branch(request, path, last, self.runner.copy_kv_slots,
+                                  lambda position: cache_slot(table, position, self.runner.block_size))

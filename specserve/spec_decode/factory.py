@@ -126,4 +126,4 @@ def build_draft_model_proposer(spec: SpeculativeConfig, ctx: ProposerContext) ->
 
         return CrossVocabProposer(runner, fit.mapping, spec.cross_vocab or DEFAULT_METHOD, ctx.target_tokenizer,
                                   fit.meta.tokenizer, ctx.kv_cache.num_blocks, ctx.block_size, ctx.max_model_len)
-    return DraftModelProposer(runner, ctx.kv_cache, ctx.target_vocab_size)
+    return DraftModelProposer(runner, ctx.kv_cache, ctx.target_vocab_size, spec.tree, spec.num_speculative_tokens)

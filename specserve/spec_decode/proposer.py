@@ -64,6 +64,9 @@ class Proposer(ABC):
     #: ``dynamic_k`` then proposes the full K and verifies the part that pays
     #: (``spec_decode.shadow_drafts``). False when each draft position costs a forward.
     drafts_are_free: bool = False
+    #: True when a proposer that reads the target's hidden states (EAGLE) can propose trees: it
+    #: then gets the hidden states of a tree's accepted branch, in path order.
+    takes_tree_hidden: bool = False
 
     @abstractmethod
     def propose(self, scheduled: list[ScheduledRequest]) -> Proposal: ...

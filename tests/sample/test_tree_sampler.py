@@ -104,3 +104,75 @@ def test_emitted_tokens_follow_the_target_distribution():
     torch.manual_seed(1)
     bad_firsts, bad_pairs = _emitted_pairs(probs, 20_000, _biased_choices)
     assert _p_values(probs, bad_firsts, bad_pairs)[0] < 1e-12
+
+
+# Recursive rejection sampling down a tree of sampled drafts: the root's 3 children drawn from
+# q_root without replacement, each child x's 2 children from q_after[x] without replacement.
+RRS_VOCAB = 8
+
+
+def _rrs_trials(p_root, p_after, q_root, q_after, trials: int, residual=None):
+    """-> first tokens, and (first, second) pairs where the first was an accepted draft."""
+    from specserve.sample.tree_sampler import recursive_residual, walk_tree_rejection
+
+    residual = residual or recursive_residual
+    firsts, pairs = [], []
+    for _ in range(trials):
+        kids = torch.multinomial(q_root, 3, replacement=False).tolist()
+        tokens, parents, q_rows = list(kids), [-1, -1, -1], [q_root] * 3
+        for i, x in enumerate(kids):
+            grand = torch.multinomial(q_after[x], 2, replacement=False).tolist()
+            tokens += grand
+            parents += [i, i]
+            q_rows += [q_after[x]] * 2
+        target = torch.stack([p_root] + [p_after[t] for t in tokens])     # p at the root, then at each draft
+        emitted, path = walk_tree_rejection(tokens, parents, target, torch.stack(q_rows), None, residual)
+        firsts.append(emitted[0])
+        if path:
+            pairs.append((emitted[0], emitted[1]))
+    return firsts, pairs
+
+
+def _rrs_p_values(p_root, p_after, firsts, pairs) -> list[float]:
+    def fit(samples, p):
+        observed = torch.bincount(torch.tensor(samples), minlength=RRS_VOCAB).double()
+        return stats.chisquare(observed.numpy(), (p.double() / p.double().sum() * len(samples)).numpy()).pvalue
+
+    common = sorted(set(a for a, _ in pairs), key=lambda a: -sum(1 for x, _ in pairs if x == a))[:2]
+    return [fit(firsts, p_root)] + [fit([b for a, b in pairs if a == x], p_after[x]) for x in common]
+
+
+def _no_subtraction(p, q, rejected):
+    """A wrong residual: the rejected token's mass zeroed in p, but q not subtracted."""
+    p = p.clone()
+    p[rejected] = 0
+    q = q.clone()
+    q[rejected] = 0
+    return p / p.sum(), q / q.sum()
+
+
+def test_recursive_rejection_sampling_emits_the_target_distribution():
+    """8,000 verifications of freshly sampled trees (p and q differ at every node): the first
+    emitted token is distributed as p at the root, and after an accepted draft x the next one as
+    p after x (chi-square, p > 1e-4). A residual that only zeroes the rejected token (no p - q)
+    fails the same test."""
+    torch.manual_seed(0)
+    p_root = torch.softmax(torch.randn(RRS_VOCAB) * 1.5, -1)
+    q_root = torch.softmax(torch.randn(RRS_VOCAB) * 1.5, -1)
+    p_after = torch.softmax(torch.randn(RRS_VOCAB, RRS_VOCAB) * 1.5, -1)
+    q_after = torch.softmax(torch.randn(RRS_VOCAB, RRS_VOCAB) * 1.5, -1)
+    firsts, pairs = _rrs_trials(p_root, p_after, q_root, q_after, 8_000)
+    assert len(pairs) > 2_000
+    assert min(_rrs_p_values(p_root, p_after, firsts, pairs)) > 1e-4
+    torch.manual_seed(1)
+    bad_firsts, bad_pairs = _rrs_trials(p_root, p_after, q_root, q_after, 6_000, _no_subtraction)
+    assert _rrs_p_values(p_root, p_after, bad_firsts, bad_pairs)[0] < 1e-6
+
+
+def test_recursive_rejection_accepts_an_identical_draft_always():
+    """q == p: the first child is always accepted (min(1, p / q) = 1), down to the leaf."""
+    p = torch.softmax(torch.randn(RRS_VOCAB), -1)
+    from specserve.sample.tree_sampler import walk_tree_rejection
+
+    emitted, path = walk_tree_rejection([3, 4, 1], [-1, -1, 0], p.repeat(4, 1), p.repeat(3, 1), None)
+    assert path == [0, 2] and emitted[:2] == [3, 1] and len(emitted) == 3
