@@ -103,7 +103,8 @@ class SpeculativeConfig:
     # draft model when they are the same; naming a method forces that path on any draft.
     cross_vocab: str | None = None
     # draft_model / eagle: propose a tree of drafts instead of a chain (spec_decode/draft_tree.py),
-    # e.g. {"top_k": 4, "max_nodes": 16}; a dict of TreeConfig's fields (or a TreeConfig). The tree
+    # e.g. {"top_k": 4, "max_nodes": 16}; a dict of TreeConfig's fields, a TreeConfig, or the text
+    # "TOP_K/MAX_NODES[/MAX_DEPTH][/sampled][/dynamic]" (command lines: TreeConfig.parse). The tree
     # is num_speculative_tokens deep at most unless max_depth says otherwise. None: a chain.
     tree: "TreeConfig | dict | None" = None
 
@@ -160,6 +161,8 @@ class SpeculativeConfig:
             if self.method not in ("draft_model", "eagle"):
                 raise ValueError(f"tree is a draft_model / eagle option (ngram: prompt_lookup_tree), "
                                  f"not for method {self.method!r}")
+            if isinstance(self.tree, str):
+                self.tree = TreeConfig.parse(self.tree)
             if isinstance(self.tree, dict):
                 self.tree = _from_dict(TreeConfig, dict(self.tree), "speculative_config tree")
             if not isinstance(self.tree, TreeConfig):
@@ -233,6 +236,23 @@ class TreeConfig:
     dynamic: bool = False
 
     CHILDREN = ("topk", "sampled")
+
+    @classmethod
+    def parse(cls, text: str) -> "TreeConfig":
+        """"TOP_K/MAX_NODES[/MAX_DEPTH][/sampled|topk][/dynamic]", e.g. "4/16", "4/24/6/sampled"."""
+        parts = [p.strip() for p in text.split("/")]
+        values: dict = {}
+        try:
+            numbers = [int(p) for p in parts if p.isdigit()]
+        except ValueError:
+            numbers = []
+        words = [p for p in parts if not p.isdigit()]
+        if not 2 <= len(numbers) <= 3 or any(w not in (*cls.CHILDREN, "dynamic") for w in words):
+            raise ValueError(f"tree {text!r}: expected TOP_K/MAX_NODES[/MAX_DEPTH][/sampled|topk][/dynamic]")
+        values.update(zip(("top_k", "max_nodes", "max_depth"), numbers))
+        for w in words:
+            values.update({"dynamic": True} if w == "dynamic" else {"children": w})
+        return cls(**values)
 
     def __post_init__(self) -> None:
         if not _is_int(self.top_k) or not 1 <= self.top_k <= 64:
