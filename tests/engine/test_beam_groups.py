@@ -1,0 +1,191 @@
+"""Beam search through the engine (engine/beam_groups.py, ``LLM.beam_search``), tiny random models:
+
+- the beams and scores of transformers' ``num_beams`` search (float32; scores within 1e-4 or 1e-5 relative), EOS and
+  early stopping included;
+- with speculation (n-gram chains and trees, suffix, a draft model) the beams, every token's
+  log-probability and the cumulative ones equal plain beam search's bit for bit in the CPU
+  default dtype, with passes that commit several depths;
+- beams share their prefix's KV blocks; preemption, other requests in the same steps and
+  aborts change nothing else.
+
+The target is a tiny random Llama with large logits (``embedding_scale``: it repeats itself, so
+n-gram lookups hit) and its EOS embedding scaled up, so that beams end on EOS and searches stop
+early. About half a minute on a shared 2-core machine.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from specserve import LLM, SamplingParams
+from specserve.beam_search_params import BeamSearchParams
+from specserve.spec_decode.proposer import Proposal, Proposer
+
+from model_cache import share_folder
+from tiny_models import write_tiny_llama
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+EOS_SCALE = 6.0
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory, default_model_tokenizer) -> str:
+    folder = write_tiny_llama(str(tmp_path_factory.mktemp("beam-target")), seed=3,
+                              tokenizer=default_model_tokenizer, embedding_scale=8.0)
+    weights = load_file(os.path.join(folder, "model.safetensors"))
+    eos = json.load(open(os.path.join(folder, "config.json")))["eos_token_id"]
+    name = next(n for n in weights if "embed_tokens" in n)
+    weights[name][eos] *= EOS_SCALE          # tied: EOS's logit grows with it
+    save_file(weights, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    return share_folder(folder)
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 3000) for _ in range(12)] for _ in range(n)]
+
+
+def make(model_dir: str, spec: dict | None = None, dtype: str = "auto", **kw) -> LLM:
+    return LLM(model=model_dir, dtype=dtype, max_model_len=kw.pop("max_model_len", 256),
+               kv_cache_memory=kw.pop("kv_cache_memory", 8 << 20), speculative_config=spec, **kw)
+
+
+def beams(outputs) -> list[list[tuple]]:
+    """Everything a beam search returns, per prompt and beam (floats compared exactly)."""
+    return [[(s.tokens, [lp.logprob for d in s.logprobs for lp in d.values()], s.cum_logprob, s.score,
+              s.finish_reason, s.text) for s in o.sequences] for o in outputs]
+
+
+@pytest.mark.parametrize("length_penalty,early_stopping", [(0.0, False), (1.0, True), (-1.0, "never"), (2.0, False)])
+def test_the_beams_and_scores_of_transformers_num_beams(target_dir, length_penalty, early_stopping):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    eos = model.config.eos_token_id
+    llm = make(target_dir, dtype="float32")
+    params = BeamSearchParams(beam_width=4, max_tokens=16, length_penalty=length_penalty,
+                              early_stopping=early_stopping)
+    ended_on_eos = 0
+    for prompt, ours in zip(prompts(6), llm.beam_search(prompts(6), params)):
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             num_beams=4, num_return_sequences=4, max_new_tokens=16, do_sample=False,
+                             length_penalty=length_penalty, early_stopping=early_stopping, eos_token_id=eos,
+                             pad_token_id=eos, output_scores=True, return_dict_in_generate=True)
+        for seq, score, mine in zip(out.sequences, out.sequences_scores.tolist(), ours.sequences):
+            generated = seq[len(prompt):].tolist()
+            if eos in generated:
+                generated = generated[: generated.index(eos) + 1]
+            assert mine.tokens[len(prompt):] == generated
+            assert mine.score == pytest.approx(score, rel=1e-5, abs=1e-4)   # float32 sums there
+            assert mine.cum_logprob == pytest.approx(score * len(generated) ** length_penalty, rel=1e-5, abs=1e-4)
+            ended_on_eos += generated[-1] == eos
+    if length_penalty <= 0:
+        assert ended_on_eos > 0      # the comparison covered finished hypotheses, not only max_tokens
+
+
+SPECS = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 3},
+    "ngram-tree": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_tree": True},
+    "suffix": {"method": "suffix", "num_speculative_tokens": 4},
+    "draft-model": {"method": "draft_model", "num_speculative_tokens": 3},
+}
+
+
+@pytest.fixture(scope="module")
+def plain_beams(target_dir):
+    llm = make(target_dir)
+    return {lp: beams(llm.beam_search(prompts(4, seed=1), BeamSearchParams(beam_width=4, max_tokens=20,
+                                                                             length_penalty=lp)))
+            for lp in (0.0, 1.0)}
+
+
+@pytest.mark.parametrize("spec", list(SPECS))
+def test_speculation_gives_plain_beams_bit_for_bit(target_dir, plain_beams, spec):
+    config = dict(SPECS[spec])
+    if spec == "draft-model":
+        config["model"] = target_dir       # its guesses are the top beam's own path
+    llm = make(target_dir, config)
+    for lp, expected in plain_beams.items():
+        assert beams(llm.beam_search(prompts(4, seed=1), BeamSearchParams(beam_width=4, max_tokens=20,
+                                                                            length_penalty=lp))) == expected
+    stats = llm.get_spec_decode_stats()
+    assert stats.num_accepted_tokens > 0 and stats.mean_acceptance_length > 1.0   # passes of several depths
+
+
+def test_beams_share_their_prefix_blocks(target_dir):
+    llm = make(target_dir, block_size=4)
+    engine = llm.engine
+    engine.add_beam_search(prompts(1)[0], BeamSearchParams(beam_width=4, max_tokens=16, ignore_eos=True))
+    most_shared = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        tables = [engine.kv_cache.block_table(b.request.request_id) for g in engine.beams.by_id.values()
+                  for b in g.running]
+        if len(tables) > 1:
+            held = sum(len(t) for t in tables)
+            most_shared = max(most_shared, held - len({b for t in tables for b in t}))
+    assert most_shared >= 3 * 3        # the 12-token prompt's 3 full blocks, held once by 4 beams
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+
+
+@pytest.mark.parametrize("spec", [None, "ngram", "draft-model"])
+def test_preemption_and_other_requests_change_nothing(target_dir, spec):
+    config = None if spec is None else dict(SPECS[spec], **({"model": target_dir} if spec == "draft-model" else {}))
+    params = BeamSearchParams(beam_width=3, max_tokens=24, ignore_eos=True)
+    roomy = make(target_dir, config, max_model_len=64)
+    alone = beams(roomy.beam_search(prompts(3, seed=2), params))
+    sample = SamplingParams(temperature=0.8, seed=5, max_tokens=30, ignore_eos=True)
+    sample_alone = roomy.generate(prompts(1, seed=9)[0], sample, use_tqdm=False)[0].outputs[0].token_ids
+    small = make(target_dir, config, max_model_len=64, kv_cache_memory=14 * roomy.engine.runner.bytes_per_block)
+    engine = small.engine
+    ids = [engine.add_beam_search(p, params) for p in prompts(3, seed=2)]
+    other = engine.add_request(prompts(1, seed=9)[0], sample)
+    done, preempted = {}, 0
+    while engine.has_unfinished_requests():
+        before = {r.request_id: r.num_preemptions for r in engine.scheduler.running}
+        for out in engine.step():
+            done[out.request_id] = out
+        preempted += sum(r.num_preemptions > before.get(r.request_id, r.num_preemptions)
+                         for r in engine.scheduler.waiting)
+    assert preempted > 0
+    from specserve.entrypoints.llm import beam_search_output
+    assert beams([beam_search_output(done[i], params.length_penalty) for i in ids]) == alone
+    assert done[other].outputs[0].token_ids == sample_alone
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+
+
+def test_abort_ends_every_beam(target_dir):
+    llm = make(target_dir, SPECS["ngram"])
+    engine = llm.engine
+    rid = engine.add_beam_search(prompts(1)[0], BeamSearchParams(beam_width=4, max_tokens=40, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    assert len(engine.scheduler.running) == 4
+    engine.abort_request(rid)
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+
+
+class _HiddenStateProposer(Proposer):
+    needs_target_hidden = True
+
+    def propose(self, scheduled):
+        return Proposal([[] for _ in scheduled], [None for _ in scheduled])
+
+
+def test_what_cannot_run_is_refused_before_any_work(target_dir):
+    llm = make(target_dir, max_num_seqs=4)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        llm.beam_search([prompts(1)[0]], BeamSearchParams(beam_width=5, max_tokens=4))
+    with pytest.raises(ValueError, match="prompt 1"):
+        llm.beam_search([prompts(1)[0], [10**7]], BeamSearchParams(beam_width=2, max_tokens=4))
+    assert not llm.engine.has_unfinished_requests()
+    custom = make(target_dir, proposer=_HiddenStateProposer())
+    with pytest.raises(ValueError, match="ngram, suffix and draft_model"):
+        custom.beam_search([prompts(1)[0]], BeamSearchParams(beam_width=2, max_tokens=4))
