@@ -290,6 +290,10 @@ class EngineConfig:
     On CPUs with AMX, 3 pieces run on int8 tiles (per 32-value sub-block): one
     row 0.77x-0.98x the float32 tiles' time, up to 5 rows 0.97x-1.45x, more
     rows 1.2x-1.9x (docs/architecture.md, "Numerics").
+    overlap_grammar_masks: compute a step's structured-output masks in a background thread
+    while the target's forward runs (``structured_output.step_masks``); None: on where the
+    forward runs on a GPU (the host is idle then), off on a CPU, where the forward's threads
+    already use every core (docs/serving.md has the measurement).
     """
 
     model: str | None = None
@@ -304,6 +308,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     enable_prefix_caching: bool = True
     int8_activations: bool | int = False
+    overlap_grammar_masks: bool | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
@@ -327,6 +332,8 @@ class EngineConfig:
                                                             and 0 <= self.int8_activations <= 4)):
             raise ValueError(f"int8_activations must be True, False or a number of pieces 1-4, "
                              f"got {self.int8_activations!r}")
+        if self.overlap_grammar_masks is not None and not isinstance(self.overlap_grammar_masks, bool):
+            raise ValueError(f"overlap_grammar_masks must be True, False or None, got {self.overlap_grammar_masks!r}")
         _check_device(self.device)
 
 

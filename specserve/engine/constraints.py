@@ -19,7 +19,9 @@ target's forward):
    one verification, not one step each. A tree gets them below its first branch.
 3. The verification masks: row j is the grammar's state after the drafts before row j (its
    ancestors in a tree), including the bonus row; ``sample.verify`` applies them to the
-   target's logits before any token is chosen.
+   target's logits before any token is chosen. They are only planned here and computed by
+   ``structured_output.step_masks`` in one batch, in a background thread while the target's
+   forward runs (``overlap_masks``); ``wait_masks`` joins it before verification.
 
 After the step, ``after_append`` advances the matcher by the tokens actually appended (a
 stop may cut them). A complete constraint allows only the end of sequence, so the request
@@ -39,16 +41,19 @@ from specserve.core.scheduler import ScheduledRequest
 from specserve.sampling_params import SamplingParams
 from specserve.structured_output.compiler import GrammarCompiler, GrammarLimits, request_grammar
 from specserve.structured_output.matcher import GrammarLimitError, eos_only_mask
+from specserve.structured_output.step_masks import StepMasks
 
 logger = logging.getLogger(__name__)
 
 
 class Constraints:
     def __init__(self, tokenizer, vocab_size: int, eos_token_id: int | None, grammar_drafts: bool,
-                 limits: GrammarLimits | None = None, disable_by_batch_size: int | None = None):
+                 limits: GrammarLimits | None = None, disable_by_batch_size: int | None = None,
+                 overlap_masks: bool = False):
         self.compiler = GrammarCompiler(tokenizer, vocab_size, eos_token_id, limits)
         self.grammar_drafts = grammar_drafts
         self.disable_by_batch_size = disable_by_batch_size   # SpeculativeConfig's: no forced drafts either
+        self.masks = StepMasks(overlap_masks)
 
     def check(self, params: SamplingParams) -> None:
         """Compile the constraint (cached); raises InvalidConstraintError, a ValueError, naming
@@ -66,7 +71,11 @@ class Constraints:
         """Fit each sampling constrained request's drafts to its grammar and set its masks
         (``reserved``: each request's lookahead slots before drafting, the room for forced
         drafts). A grammar that runs out of a limit here ends its request ("length": its last
-        token is the end of sequence); one that fails otherwise fails alone in verification."""
+        token is the end of sequence); one that fails otherwise fails alone in verification.
+        The masks are started here (``overlap_masks``: in the background) and must be waited
+        for (``wait_masks``) before verification reads them."""
+        self.masks.wait()     # a previous step's rows, if its forward failed before the wait
+        jobs = []
         limit = self.disable_by_batch_size
         forced = self.grammar_drafts and (limit is None or sum(r > 0 for r in reserved) < limit)
         for s, room in zip(scheduled, reserved):
@@ -75,6 +84,7 @@ class Constraints:
                 continue
             try:
                 fit_drafts(req, room if forced else 0)
+                jobs.append((req.request_id, req.grammar))
             except GrammarLimitError as e:
                 logger.warning("request %s: %s; it ends here (finish_reason length)", req.request_id, e)
                 req.clear_drafts()
@@ -87,6 +97,11 @@ class Constraints:
                 logger.exception("request %s: its grammar failed", req.request_id)
                 req.clear_drafts()
                 req.grammar.failed = e
+        self.masks.start(jobs)
+
+    def wait_masks(self) -> None:
+        """The step's verification masks are all set (after the target's forward)."""
+        self.masks.wait()
 
     def after_append(self, req: Request, appended: list[int], status: RequestStatus | None) -> RequestStatus | None:
         """Advance the matcher by the step's appended tokens -> the request's status. A complete
@@ -112,7 +127,7 @@ class Constraints:
 
 def fit_drafts(req: Request, room: int) -> None:
     """Cut the request's drafts to the grammar, add forced ones (at most ``room`` drafts in all)
-    and set ``req.grammar.step_bitmask`` [drafts + 1, W] (module docstring)."""
+    and plan the rows of ``req.grammar.step_bitmask`` [drafts + 1, W] (module docstring)."""
     if req.draft_parents is None:
         _fit_chain(req, room)
     else:
@@ -135,10 +150,8 @@ def _fit_chain(req: Request, room: int) -> None:
             probs = one_hot if probs is None else torch.cat([probs, one_hot])
         tokens += forced
         valid = keep = len(tokens)
-    rows = [g.mask_after(tokens[:i]) for i in range(valid + 1)]
-    rows += [rows[-1]] * (keep - valid)     # the row after a certainly rejected draft is never sampled
     req.draft_token_ids, req.draft_probs = tokens, probs
-    g.step_bitmask = torch.stack(rows)                                             # [keep + 1, W]
+    g.plan_chain_rows(tokens[:valid], repeat_last=keep - valid)                    # [keep + 1, W] rows
 
 
 def _fit_tree(req: Request, room: int) -> None:
@@ -161,7 +174,10 @@ def _fit_tree(req: Request, room: int) -> None:
             leaf = len(tokens) - 1
     req.draft_token_ids = tokens
     req.draft_parents = parents if tokens else None
-    g.step_bitmask = torch.stack([g.mask_after([])] + [g.mask_after(p) for p in paths])   # [n + 1, W]
+    if req.draft_parents is None:
+        g.plan_chain_rows([])
+    else:
+        g.plan_tree_rows(paths)                                                    # [n + 1, W] rows
 
 
 def _first_branch_leaf(parents: list[int]) -> int:

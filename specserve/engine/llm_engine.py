@@ -101,7 +101,9 @@ class LLMEngine:
         self.eos_token_id = self.tokenizer.eos_token_id
         self.constraints = Constraints(self.tokenizer, self.vocab_size, self.eos_token_id,
                                        grammar_drafts=bool(spec_config and spec_config.grammar_drafts),
-                                       disable_by_batch_size=spec_config.disable_by_batch_size if spec_config else None)
+                                       disable_by_batch_size=spec_config.disable_by_batch_size if spec_config else None,
+                                       overlap_masks=(self.device.type == "cuda" if config.overlap_grammar_masks is None
+                                                      else config.overlap_grammar_masks))
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
@@ -214,6 +216,8 @@ class LLMEngine:
         except Exception as e:
             hit = dict.fromkeys(self.groups.public_id(s.request.request_id) for s in plan.scheduled)
             raise StepFailedError(list(hit), e) from e
+        finally:
+            self.constraints.wait_masks()   # the grammar's rows, computed while the forward ran
         sampling = [s for s in plan.scheduled if s.will_sample]
         logits, beam_rows = result.logits, {}
         if self.beams:    # beam search requests' rows go to their search, not to the verifier

@@ -52,6 +52,14 @@ class RequestGrammar:
         # so the request fails alone (finish_reason "error") and the batch carries on.
         self.failed: Exception | None = None
         self.exhausted = False    # a limit ran out (GrammarLimitError): the request ends, "length"
+        # This step's rows before they are computed (structured_output.step_masks):
+        # ("chain", drafts, rows repeated after them) or ("tree", each node's path).
+        self.row_plan: tuple | None = None
+
+    @property
+    def matcher(self):
+        """llguidance's LLMatcher, for batched mask calls (step_masks); it stands after the output."""
+        return self._m
 
     # ------------------------------------------------------------------ state
     @property
@@ -62,7 +70,7 @@ class RequestGrammar:
     def advance(self, tokens: list[int]) -> None:
         """The step's appended tokens; raises GrammarStateError if one breaks the grammar."""
         self._masks.clear()
-        self.step_bitmask, self.failed = None, None
+        self.step_bitmask, self.failed, self.row_plan = None, None, None
         for t in tokens[: self._through_eos(tokens)]:
             if t == self.eos_token_id:
                 if not self._m.is_accepting():
@@ -75,6 +83,39 @@ class RequestGrammar:
         """How many of ``tokens`` come up to and including the first end of sequence."""
         eos = self.eos_token_id
         return next((i + 1 for i, t in enumerate(tokens) if t == eos), len(tokens))
+
+    # ------------------------------------------------------- the step's rows
+    def plan_chain_rows(self, chain: list[int], repeat_last: int = 0) -> None:
+        """The step verifies ``chain`` (checked drafts) and ``repeat_last`` drafts after them that
+        are certainly rejected: rows are the states after ``chain[:j]``, j = 0..len(chain), then
+        the last one again ``repeat_last`` times (the row after a certainly rejected draft is
+        never sampled)."""
+        self.step_bitmask = None
+        self.row_plan = ("chain", list(chain), repeat_last)
+
+    def plan_tree_rows(self, paths: list[list[int]]) -> None:
+        """The step verifies a tree whose node i has the path ``paths[i]`` (its ancestors' tokens
+        and its own): rows are the root's state, then the state after each path."""
+        self.step_bitmask = None
+        self.row_plan = ("tree", paths)
+
+    def planned_row_count(self) -> int:
+        kind, body, *rest = self.row_plan
+        return len(body) + 1 + (rest[0] if kind == "chain" else 0)
+
+    def set_planned_rows(self, rows: torch.Tensor) -> None:
+        """``rows`` [r, W]: the masks of the planned states (for a chain that ends with the end of
+        sequence, the state after it may be left out: it allows only the end again) -> sets
+        ``step_bitmask`` [planned_row_count(), W]."""
+        kind, body, *rest = self.row_plan
+        if kind == "chain":
+            if rows.shape[0] == len(body):          # the chain ends with the end of sequence
+                rows = torch.cat([rows, eos_only_mask(self.vocab_size, self.eos_token_id)])
+            if rest[0]:
+                rows = torch.cat([rows, rows[-1:].expand(rest[0], -1)])
+        if rows.shape[0] != self.planned_row_count():
+            raise RuntimeError(f"{rows.shape[0]} grammar masks for {self.planned_row_count()} planned rows")
+        self.step_bitmask = rows.contiguous()
 
     # ----------------------------------------------------------- speculation
     def valid_prefix(self, tokens: list[int]) -> int:
