@@ -25,13 +25,59 @@ import shlex
 import sys
 
 
+SPEC_BENCH_DEFAULTS = {"configs": "plain,ngram:4", "batch_sizes": "1", "prompts": None, "categories": None,
+                       "limit": None, "max_tokens": 128, "device": None, "peer": None, "threads": None}
+PRESETS = {   # suites that are spec-bench with other defaults
+    "batch-scaling": {"configs": "plain,ngram:4", "batch_sizes": "1,8,32,64", "prompts": "spec-bench",
+                      "categories": "writing,coding,math_reasoning,summarization,translation,rag", "limit": 2,
+                      "max_tokens": 64, "threads": 2},
+    "gpu": {"configs": "plain,ngram:4,eagle:4", "batch_sizes": "1,8", "limit": 1, "max_tokens": 96,
+            "device": "cuda", "peer": ["transformers"]},
+}
+
+
 def add_bench_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("bench", help="benchmark plain decoding against proposers (and peers): report.md, results.json, plots",
+    """``specserve bench``: the spec-bench suite's options, and one subcommand per suite (and ``page``)."""
+    from specserve.bench.suites import SUITES
+
+    p = sub.add_parser("bench", help="measure: spec-bench (default) or another suite; writes a results file",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_spec_bench_options(p, SPEC_BENCH_DEFAULTS)
+    suites = p.add_subparsers(dest="suite", metavar="SUITE")
+    for name, suite in SUITES.items():
+        sp = suites.add_parser(name, help=suite.question, description=suite.question)
+        if suite.module == "spec_bench":
+            add_spec_bench_options(sp, {**SPEC_BENCH_DEFAULTS, **PRESETS.get(name, {})})
+        else:
+            from specserve.bench.suites import suite_module
+
+            suite_module(name).add_arguments(sp)
+            add_common_options(sp)
+    page = suites.add_parser("page", help="regenerate docs/benchmarks.md from the newest results file of each suite")
+    from specserve.bench.page import DEFAULT_PAGE, DEFAULT_RESULTS, DEFAULT_SCRIPTS
+
+    page.add_argument("--results", default=DEFAULT_RESULTS, help="folder of results files (one folder per suite)")
+    page.add_argument("--out", default=DEFAULT_PAGE)
+    page.add_argument("--scripts", default=DEFAULT_SCRIPTS, help="folder whose scripts the page lists in one line each")
+    page.add_argument("--check", action="store_true", help="only check that --out is what the results give")
+    p.set_defaults(func=cmd_bench)
+    return p
+
+
+def add_common_options(p: argparse.ArgumentParser) -> None:
+    from specserve.bench.results import DEFAULT_RESULTS_DIR
+
+    p.add_argument("--results", default=DEFAULT_RESULTS_DIR,
+                   help="folder for the results file (written as RESULTS/<suite>/<UTC time>.json)")
+    if not any(a.dest == "threads" for a in p._actions):
+        p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+
+
+def add_spec_bench_options(p: argparse.ArgumentParser, d: dict) -> None:
     p.add_argument("--model", default=None, help="the target, anything `specserve generate --model` accepts (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--configs", default="plain,ngram:4",
+    p.add_argument("--device", default=d["device"], help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--configs", default=d["configs"],
                    help="comma-separated: plain, ngram:K, draft:K, eagle:K, suffix:K (K draft tokens per step; "
                         "draft and eagle use the default model's shipped drafts unless --draft-model/--eagle-model); "
                         "options may follow as :dynamic (dynamic_k, n-gram's and suffix's default), :fixed (k every step), :tree (n-gram trees) or :KEY=VALUE for any "
@@ -39,7 +85,7 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                         "(trees against chains); plain is always run (speedups are against it)")
     p.add_argument("--draft-model", default=None, help="the draft for draft:K configurations")
     p.add_argument("--eagle-model", default=None, help="the EAGLE head folder for eagle:K configurations")
-    p.add_argument("--peer", action="append", default=[], choices=["transformers", "llama.cpp"],
+    p.add_argument("--peer", action="append", default=d["peer"], choices=["transformers", "llama.cpp"],
                    help="also measure a peer engine on the same prompts (repeatable)")
     p.add_argument("--llama-cpp-bin", default=None,
                    help="folder with llama-server, built by ../shared/peers/build-llamacpp.sh "
@@ -47,23 +93,24 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--transformers-dtype", default="bfloat16",
                    help="dtype of the transformers peer; comma-separated for one peer per dtype "
                         "(named transformers-bf16, transformers-fp32, ...)")
-    p.add_argument("--prompts", default=None, help="Spec-Bench-format JSONL (default: the shipped set)")
-    p.add_argument("--categories", default=None, help="comma-separated categories to keep")
-    p.add_argument("--limit", type=int, default=None, help="at most N prompts per category")
-    p.add_argument("--batch-sizes", default="1", help="comma-separated, e.g. 1,8")
+    p.add_argument("--prompts", default=d["prompts"],
+                   help="Spec-Bench-format JSONL; 'spec-bench' for ../shared/data/spec_bench/question.jsonl "
+                        "(default: the shipped set)")
+    p.add_argument("--categories", default=d["categories"], help="comma-separated categories to keep")
+    p.add_argument("--limit", type=int, default=d["limit"], help="at most N prompts per category")
+    p.add_argument("--batch-sizes", default=d["batch_sizes"], help="comma-separated, e.g. 1,8")
     p.add_argument("--temperature", default="0", help="comma-separated, e.g. 0,0.7 (0 = greedy)")
-    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per request")
+    p.add_argument("--max-tokens", type=int, default=d["max_tokens"], help="new tokens per request")
     p.add_argument("--stop-at-eos", action="store_true",
                    help="answers end at end-of-sequence (Spec-Bench's protocol) instead of always --max-tokens")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes of KV cache per configuration")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (and llama.cpp's -t)")
-    p.add_argument("--out", default=None, help="output folder (default: bench-results/<UTC timestamp>)")
+    p.add_argument("--threads", type=int, default=d["threads"], help="torch.set_num_threads (and llama.cpp's -t)")
+    p.add_argument("--out", default=None, help="also write report.md, results.json and plots to this folder")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib needed)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_bench)
-    return p
+    add_common_options(p)
 
 
 def options_from_args(args, argv: list[str] | None = None):
@@ -79,7 +126,7 @@ def options_from_args(args, argv: list[str] | None = None):
     return BenchOptions(
         model=args.model, dtype=args.dtype, device=args.device,
         configs=parse_configs(args.configs, args.draft_model, args.eagle_model),
-        peers=list(dict.fromkeys(args.peer)), llama_cpp_bin=args.llama_cpp_bin,
+        peers=list(dict.fromkeys(args.peer or [])), llama_cpp_bin=args.llama_cpp_bin,
         transformers_dtype=args.transformers_dtype,
         prompts_path=args.prompts,
         categories=[c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None,
@@ -92,21 +139,22 @@ def options_from_args(args, argv: list[str] | None = None):
 
 
 def cmd_bench(args, argv: list[str] | None = None) -> int:
-    from specserve.bench.report import render_markdown, write_json
-    from specserve.bench.runner import run_bench
+    """Run the suite ``args.suite`` (spec-bench when none) and write its results file; or ``page``."""
+    from specserve.bench import results
+    from specserve.bench.suites import SUITES, suite_module
 
-    opts = options_from_args(args, argv)
-    out = args.out or os.path.join(
-        "bench-results", datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S"))
-    os.makedirs(out, exist_ok=True)
-    doc = run_bench(opts)
-    write_json(doc, os.path.join(out, "results.json"))
-    plots = []
-    if not args.no_plots:
-        from specserve.bench.plots import write_plots
+    if args.suite == "page":
+        from specserve.bench.page import main
 
-        plots = write_plots(doc, out)
-    with open(os.path.join(out, "report.md"), "w") as f:
-        f.write(render_markdown(doc, plots))
-    print(f"wrote {os.path.join(out, 'report.md')}, results.json" + (", " + ", ".join(plots) if plots else ""))
+        return main(args)
+    name = args.suite or "spec-bench"
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    argv = sys.argv[1:] if argv is None else argv
+    doc = results.new_results(name, SUITES[name].question, "specserve " + " ".join(shlex.quote(a) for a in argv), {})
+    suite_module(name).run(args, doc)
+    path = results.save(doc, args.results)
+    print(f"wrote {path}")
     return 0

@@ -8,6 +8,7 @@ checked as a SpeculativeConfig); ``BenchOptions`` holds everything else
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from importlib import resources
 
@@ -27,12 +28,38 @@ def default_prompts_path() -> str:
     return str(resources.files("specserve.bench").joinpath("prompts.jsonl"))
 
 
+SPEC_BENCH_NAME = "spec-bench"   # what --prompts accepts for Spec-Bench's questions
+
+
+def spec_bench_path() -> str:
+    """Spec-Bench's 480 questions (13 categories): the team's shared copy beside the project,
+    ``../shared/data/spec_bench/question.jsonl`` from the project root."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return os.path.normpath(os.path.join(root, "..", "shared", "data", "spec_bench", "question.jsonl"))
+
+
+def coding_prompts_path() -> str:
+    """The project's own 20 coding prompts (benchmarks/prompts/coding.jsonl in the checkout)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return os.path.join(root, "benchmarks", "prompts", "coding.jsonl")
+
+
+def prompts_path(name: str | None) -> str:
+    """--prompts: a JSONL path, ``spec-bench`` (``spec_bench_path()``), ``coding`` (``coding_prompts_path()``)
+    or None (the shipped set)."""
+    if name == SPEC_BENCH_NAME:
+        return spec_bench_path()
+    if name == "coding":
+        return coding_prompts_path()
+    return name or default_prompts_path()
+
+
 def load_prompts(path: str | None, categories: list[str] | None = None, limit: int | None = None) -> list[BenchPrompt]:
     """Spec-Bench's JSONL (``question_id``, ``category``, ``turns``); the first turn is the prompt.
 
     ``limit``: at most this many prompts per category (file order).
     """
-    path = path or default_prompts_path()
+    path = prompts_path(path)
     prompts: list[BenchPrompt] = []
     per_cat: dict[str, int] = {}
     with open(path) as f:

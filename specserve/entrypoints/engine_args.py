@@ -9,6 +9,11 @@ import argparse
 
 from specserve.config import SpeculativeConfig
 
+# What `generate` and `serve` speculate with when no speculation flag is given (None: plain
+# decoding). Chosen by measurement: docs/benchmarks.md, "Batch scaling" and "Serving load".
+DEFAULT_SPECULATION: dict | None = None
+NO_SPECULATION_FLAG = "--no-speculation"
+
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """Options shared by every subcommand that builds an engine."""
@@ -18,6 +23,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes of KV cache")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument(NO_SPECULATION_FLAG, dest="no_speculation", action="store_true",
+                   help="plain decoding, whatever the default speculation is")
     p.add_argument("--speculative-model", default=None, help="draft model (anything --model accepts)")
     p.add_argument("--speculative-method", default=None, choices=["draft_model", "ngram", "eagle", "suffix", "grammar"],
                    help="grammar: no proposer, only the forced tokens of constrained requests' grammars as drafts")
@@ -89,8 +96,12 @@ def speculative_config_from_args(args) -> dict | None:
         "grammar_drafts": getattr(args, "grammar_drafts", None),
     }
     values = {k: v for k, v in values.items() if v is not None}
-    if not values:
+    if getattr(args, "no_speculation", False):
+        if values:
+            raise SystemExit(f"error: {NO_SPECULATION_FLAG} with speculation flags ({', '.join(sorted(values))})")
         return None
+    if not values:
+        return dict(DEFAULT_SPECULATION) if DEFAULT_SPECULATION else None
     if "method" not in values and "model" not in values:
         raise SystemExit("error: --num-speculative-tokens needs --speculative-model or --speculative-method")
     return values

@@ -1,0 +1,102 @@
+"""Results files: what every ``specserve bench`` suite writes, and what docs/benchmarks.md is made from.
+
+One run of one suite is one JSON file, ``RESULTS_DIR/<suite>/<UTC time>.json``::
+
+    {"schema": 1, "suite": "llama-bench", "question": "...", "command": "specserve bench llama-bench ...",
+     "date": "2026-12-05T11:30:00Z", "commit": "3cd1df9", "machine": {machine_facts()},
+     "params": {...the suite's options...},
+     "table": {"columns": [...], "rows": [[...], ...]},   # what the benchmarks page shows
+     "notes": ["one line each", ...],                     # how to read the table (optional)
+     "samples": ...}                                      # the raw measurements the table was computed from
+
+The newest file of each suite is that suite's current answer (``latest``); the older ones are its
+history. ``source`` (optional) says where a file's figures came from when they were not measured by
+this command (files converted from earlier scripts' raw output).
+"""
+from __future__ import annotations
+
+import datetime
+import glob
+import json
+import os
+
+SCHEMA = 1
+DEFAULT_RESULTS_DIR = "bench-results"
+REQUIRED = ("suite", "question", "command", "date", "commit", "machine", "table")
+
+
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def new_results(suite: str, question: str, command: str, params: dict, machine: dict | None = None) -> dict:
+    """The envelope of one run (table and samples are filled in by the suite)."""
+    from specserve.bench.machine import machine_facts
+
+    machine = machine if machine is not None else machine_facts()
+    return {"schema": SCHEMA, "suite": suite, "question": question, "command": command, "date": utc_now(),
+            "commit": machine.get("git", "unknown"), "machine": machine, "params": params,
+            "table": {"columns": [], "rows": []}, "notes": [], "samples": None}
+
+
+def check(doc: dict, where: str = "results") -> None:
+    """ValueError naming what a results document lacks (so a broken file fails loudly, not as a blank table)."""
+    missing = [k for k in REQUIRED if k not in doc]
+    if missing:
+        raise ValueError(f"{where}: missing {', '.join(missing)}")
+    cols, rows = doc["table"].get("columns"), doc["table"].get("rows")
+    if not cols or rows is None or any(len(r) != len(cols) for r in rows):
+        raise ValueError(f"{where}: the table needs columns and rows of as many cells")
+
+
+def save(doc: dict, results_dir: str | None = None) -> str:
+    """Write ``doc`` as ``results_dir/<suite>/<date>.json``; returns the path."""
+    check(doc)
+    folder = os.path.join(results_dir or DEFAULT_RESULTS_DIR, doc["suite"])
+    os.makedirs(folder, exist_ok=True)
+    stamp = doc["date"].replace(":", "").replace("-", "")
+    path = os.path.join(folder, f"{stamp}.json")
+    n = 1
+    while os.path.exists(path):   # two runs in one second
+        n += 1
+        path = os.path.join(folder, f"{stamp}-{n}.json")
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    return path
+
+
+def load(path: str) -> dict:
+    with open(path) as f:
+        doc = json.load(f)
+    check(doc, path)
+    return doc
+
+
+def latest(results_dir: str) -> dict[str, dict]:
+    """{suite: its newest results document} under ``results_dir`` (newest by the date inside)."""
+    best: dict[str, dict] = {}
+    for path in sorted(glob.glob(os.path.join(results_dir, "*", "*.json"))):
+        doc = load(path)
+        if doc["suite"] not in best or doc["date"] >= best[doc["suite"]]["date"]:
+            best[doc["suite"]] = doc
+    return best
+
+
+def machine_line(m: dict) -> str:
+    """One line naming the machine: CPU, cores, threads used, GPU."""
+    text = f"{m.get('cpu', 'unknown CPU')}, {m.get('cpu_count', '?')} cores"
+    if m.get("torch_threads"):
+        text += f", {m['torch_threads']} threads"
+    if m.get("cuda"):
+        text += f", GPU {m['cuda']}"
+    return text
+
+
+def fmt(x, digits: int = 1, suffix: str = "") -> str:
+    """A table cell: numbers rounded, None as a dash."""
+    if x is None:
+        return "—"
+    if isinstance(x, float):
+        return f"{x:.{digits}f}{suffix}"
+    return f"{x}{suffix}"

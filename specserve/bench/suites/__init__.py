@@ -1,0 +1,52 @@
+"""The suites of ``specserve bench``: one question each, one results file per run.
+
+``specserve bench SUITE [options]`` runs a suite; ``specserve bench [options]`` (no suite) is
+``spec-bench``. A suite is a module here with ``QUESTION`` (the page's heading), ``EXAMPLE``
+(the command the page prints when the suite has no results yet), ``add_arguments(parser)``
+and ``run(args, doc)``, which measures and fills the results document's ``params``, ``table``,
+``notes`` and ``samples`` (``bench/results.py``); the command line writes the file. The
+``spec-bench`` presets (``batch-scaling``, ``gpu``) share ``spec_bench.py``'s runner and
+differ only in their defaults. Nothing in this module imports torch, so the benchmarks page
+(``bench/page.py``) can list the suites cheaply.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    module: str        # under specserve.bench.suites
+    question: str
+    example: str
+
+
+SUITES: dict[str, Suite] = {s.name: s for s in [
+    Suite("spec-bench", "spec_bench", "Speculation on Spec-Bench: plain decoding against each proposer",
+          "specserve bench --configs plain,ngram:4,draft:3,eagle:4 --batch-sizes 1,8 --limit 1 --max-tokens 64"),
+    Suite("batch-scaling", "spec_bench", "Batch scaling: plain against n-gram (dynamic_k) at batches 1 to 64",
+          "specserve bench batch-scaling"),
+    Suite("serve-load", "serve_load", "Serving load: the OpenAI server under concurrent streams, plain against speculation",
+          "specserve bench serve-load"),
+    Suite("llama-bench", "llama_bench", "Plain decoding against llama.cpp (llama-bench), same GGUF file and threads",
+          "specserve bench llama-bench"),
+    Suite("llama-server", "llama_server", "Chat answers against llama.cpp's llama-server",
+          "specserve bench llama-server"),
+    Suite("real-pair", "real_pair", "A real target and draft: specserve against llama.cpp's speculative decoding",
+          "specserve bench real-pair"),
+    Suite("prefix-cache", "prefix_cache", "Prefix caching: time to first token of a resent conversation",
+          "specserve bench prefix-cache"),
+    Suite("suffix", "suffix", "Suffix decoding on repeated agentic tasks",
+          "specserve bench suffix"),
+    Suite("gpu", "spec_bench", "On a GPU: plain, n-gram and EAGLE against transformers",
+          "specserve bench gpu"),
+    Suite("kernels", "kernels", "CPU kernels: GGUF-block matmul and paged attention against their PyTorch paths",
+          "specserve bench kernels"),
+]}
+
+
+def suite_module(name: str):
+    """The module that runs suite ``name`` (imported on demand: suites import torch)."""
+    return importlib.import_module(f"specserve.bench.suites.{SUITES[name].module}")

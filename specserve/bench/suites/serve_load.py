@@ -1,0 +1,101 @@
+"""A bounded load test of the OpenAI-compatible server on loopback: plain against speculation.
+
+Sends ``--num-requests`` streaming chat requests, ``--concurrency`` in flight at once, to a
+``specserve serve`` started here in a subprocess, once per configuration (``--configs``: ``plain``
+and ``METHOD:K`` for ngram, suffix, eagle or draft_model), one server after the other on the same
+prompts (the first turns of Spec-Bench's questions, cycled). Reported per configuration: output
+throughput, TTFT and TPOT percentiles, acceptance (from the server's ``/metrics``), and each
+configuration's throughput against plain. ``--url`` measures a server that is already running.
+"""
+from __future__ import annotations
+
+import json
+
+from specserve.bench.results import fmt
+
+COLUMNS = ["configuration", "requests", "failed", "output tok/s", "vs plain", "TTFT p50 ms", "TTFT p90 ms",
+           "TPOT p50 ms", "TPOT p90 ms", "acceptance", "tau"]
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--configs", default="plain,ngram:4",
+                   help="comma-separated: plain and METHOD:K (ngram, suffix, eagle, draft_model)")
+    p.add_argument("--url", default=None, help="an already running server (default: start one per configuration)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--prompts", default="spec-bench", help="Spec-Bench-format JSONL ('spec-bench': the shared copy)")
+    p.add_argument("--num-requests", "-n", type=int, default=32)
+    p.add_argument("--concurrency", type=int, default=16, help="requests in flight at once")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--stop-at-eos", action="store_true", help="answers end at end-of-sequence (default: max tokens)")
+    p.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
+    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument("--model", default=None)
+    p.add_argument("--speculative-model", default=None, help="the draft of draft_model:K")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--server-log", default=None, help="append the servers' output to this file")
+
+
+def load_prompts(path: str, n: int) -> list[str]:
+    """The first turns of the file's questions, cycled to ``n``."""
+    from specserve.bench.options import prompts_path
+
+    prompts = []
+    with open(prompts_path(path)) as f:
+        for line in f:
+            if line.strip():
+                row = json.loads(line)
+                prompts.append(row["turns"][0] if row.get("turns") else row["prompt"])
+    if not prompts:
+        raise ValueError(f"no prompts in {path}")
+    return [prompts[i % len(prompts)] for i in range(n)]
+
+
+def server_args(config: str, args) -> list[str]:
+    """``specserve serve`` flags for ``plain`` or ``METHOD:K``."""
+    if config == "plain":
+        from specserve.entrypoints.engine_args import NO_SPECULATION_FLAG
+
+        return [NO_SPECULATION_FLAG] if NO_SPECULATION_FLAG else []
+    method, _, k = config.partition(":")
+    extra = ["--speculative-method", method] + (["--num-speculative-tokens", k] if k else [])
+    if method == "draft_model" and args.speculative_model:
+        extra += ["--speculative-model", args.speculative_model]
+    return extra
+
+
+def run(args, doc: dict) -> None:
+    from specserve.bench import load_client as lc
+
+    args.ignore_eos = not args.stop_at_eos
+    doc["params"] = {k: v for k, v in vars(args).items() if k not in ("func", "api_key")}
+    prompts = load_prompts(args.prompts, args.num_requests)
+    reports = []
+    if args.url:
+        reports.append(lc.measure("server", args.url.rstrip("/"), prompts, args))
+    else:
+        for config in [c.strip() for c in args.configs.split(",") if c.strip()]:
+            server = lc.ServerProcess(server_args(config, args), args)
+            try:
+                server.wait_ready(args.startup_timeout)
+                reports.append(lc.measure(config, server.url, prompts, args))
+            finally:
+                server.stop()
+    summaries = [r.summary() for r in reports]
+    plain = next((s["output_tok_per_s"] for s in summaries if s["label"] == "plain"), None)
+    rows = []
+    for s in summaries:
+        up = s["output_tok_per_s"] / plain if plain and s["label"] != "plain" else None
+        rows.append([f"`{s['label']}`", str(s["requests"]), str(s["failed"]), fmt(s["output_tok_per_s"]),
+                     fmt(up, 2, "x"), fmt(s["ttft_p50_ms"], 0), fmt(s["ttft_p90_ms"], 0), fmt(s["tpot_p50_ms"]),
+                     fmt(s["tpot_p90_ms"]), fmt(s.get("acceptance_rate"), 2), fmt(s.get("mean_acceptance_length"), 2)])
+    doc["table"] = {"columns": COLUMNS, "rows": rows}
+    doc["notes"] = [f"{args.num_requests} streaming {args.endpoint} requests, {args.concurrency} in flight, "
+                    f"{args.max_tokens} tokens each" + (" at most" if args.stop_at_eos else " (end-of-sequence ignored)")
+                    + f", temperature {args.temperature:g}; one server per configuration, one after the other."]
+    doc["samples"] = {"summaries": summaries,
+                      "requests": {r.label: [vars(x) for x in r.results] for r in reports}}
+    if any(s["failed"] for s in summaries):
+        raise RuntimeError(f"failed requests: {[(s['label'], s['failed']) for s in summaries]}")
