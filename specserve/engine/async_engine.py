@@ -37,6 +37,7 @@ import weakref
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
+from specserve.beam_search_params import BeamSearchParams
 from specserve.engine.llm_engine import LLMEngine, StepFailedError
 from specserve.core.request import RequestStatus
 from specserve.outputs import RequestOutput
@@ -153,11 +154,12 @@ class AsyncLLMEngine:
     async def add_request(
         self,
         prompt: str | list[int],
-        params: SamplingParams | None = None,
+        params: SamplingParams | BeamSearchParams | None = None,
         request_id: str | None = None,
     ) -> "_Stream":
         """Tokenize (on the tokenizer thread), then queue the request on the engine
-        thread; raises ValueError for bad input."""
+        thread; raises ValueError for bad input. ``BeamSearchParams``: a beam search, whose
+        one output comes when it is done."""
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine is dead: {self.dead_error!r}")
         if self._stopped:
@@ -293,7 +295,10 @@ class AsyncLLMEngine:
                 try:
                     if request_id in self._streams:
                         raise ValueError(f"request id {request_id!r} is already in use")
-                    self.engine.add_request(prompt, params, request_id, prepared=prepared)
+                    if isinstance(params, BeamSearchParams):
+                        self.engine.add_beam_search(prompt, params, request_id, prepared=prepared)
+                    else:
+                        self.engine.add_request(prompt, params, request_id, prepared=prepared)
                 except Exception as e:  # noqa: BLE001 - bad input goes back to the caller
                     done.set_exception(e)
                 else:

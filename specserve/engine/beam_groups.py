@@ -118,6 +118,11 @@ class BeamGroups:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.by_id
 
+    def public_id(self, request_id: str) -> str:
+        """The id the user knows: a beam's search's, else the request's own."""
+        group = self._of_beam.get(request_id)
+        return group.request_id if group is not None else request_id
+
     def owns(self, request: Request) -> bool:
         return request.request_id in self._of_beam
 

@@ -214,7 +214,8 @@ class LLMEngine:
         except WorkerError:   # a tensor-parallel rank died: the whole engine is gone, not this step
             raise
         except Exception as e:
-            hit = dict.fromkeys(self.groups.public_id(s.request.request_id) for s in plan.scheduled)
+            hit = dict.fromkeys(self.beams.public_id(self.groups.public_id(s.request.request_id))
+                                for s in plan.scheduled)
             raise StepFailedError(list(hit), e) from e
         finally:
             self.constraints.wait_masks()   # the grammar's rows, computed while the forward ran
