@@ -51,14 +51,17 @@ def _table(table: dict) -> list[str]:
     return lines
 
 
-def render_page(results_dir: str, scripts_dir: str | None = None, results_link: str | None = None) -> str:
-    """The page for the newest results of each suite under ``results_dir``."""
+def render_page(results_dir: str, scripts_dir: str | None = None, results_link: str | None = None,
+                suites: dict | None = None) -> str:
+    """The page for the newest results of each suite under ``results_dir`` (``suites``: the registry whose
+    order the page follows and whose unmeasured suites it lists; default ``SUITES``)."""
+    registry = SUITES if suites is None else suites
     docs = latest(results_dir)
     link = results_link if results_link is not None else "bench/results"
-    order = [n for n in SUITES if n in docs] + sorted(n for n in docs if n not in SUITES)
+    order = [n for n in registry if n in docs] + sorted(n for n in docs if n not in registry)
     L = [HEADER, "## Contents", ""]
     L += [f"- [{docs[n]['question']}](#{n}) (`{n}`)" for n in order]
-    missing = [n for n in SUITES if n not in docs]
+    missing = [n for n in registry if n not in docs]
     if missing:
         L.append("- [Suites without published results](#not-measured)")
     L.append("")
@@ -75,7 +78,7 @@ def render_page(results_dir: str, scripts_dir: str | None = None, results_link: 
             L.append("")
     if missing:
         L += ['<a id="not-measured"></a>', "## Suites without published results", ""]
-        L += [f"- `{n}`: {SUITES[n].question}. `{SUITES[n].example}`" for n in missing]
+        L += [f"- `{n}`: {registry[n].question}. `{registry[n].example}`" for n in missing]
         L.append("")
     if scripts_dir:
         scripts = sorted(glob.glob(os.path.join(scripts_dir, "*.py")))

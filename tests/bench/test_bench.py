@@ -50,7 +50,7 @@ def bench_run(tiny_llama_dir, tmp_path_factory):
     argv = ["bench", "--model", tiny_llama_dir, "--prompts", two_prompts(str(tmp / "prompts.jsonl")),
             "--configs", "plain,ngram:3", "--batch-sizes", "1,2", "--temperature", "0,0.7", "--max-tokens", "12",
             "--max-model-len", "512", "--kv-cache-memory", str(1 << 24), "--peer", "transformers",
-            "--transformers-dtype", "float32", "--no-progress", "--out", out]
+            "--transformers-dtype", "float32", "--no-progress", "--out", out, "--results", str(tmp / "results")]
     assert run_cli(argv) == 0
     with open(os.path.join(out, "results.json")) as f:
         doc = json.load(f)
@@ -73,6 +73,24 @@ def test_bench_writes_report_results_and_plots(bench_run):
     assert "torch threads 1" in report
     for image in ("speedup_by_category.png", "acceptance_by_position.png", "tok_s_vs_batch_size.png"):
         assert f"]({image})" in report
+
+
+def test_bench_writes_one_results_file_for_the_page(bench_run):
+    """The suite's results file: the envelope (machine, command, commit), one table row per temperature x
+    batch size x configuration (all categories), and the whole run as its raw samples."""
+    from specserve.bench.results import latest
+
+    out, argv, doc = bench_run
+    files = latest(os.path.join(os.path.dirname(out), "results"))
+    r = files["spec-bench"]
+    assert r["command"] == "specserve " + " ".join(argv) and r["commit"] == doc["machine"]["git"]
+    assert r["machine"] == doc["machine"] and r["samples"] == doc
+    assert r["table"]["columns"][:4] == ["temperature", "batch", "configuration", "tok/s"]
+    assert len(r["table"]["rows"]) == 2 * 2 * 3
+    plain = [row for row in r["table"]["rows"] if row[:3] == ["0", "1", "`plain`"]][0]
+    got = [x for x in doc["results"] if (x["temperature"], x["batch_size"], x["category"], x["config"])
+           == (0.0, 1, ALL, "plain")][0]
+    assert plain[3] == f"{got['tok_s']:.1f}"
 
 
 def test_bench_results_structure(bench_run):
@@ -202,90 +220,8 @@ def test_parse_configs_options():
             parse_configs(bad)
 
 
-# --------------------------------------------------------------------------- benchmarks/benchmark.py, the wrapper
-def _wrapper():
-    import importlib.util
-
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "benchmark.py")
-    spec = importlib.util.spec_from_file_location("benchmark_wrapper", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_wrapper_maps_old_options():
-    w = _wrapper()
-    got = w.bench_argv("--threads 2 --speculative-method ngram --num-speculative-tokens 5 --prompt-lookup-min 1 "
-                       "--prompt-lookup-max 5 --prompt-lookup-tree --compare-chain --categories summarization "
-                       "--limit-per-category 12 --stop-at-eos --max-tokens 256 --kv-cache-gb 0.5 --baseline "
-                       "transformers --baseline-dtypes bfloat16,float32 --temperature 0.7 --out /tmp/o".split())
-    assert "--stop-at-eos" in got
-    got.remove("--stop-at-eos")
-    opts = dict(zip(got[::2], got[1::2]))
-    assert opts == {
-        "--prompts": w.DEFAULT_PROMPTS, "--batch-sizes": "1,16", "--categories": "summarization", "--max-tokens": "256",
-        "--temperature": "0.7", "--threads": "2", "--limit": "12", "--kv-cache-memory": str(1 << 29),
-        "--peer": "transformers", "--transformers-dtype": "bfloat16,float32", "--out": "/tmp/o",
-        "--configs": "plain,ngram:5:prompt_lookup_min=1:prompt_lookup_max=5:tree,"
-                     "ngram:5:prompt_lookup_min=1:prompt_lookup_max=5"}
-    # What it maps to is a command line specserve bench accepts.
-    args = build_parser().parse_args(["bench", *got])
-    assert args.limit == 12 and args.peer == ["transformers"] and args.kv_cache_memory == 1 << 29
-    assert w.bench_argv(["--speculative-model", "/d", "--num-speculative-tokens", "3"])[-4:] == \
-        ["--draft-model", "/d", "--configs", "plain,draft_model:3"]
-    assert w.bench_argv(["--speculative-method", "eagle", "--speculative-model", "/e"])[-4:] == \
-        ["--eagle-model", "/e", "--configs", "plain,eagle"]
-    assert w.bench_argv([])[-2:] == ["--configs", "plain"]
-
-
-@pytest.mark.parametrize("argv, match", [
-    (["--json-out", "x.json"], "use --out DIR"),
-    (["--compare-chain", "--speculative-method", "ngram"], "--prompt-lookup-tree"),
-    (["--num-speculative-tokens", "3"], "--configs METHOD:K"),
-    (["--speculative-method", "ngram", "--speculative-model", "/d"], "draft_model or eagle"),
-])
-def test_wrapper_refuses_what_bench_does_otherwise(argv, match, capsys):
-    with pytest.raises(SystemExit):
-        _wrapper().bench_argv(argv)
-    assert match in capsys.readouterr().err
-
-
-def test_wrapper_runs_bench_on_the_tiny_model(tiny_llama_dir, tmp_path):
-    from specserve.bench.cli import main
-
-    w = _wrapper()
-    out = str(tmp_path / "out")
-    argv = w.bench_argv(["--model", tiny_llama_dir, "--prompts", two_prompts(str(tmp_path / "p.jsonl")),
-                         "--speculative-method", "ngram", "--num-speculative-tokens", "3", "--prompt-lookup-max", "3",
-                         "--prompt-lookup-tree", "--compare-chain", "--stop-at-eos", "--batch-sizes", "1",
-                         "--max-tokens", "8", "--max-model-len", "512", "--kv-cache-gb", "0.015625",
-                         "--baseline", "transformers", "--baseline-dtypes", "float32,bfloat16",
-                         "--out", out, "--no-plots", "--no-progress"])
-    assert main(argv) == 0
-    with open(os.path.join(out, "results.json")) as f:
-        doc = json.load(f)
-    assert doc["command"] == "specserve bench " + " ".join(argv)
-    assert [c["name"] for c in doc["configs"]] == ["plain", "ngram:3:prompt_lookup_max=3:tree",
-                                                   "ngram:3:prompt_lookup_max=3", "transformers-fp32",
-                                                   "transformers-bf16"]
-    tree, chain = doc["configs"][1]["speculative_config"], doc["configs"][2]["speculative_config"]
-    assert tree["prompt_lookup_tree"] is True and chain["prompt_lookup_tree"] is False
-    assert tree["prompt_lookup_max"] == chain["prompt_lookup_max"] == 3
-    s = doc["settings"]
-    assert s["stop_at_eos"] is True and s["batch_sizes"] == [1] and s["max_tokens"] == 8
-    assert all(1 <= r["num_tokens"] <= 8 for r in doc["per_request"])
-    rows = {(r["category"], r["config"]): r for r in doc["results"]}
-    assert rows[(ALL, "ngram:3:prompt_lookup_max=3:tree")]["decode_tok_s"] is not None
-    assert rows[(ALL, "transformers-bf16")]["tok_s"] > 0
-    same = {x["config"]: x for x in doc["identical_to_plain"]}
-    for name in ("ngram:3:prompt_lookup_max=3:tree", "ngram:3:prompt_lookup_max=3"):
-        assert same[name]["identical"] == same[name]["requests"] == 2
-    report = open(os.path.join(out, "report.md")).read()
-    assert "prompt_lookup_tree=True" in report and "transformers-bf16 tok/s" in report
-
-
 def test_start_llama_server_reports_an_early_exit(tmp_path):
-    """The llama-server start shared by the llama.cpp peer and benchmarks/llamacpp_server_peer.py."""
+    """The llama-server start shared by the llama.cpp peer and the llama-server and real-pair suites."""
     from specserve.bench.peers import start_llama_server
 
     exe = tmp_path / "llama-server"
