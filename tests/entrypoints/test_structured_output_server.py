@@ -173,14 +173,17 @@ def test_auto_parses_calls_out_of_the_text(client):
     [call] = choice.message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
     stream = chat(client, seed=0, tools=TOOLS, stream=True, extra_body={"structured_outputs": {"grammar": grammar}})
-    content, calls, finish = "", [], None
+    content, pieces, finish = "", [], None
     for chunk in stream:
         if chunk.choices:
             content += chunk.choices[0].delta.content or ""
-            calls += chunk.choices[0].delta.tool_calls or []
+            pieces += chunk.choices[0].delta.tool_calls or []
             finish = chunk.choices[0].finish_reason or finish
-    assert content.strip() == "Let me check." and len(calls) == 1 and finish == "tool_calls"
-    assert calls[0].function.arguments == call.function.arguments
+    assert content.strip() == "Let me check." and finish == "tool_calls"
+    assert {p.index for p in pieces} == {0} and pieces[0].id and pieces[0].function.name == "get_weather"
+    assert len(pieces) > 2                                 # the arguments came piece by piece
+    arguments = "".join(p.function.arguments or "" for p in pieces)
+    assert json.loads(arguments) == json.loads(call.function.arguments)
 
 
 def test_auto_without_a_call_is_plain_content(client):

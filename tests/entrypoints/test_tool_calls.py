@@ -1,4 +1,5 @@
-"""tool_calls.py alone: the <tool_call> blocks parsed whole and streamed in any split, the
+"""tool_calls.py and tool_call_stream.py alone: the <tool_call> blocks parsed whole and
+streamed in any split (arguments piece by piece, as OpenAI's clients assemble them), the
 conversation written for templates with and without tools, and the tool_choice grammar."""
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import pytest
 
 from specserve.entrypoints.openai import tool_calls
+from specserve.entrypoints.openai.tool_call_stream import ToolCallStream
 from specserve.entrypoints.openai.protocol import ChatCompletionRequest
 
 NAMES = {"get_weather", "get_time"}
@@ -34,25 +36,73 @@ def test_parse_takes_known_calls_and_leaves_the_rest():
     assert tool_calls.parse(cut, NAMES) == (cut, [])
 
 
+def streamed(text: str, step: int, blocks_are_calls: bool = True) -> tuple[str, list[dict]]:
+    """Feed ``text`` in pieces of ``step`` characters -> (content, every delta.tool_calls entry)."""
+    stream = ToolCallStream(NAMES)
+    content, deltas = "", []
+    pieces = [text[i : i + step] for i in range(0, len(text), step)]
+    for i, piece in enumerate(pieces):
+        out, new = stream.feed(piece, final=i == len(pieces) - 1)
+        assert "<" not in out or not blocks_are_calls   # nothing of a call's block leaks into content
+        content += out
+        deltas += new
+    return content, deltas
+
+
+def assembled(deltas: list[dict]) -> list[tuple[str, str, str]]:
+    """OpenAI's client-side assembly of streamed calls: (id, name, concatenated arguments) by index."""
+    calls: dict[int, list] = {}
+    for d in deltas:
+        if "id" in d:
+            assert d["index"] not in calls and d["function"]["arguments"] == "" or "arguments" in d["function"]
+            calls[d["index"]] = [d["id"], d["function"]["name"], d["function"]["arguments"]]
+        else:
+            assert set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}
+            calls[d["index"]][2] += d["function"]["arguments"]
+    return [tuple(calls[i]) for i in sorted(calls)]
+
+
 @pytest.mark.parametrize("step", [1, 2, 3, 7, 50])
 def test_streaming_in_any_split_gives_the_whole_parse(step):
-    stream = tool_calls.ToolCallStream(NAMES)
-    content, calls = "", []
-    pieces = [TWO_CALLS[i : i + step] for i in range(0, len(TWO_CALLS), step)]
-    for i, piece in enumerate(pieces):
-        text, done = stream.feed(piece, final=i == len(pieces) - 1)
-        assert "<" not in text                      # nothing of a block ever leaks into content
-        content += text
-        calls += done
+    content, deltas = streamed(TWO_CALLS, step)
     whole_content, whole_calls = tool_calls.parse(TWO_CALLS, NAMES)
     assert content.strip() == whole_content
-    assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in whole_calls]
+    calls = assembled(deltas)
+    assert [(name, json.loads(args)) for _, name, args in calls] == \
+        [(c.name, json.loads(c.arguments)) for c in whole_calls]
+    assert len({i for i, _, _ in calls}) == 2
+
+
+def test_arguments_stream_piece_by_piece_and_never_take_the_calls_closing_brace():
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa}ris \\" {", "n": [1, {"a": 2}]}}\n</tool_call>'
+    content, deltas = streamed(text, 4)
+    assert content == ""
+    assert deltas[0]["function"] == {"name": "get_weather", "arguments": ""} and deltas[0]["index"] == 0
+    assert len(deltas) > 5                                   # many argument pieces, not one
+    (_, name, args), = assembled(deltas)
+    assert json.loads(args) == {"city": 'Pa}ris " {', "n": [1, {"a": 2}]}
+    assert args.endswith("}]}")
+
+
+def test_blocks_that_cannot_stream_are_sent_whole():
+    later_name = '<tool_call>\n{"arguments": {"zone": "CET"}, "name": "get_time"}\n</tool_call>'
+    _, deltas = streamed(later_name, 3)
+    assert len(deltas) == 1 and deltas[0]["function"]["name"] == "get_time"
+    unknown = '<tool_call>\n{"name": "launch", "arguments": {}}\n</tool_call>'
+    content, deltas = streamed(unknown, 3, blocks_are_calls=False)
+    assert deltas == [] and content == unknown
 
 
 def test_streaming_text_that_only_looks_like_a_block_is_sent_at_the_end():
-    stream = tool_calls.ToolCallStream(NAMES)
+    stream = ToolCallStream(NAMES)
     assert stream.feed("a < b and <tool") == ("a < b and ", [])
     assert stream.feed("_c", final=True) == ("<tool_c", [])
+
+
+def test_a_block_cut_before_it_became_a_call_is_text():
+    stream = ToolCallStream(NAMES)
+    cut = '<tool_call>\n{"name": "get_ti'
+    assert stream.feed(cut, final=True) == (cut, [])
 
 
 def test_conversation_without_template_tools_writes_the_format():

@@ -15,8 +15,11 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from specserve.beam_search_params import BeamSearchParams
 from specserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineStepError, RequestFailedError
+from specserve.engine.beam_groups import beam_capable_proposer
 from specserve.entrypoints.openai import structured, tool_calls
+from specserve.entrypoints.openai.tool_call_stream import ToolCallStream
 from specserve.entrypoints.openai.errors import engine_error, error_body, sampling_error
 from specserve.entrypoints.openai.limits import APIError, ServerLimits
 from specserve.entrypoints.openai.metrics import ServerMetrics
@@ -117,6 +120,18 @@ class OpenAIServing:
         await structured.check(self.async_engine, params, field, self.limits.max_structured_output_bytes)
         return params
 
+    def beam_search_params(self, request) -> BeamSearchParams:
+        """use_beam_search's BeamSearchParams, checked against this engine: a 400 before any work."""
+        params = request.to_beam_search_params(self.engine.max_model_len)
+        engine = self.engine
+        try:
+            beam_capable_proposer(engine.proposer, params.beam_width, engine.config.max_num_seqs,
+                                  engine.config.max_num_batched_tokens, engine.vocab_size)
+        except ValueError as e:
+            raise APIError(400, str(e), param="best_of" if getattr(request, "best_of", None) else "n",
+                           code="invalid_value") from None
+        return params
+
     async def completions(self, request: CompletionRequest, raw: Request) -> Response:
         self.check_model(request.model)
         arrival = time.monotonic()
@@ -125,15 +140,17 @@ class OpenAIServing:
         if len(prompts) > self.limits.max_prompts:
             raise APIError(400, f"at most {self.limits.max_prompts} prompts per request, got {len(prompts)}",
                            param="prompt", code="too_many_prompts")
-        streams = await start_requests(self.async_engine, prompts, params, "prompt")
+        engine_params = self.beam_search_params(request) if request.use_beam_search else params
+        streams = await start_requests(self.async_engine, prompts, engine_params, "prompt")
         return await self._respond(request, raw, streams, params, arrival, chat=False)
 
     async def chat_completions(self, request: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(request.model)
         arrival = time.monotonic()
         params = await self.constrained(request, self.sampling_params(request))
+        engine_params = self.beam_search_params(request) if request.use_beam_search else params
         prompt = await self.async_engine.run_off_thread(self.chat_prompt, request)
-        streams = await start_requests(self.async_engine, [prompt], params, "messages")
+        streams = await start_requests(self.async_engine, [prompt], engine_params, "messages")
         return await self._respond(request, raw, streams, params, arrival, chat=True)
 
     async def _respond(self, request, raw: Request, streams, params, arrival: float, chat: bool) -> Response:
@@ -211,7 +228,7 @@ class OpenAIServing:
         offsets = [0] * len(choices)
         counted_prompt = [False] * len(choices)
         # Chat with tools: each choice's text split into content and completed calls as it streams.
-        parsers = ([tool_calls.ToolCallStream(tool_names(request)) for _ in choices]
+        parsers = ([ToolCallStream(tool_names(request)) for _ in choices]
                    if chat and tool_calls.mode(request) else None)
 
         def chunk(choice_list: list[dict], usage: Any = None, with_usage: bool = False) -> str:
@@ -240,16 +257,15 @@ class OpenAIServing:
                 tokens = (token_entries(self.tokenizer, completion, start, end, params.skip_special_tokens)
                           if provenance else None)
                 if chat:
-                    calls = []
+                    call_deltas = []
                     if parsers is not None:
-                        delta, calls = parsers[i].feed(delta, final=finish is not None)
+                        delta, call_deltas = parsers[i].feed(delta, final=finish is not None)
                         if finish == "stop" and parsers[i].calls:
                             finish = "tool_calls"
-                    if delta or calls or (start < end and (completion.logprobs is not None or provenance)):
-                        body_delta = {"content": delta} if delta or not calls else {}
-                        if calls:
-                            first = len(parsers[i].calls) - len(calls)
-                            body_delta["tool_calls"] = [call.as_delta(first + k) for k, call in enumerate(calls)]
+                    if delta or call_deltas or (start < end and (completion.logprobs is not None or provenance)):
+                        body_delta = {"content": delta} if delta or not call_deltas else {}
+                        if call_deltas:
+                            body_delta["tool_calls"] = call_deltas
                         choice = {
                             "index": c.index,
                             "delta": body_delta,

@@ -20,8 +20,8 @@ and earlier calls and tool results in the conversation are written in the same f
   ``parallel_tool_calls`` (the default) one or more, so it always parses.
 
 With calls, the message's ``content`` is the text outside the blocks (null when none) and
-``finish_reason`` is "tool_calls"; a stream sends the text as ``delta.content`` and each call,
-once its block is complete, as one ``delta.tool_calls`` entry (index, id, name, arguments).
+``finish_reason`` is "tool_calls"; a stream sends the text as ``delta.content`` and each call's
+arguments piece by piece as ``delta.tool_calls`` entries (``tool_call_stream``).
 """
 from __future__ import annotations
 
@@ -180,57 +180,3 @@ def parse(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
     content.append(text[at:])
     rest = "".join(content).strip() if calls else text
     return (rest or None), calls
-
-
-class ToolCallStream:
-    """A streamed answer's text -> content deltas and completed calls, as they become certain.
-
-    Text that could still turn out to open a block (a tail that is a prefix of ``<tool_call>``)
-    is held back; a block's text is held until it closes, then sent as a call (or, if it holds
-    no call of a known function, as content)."""
-
-    def __init__(self, names: set[str]):
-        self.names = names
-        self.pending = ""          # received, not yet sent
-        self.calls: list[ToolCall] = []
-
-    def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
-        """New text -> (content to send, calls completed)."""
-        self.pending += text
-        content, calls = [], []
-        while True:
-            start = self.pending.find(OPEN)
-            if start < 0:
-                keep = 0 if final else _open_prefix_len(self.pending)
-                content.append(self.pending[: len(self.pending) - keep])
-                self.pending = self.pending[len(self.pending) - keep:]
-                break
-            end = self.pending.find(CLOSE, start)
-            if end < 0:
-                content.append(self.pending[:start])
-                self.pending = self.pending[start:]
-                if final:
-                    content.append(self.pending)
-                    self.pending = ""
-                break
-            block_end = end + len(CLOSE)
-            call = parse_block(self.pending[start + len(OPEN) : end].strip(), self.names)
-            if call is None:
-                content.append(self.pending[:block_end])
-            else:
-                content.append(self.pending[:start])
-                calls.append(call)
-            self.pending = self.pending[block_end:]
-        self.calls += calls
-        text_out = "".join(content)
-        if self.calls:   # whitespace between and around calls is not content
-            text_out = text_out.strip() if not text_out.strip() else text_out
-        return text_out, calls
-
-
-def _open_prefix_len(text: str) -> int:
-    """Length of the longest tail of ``text`` that is a proper prefix of ``<tool_call>``."""
-    for k in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if text.endswith(OPEN[:k]):
-            return k
-    return 0

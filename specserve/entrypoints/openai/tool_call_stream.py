@@ -1,0 +1,145 @@
+"""A streamed chat answer with tools -> ``delta.content`` text and OpenAI's ``delta.tool_calls``
+pieces, as they become certain.
+
+OpenAI streams a call in pieces: the first delta carries its index, id, type and function name
+with ``"arguments": ""``; the next ones carry the index and the next piece of the arguments' JSON
+text, whose concatenation is the call's arguments. So does this stream, for calls in the format
+of ``tool_calls`` (a JSON object in a ``<tool_call>`` block):
+
+- Text that could still open a block (a tail that is a prefix of ``<tool_call>``) is held back.
+- Once a block reads ``{"name": "<a known function>", "arguments": `` followed by an object or
+  an array, the call's first delta is sent, then the arguments as they arrive: a small JSON
+  scanner (strings, escapes, nesting) finds where the value ends, so the closing brace of the
+  call's own object is never sent as arguments.
+- Anything else (a block that names its arguments first, or an unknown function, or holds no
+  call) waits for the block to close and is then sent whole: as one call delta, or as content.
+
+A call whose arguments were streamed stays a call (the pieces are out): if its block is cut by
+``max_tokens`` or breaks after the arguments, its arguments are the text the model wrote, as
+with OpenAI. Under ``tool_choice`` "required" or a named function the grammar rules that out.
+"""
+from __future__ import annotations
+
+import re
+import uuid
+from dataclasses import dataclass, field
+
+from specserve.entrypoints.openai.tool_calls import CLOSE, OPEN, ToolCall, parse_block
+
+_HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"(?P<name>[^"\\]+)"\s*,\s*"arguments"\s*:\s*(?=[\[{])')
+
+
+class _ValueScanner:
+    """Where a JSON object or array that arrives in pieces ends."""
+
+    def __init__(self):
+        self.depth, self.in_string, self.escape, self.done = 0, False, False, False
+
+    def take(self, text: str) -> int:
+        """How many leading characters of ``text`` still belong to the value."""
+        for i, ch in enumerate(text):
+            if self.done:
+                return i
+            if self.in_string:
+                if self.escape:
+                    self.escape = False
+                elif ch == "\\":
+                    self.escape = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                self.done = self.depth == 0
+        return len(text)
+
+
+@dataclass
+class _Block:
+    """The open block: its call once its arguments stream, or left whole (``whole``)."""
+
+    call: ToolCall | None = None
+    index: int = 0
+    arguments_at: int = 0                 # where the arguments' value starts in the block's body
+    scanner: _ValueScanner = field(default_factory=_ValueScanner)
+    whole: bool = False
+
+
+class ToolCallStream:
+    def __init__(self, names: set[str]):
+        self.names = names
+        self.pending = ""          # received, not yet sent (an open block: from its ``<tool_call>``)
+        self.calls: list[ToolCall] = []
+        self._block: _Block | None = None
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
+        """New text -> (content to send, ``delta.tool_calls`` entries to send)."""
+        self.pending += text
+        content, deltas = [], []
+        while True:
+            if self._block is None:
+                start = self.pending.find(OPEN)
+                if start < 0:
+                    keep = 0 if final else _open_prefix_len(self.pending)
+                    content.append(self.pending[: len(self.pending) - keep])
+                    self.pending = self.pending[len(self.pending) - keep:]
+                    break
+                content.append(self.pending[:start])
+                self.pending = self.pending[start:]
+                self._block = _Block()
+            end = self.pending.find(CLOSE)
+            body = self.pending[len(OPEN): end if end >= 0 else len(self.pending)]
+            deltas += self._stream_arguments(body)
+            if end < 0:
+                if final:
+                    if self._block.call is None:
+                        content.append(self.pending)      # a cut block that never became a call: text
+                    self.pending, self._block = "", None
+                break
+            block_end = end + len(CLOSE)
+            if self._block.call is None:
+                call = parse_block(body.strip(), self.names)
+                if call is None:
+                    content.append(self.pending[:block_end])
+                else:
+                    deltas.append(call.as_delta(len(self.calls)))
+                    self.calls.append(call)
+            self.pending, self._block = self.pending[block_end:], None
+        text_out = "".join(content)
+        if self.calls and not text_out.strip():   # whitespace between and around calls is not content
+            text_out = ""
+        return text_out, deltas
+
+    def _stream_arguments(self, body: str) -> list[dict]:
+        b = self._block
+        if b.whole:
+            return []
+        out = []
+        if b.call is None:
+            m = _HEADER.match(body)
+            if m is None:
+                return []             # not yet (or never: then the block is sent whole at its end)
+            if m.group("name") not in self.names:
+                b.whole = True
+                return []
+            b.call = ToolCall(m.group("name"), "", f"call_{uuid.uuid4().hex[:24]}")
+            b.index, b.arguments_at = len(self.calls), m.end()
+            self.calls.append(b.call)
+            out.append(b.call.as_delta(b.index))                     # arguments ""
+        new = body[b.arguments_at + len(b.call.arguments):]
+        piece = new[: b.scanner.take(new)]
+        if piece:
+            b.call.arguments += piece
+            out.append({"index": b.index, "function": {"arguments": piece}})
+        return out
+
+
+def _open_prefix_len(text: str) -> int:
+    """Length of the longest tail of ``text`` that is a proper prefix of ``<tool_call>``."""
+    for k in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if text.endswith(OPEN[:k]):
+            return k
+    return 0
