@@ -38,7 +38,7 @@ from specserve.bench.options import (
     parse_list,
 )
 
-# What tests, benchmarks/ and peers imported from this module before it was split stays importable here.
+# What tests and peers imported from this module before it was split stays importable here.
 __all__ = ["ALL", "METHODS", "BenchOptions", "BenchPrompt", "Config", "GroupResult", "SpecserveEngine", "Tally",
            "build_engines", "default_prompts_path", "groups_of", "identical_to_plain", "load_prompts",
            "machine_facts", "parse_configs", "parse_list", "run_bench"]

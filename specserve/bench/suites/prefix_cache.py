@@ -16,9 +16,9 @@ on and off) in alternating order, request by request:
 TTFT is the wall time of a request with ``max_tokens=1``: tokenized prompt in, first
 token out (prefill plus one sample), on one thread of the engine.
 
-    python benchmarks/prefix_cache.py --limit 16 --answer-tokens 64
-    python benchmarks/prefix_cache.py --workloads long-chat --limit 6 --turns 5
-    python benchmarks/prefix_cache.py --model qwen2.5-coder-1.5b-instruct --limit 8
+    specserve bench prefix-cache --limit 16 --answer-tokens 64
+    specserve bench prefix-cache --workloads long-chat --limit 6 --turns 5
+    specserve bench prefix-cache --model qwen2.5-coder-1.5b-instruct --limit 8
 
 Reported per workload: mean TTFT on each engine and the ratio; the raw times (per category or turn)
 are the results file's samples.

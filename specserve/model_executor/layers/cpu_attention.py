@@ -18,7 +18,7 @@ It serves every request of a step (decoding, verification and prefill chunks,
 since 2026-12-02: a row's result then depends on its position alone, however its
 prompt was cut) and writes the step's new K/V into the cache itself, each (request, KV
 head) pair its own, instead of torch's two ``index_copy_`` of converted views:
-77 against 128 us per layer call at batch 1 (``benchmarks/attention_kernels.py``).
+faster per layer call than the PyTorch path (``specserve bench kernels`` measures both).
 Without a compiler, when the build fails, or with
 ``SPECSERVE_CPU_ATTENTION=torch``, specserve uses the PyTorch path; results
 agree to float32 rounding (tests/model_executor/layers/test_attention.py runs
