@@ -5,7 +5,7 @@ default (``"max_tokens": "8"`` is an error). Every number is bounded by what
 the tensor it becomes can hold (``SamplingParams``' limits: finite floats,
 ``top_k`` up to 2^31 - 1, seeds in [0, 2^64), token ids >= 0), so no value
 that passes here can fail an engine step. OpenAI fields specserve cannot
-honour (echo, suffix, best_of > 1) are accepted only at their neutral value.
+honour (echo, suffix; best_of > 1 without use_beam_search) are accepted only at their neutral value.
 """
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from specserve.beam_search_params import BeamSearchParams
 from specserve.sampling_params import (
     MAX_LOGIT_BIAS_ENTRIES, MAX_N, MAX_SEED, MAX_TOKEN_ID, MAX_TOP_K, SamplingParams,
 )
@@ -123,6 +124,31 @@ class _SamplingFields(StrictModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's beam search extension (docs/serving.md, "Beam search"): n beams (completions: best_of beams
+    # and the n best returned), ranked by cumulative log-probability / generated length ** length_penalty.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
+
+    @model_validator(mode="after")
+    def _beam_search_fields(self):
+        if not self.use_beam_search:
+            if self.length_penalty != 1.0 or self.early_stopping is not False:
+                raise ValueError("length_penalty and early_stopping apply to beam search only (use_beam_search: true)")
+            return self
+        neutral = {"stop": ([],), "stop_token_ids": ([],), "logit_bias": (), "top_p": (1.0,), "top_k": (-1, 0),
+                   "min_p": (0.0,), "presence_penalty": (0.0,), "frequency_penalty": (0.0,),
+                   "repetition_penalty": (1.0,), "response_format": (), "structured_outputs": (), "guided_json": (),
+                   "guided_regex": (), "guided_choice": (), "guided_grammar": (), "specserve": (),
+                   **self._beam_neutral_fields()}
+        bad = [name for name, allowed in neutral.items() if getattr(self, name) not in (None, *allowed)]
+        if bad:
+            raise ValueError(f"use_beam_search ranks beams by the model's log-probabilities alone; "
+                             f"these fields cannot go with it: {bad}")
+        return self
+
+    def _beam_neutral_fields(self) -> dict:
+        return {}
 
     @field_validator("max_tokens")
     @classmethod
@@ -183,6 +209,11 @@ class _SamplingFields(StrictModel):
     def wants_provenance(self) -> bool:
         return bool(self.specserve and self.specserve.provenance)
 
+    def _beam_search_params(self, beam_width: int, max_tokens: int) -> BeamSearchParams:
+        return BeamSearchParams(beam_width=beam_width, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
+                                temperature=0.0 if self.temperature is None else float(self.temperature),
+                                length_penalty=float(self.length_penalty), early_stopping=self.early_stopping)
+
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
@@ -213,7 +244,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     echo: bool | None = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
 
     @field_validator("logprobs")
     @classmethod
@@ -238,10 +269,22 @@ class CompletionRequest(_SamplingFields):
 
     @field_validator("best_of")
     @classmethod
-    def _best_of(cls, v):
-        if v not in (None, 1):
-            raise ValueError("only best_of=1 is supported")
+    def _best_of(cls, v, info: ValidationInfo):
+        """Checked after the fields it depends on (use_beam_search, n: declared before it)."""
+        if v not in (None, 1) and not info.data.get("use_beam_search"):
+            raise ValueError("best_of > 1 is supported with use_beam_search only (the beam width)")
+        n = info.data.get("n") or 1
+        if v is not None and n > v:
+            raise ValueError(f"n ({n}) must be at most best_of ({v})")
         return v
+
+    def _beam_neutral_fields(self) -> dict:
+        return {"logprobs": ()}
+
+    def to_beam_search_params(self, default_max_tokens: int) -> BeamSearchParams:
+        """use_beam_search: best_of beams (default n), the n best returned."""
+        return self._beam_search_params(self.best_of or self.n or 1,
+                                        self.max_tokens if self.max_tokens is not None else default_max_tokens)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -336,6 +379,14 @@ class ChatCompletionRequest(_SamplingFields):
         if self.tools and len({t.function.name for t in self.tools}) != len(self.tools):
             raise ValueError("tools: two functions have the same name")
         return self
+
+    def _beam_neutral_fields(self) -> dict:
+        return {"logprobs": (False,), "top_logprobs": (), "tools": (), "tool_choice": ()}
+
+    def to_beam_search_params(self, default_max_tokens: int) -> BeamSearchParams:
+        """use_beam_search: n beams, all returned (chat has no best_of)."""
+        return self._beam_search_params(self.n or 1,
+                                        self.max_completion_tokens or self.max_tokens or default_max_tokens)
 
     def to_sampling_params(self, default_max_tokens: int | None = None) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens

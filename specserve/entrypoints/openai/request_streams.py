@@ -74,14 +74,15 @@ async def merged(async_engine: AsyncLLMEngine, streams: list) -> AsyncIterator[t
 async def choice_outputs(async_engine: AsyncLLMEngine, streams: list, n: int) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(choice index, that choice's output) as they change: each request carries n samples,
     choice ``n * prompt + sample``, as OpenAI numbers them; each output holds one completion
-    and is finished when that completion is."""
+    and is finished when that completion is. A beam search (one output, when done) holds its
+    beams best first: the first n are the choices."""
     if n == 1:
         async for i, out in merged(async_engine, streams):
             yield i, out
         return
     seen: dict[int, tuple[int, str | None]] = {}
     async for i, out in merged(async_engine, streams):
-        for j, completion in enumerate(out.outputs):
+        for j, completion in enumerate(out.outputs[:n]):    # a beam search returns its n best beams
             index, state = i * n + j, (len(completion.token_ids), completion.finish_reason)
             if seen.get(index) == state:
                 continue
