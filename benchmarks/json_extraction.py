@@ -21,8 +21,8 @@ spell of the shared machine hits them alike), in batches of ``--batch-size`` rec
 
     python benchmarks/json_extraction.py --records 50
     python benchmarks/json_extraction.py --records 32 --batch-size 16 --configs constrained,grammar,ngram+forced
-    python benchmarks/json_extraction.py --model qwen2.5-coder-1.5b-instruct --records 20 \
-        --configs constrained,suffix+forced,draft+forced,llama-server,llama-server+draft
+    python benchmarks/json_extraction.py --model qwen2.5-coder-1.5b-instruct --draft-model qwen2.5-coder-0.5b-instruct \
+        --records 20 --configs constrained,suffix+forced,draft+forced,llama-server,llama-server+draft
 
 Printed per config: output tokens/s (wall time of the requests, prefill included), the ratio to
 ``constrained``, tau (tokens per decoding step), acceptance rate, schema-valid answers, and the
@@ -179,6 +179,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--model", default=None)
+    ap.add_argument("--draft-model", default=None, help="the draft of the draft configurations (default: the "
+                    "default model's shipped draft; a catalog name such as qwen2.5-coder-0.5b-instruct)")
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--overlap-masks", choices=["on", "off", "auto"], default="auto",
                     help="compute the verification masks in a background thread during the forward "
@@ -191,6 +193,8 @@ def main() -> None:
         if name in PEERS:
             continue
         spec, _ = CONFIGS[name]
+        if spec and spec["method"] == "draft_model" and args.draft_model:
+            spec = {**spec, "model": args.draft_model}
         engines[name] = LLM(model=args.model, speculative_config=spec) if spec else LLM(model=args.model)
         if args.overlap_masks != "auto":
             engines[name].engine.constraints.masks = StepMasks(overlap=args.overlap_masks == "on")

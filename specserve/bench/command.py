@@ -31,6 +31,11 @@ PRESETS = {   # suites that are spec-bench with other defaults
     "batch-scaling": {"configs": "plain,ngram:4", "batch_sizes": "1,8,32,64", "prompts": "spec-bench",
                       "categories": "writing,coding,math_reasoning,summarization,translation,rag", "limit": 2,
                       "max_tokens": 64, "threads": 2},
+    "cross-vocab": {"model": "qwen2.5-coder-1.5b-instruct", "draft_model": "qwen2.5-coder-0.5b-instruct",
+                    "configs": "plain,ngram:4,draft:4,draft:4:cross_vocab=tli,draft:3:model=smollm2-135m-instruct,"
+                               "draft:3:model=gemma-3-270m",
+                    "prompts": "coding+spec-bench", "categories": "write,refactor,explain,complete,fix,coding,qa",
+                    "limit": 2, "max_tokens": 96, "threads": 2},
     "gpu": {"configs": "plain,ngram:4,eagle:4", "batch_sizes": "1,8", "limit": 1, "max_tokens": 96,
             "device": "cuda", "peer": ["transformers"]},
 }
@@ -74,7 +79,7 @@ def add_common_options(p: argparse.ArgumentParser) -> None:
 
 
 def add_spec_bench_options(p: argparse.ArgumentParser, d: dict) -> None:
-    p.add_argument("--model", default=None, help="the target, anything `specserve generate --model` accepts (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=d.get("model"), help="the target, anything `specserve generate --model` accepts (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default=d["device"], help="cpu or cuda (default: cuda when available)")
     p.add_argument("--configs", default=d["configs"],
@@ -83,7 +88,7 @@ def add_spec_bench_options(p: argparse.ArgumentParser, d: dict) -> None:
                         "options may follow as :dynamic (dynamic_k, n-gram's and suffix's default), :fixed (k every step), :tree (n-gram trees) or :KEY=VALUE for any "
                         "SpeculativeConfig field, e.g. ngram:5:prompt_lookup_max=5:tree,ngram:5:prompt_lookup_max=5 "
                         "(trees against chains); plain is always run (speedups are against it)")
-    p.add_argument("--draft-model", default=None, help="the draft for draft:K configurations")
+    p.add_argument("--draft-model", default=d.get("draft_model"), help="the draft for draft:K configurations")
     p.add_argument("--eagle-model", default=None, help="the EAGLE head folder for eagle:K configurations")
     p.add_argument("--peer", action="append", default=d["peer"], choices=["transformers", "llama.cpp"],
                    help="also measure a peer engine on the same prompts (repeatable)")
@@ -94,8 +99,8 @@ def add_spec_bench_options(p: argparse.ArgumentParser, d: dict) -> None:
                    help="dtype of the transformers peer; comma-separated for one peer per dtype "
                         "(named transformers-bf16, transformers-fp32, ...)")
     p.add_argument("--prompts", default=d["prompts"],
-                   help="Spec-Bench-format JSONL; 'spec-bench' for ../shared/data/spec_bench/question.jsonl "
-                        "(default: the shipped set)")
+                   help="Spec-Bench-format JSONL; 'spec-bench' for ../shared/data/spec_bench/question.jsonl, "
+                        "'coding' for the 20 coding prompts; several joined by + (default: the shipped set)")
     p.add_argument("--categories", default=d["categories"], help="comma-separated categories to keep")
     p.add_argument("--limit", type=int, default=d["limit"], help="at most N prompts per category")
     p.add_argument("--batch-sizes", default=d["batch_sizes"], help="comma-separated, e.g. 1,8")

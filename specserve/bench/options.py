@@ -57,11 +57,21 @@ def prompts_path(name: str | None) -> str:
 def load_prompts(path: str | None, categories: list[str] | None = None, limit: int | None = None) -> list[BenchPrompt]:
     """Spec-Bench's JSONL (``question_id``, ``category``, ``turns``); the first turn is the prompt.
 
+    ``path``: one source (``prompts_path``) or several joined by ``+`` (``coding+spec-bench``:
+    the 20 coding prompts, then Spec-Bench's questions), read in that order.
     ``limit``: at most this many prompts per category (file order).
     """
-    path = prompts_path(path)
     prompts: list[BenchPrompt] = []
     per_cat: dict[str, int] = {}
+    for source in (path.split("+") if path else [None]):
+        prompts += _load_one(prompts_path(source), categories, limit, per_cat)
+    if not prompts:
+        raise ValueError(f"no prompts selected from {path} (categories={categories}, limit={limit})")
+    return prompts
+
+
+def _load_one(path: str, categories: list[str] | None, limit: int | None, per_cat: dict[str, int]) -> list[BenchPrompt]:
+    prompts: list[BenchPrompt] = []
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -77,8 +87,6 @@ def load_prompts(path: str | None, categories: list[str] | None = None, limit: i
                 continue
             per_cat[cat] = per_cat.get(cat, 0) + 1
             prompts.append(BenchPrompt(str(row.get("question_id", lineno)), cat, turns[0]))
-    if not prompts:
-        raise ValueError(f"no prompts selected from {path} (categories={categories}, limit={limit})")
     return prompts
 
 

@@ -180,6 +180,14 @@ def test_load_prompts_limit_and_categories(tmp_path):
         load_prompts(None, categories=["nope"])
 
 
+def test_load_prompts_joins_sources_with_plus(tmp_path):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text('{"question_id": "a1", "category": "x", "turns": ["p"]}\n{"question_id": "a2", "category": "x", "turns": ["q"]}\n')
+    b.write_text('{"question_id": "b1", "category": "y", "turns": ["r"]}\n{"question_id": "b2", "category": "x", "turns": ["s"]}\n')
+    assert [p.question_id for p in load_prompts(f"{a}+{b}")] == ["a1", "a2", "b1", "b2"]
+    assert [p.question_id for p in load_prompts(f"{a}+{b}", limit=1)] == ["a1", "b1"]   # the limit spans sources
+
+
 def test_llama_cpp_peer_without_binaries_says_how_to_build(tmp_path):
     from specserve.bench.peers import LlamaCppPeer
     from specserve.bench.runner import BenchOptions

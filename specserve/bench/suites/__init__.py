@@ -40,6 +40,9 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
           "specserve bench prefix-cache"),
     Suite("suffix", "suffix", "Suffix decoding on repeated agentic tasks",
           "specserve bench suffix"),
+    Suite("cross-vocab", "spec_bench", "Drafts with another tokenizer: Qwen2.5-Coder-1.5B drafted by SmolLM2-135M "
+          "and Gemma 3 270M, beside its own 0.5B draft (also forced through the cross-vocabulary path), n-gram and plain",
+          "specserve bench cross-vocab"),
     Suite("gpu", "spec_bench", "On a GPU: plain, n-gram and EAGLE against transformers",
           "specserve bench gpu"),
     Suite("kernels", "kernels", "CPU kernels: GGUF-block matmul and paged attention against their PyTorch paths",
