@@ -29,19 +29,22 @@ Every figure specserve publishes comes from `specserve bench`. Each run of a sui
 results file (`--results DIR`, default `bench-results/`): the machine's facts, the command,
 the commit and the raw samples. Copying a file into `docs/bench/results/<suite>/` and running
 `specserve bench page` publishes it here; the newest file of each suite is the table shown, the
-older ones are that suite's history. Timings on a shared machine move by 10-20% from run to run:
-read a ratio measured in one interleaved run, not two figures from different rows.
+older ones are that suite's history. `docs/bench/history/` keeps earlier measurements as data:
+runs of scripts since folded into the suites, and the tables of the earlier prose pages. Timings on
+a shared machine move by 10-20% from run to run: read a ratio measured in one interleaved run, not
+two figures from different rows.
 """
 
 
 def _one_line(path: str) -> str:
-    """The first sentence line of a script's docstring."""
+    """The first sentence of a script's docstring."""
     try:
         with open(path) as f:
             doc = ast.get_docstring(ast.parse(f.read())) or ""
     except (OSError, SyntaxError):
         return ""
-    return doc.strip().splitlines()[0] if doc.strip() else ""
+    first = " ".join(doc.strip().split("\n\n")[0].split())   # the first paragraph, on one line
+    return first.split(". ")[0].rstrip(".") + "." if first else ""
 
 
 def _table(table: dict) -> list[str]:

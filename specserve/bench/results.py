@@ -87,7 +87,7 @@ def machine_line(m: dict) -> str:
     """One line naming the machine: CPU, cores, threads used, GPU."""
     text = f"{m.get('cpu', 'unknown CPU')}, {m.get('cpu_count', '?')} cores"
     if m.get("torch_threads"):
-        text += f", {m['torch_threads']} threads"
+        text += f", torch threads {m['torch_threads']}"
     if m.get("cuda"):
         text += f", GPU {m['cuda']}"
     return text

@@ -1,0 +1,85 @@
+"""docs/benchmarks.md is generated from results files: the renderer on a small fixture, the results
+files' checks, ``specserve bench page`` and the published page itself."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from specserve.bench.page import render_page
+from specserve.bench.results import latest, load, new_results, save
+from specserve.bench.suites import SUITES, Suite
+from specserve.entrypoints.cli import build_parser
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FIXTURE = os.path.join(HERE, "page_fixture")
+ROOT = os.path.dirname(os.path.dirname(HERE))
+FIXTURE_SUITES = {s.name: s for s in [
+    Suite("spec-bench", "spec_bench", "Speculation on Spec-Bench: plain decoding against each proposer", "specserve bench"),
+    Suite("llama-bench", "llama_bench", "Plain decoding against llama.cpp", "specserve bench llama-bench"),
+    Suite("suffix", "suffix", "Suffix decoding on repeated agentic tasks", "specserve bench suffix"),
+]}
+
+
+def test_page_from_the_fixture_equals_the_expected_page():
+    """Newest file per suite (spec-bench has two; the page shows the 2026-01-02 one), its command, machine,
+    commit and table; a registered suite without results is listed with its command."""
+    page = render_page(os.path.join(FIXTURE, "results"), None, suites=FIXTURE_SUITES)
+    with open(os.path.join(FIXTURE, "benchmarks.md")) as f:
+        assert page == f.read()
+    assert "specserve bench --limit 2" in page and "--limit 1" not in page and "0000000" not in page
+
+
+def test_latest_follows_the_date_inside_not_the_file_name(tmp_path):
+    shutil.copytree(os.path.join(FIXTURE, "results"), tmp_path / "r")
+    old = tmp_path / "r" / "spec-bench" / "20260101T000000Z.json"
+    doc = json.loads(old.read_text())
+    doc["date"] = "2026-02-01T00:00:00Z"
+    old.write_text(json.dumps(doc))
+    assert latest(str(tmp_path / "r"))["spec-bench"]["command"] == "specserve bench --limit 1"
+
+
+def test_a_broken_results_file_fails_loudly(tmp_path):
+    doc = load(os.path.join(FIXTURE, "results", "llama-bench", "20260102T010000Z.json"))
+    doc["table"]["rows"].append(["one cell"])
+    with pytest.raises(ValueError, match="as many cells"):
+        save(doc, str(tmp_path))
+    del doc["commit"]
+    with pytest.raises(ValueError, match="missing commit"):
+        save(doc, str(tmp_path))
+
+
+def test_save_writes_one_file_per_run_under_the_suite(tmp_path):
+    doc = new_results("suffix", "q", "specserve bench suffix", {"requests": 2}, machine={"git": "abc", "cpu": "x"})
+    doc["table"] = {"columns": ["a"], "rows": [["1"]]}
+    first, second = save(doc, str(tmp_path)), save(doc, str(tmp_path))
+    assert first != second and os.path.dirname(first) == str(tmp_path / "suffix")
+    assert load(second)["commit"] == "abc"
+
+
+def test_bench_page_command_writes_and_checks(tmp_path):
+    out = str(tmp_path / "page.md")
+    base = ["bench", "page", "--results", os.path.join(FIXTURE, "results"), "--out", out, "--scripts", str(tmp_path)]
+    args = build_parser().parse_args(base)
+    assert args.func(args) == 0
+    args = build_parser().parse_args(base + ["--check"])
+    assert args.func(args) == 0
+    with open(out, "a") as f:
+        f.write("hand edit\n")
+    assert args.func(args) == 1
+
+
+def test_every_suite_parses_its_options():
+    for name in SUITES:
+        args = build_parser().parse_args(["bench", name, "--results", "r"])
+        assert args.suite == name and args.results == "r"
+
+
+def test_the_published_page_is_what_its_results_give():
+    """docs/benchmarks.md is `specserve bench page`'s output for docs/bench/results and benchmarks/."""
+    page = render_page(os.path.join(ROOT, "docs", "bench", "results"), os.path.join(ROOT, "benchmarks"))
+    with open(os.path.join(ROOT, "docs", "benchmarks.md")) as f:
+        assert f.read() == page, "run `specserve bench page` after changing docs/bench/results or benchmarks/"
+    assert len(page.splitlines()) <= 400
