@@ -1,5 +1,5 @@
-"""One model forward over a step's rows, timed for several engines side by side: the shared loop
-of the kernel A/B scripts (``amx_ab.py``, ``quant_kernel_ab.py``, ``activation_pieces.py``).
+"""One model forward over a step's rows, timed for several engines side by side (``before_after.py
+--forwards`` uses it).
 
 A forward of ``rows`` new tokens at context 64 is a decode step (1 row) or the verification of
 ``rows - 1`` drafted tokens. Every round runs each row count on every engine back to back (a
