@@ -67,13 +67,15 @@ def cmd_generate(args) -> int:
         repetition_penalty=args.repetition_penalty,
     )
     llm = build_llm(args)
+    if args.compare_plain and llm.engine.spec_config is not None:
+        _answer(llm, args, _one_token(params))   # warm-up, as the plain engine gets
     started = time.perf_counter()
-    if args.chat:
-        out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
-    else:
-        out = llm.generate(args.prompt, params)[0]
+    out = _answer(llm, args, params)
     elapsed = time.perf_counter() - started
     stats = llm.get_spec_decode_stats()
+    plain_tok_s = None
+    if args.compare_plain and llm.engine.spec_config is not None:
+        plain_tok_s = _plain_tok_s(args, params)
     if args.json:
         for completion in out.outputs:   # one JSON line per sample (--n)
             doc = {
@@ -97,18 +99,45 @@ def cmd_generate(args) -> int:
                 print(f"--- sample {completion.index}")
             print(completion.text)
         if llm.engine.spec_config is not None:
-            print_summary(llm.engine.spec_config.method, stats, sum(len(c.token_ids) for c in out.outputs), elapsed)
+            print_summary(llm.engine.spec_config.method, stats, sum(len(c.token_ids) for c in out.outputs), elapsed,
+                          plain_tok_s=plain_tok_s)
         if args.stats:
             print_stats(stats, file=sys.stderr)
     return 0
 
 
-def print_summary(method: str, stats, tokens: int, seconds: float, file=None) -> None:
-    """One line of what speculation did (on stderr, so the answer alone goes to stdout)."""
+def _answer(llm, args, params):
+    if args.chat:
+        return llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+    return llm.generate(args.prompt, params)[0]
+
+
+def _one_token(params):
+    import copy
+
+    p = copy.copy(params)
+    p.max_tokens = 1
+    return p
+
+
+def _plain_tok_s(args, params) -> float:
+    """--compare-plain: the same request on a plain engine of the same model (warmed up first), in tok/s."""
+    plain = build_llm(args, plain=True)
+    _answer(plain, args, _one_token(params))
+    started = time.perf_counter()
+    out = _answer(plain, args, params)
+    return sum(len(c.token_ids) for c in out.outputs) / max(time.perf_counter() - started, 1e-9)
+
+
+def print_summary(method: str, stats, tokens: int, seconds: float, file=None, plain_tok_s: float | None = None) -> None:
+    """One line of what speculation did (on stderr, so the answer alone goes to stdout); with
+    ``plain_tok_s`` (--compare-plain) the speed against plain decoding of the same request."""
     file = sys.stderr if file is None else file
     d = stats.as_dict()
+    rate = tokens / max(seconds, 1e-9)
+    vs = f", {rate / plain_tok_s:.2f}x plain's {plain_tok_s:.1f} tok/s" if plain_tok_s else ""
     print(f"[speculation: {method}] {d['num_accepted_tokens']} of {d['num_draft_tokens']} drafted tokens accepted, "
-          f"{d['mean_acceptance_length']:.2f} tokens per target step, {tokens / max(seconds, 1e-9):.1f} tok/s "
+          f"{d['mean_acceptance_length']:.2f} tokens per target step, {rate:.1f} tok/s{vs} "
           f"({tokens} tokens in {seconds:.2f} s, prefill included)", file=file)
 
 
@@ -151,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     so.add_argument("--grammar", metavar="FILE", default=None, help="the output follows this grammar (Lark or GBNF)")
     so.add_argument("--choice", action="append", default=None, help="the output is one of these strings (repeatable)")
     gen.add_argument("--stats", action="store_true", help="print speculative-decoding metrics")
+    gen.add_argument("--compare-plain", action="store_true",
+                     help="with speculation: also answer with plain decoding and print the speed against it")
     gen.set_defaults(func=cmd_generate)
 
     add_train_draft_parser(sub)

@@ -107,7 +107,8 @@ def speculative_config_from_args(args) -> dict | None:
     return values
 
 
-def build_llm(args):
+def build_llm(args, plain: bool = False):
+    """The ``LLM`` the flags describe (``plain``: the same without speculation)."""
     from specserve import LLM
 
     return LLM(
@@ -117,7 +118,7 @@ def build_llm(args):
         kv_cache_memory=args.kv_cache_memory,
         device=args.device,
         tensor_parallel_size=args.tensor_parallel_size,
-        speculative_config=speculative_config_from_args(args),
+        speculative_config=None if plain else speculative_config_from_args(args),
         enable_prefix_caching=args.enable_prefix_caching,
         int8_activations=(args.int8_activation_pieces if getattr(args, "int8_activation_pieces", None)
                           else args.int8_activations),

@@ -44,8 +44,27 @@ def test_speculation_prints_one_summary_line_after_the_answer(tiny_llama_dir, ca
     assert out.strip() and "[speculation: ngram]" not in out
     line = [x for x in err.splitlines() if x.startswith("[speculation: ngram]")]
     assert len(line) == 1 and "drafted tokens accepted" in line[0] and "tok/s" in line[0]
-    assert main(args) == 0
+    assert main(args + ["--no-speculation"]) == 0
     assert "[speculation" not in capsys.readouterr().err
+
+
+def test_compare_plain_adds_the_speed_against_plain_decoding(tiny_llama_dir, capsys):
+    """--compare-plain answers again on a plain engine and puts the ratio in the summary line; the
+    answer printed is the speculative one, and greedy, it is plain's anyway."""
+    args = ["generate", "one two three one two three one two", "--model", tiny_llama_dir, "--dtype", "float32",
+            "--max-tokens", "12", "--kv-cache-memory", str(8 << 20)]
+    assert main(args + ["--no-speculation"]) == 0
+    plain_out = capsys.readouterr().out
+    assert main(args + ["--speculative-method", "ngram", "--num-speculative-tokens", "3", "--compare-plain"]) == 0
+    out, err = capsys.readouterr()
+    assert out == plain_out
+    line = [x for x in err.splitlines() if x.startswith("[speculation: ngram]")]
+    assert len(line) == 1 and "x plain's" in line[0]
+
+
+def test_no_speculation_with_speculation_flags_is_an_error(tiny_llama_dir):
+    with pytest.raises(SystemExit, match="--no-speculation with speculation flags"):
+        main(["generate", "x", "--model", tiny_llama_dir, "--no-speculation", "--speculative-method", "ngram"])
 
 
 def test_structured_output_flags(tiny_llama_dir, tmp_path, capsys):
