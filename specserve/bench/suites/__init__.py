@@ -43,6 +43,9 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
     Suite("cross-vocab", "spec_bench", "Drafts with another tokenizer: Qwen2.5-Coder-1.5B drafted by SmolLM2-135M "
           "and Gemma 3 270M, beside its own 0.5B draft (also forced through the cross-vocabulary path), n-gram and plain",
           "specserve bench cross-vocab"),
+    Suite("structured-output", "structured_output", "Structured output: JSON extraction under a schema, constrained "
+          "speculation against constrained plain decoding and llama-server's json_schema",
+          "specserve bench structured-output"),
     Suite("gpu", "spec_bench", "On a GPU: plain, n-gram and EAGLE against transformers",
           "specserve bench gpu"),
     Suite("kernels", "kernels", "CPU kernels: GGUF-block matmul and paged attention against their PyTorch paths",
