@@ -241,7 +241,9 @@ class BeamGroups:
             return position if position < length else length + nb.nodes[position - length]
 
         first = kids[0]
-        drafted_to = req.proposer_num_computed_tokens   # the draft model's cache, for this beam's chain
+        # The draft model's cache holds this beam's chain in place; a tree's nodes it lays out its own way.
+        drafted_to = req.proposer_num_computed_tokens if req.draft_parents is None else min(
+            req.proposer_num_computed_tokens, length)
         placed = []
         for nb in kids[1:]:
             child = Request(group.beam_id(), req.prompt, req.prompt_token_ids, req.sampling_params, None,
@@ -264,7 +266,7 @@ class BeamGroups:
         copies += [(cache_slot(table, source(first, p), bs), cache_slot(table, p, bs))
                    for p in range(length, keep) if source(first, p) != p]
         req.commit_step(s.num_new_tokens, depths - 1)
-        req.proposer_num_computed_tokens = min(req.proposer_num_computed_tokens, in_place(first))
+        req.proposer_num_computed_tokens = min(req.proposer_num_computed_tokens, drafted_to, in_place(first))
         for t in first.tokens:
             req.append_token(t)
         self.kv_cache.cache_full_blocks(req.request_id, req.all_token_ids, keep)
