@@ -48,6 +48,8 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
           "specserve bench structured-output"),
     Suite("gpu", "spec_bench", "On a GPU: plain, n-gram and EAGLE against transformers",
           "specserve bench gpu"),
+    Suite("beam-search", "beam_search", "Beam search with speculation against plain beam search (B = 4)",
+          "specserve bench beam-search"),
     Suite("kernels", "kernels", "CPU kernels: GGUF-block matmul and paged attention against their PyTorch paths",
           "specserve bench kernels"),
 ]}

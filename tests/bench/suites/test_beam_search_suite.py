@@ -1,0 +1,34 @@
+"""The beam-search suite end to end on a tiny random model: one row per configuration, every
+speculative search's beams identical to plain's, bad configurations refused."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from specserve.bench.suites import beam_search
+
+
+def args(model: str, configs: str, ngram_configs: str = "") -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    beam_search.add_arguments(p)
+    return p.parse_args(["--target", model, "--draft", model, "--configs", configs, "--ngram-model", model,
+                         "--ngram-configs", ngram_configs, "--beam-width", "2", "--max-tokens", "6", "--limit", "1",
+                         "--spec-bench", "coding", "--per-category", "1", "--max-model-len", "1024"])
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_rows_per_configuration_and_identical_beams(tiny_llama_dir):
+    doc = {}
+    beam_search.run(args(tiny_llama_dir, "plain,draft:2", "plain,ngram:2"), doc)
+    rows = doc["table"]["rows"]
+    assert [r[1] for r in rows] == ["plain", "draft:2", "plain", "ngram:2"]
+    assert all(r[-1] == "2/2" for r in rows)          # two prompts, the same beams as plain
+    assert rows[0][2].startswith("1.00x (1.00)")      # plain against itself: tau 1
+
+
+def test_configurations_must_start_with_plain(tiny_llama_dir):
+    with pytest.raises(ValueError, match="start with plain"):
+        beam_search.run(args(tiny_llama_dir, "draft:2"), {})
+    with pytest.raises(ValueError, match="unknown configuration"):
+        beam_search.run(args(tiny_llama_dir, "plain,nope:3"), {})
