@@ -5,6 +5,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from specserve.beam_search_params import BeamSearchOutput, BeamSearchParams
     from specserve.config import EngineConfig, SpeculativeConfig
     from specserve.entrypoints.llm import LLM
     from specserve.outputs import CompletionOutput, RequestOutput, SpecDecodeStats
@@ -13,6 +14,8 @@ if TYPE_CHECKING:
 # Imported on first use (PEP 562), so a process that needs only a submodule (a
 # tensor-parallel worker: torch and the model code) skips transformers and the loader.
 _EXPORTS = {
+    "BeamSearchParams": "specserve.beam_search_params",
+    "BeamSearchOutput": "specserve.beam_search_params",
     "EngineConfig": "specserve.config",
     "SpeculativeConfig": "specserve.config",
     "LLM": "specserve.entrypoints.llm",
@@ -31,5 +34,5 @@ def __getattr__(name: str):
         return value
     raise AttributeError(f"module 'specserve' has no attribute {name!r}")
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutput", "SpeculativeConfig", "EngineConfig", "RequestOutput", "CompletionOutput", "SpecDecodeStats"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "BeamSearchOutput", "StructuredOutput", "SpeculativeConfig", "EngineConfig", "RequestOutput", "CompletionOutput", "SpecDecodeStats"]
 __version__ = "0.1.0"
