@@ -186,8 +186,9 @@ class Drafting:
         """The target's hidden states of every position each request kept, to the proposer
         (``starts``: each request's num_computed_tokens before the step)."""
         sizes = [len(i.token_ids) for i in inputs]
+        trees = [i.tree_parents is not None for i in inputs]
         try:
-            proposer.observe(kept_hidden_states(scheduled, sizes, starts, all_hidden))
+            proposer.observe(kept_hidden_states(scheduled, sizes, starts, all_hidden, trees))
         except Exception:  # noqa: BLE001 - stale proposer state only costs acceptance
             logger.exception("the proposer failed to observe the target's hidden states")
 

@@ -108,11 +108,14 @@ class DraftTreeGrower:
         self.records: weakref.WeakKeyDictionary[Request, TreeRecord] = weakref.WeakKeyDictionary()
 
     def grow(self, reqs: list[Request], budgets: list[int], root_logits: torch.Tensor,
-             forward: Callable[[list[TreeStep]], torch.Tensor]) -> Proposal:
+             forward: Callable[[list[TreeStep]], torch.Tensor], roots: list[int] | None = None) -> Proposal:
         """root_logits [B, V]: each request's draft logits after its last token (position
         ``num_computed_tokens``, already in the draft's cache); budgets: each request's lookahead
-        slots (its tree's nodes, and the draft's expanded nodes, at most) -> a tree per request."""
-        trees = [_Growing(r, r.num_computed_tokens, min(b, self.max_nodes)) for r, b in zip(reqs, budgets)]
+        slots (its tree's nodes, and the draft's expanded nodes, at most) -> a tree per request.
+        ``roots``: where each tree's root sits in the draft's cache if not at the last token's
+        position (EAGLE's head computes position t from the token after it: one earlier)."""
+        roots = roots or [r.num_computed_tokens for r in reqs]
+        trees = [_Growing(r, root, min(b, self.max_nodes)) for r, root, b in zip(reqs, roots, budgets)]
         self._add_children(trees, [(i, -1) for i in range(len(trees)) if trees[i].budget > 0], root_logits)
         for depth in range(1, self.max_depth):
             steps, expanded = [], []

@@ -19,6 +19,14 @@ target has positions 0..n-1; token n is the one just sampled):
 Only positions computed from real target features count as computed: after
 drafting, ``proposer_num_computed_tokens`` is n, so the draft positions are
 recomputed (overwritten) with real features after verification.
+
+With a ``TreeConfig`` the head proposes a tree (``draft_tree``): the catch-up's last
+output is the root (position n - 1), and a node at depth d is fed at position
+n - 1 + d with its parent's output as its feature, one batched tree-attention
+forward per depth. The accepted branch's positions are recomputed from the
+target's real features as above (the head's own K/V there came from guessed
+features), so its K/V is not moved; the target's hidden states of a tree step
+arrive whole and the accepted branch's rows are picked (``keep_tree_branch``).
 """
 from __future__ import annotations
 
@@ -27,10 +35,11 @@ import weakref
 
 import torch
 
+from specserve.config import TreeConfig
 from specserve.core.kv_cache_manager import KVCacheManager
 from specserve.core.request import Request
 from specserve.core.scheduler import ScheduledRequest
-from specserve.model_executor.layers.attention import AttentionMetadata, kv_cache_dtype_for, kv_cache_shape
+from specserve.model_executor.layers.attention import AttentionMetadata, kv_cache_dtype_for, kv_cache_shape, tree_layout
 from specserve.model_executor.layers.fp16_gemm import compute_dtype_for, round_to_weight_dtype, skip_row_padding
 from specserve.model_executor.layers.linear import ColumnParallelLinear
 from specserve.model_executor.layers.quantized import QuantizedMatrix
@@ -39,6 +48,7 @@ from specserve.sample.penalties import adjust_each_row
 from specserve.sample.sampler import CHOICE, choose_tokens, keyed_generator
 from specserve.spec_decode.checks import check_vocab
 from specserve.spec_decode.context import ProposerContext
+from specserve.spec_decode.draft_tree import DraftTreeGrower, TreeStep
 from specserve.spec_decode.proposer import Proposal, Proposer, TargetHidden
 from specserve.structured_output.rows import mask_draft_rows
 
@@ -75,6 +85,7 @@ class _Features:
 
 class EagleProposer(Proposer):
     needs_target_hidden = True
+    takes_tree_hidden = True
 
     def __init__(
         self,
@@ -86,6 +97,8 @@ class EagleProposer(Proposer):
         device: torch.device,
         weight_dtype: torch.dtype,
         block_size: int,
+        tree: TreeConfig | None = None,
+        depth: int = 0,
     ):
         """``head`` arrives in the compute dtype for ``weight_dtype`` (fp16_gemm.compute_dtype_for)."""
         self.dtype = dtype = compute_dtype_for(weight_dtype, device)
@@ -113,11 +126,18 @@ class EagleProposer(Proposer):
         self.kv = torch.zeros(shape, dtype=kv_cache_dtype_for(weight_dtype, dtype, device), device=device)
         self.features: weakref.WeakKeyDictionary[Request, _Features] = weakref.WeakKeyDictionary()
         self._warned = False
+        self.tree = DraftTreeGrower(tree, depth, vocab_size) if tree is not None else None
+        self.branches: weakref.WeakKeyDictionary[Request, list[int]] = weakref.WeakKeyDictionary()
 
     # ------------------------------------------------------------------ hooks
     def observe(self, states: list[TargetHidden]) -> None:
         for st in states:
             req = st.request
+            if st.tree_rows is not None:   # a tree step: the accepted branch's rows, root first
+                path = self.branches.pop(req, [])
+                kept = req.num_computed_tokens - st.start_position
+                rows = torch.tensor([0] + [1 + p for p in path][: max(kept - 1, 0)], device=st.tree_rows.device)
+                st = TargetHidden(req, st.start_position, st.tree_rows.index_select(0, rows)[:kept])
             if req.is_finished() or st.hidden.shape[0] == 0:
                 continue
             feats = self.features.get(req)
@@ -126,10 +146,14 @@ class EagleProposer(Proposer):
             else:
                 feats.add(st.start_position, st.hidden)
 
+    def keep_tree_branch(self, request: Request, path: list[int], last: int) -> None:
+        self.branches[request] = list(path)   # observe() picks these rows of the tree's hidden states
+
     # --------------------------------------------------------------- drafting
-    def _forward(self, features, token_ids, positions, query_lens, context_lens, block_tables) -> torch.Tensor:
+    def _forward(self, features, token_ids, positions, query_lens, context_lens, block_tables,
+                 tree_masks=None, tree_back=None) -> torch.Tensor:
         meta = AttentionMetadata.build(query_lens, context_lens, block_tables, self.block_size, self.device, self.dtype,
-                                       self.kv.dtype)
+                                       self.kv.dtype, tree_masks, tree_back)
         ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
         embeds = self.embed_tokens(ids).to(self.dtype)
@@ -162,42 +186,26 @@ class EagleProposer(Proposer):
         choice = choose_tokens(logits, params, generators)
         return choice.tokens, choice.probs                                             # probs [n, V] or None
 
+    def _full_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, H] -> logits [n, V] over the target's vocabulary (-inf outside a reduced draft vocabulary)."""
+        logits = self.lm_head(hidden).float()                                            # [n, Vd]
+        if self.draft_vocab is None:
+            return logits
+        full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+        full[:, self.draft_vocab] = logits
+        return full
+
     @torch.inference_mode()
     def propose(self, scheduled: list[ScheduledRequest]) -> Proposal:
         reqs = [s.request for s in scheduled]
         budgets = [s.num_lookahead for s in scheduled]
+        if self.tree is not None:
+            return self._propose_trees(reqs, budgets)
         drafts: list[list[int]] = [[] for _ in reqs]
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
-
-        # 1. Catch up on positions [proposer_num_computed_tokens, num_computed_tokens) with real features.
-        active, feats, token_ids, positions, q_lens, ctx_lens, tables = [], [], [], [], [], [], []
-        for i, r in enumerate(reqs):
-            start, end = r.proposer_num_computed_tokens, r.num_computed_tokens
-            if end <= start or budgets[i] == 0:
-                continue  # nothing computed by the target yet (a one-token prompt's first step)
-            stored = self.features.get(r)
-            rows = stored.get(start, end) if stored is not None else None
-            if rows is None:  # should not happen: every kept position is observed
-                if not self._warned:
-                    logger.warning("EAGLE: no target hidden states for request %s; not drafting", r.request_id)
-                    self._warned = True
-                continue
-            active.append(i)
-            feats.append(rows)
-            token_ids.extend(r.all_token_ids[start + 1 : end + 1])
-            positions.extend(range(start, end))
-            q_lens.append(end - start)
-            ctx_lens.append(end)
-            tables.append(self.kv_cache.block_table(r.request_id))
+        active, hidden = self._catch_up(reqs, budgets)   # 1. catch up on real features
         if not active:
             return Proposal(token_ids=drafts, probs=[None] * len(reqs))
-        hidden = self._forward(torch.cat(feats), token_ids, positions, q_lens, ctx_lens, tables)
-        last = torch.tensor(q_lens).cumsum(0) - 1
-        hidden = hidden[last.to(self.device)]                                         # [len(active), H]
-        for i in active:
-            r = reqs[i]
-            r.proposer_num_computed_tokens = r.num_computed_tokens
-            self.features[r].drop_before(r.num_computed_tokens)
 
         # 2. Draft: each step's output feature and token feed the next position.
         step = 0
@@ -223,6 +231,76 @@ class EagleProposer(Proposer):
             )
             step += 1
         return Proposal(token_ids=drafts, probs=[torch.stack(p) if p else None for p in probs])
+
+    def _propose_trees(self, reqs: list[Request], budgets: list[int]) -> Proposal:
+        """Catch up, then grow each request's tree under its root at position n - 1."""
+        active, root_hidden = self._catch_up(reqs, budgets)
+        drafts: list[list[int]] = [[] for _ in reqs]
+        probs: list[torch.Tensor | None] = [None] * len(reqs)
+        parents: list[list[int] | None] = [[] for _ in reqs]
+        if not active:
+            return Proposal(token_ids=drafts, probs=probs, parents=parents)
+        tables = [self.kv_cache.block_table(reqs[i].request_id) for i in active]
+        outputs = {(j, 0): root_hidden[j] for j in range(len(active))}   # (request, tree slot) -> head output
+
+        def forward(steps: list[TreeStep]) -> torch.Tensor:
+            feats, tokens, positions, masks, backs = [], [], [], [], []
+            for st in steps:
+                depths, tree_masks = tree_layout(st.span_parents)
+                tree_start = st.start_position - st.tree_cached
+                feats += [outputs[st.index, slot] for slot in st.parent_slots]
+                tokens += st.token_ids
+                positions += [tree_start + d for d in depths[st.tree_cached:]]
+                masks.append(tree_masks[st.tree_cached:])
+                backs.append(st.tree_cached)
+            hidden = self._forward(torch.stack(feats), tokens, positions, [len(st.token_ids) for st in steps],
+                                   [st.start_position + len(st.token_ids) for st in steps],
+                                   [tables[st.index] for st in steps], masks, backs)            # [T, H]
+            row = 0
+            for st in steps:
+                for j in range(len(st.token_ids)):
+                    outputs[st.index, st.tree_cached + j] = hidden[row + j]
+                row += len(st.token_ids)
+            return self._full_logits(hidden)
+
+        grown = self.tree.grow([reqs[i] for i in active], [budgets[i] for i in active], self._full_logits(root_hidden),
+                               forward, roots=[reqs[i].num_computed_tokens - 1 for i in active])
+        for j, i in enumerate(active):
+            drafts[i], probs[i], parents[i] = grown.token_ids[j], grown.probs[j], grown.parents[j]
+        return Proposal(token_ids=drafts, probs=probs, parents=parents)
+
+    def _catch_up(self, reqs: list[Request], budgets: list[int]) -> tuple[list[int], torch.Tensor | None]:
+        """One head forward over positions [proposer_num_computed_tokens, num_computed_tokens) with
+        the target's real features -> (requests drafting, their last position's output [n, H])."""
+        active, feats, token_ids, positions, q_lens, ctx_lens, tables = [], [], [], [], [], [], []
+        for i, r in enumerate(reqs):
+            start, end = r.proposer_num_computed_tokens, r.num_computed_tokens
+            if end <= start or budgets[i] == 0:
+                continue  # nothing computed by the target yet (a one-token prompt's first step)
+            stored = self.features.get(r)
+            rows = stored.get(start, end) if stored is not None else None
+            if rows is None:  # should not happen: every kept position is observed
+                if not self._warned:
+                    logger.warning("EAGLE: no target hidden states for request %s; not drafting", r.request_id)
+                    self._warned = True
+                continue
+            active.append(i)
+            feats.append(rows)
+            token_ids.extend(r.all_token_ids[start + 1 : end + 1])
+            positions.extend(range(start, end))
+            q_lens.append(end - start)
+            ctx_lens.append(end)
+            tables.append(self.kv_cache.block_table(r.request_id))
+        if not active:
+            return [], None
+        hidden = self._forward(torch.cat(feats), token_ids, positions, q_lens, ctx_lens, tables)
+        last = torch.tensor(q_lens).cumsum(0) - 1
+        hidden = hidden[last.to(self.device)]                                         # [len(active), H]
+        for i in active:
+            r = reqs[i]
+            r.proposer_num_computed_tokens = r.num_computed_tokens
+            self.features[r].drop_before(r.num_computed_tokens)
+        return active, hidden
 
 
 def build_eagle_proposer(spec, ctx: ProposerContext) -> EagleProposer:
@@ -250,4 +328,5 @@ def build_eagle_proposer(spec, ctx: ProposerContext) -> EagleProposer:
         folder, compute_dtype_for(weight_dtype, ctx.device), max_positions=ctx.max_model_len + spec.num_speculative_tokens
     )
     return EagleProposer(head, ctx.target_embed_tokens, ctx.target_lm_head_weight, ctx.kv_cache,
-                         ctx.target_vocab_size, ctx.device, weight_dtype, ctx.block_size)
+                         ctx.target_vocab_size, ctx.device, weight_dtype, ctx.block_size, spec.tree,
+                         spec.num_speculative_tokens)

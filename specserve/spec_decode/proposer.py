@@ -13,7 +13,10 @@ Per engine step, for the requests that are decoding:
    position whose KV the step KEPT: prefill chunks, and for a verification run
    the last token plus the accepted drafts (rejected positions are left out).
    Positions are absolute, so a proposer can tell a continuation from a
-   recomputation after preemption.
+   recomputation after preemption. After a tree of drafts the kept positions
+   are the accepted branch's: the proposer gets every row of the tree
+   (``TargetHidden.tree_rows``) and picks the branch it was told of in
+   ``keep_tree_branch`` (``takes_tree_hidden``).
 
 Proposers that keep a KV cache (draft model, EAGLE) track what they have
 computed in ``request.proposer_num_computed_tokens``; the engine lowers it to
@@ -52,6 +55,9 @@ class TargetHidden:
     request: Request
     start_position: int        # position of hidden[0]
     hidden: torch.Tensor       # [n, hidden_size], positions start_position .. start_position + n - 1
+    # A verified tree: every row of it ([last token, drafts...] in the step's order), whose
+    # accepted branch the kept positions are; ``hidden`` is then empty. None: a chain or prefill.
+    tree_rows: torch.Tensor | None = None
 
 
 class Proposer(ABC):
@@ -87,11 +93,16 @@ def kept_hidden_states(
     num_tokens: list[int],        # per request: tokens it fed to the target this step (drafts included)
     starts: list[int],            # per request: num_computed_tokens before the step
     all_hidden: torch.Tensor,     # [sum num_tokens, hidden] the target's hidden state of every new token
+    trees: list[bool] | None = None,   # per request: its new tokens were a tree of drafts
 ) -> list[TargetHidden]:
-    """Slice a step's hidden states to the positions each request kept (after verification)."""
+    """Slice a step's hidden states to the positions each request kept (after verification);
+    a tree's rows are passed whole (``TargetHidden.tree_rows``)."""
     out, row = [], 0
-    for s, n, start in zip(scheduled, num_tokens, starts):
+    for i, (s, n, start) in enumerate(zip(scheduled, num_tokens, starts)):
         kept = s.request.num_computed_tokens - start
-        out.append(TargetHidden(s.request, start, all_hidden[row : row + kept]))
+        if trees is not None and trees[i]:
+            out.append(TargetHidden(s.request, start, all_hidden[row:row], all_hidden[row : row + n]))
+        else:
+            out.append(TargetHidden(s.request, start, all_hidden[row : row + kept]))
         row += n
     return out

@@ -24,7 +24,8 @@ from specserve.drafts import SHIPPED, shipped_draft
 from specserve.model_executor.loader import load_model
 from specserve.model_executor.models.eagle import EagleConfig, load_eagle_head
 from specserve.spec_decode.factory import resolve_speculative_config
-from specserve.spec_decode.proposer import Proposer
+from specserve.core.request import Request
+from specserve.spec_decode.proposer import Proposer, TargetHidden
 from specserve.training.data import FeatureRecorder
 from specserve.training.train_eagle import EagleTask
 
@@ -140,6 +141,32 @@ def test_greedy_lossless_with_rejections_and_preemption(tiny):
     got = small.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
 
+
+
+@pytest.mark.parametrize("children", ["topk", "sampled"])
+def test_eagle_trees_are_lossless_with_preemption(tiny, children):
+    """EAGLE trees (spec_decode/draft_tree.py) under a KV cache too small for every request: greedy
+    output is plain output, trees are verified, and the head keeps the target's hidden states of
+    the accepted branch's rows (not of the tree's first slots)."""
+    target, eagle_dir = tiny
+    prompts = ["Hi", "Tell me a story", "What is two plus two?", "Write a poem about the sea"]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = LLM(model=target, dtype="float32", device="cpu", kv_cache_memory=16 << 20).generate(prompts, params)
+    small = LLM(model=target, dtype="float32", device="cpu", kv_cache_memory=10 * 16 * 512, max_model_len=128,
+                speculative_config={"method": "eagle", "model": eagle_dir, "num_speculative_tokens": 3,
+                                    "tree": {"top_k": 3, "max_nodes": 10, "children": children}})
+    got = small.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    assert sum(o.metrics["num_preemptions"] for o in got) > 0
+    stats = small.get_spec_decode_stats()   # (this head's vocabulary is every 7th token: few accepted)
+    assert stats.num_draft_tokens > 2 * stats.num_drafts and len(stats.drafted_per_position) >= 2
+    proposer = small.engine.proposer
+    req = Request("r", None, [1, 2, 3], SamplingParams(max_tokens=8), None, None)
+    req.num_computed_tokens = 5 + 3                  # the last token (position 5) and two drafts kept
+    tree_rows = torch.randn(7, 16)                   # [last token, 6 drafts] the target's hidden states
+    proposer.keep_tree_branch(req, [1, 4], last=5)
+    proposer.observe([TargetHidden(req, 5, tree_rows[:0], tree_rows)])
+    assert torch.equal(proposer.features[req].get(5, 8), tree_rows[[0, 2, 5]])
 
 # ---------------------------------------------------------------------------- default model
 PROMPTS = [
