@@ -43,6 +43,7 @@ from specserve.core.request import Request
 from specserve.sample.penalties import adjust_each_row
 from specserve.sample.sampler import CHOICE, SamplingTensors, exponential_noise, keyed_generator, processed_probs
 from specserve.spec_decode.proposer import Proposal
+from specserve.spec_decode.tree_policy import TreeShape, TreeSizePolicy, candidate_shapes
 from specserve.structured_output.rows import mask_draft_rows
 
 
@@ -100,12 +101,16 @@ class DraftTreeGrower:
     nodes (tree attention); the proposer supplies it (its runner, or EAGLE's head)."""
 
     def __init__(self, tree: TreeConfig, depth: int, vocab_size: int):
-        self.top_k = tree.top_k
-        self.max_nodes = tree.max_nodes
-        self.max_depth = tree.max_depth or depth
+        self.shape = TreeShape(tree.top_k, tree.max_nodes, tree.max_depth or depth)
         self.sampled = tree.children == "sampled"
         self.vocab_size = vocab_size
         self.records: weakref.WeakKeyDictionary[Request, TreeRecord] = weakref.WeakKeyDictionary()
+        # tree.dynamic: each step's shape (a chain or a tree) by measured tokens per second
+        self.policy = TreeSizePolicy(candidate_shapes(*self._shape_args())) if tree.dynamic else None
+        self.shapes_used: dict[str, int] = {}     # str(shape) -> steps (dynamic only)
+
+    def _shape_args(self) -> tuple[int, int, int]:
+        return self.shape.top_k, self.shape.max_nodes, self.shape.max_depth
 
     def grow(self, reqs: list[Request], budgets: list[int], root_logits: torch.Tensor,
              forward: Callable[[list[TreeStep]], torch.Tensor], roots: list[int] | None = None) -> Proposal:
@@ -115,13 +120,18 @@ class DraftTreeGrower:
         ``roots``: where each tree's root sits in the draft's cache if not at the last token's
         position (EAGLE's head computes position t from the token after it: one earlier)."""
         roots = roots or [r.num_computed_tokens for r in reqs]
-        trees = [_Growing(r, root, min(b, self.max_nodes)) for r, root, b in zip(reqs, roots, budgets)]
-        self._add_children(trees, [(i, -1) for i in range(len(trees)) if trees[i].budget > 0], root_logits)
-        for depth in range(1, self.max_depth):
+        shape = self.shape
+        if self.policy is not None:
+            shape = self.policy.choose([r.request_id for r in reqs], [r.num_output_tokens for r in reqs])
+            self.shapes_used[str(shape)] = self.shapes_used.get(str(shape), 0) + 1
+        trees = [_Growing(r, root, min(b, shape.max_nodes)) for r, root, b in zip(reqs, roots, budgets)]
+        self._add_children(trees, [(i, -1) for i in range(len(trees)) if trees[i].budget > 0], root_logits,
+                           shape.top_k)
+        for depth in range(1, shape.max_depth):
             steps, expanded = [], []
             for i, t in enumerate(trees):
                 fed = len(t.slot_parents) - 1
-                room = min(self.top_k, t.budget - fed)
+                room = min(shape.top_k, t.budget - fed)
                 layer = [n for n, node in enumerate(t.nodes) if node.depth == depth]
                 chosen = sorted(sorted(layer, key=lambda n: -t.nodes[n].score)[:max(room, 0)])
                 if not chosen:
@@ -135,10 +145,11 @@ class DraftTreeGrower:
                 expanded += [(i, n) for n in chosen]
             if not steps:
                 break
-            self._add_children(trees, expanded, forward(steps))
+            self._add_children(trees, expanded, forward(steps), shape.top_k)
         return self._finish(trees)
 
-    def _add_children(self, trees: list[_Growing], expanded: list[tuple[int, int]], logits: torch.Tensor) -> None:
+    def _add_children(self, trees: list[_Growing], expanded: list[tuple[int, int]], logits: torch.Tensor,
+                      top_k: int) -> None:
         """Candidates under each expanded (request, node) from its row of ``logits`` [R, V]."""
         if not expanded:
             return
@@ -151,7 +162,7 @@ class DraftTreeGrower:
                                  [r.output_token_ids + p for r, p in zip(reqs, paths)])
         logits = mask_draft_rows(logits, reqs, paths)                                  # grammars
         probs = processed_probs(logits.float(), SamplingTensors.build(params, logits.shape[1], logits.device))
-        k = min(self.top_k, probs.shape[1])
+        k = min(top_k, probs.shape[1])
         ranked = probs.topk(k, dim=-1)                                                  # [R, k] values, tokens
         tokens = ranked.indices
         if self.sampled and not all(p.greedy for p in params):

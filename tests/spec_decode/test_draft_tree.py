@@ -158,3 +158,12 @@ def test_seeded_tree_samples_are_plain_samples(tiny_llama_dir, tiny_draft_dir):
     for children in ("topk", "sampled"):
         llm = _llm(tiny_llama_dir, _tree(tiny_draft_dir, top_k=3, max_nodes=10, children=children))
         assert _tokens(llm, prompts, params) == plain
+
+
+def test_dynamic_shapes_are_plain_output(tiny_llama_dir, tiny_draft_dir, plain_tokens):
+    """tree.dynamic: every step's shape (chains of 2..4, trees of 6 and 12 nodes) is tried and
+    measured; whichever is chosen, the output is plain output."""
+    llm = _llm(tiny_llama_dir, _tree(tiny_draft_dir, top_k=3, max_nodes=12, dynamic=True))
+    assert _tokens(llm, PROMPTS, GREEDY) == plain_tokens
+    used = llm.engine.proposer.tree.shapes_used
+    assert set(used) == {"chain:2", "chain:3", "chain:4", "tree:3/6/4", "tree:3/12/4"}
