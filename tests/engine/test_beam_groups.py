@@ -94,6 +94,7 @@ SPECS = {
     "ngram-tree": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_tree": True},
     "suffix": {"method": "suffix", "num_speculative_tokens": 4},
     "draft-model": {"method": "draft_model", "num_speculative_tokens": 3},
+    "draft-tree": {"method": "draft_model", "num_speculative_tokens": 3, "tree": {"top_k": 2, "max_nodes": 8}},
 }
 
 
@@ -108,8 +109,8 @@ def plain_beams(target_dir):
 @pytest.mark.parametrize("spec", list(SPECS))
 def test_speculation_gives_plain_beams_bit_for_bit(target_dir, plain_beams, spec):
     config = dict(SPECS[spec])
-    if spec == "draft-model":
-        config["model"] = target_dir       # its guesses are the top beam's own path
+    if spec.startswith("draft"):
+        config["model"] = target_dir       # its guesses: each beam's own likeliest paths
     llm = make(target_dir, config)
     for lp, expected in plain_beams.items():
         assert beams(llm.beam_search(prompts(4, seed=1), BeamSearchParams(beam_width=4, max_tokens=20,
