@@ -21,6 +21,7 @@ the cumulative log-probability and the score equal as floats).
 from __future__ import annotations
 
 import json
+import sys
 import time
 
 from specserve.bench.options import coding_prompts_path, spec_bench_path
@@ -93,6 +94,7 @@ def _measure(model, draft, configs: list[str], sets: list[tuple[str, list[dict]]
                 t["depths"] += after["num_emitted_tokens"] - before["num_emitted_tokens"]
                 t["tokens"].append(max(len(s.tokens) - len(ids) for s in out.sequences))
                 got[c] = _beams(out)
+                print(f"beam-search {name} {row['question_id']} {c}: {seconds:.2f} s", file=sys.stderr, flush=True)
             for c in configs:
                 tally[(name, c)]["equal"] += got[c] == got["plain"]
     return tally
