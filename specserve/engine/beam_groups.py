@@ -101,12 +101,13 @@ class BeamSearchGroup:
 class BeamGroups:
     """The engine's beam search requests, by id and by their running beams' request ids."""
 
-    def __init__(self, kv_cache: KVCacheManager, scheduler: Scheduler, runner, draft_runner, tokenizer,
+    def __init__(self, kv_cache: KVCacheManager, scheduler: Scheduler, runner, proposer, tokenizer,
                  engine_stats: SpecDecodeStats):
         self.kv_cache = kv_cache
         self.scheduler = scheduler
         self.runner = runner                  # the target's: copy_kv_slots
-        self.draft_runner = draft_runner      # a draft model's (same block tables), or None
+        self.proposer = proposer
+        self.draft_runner = draft_cache_runner(proposer)      # a draft model's (same block tables), or None
         self.tokenizer = tokenizer
         self.engine_stats = engine_stats
         self.by_id: dict[str, BeamSearchGroup] = {}
@@ -265,8 +266,16 @@ class BeamGroups:
             placed.append((nb, child))
         copies += [(cache_slot(table, source(first, p), bs), cache_slot(table, p, bs))
                    for p in range(length, keep) if source(first, p) != p]
+        if req.draft_parents is not None and self.proposer is not None:
+            # The draft moves its own K/V of the first successor's path into place (a draft tree's
+            # proposer; others do nothing) and says how far its cache now holds.
+            before = req.proposer_num_computed_tokens
+            self.proposer.keep_tree_branch(req, first.nodes, length - 1)
+            first_drafted = req.proposer_num_computed_tokens if req.proposer_num_computed_tokens != before else drafted_to
+        else:
+            first_drafted = min(drafted_to, in_place(first))
         req.commit_step(s.num_new_tokens, depths - 1)
-        req.proposer_num_computed_tokens = min(req.proposer_num_computed_tokens, drafted_to, in_place(first))
+        req.proposer_num_computed_tokens = min(req.proposer_num_computed_tokens, first_drafted)
         for t in first.tokens:
             req.append_token(t)
         self.kv_cache.cache_full_blocks(req.request_id, req.all_token_ids, keep)

@@ -23,7 +23,7 @@ from specserve.core.request import Request, RequestStatus, request_seed
 from specserve.core.scheduler import ScheduledRequest, Scheduler
 from specserve.distributed.launcher import WorkerError
 from specserve.engine import input_checks
-from specserve.engine.beam_groups import BeamGroups, beam_capable_proposer, draft_cache_runner
+from specserve.engine.beam_groups import BeamGroups, beam_capable_proposer
 from specserve.engine.constraints import Constraints
 from specserve.engine.drafting import Drafting, calibrate_k_policy
 from specserve.engine.errors import StepFailedError
@@ -91,8 +91,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.groups = SampleGroups()                      # requests with n > 1
         self.spec_stats = SpecDecodeStats()
-        self.beams = BeamGroups(self.kv_cache, self.scheduler, self.runner, draft_cache_runner(self.proposer),
-                                self.tokenizer, self.spec_stats)      # beam search requests
+        self.beams = BeamGroups(self.kv_cache, self.scheduler, self.runner, self.proposer, self.tokenizer,
+                                self.spec_stats)      # beam search requests
         self.drafting = Drafting(spec_config.disable_by_batch_size if spec_config else None, self.k_policy,
                                  self.spec_stats)
         self.request_errors: dict[str, BaseException] = {}   # finish_reason "error" -> why
