@@ -36,6 +36,11 @@ PRESETS = {   # suites that are spec-bench with other defaults
                                "draft:3:model=gemma-3-270m",
                     "prompts": "coding+spec-bench", "categories": "write,refactor,explain,complete,fix,coding,qa",
                     "limit": 2, "max_tokens": 96, "threads": 2},
+    # issue 46: draft-model trees against chains on the real pair (~25 min on 2 cores)
+    "draft-trees": {"model": "qwen2.5-coder-1.5b-instruct", "draft_model": "qwen2.5-coder-0.5b-instruct",
+                    "configs": "plain,draft:3,draft:4,draft:5,draft:5:tree=4/12,draft:5:tree=4/12/sampled",
+                    "prompts": "coding+spec-bench", "categories": "write,refactor,explain,complete,fix,coding,qa,writing",
+                    "limit": 1, "max_tokens": 64, "threads": 2, "temperature": "0,0.7"},
     "gpu": {"configs": "plain,ngram:4,eagle:4", "batch_sizes": "1,8", "limit": 1, "max_tokens": 96,
             "device": "cuda", "peer": ["transformers"]},
 }
@@ -104,7 +109,7 @@ def add_spec_bench_options(p: argparse.ArgumentParser, d: dict) -> None:
     p.add_argument("--categories", default=d["categories"], help="comma-separated categories to keep")
     p.add_argument("--limit", type=int, default=d["limit"], help="at most N prompts per category")
     p.add_argument("--batch-sizes", default=d["batch_sizes"], help="comma-separated, e.g. 1,8")
-    p.add_argument("--temperature", default="0", help="comma-separated, e.g. 0,0.7 (0 = greedy)")
+    p.add_argument("--temperature", default=d.get("temperature", "0"), help="comma-separated, e.g. 0,0.7 (0 = greedy)")
     p.add_argument("--max-tokens", type=int, default=d["max_tokens"], help="new tokens per request")
     p.add_argument("--stop-at-eos", action="store_true",
                    help="answers end at end-of-sequence (Spec-Bench's protocol) instead of always --max-tokens")
