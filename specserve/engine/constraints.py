@@ -174,6 +174,9 @@ def _fit_tree(req: Request, room: int) -> None:
             leaf = len(tokens) - 1
     req.draft_token_ids = tokens
     req.draft_parents = parents if tokens else None
+    # A draft tree's q rows (sampled children) no longer describe a pruned or extended sample:
+    # verify it by the target's choices, exact for any tree of drafts (sample.verify).
+    req.draft_probs = None
     if req.draft_parents is None:
         g.plan_chain_rows([])
     else:
