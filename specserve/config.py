@@ -170,6 +170,8 @@ class SpeculativeConfig:
                                  f"got {self.tree!r}")
             if self.cross_vocab is not None:
                 raise ValueError("a tree of drafts needs a draft with the target's vocabulary (no cross_vocab)")
+            if self.dynamic_k:
+                raise ValueError("dynamic_k sizes chains; a draft tree picks its shape with tree dynamic=True")
         if self.prompt_lookup_tree and self.method != "ngram":
             raise ValueError(f"prompt_lookup_tree is an ngram option (trees of drafts are verified for "
                              f"proposers without probabilities), not for method {self.method!r}")
