@@ -112,6 +112,7 @@ class BeamGroups:
         self.engine_stats = engine_stats
         self.by_id: dict[str, BeamSearchGroup] = {}
         self._of_beam: dict[str, BeamSearchGroup] = {}
+        self.num_deferred = 0     # passes put off: the step held some of a search's beams, not all
 
     def __bool__(self) -> bool:
         return bool(self.by_id)
@@ -188,6 +189,7 @@ class BeamGroups:
 
     def _advance(self, group: BeamSearchGroup, beams: dict, copies: list, ended: list) -> RequestOutput | None:
         if not all(b.request.request_id in beams for b in group.running):
+            self.num_deferred += 1
             for b in group.running:     # computed again next step, with the others
                 if b.request.request_id in beams:
                     s, _ = beams[b.request.request_id]
