@@ -36,6 +36,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="ngram: propose min(k, match length) tokens (default) rather than always k")
     p.add_argument("--prompt-lookup-tree", action=argparse.BooleanOptionalAction, default=None,
                    help="ngram: propose several earlier continuations as a tree of at most k tokens")
+    p.add_argument("--speculative-tree", default=None, metavar="TOP_K/MAX_NODES[/MAX_DEPTH][/sampled][/dynamic]",
+                   help="draft_model / eagle: propose a tree of drafts, e.g. 4/16 (SpeculativeConfig.tree; depth "
+                        "defaults to --num-speculative-tokens)")
     p.add_argument("--suffix-max-depth", type=int, default=None, help="suffix: the draft tree's depth at most")
     p.add_argument("--suffix-min-token-prob", type=float, default=None,
                    help="suffix: smallest (count-based) probability of a draft token")
@@ -82,6 +85,7 @@ def speculative_config_from_args(args) -> dict | None:
         "prompt_lookup_min": args.prompt_lookup_min,
         "prompt_lookup_adaptive": args.prompt_lookup_adaptive,
         "prompt_lookup_tree": args.prompt_lookup_tree,
+        "tree": getattr(args, "speculative_tree", None),
         "suffix_max_depth": getattr(args, "suffix_max_depth", None),
         "suffix_min_token_prob": getattr(args, "suffix_min_token_prob", None),
         "suffix_max_cached_requests": getattr(args, "suffix_max_cached_requests", None),
