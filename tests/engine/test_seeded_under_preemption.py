@@ -89,7 +89,8 @@ def batched_under_preemption(target_dir: str, spec: dict | None, roomy: LLM) -> 
     return [samples(o) for o in outs], preempted, small.get_spec_decode_stats()
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model"])
+# The draft model's case takes about 12 s (two engines with a draft each): the full suite runs it.
+@pytest.mark.parametrize("method", ["ngram", "suffix", pytest.param("draft_model", marks=pytest.mark.slow)])
 def test_every_sample_equals_its_lone_run_under_preemption(target_dir, draft_dir, plain_lone_runs, method):
     spec = spec_config(method, draft_dir)
     roomy = make(target_dir, spec)
