@@ -116,10 +116,17 @@ class BeamSearchState:
 
     def run_pass(self, beams: list[PassBeam]) -> PassResult:
         """Apply depths while every running beam's distribution is verified (module docstring)."""
-        width = self.width
-        lp = [torch.log_softmax(b.rows.float(), dim=-1) for b in beams]          # [rows, V] each
-        top = [torch.topk(x, min(2 * width, x.shape[-1]), dim=-1) for x in lp]
-        top = [(t.values.tolist(), t.indices.tolist()) for t in top]             # per beam: [rows][2B]
+        cache: dict[tuple[int, int], tuple[list[float], list[int]]] = {}
+
+        def top(beam: int, row: int) -> tuple[list[float], list[int]]:
+            """A row's 2B best tokens and log-probabilities, computed when a depth needs them (a
+            tree's rows mostly are not); a row's numbers never depend on the rows beside it."""
+            if (beam, row) not in cache:
+                lp = torch.log_softmax(beams[beam].rows[row].float(), dim=-1)           # [V]
+                best = torch.topk(lp, min(2 * self.width, lp.shape[-1]))
+                cache[(beam, row)] = (best.values.tolist(), best.indices.tolist())
+            return cache[(beam, row)]
+
         frontier = [_Frontier(NewBeam(i, [], [], [], b.cum_logprob), -1) for i, b in enumerate(beams)]
         depth = 0
         while True:
@@ -140,9 +147,8 @@ class BeamSearchState:
         width = self.width
         offers = []   # (score, parent rank, token, logprob)
         for rank, f in enumerate(frontier):
-            values, ids = top[f.beam.root]
-            row = f.node + 1
-            offers += [(f.beam.cum_logprob + v, rank, t, v) for v, t in zip(values[row], ids[row])]
+            values, ids = top(f.beam.root, f.node + 1)
+            offers += [(f.beam.cum_logprob + v, rank, t, v) for v, t in zip(values, ids)]
         offers.sort(key=lambda o: (-o[0], o[1], o[2]))
         generated = self.num_generated + 1
         at_length = generated >= self.max_tokens
