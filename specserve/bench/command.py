@@ -165,6 +165,8 @@ def cmd_bench(args, argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     doc = results.new_results(name, SUITES[name].question, "specserve " + " ".join(shlex.quote(a) for a in argv), {})
     suite_module(name).run(args, doc)
+    if hasattr(os, "getloadavg") and not doc["machine"].get("loadavg_end"):
+        doc["machine"]["loadavg_end"] = list(os.getloadavg())
     path = results.save(doc, args.results)
     print(f"wrote {path}")
     return 0

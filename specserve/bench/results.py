@@ -84,12 +84,16 @@ def latest(results_dir: str) -> dict[str, dict]:
 
 
 def machine_line(m: dict) -> str:
-    """One line naming the machine: CPU, cores, threads used, GPU."""
+    """One line naming the machine: CPU, cores, threads used, GPU, and how loaded it was."""
     text = f"{m.get('cpu', 'unknown CPU')}, {m.get('cpu_count', '?')} cores"
     if m.get("torch_threads"):
         text += f", torch threads {m['torch_threads']}"
     if m.get("cuda"):
         text += f", GPU {m['cuda']}"
+    if m.get("loadavg_start"):   # a shared machine: how busy it was (1-minute load average)
+        text += f", load average {m['loadavg_start'][0]:.1f} at the start"
+        if m.get("loadavg_end"):
+            text += f", {m['loadavg_end'][0]:.1f} at the end"
     return text
 
 
