@@ -31,8 +31,9 @@ beam's distribution is one of those rows:
 
 So every depth applied uses exactly the distributions plain beam search uses at that depth,
 and the same selection: the beams, their order and their scores are plain beam search's,
-bit for bit where the rows are (the target's rows do not depend on what else a forward
-holds: docs/architecture.md, "Row invariance"). A pass commits at least one depth, as a
+bit for bit where a row's numbers do not depend on what else its forward holds (the CPU
+default dtype: docs/architecture.md, "Row invariance"); elsewhere (float32 on MKL, GPUs) up to
+near-ties, as greedy speculation is. A pass commits at least one depth, as a
 plain step does; it commits more only while no beam leaves its root's drafts. Finished
 hypotheses need no distribution, so a beam that ends (EOS) never stops a pass.
 
