@@ -153,7 +153,7 @@ class LlamaServerJson:
             entry = catalog.ENTRIES.get(model or "")
             if entry is None or not entry.drafts:
                 raise ValueError(f"{model!r} has no catalog draft for llama-server+draft")
-            extra = ["-md", gguf_path(entry.drafts[0]), "--draft-max", "4", "--draft-min", "0"]
+            extra = ["-md", gguf_path(entry.drafts[0]), "--spec-draft-n-max", "4", "--spec-draft-n-min", "0"]
         self.log = open(os.devnull, "w")
         self.proc, self.base = start_llama_server(llama_server_exe(None), path, threads, 4096 * slots, slots,
                                                   log=self.log, extra_args=extra)
