@@ -68,7 +68,7 @@ def cmd_generate(args) -> int:
     )
     llm = build_llm(args)
     if args.compare_plain and llm.engine.spec_config is not None:
-        _answer(llm, args, _one_token(params))   # warm-up, as the plain engine gets
+        _answer(llm, args, _warm_up(params))   # warm-up, as the plain engine gets
     started = time.perf_counter()
     out = _answer(llm, args, params)
     elapsed = time.perf_counter() - started
@@ -112,18 +112,20 @@ def _answer(llm, args, params):
     return llm.generate(args.prompt, params)[0]
 
 
-def _one_token(params):
+def _warm_up(params):
+    """A short request like ``params`` (4 tokens): the prefill and a few decode steps, so kernels
+    compiled or loaded on first use are not timed."""
     import copy
 
     p = copy.copy(params)
-    p.max_tokens = 1
+    p.max_tokens = min(4, params.max_tokens)
     return p
 
 
 def _plain_tok_s(args, params) -> float:
     """--compare-plain: the same request on a plain engine of the same model (warmed up first), in tok/s."""
     plain = build_llm(args, plain=True)
-    _answer(plain, args, _one_token(params))
+    _answer(plain, args, _warm_up(params))
     started = time.perf_counter()
     out = _answer(plain, args, params)
     return sum(len(c.token_ids) for c in out.outputs) / max(time.perf_counter() - started, 1e-9)
