@@ -95,6 +95,8 @@ SPECS = {
     "suffix": {"method": "suffix", "num_speculative_tokens": 4},
     "draft-model": {"method": "draft_model", "num_speculative_tokens": 3},
     "draft-tree": {"method": "draft_model", "num_speculative_tokens": 3, "tree": {"top_k": 2, "max_nodes": 8}},
+    "draft-dynamic-k": {"method": "draft_model", "num_speculative_tokens": 3, "dynamic_k": True},
+    "ngram-dynamic-k": {"method": "ngram", "num_speculative_tokens": 4, "dynamic_k": True},
 }
 
 
