@@ -1,0 +1,79 @@
+"""The suites that run without llama.cpp or a real model, on the tiny random model: each writes one
+results file whose table and samples agree. (llama-bench, llama-server and real-pair need llama.cpp's
+binaries and real models; serve-load starts servers: those run as `specserve bench SUITE`.)"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+
+from specserve.bench.command import PRESETS
+from specserve.entrypoints.cli import build_parser
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_suite(argv: list[str], results: str) -> dict:
+    argv = ["bench", *argv, "--results", results]
+    args = build_parser().parse_args(argv)
+    assert args.func(args, argv) == 0
+    (path,) = glob.glob(os.path.join(results, argv[1], "*.json"))
+    with open(path) as f:
+        doc = json.load(f)
+    assert doc["suite"] == argv[1] and doc["command"] == "specserve " + " ".join(argv)
+    assert doc["machine"]["cpu"] and doc["commit"]
+    return doc
+
+
+def test_suffix_suite(tiny_llama_dir, tmp_path):
+    doc = run_suite(["suffix", "--model", tiny_llama_dir, "--requests", "2", "--max-tokens", "8", "--warmup", "0",
+                     "--suffix-k", "4"], str(tmp_path))
+    names = ["`plain`", "`ngram k=4 dyn`", "`suffix k=4 dyn`"]
+    assert [r[:2] for r in doc["table"]["rows"]] == [[h, n] for h in ("all", "second half") for n in names]
+    assert len(doc["samples"]) == 2 * 3 and all(s["tokens"] == 8 for s in doc["samples"])
+    plain = [s for s in doc["samples"] if s["config"] == "plain"]
+    assert doc["table"]["rows"][0][2] == f"{sum(s['tokens'] for s in plain) / sum(s['seconds'] for s in plain):.1f}"
+
+
+def test_prefix_cache_suite(tiny_llama_dir, tmp_path):
+    doc = run_suite(["prefix-cache", "--model", tiny_llama_dir, "--limit", "3", "--answer-tokens", "4",
+                     "--workloads", "system-prompt,long-chat", "--turns", "2", "--max-model-len", "1024"],
+                    str(tmp_path))
+    rows = doc["table"]["rows"]
+    assert [r[0] for r in rows] == ["shared system prompt", "long chat: turns 2-2"]
+    assert rows[0][1] == "2"   # 3 requests, the first (filling the cache) left out
+    for row, w in zip(rows, ("system-prompt", "long-chat")):   # the ratio is the samples' mean TTFTs'
+        times = doc["samples"][w]["times"]
+        off, on = (sum(times[e].values(), []) for e in ("no-caching", "caching"))
+        assert row[5] == f"{(sum(off) / len(off)) / (sum(on) / len(on)):.2f}x" and row[1] == str(len(on))
+    with pytest.raises(ValueError, match="unknown workloads"):
+        run_suite(["prefix-cache", "--model", tiny_llama_dir, "--workloads", "bogus"], str(tmp_path / "x"))
+
+
+def test_kernels_suite(tmp_path):
+    from specserve.model_executor.layers import cpu_attention
+
+    import torch
+
+    if not cpu_attention.usable("cpu", torch.float32):
+        pytest.skip("the CPU attention kernel does not build here")
+    doc = run_suite(["kernels", "--formats", "Q4_0,Q6_K", "--repeat", "1", "--attention-repeats", "5",
+                     "--out", "64", "--in", "256"], str(tmp_path))
+    kinds = [r[0] for r in doc["table"]["rows"]]
+    assert kinds == ["matmul Q4_0"] * 2 + ["matmul Q6_K"] * 2 + ["attention"] * 5
+    assert {s["part"] for s in doc["samples"]} == {"matmul", "attention"}
+
+
+def test_the_published_batch_scaling_run_is_the_preset():
+    """`specserve bench batch-scaling` (the README's command) runs what the published file measured."""
+    (path,) = sorted(glob.glob(os.path.join(ROOT, "docs", "bench", "results", "batch-scaling", "*.json")))[-1:]
+    with open(path) as f:
+        s = json.load(f)["params"]
+    args = build_parser().parse_args(["bench", "batch-scaling"])
+    assert [int(b) for b in args.batch_sizes.split(",")] == s["batch_sizes"] == [1, 8, 32, 64]
+    assert set(args.categories.split(",")) == set(s["categories"]) and args.limit == s["limit_per_category"]
+    assert args.max_tokens == s["max_tokens"] and args.threads == s["threads"]
+    assert [c["name"] for c in s["configs"]] == args.configs.split(",") == PRESETS["batch-scaling"]["configs"].split(",")
