@@ -1,18 +1,26 @@
-"""``specserve bench``: plain decoding and proposers side by side on a prompt set, one run.
+"""``specserve bench [SUITE]``: every figure specserve publishes, one suite per question.
 
-Every configuration answers the same prompts (Spec-Bench's JSONL format; default:
-a shipped set of 3 questions from each of Spec-Bench's 13 categories) per category,
-at each batch size and temperature, the configurations interleaved group by
-group in rotating order so that machine noise hits all alike. Writes OUT/report.md
-(tables, the command, machine facts), OUT/results.json (every number, per request
-included) and PNG plots.
+Each run writes one results file, RESULTS/<suite>/<UTC time>.json (``--results``, default
+bench-results/): the machine's facts, the command, the commit, the table and the raw samples;
+``specserve bench page`` turns the newest file of each suite under docs/bench/results into
+docs/benchmarks.md. The suites: ``specserve bench --help`` lists them, ``specserve bench SUITE
+--help`` gives their options.
+
+Without a suite (spec-bench): plain decoding and proposers side by side. Every configuration
+answers the same prompts (Spec-Bench's JSONL format; default: a shipped set of 3 questions from
+each of Spec-Bench's 13 categories) per category, at each batch size and temperature, the
+configurations interleaved group by group in rotating order so that machine noise hits all
+alike. ``--out DIR`` also writes DIR/report.md (tables per category), DIR/results.json and PNG
+plots.
 
     specserve bench --configs plain,ngram:4,draft:3 --batch-sizes 1,8 --limit 1
     specserve bench --configs plain,ngram:4,eagle:4 --temperature 0,0.7 --peer transformers
     specserve bench --configs plain,ngram:4 --peer llama.cpp --llama-cpp-bin ~/.cache/specserve-peers/llama.cpp/build/bin
     specserve bench --configs ngram:5:tree,ngram:5 --stop-at-eos --peer transformers --transformers-dtype bfloat16,float32
+    specserve bench batch-scaling            # a preset: plain against n-gram at batches 1, 8, 32, 64
+    specserve bench llama-bench --models default,qwen2.5-coder-1.5b-instruct
 
-Besides tok/s (prefill included, as Spec-Bench measures), the report gives each specserve
+Besides tok/s (prefill included, as Spec-Bench measures), spec-bench gives each specserve
 configuration's decode tok/s: the tokens after each request's first over the time after
 its group's last first token.
 """
