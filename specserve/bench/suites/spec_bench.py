@@ -7,7 +7,6 @@ run's whole document (per category and per request) is the results file's ``samp
 """
 from __future__ import annotations
 
-import datetime
 import os
 
 from specserve.bench.options import ALL
@@ -54,8 +53,9 @@ def run(args, doc: dict) -> None:
     doc["table"] = spec_table(run_doc)
     doc["notes"] = spec_notes(run_doc)
     doc["samples"] = run_doc
-    out = args.out or os.path.join(
-        "bench-results", datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S"))
+    if not args.out:
+        return
+    out = args.out
     os.makedirs(out, exist_ok=True)
     write_json(run_doc, os.path.join(out, "results.json"))
     plots = []
