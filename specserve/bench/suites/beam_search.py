@@ -120,7 +120,7 @@ def run(args, doc: dict) -> None:
             raise ValueError(f"each model's configurations start with plain, got {configs}")
     columns = ["model", "configuration"] + [f"{name}: speed-up (tau)" for name, _ in sets] + ["identical beams"]
     rows, samples = [], {}
-    for model, draft, configs in runs:
+    for run_name, (model, draft, configs) in zip(("target", "n-gram"), runs):
         tally = _measure(model, draft, configs, sets, params, args.max_model_len)
         label = model or "default (SmolLM2-135M)"
         for c in configs:
@@ -131,7 +131,7 @@ def run(args, doc: dict) -> None:
                 cells.append(f"{fmt(sum(plain['seconds']) / sum(t['seconds']), 2, 'x')} ({fmt(tau, 2)})")
                 equal, searches = equal + t["equal"], searches + len(t["seconds"])
             rows.append([label, c] + cells + [f"{equal}/{searches}"])
-        samples[label] = {f"{name} | {c}": t for (name, c), t in tally.items()}
+        samples[f"{run_name} run: {label}"] = {f"{name} | {c}": t for (name, c), t in tally.items()}
     doc["table"] = {"columns": columns, "rows": rows}
     doc["notes"] = [f"B = {args.beam_width} beams, {args.max_tokens} new tokens at most, length_penalty 1, EOS on; "
                     "speed-up = plain beam search's wall time / the configuration's, same model, same prompts.",
