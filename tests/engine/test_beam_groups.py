@@ -118,7 +118,8 @@ def test_speculation_gives_plain_beams_bit_for_bit(target_dir, plain_beams, spec
         assert beams(llm.beam_search(prompts(4, seed=1), BeamSearchParams(beam_width=4, max_tokens=20,
                                                                             length_penalty=lp))) == expected
     stats = llm.get_spec_decode_stats()
-    assert stats.num_accepted_tokens > 0 and stats.mean_acceptance_length > 1.0   # passes of several depths
+    if "dynamic_k" not in config:    # dynamic_k drafts by measured costs, which depend on the machine's load
+        assert stats.num_accepted_tokens > 0 and stats.mean_acceptance_length > 1.0   # passes of several depths
 
 
 def test_beams_share_their_prefix_blocks(target_dir):
