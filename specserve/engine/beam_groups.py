@@ -273,7 +273,8 @@ class BeamGroups:
             # proposer; others do nothing) and says how far its cache now holds.
             before = req.proposer_num_computed_tokens
             self.proposer.keep_tree_branch(req, first.nodes, length - 1)
-            first_drafted = req.proposer_num_computed_tokens if req.proposer_num_computed_tokens != before else drafted_to
+            moved = req.proposer_num_computed_tokens != before
+            first_drafted = req.proposer_num_computed_tokens if moved else drafted_to
         else:
             first_drafted = min(drafted_to, in_place(first))
         req.commit_step(s.num_new_tokens, depths - 1)
