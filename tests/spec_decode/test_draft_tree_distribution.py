@@ -6,7 +6,6 @@ with 1,200 requests, such wrong residuals gave p-values of 0.004-0.6, too close 
 from __future__ import annotations
 
 import pytest
-import torch
 
 import specserve.sample.verify as verify_module
 from specserve import LLM, SamplingParams
@@ -40,30 +39,7 @@ def samples(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate([PROMPT] * N, PARAMS, use_tqdm=False)]
 
 
-@pytest.fixture(scope="module")
-def peaky_target_dir(tmp_path_factory, default_model_tokenizer) -> str:
-    """A target with strong preferences (logits x 3) among the favoured tokens, drafted by a nearly
-    uniform one: drafts are often rejected, and the right residual (p - q) differs from p alone."""
-    folder = str(tmp_path_factory.mktemp("peaky-target"))
-    return write_tiny_llama(folder, seed=2, tokenizer=default_model_tokenizer, embedding_scale=3.0)
-
-
-def make(model_dir, spec=None) -> LLM:
-    return LLM(model=model_dir, dtype="float32", max_model_len=64, kv_cache_memory=16 << 20, max_num_seqs=128,
-               speculative_config=spec)
-
-
-def samples(llm: LLM) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate([PROMPT] * N, PARAMS, use_tqdm=False)]
-
-
-def _p_again(p, q, rejected):
-    """A wrong residual: after a rejected child, the next try (and the final draw) from p again."""
-    return p, q
-
-
-def test_sampled_trees_keep_plain_sampling(peaky_target_dir, tiny_draft_dir,
-                                                                          monkeypatch):
+def test_sampled_trees_keep_plain_sampling(peaky_target_dir, tiny_draft_dir, monkeypatch):
     plain = samples(make(peaky_target_dir))
     spec = {"method": "draft_model", "model": tiny_draft_dir, "num_speculative_tokens": 2,
             "tree": {"top_k": 3, "max_nodes": 6, "children": "sampled"}}
