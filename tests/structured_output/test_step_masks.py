@@ -35,13 +35,18 @@ def one_by_one(g, chain: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_batched_rows_equal_rows_one_prefix_at_a_time(compiler, overlap, monkeypatch):
+def test_planned_rows_equal_rows_one_prefix_at_a_time(compiler, overlap, monkeypatch):
+    """Overlapped: one batched llguidance call (no fallback to row by row); inline: row by row."""
     import specserve.structured_output.step_masks as step_masks
 
-    def no_fallback(g):
-        raise AssertionError("the batched call failed and the rows were computed one by one")
+    if overlap:
+        def no_fallback(g):
+            raise AssertionError("the batched call failed and the rows were computed one by one")
 
-    monkeypatch.setattr(step_masks, "_chain_rows_one_by_one", no_fallback)
+        monkeypatch.setattr(step_masks, "_chain_rows_one_by_one", no_fallback)
+    else:
+        monkeypatch.setattr(step_masks.StepMasks, "_chains_at_once",
+                            lambda self, gs: (_ for _ in ()).throw(AssertionError("batched on a CPU")))
     text = ids(compiler, TEXT) + [compiler.eos_token_id]
     cases = [(0, 0), (0, 5), (3, 4), (0, len(text)), (len(text) - 4, 4)]   # (emitted, drafts)
     grammars, chains = [], []
@@ -90,13 +95,17 @@ def test_a_grammar_out_of_its_limit_ends_its_own_request(compiler, monkeypatch):
 
     monkeypatch.setattr(type(bad), "mask_after", failing)
     monkeypatch.setattr(StepMasks, "_chains_at_once", lambda self, gs: (_ for _ in ()).throw(RuntimeError("x")))
-    masks = StepMasks(overlap=True)
-    masks.start([("good", good), ("bad", bad)])
-    masks.wait()
-    assert good.step_bitmask.shape[0] == 4 and not good.exhausted
-    assert bad.exhausted and bad.failed is None
-    allowed = bad.step_bitmask.nonzero()
-    assert bad.step_bitmask.shape[0] == 4 and set(allowed[:, 1].tolist()) == {compiler.eos_token_id // 32}
+    for overlap in (True, False):       # the batched call's failure falls back to row by row
+        good.plan_chain_rows(text[:3])
+        bad.plan_chain_rows(text[:3])
+        bad.exhausted = False
+        masks = StepMasks(overlap=overlap)
+        masks.start([("good", good), ("bad", bad)])
+        masks.wait()
+        assert good.step_bitmask.shape[0] == 4 and not good.exhausted
+        assert bad.exhausted and bad.failed is None
+        allowed = bad.step_bitmask.nonzero()
+        assert bad.step_bitmask.shape[0] == 4 and set(allowed[:, 1].tolist()) == {compiler.eos_token_id // 32}
 
 
 @pytest.mark.usefixtures("one_torch_thread")
