@@ -13,6 +13,8 @@ from specserve.model_executor.layers.attention import (
     split_by_context_length,
 )
 
+from tree_reference import dense_tree_reference
+
 BLOCK = 4
 
 
@@ -241,18 +243,6 @@ def test_tree_layout_depths_and_ancestor_masks():
 TREE = [-1, 0, 1, 0, 3, 1, 5, 2]
 
 
-def _tree_reference(q, keys, values, cached, masks, scale):
-    """Dense attention of one tree request: row i sees the cached keys and its ancestors."""
-    new = len(masks)
-    group = q.shape[1] // keys.shape[1]
-    k = keys.repeat_interleave(group, dim=1).transpose(0, 1)   # [Hq, ctx, hd]
-    v = values.repeat_interleave(group, dim=1).transpose(0, 1)
-    allowed = torch.ones(new, cached + new, dtype=torch.bool)
-    for i, m in enumerate(masks):
-        allowed[i, cached:] = torch.tensor([bool(m >> j & 1) for j in range(new)])
-    return F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=allowed, scale=scale).transpose(0, 1)
-
-
 @pytest.mark.parametrize("path", ["torch", "kernel"])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 def test_tree_attention_matches_dense_reference(monkeypatch, path, cache_dtype):
@@ -290,7 +280,7 @@ def test_tree_attention_matches_dense_reference(monkeypatch, path, cache_dtype):
         if masks is None:
             expected = reference_attention(q[row:row + new], keys[i], values[i], new, 0.3)
         else:
-            expected = _tree_reference(q[row:row + new], keys[i], values[i], cached, masks, 0.3)
+            expected = dense_tree_reference(q[row:row + new], keys[i], values[i], cached, masks, 0.3)
         torch.testing.assert_close(out[row:row + new], expected, rtol=1e-5, atol=1e-5)
         row += new
 

@@ -6,10 +6,11 @@ import random
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from specserve.model_executor.layers import attention, cpu_attention
 from specserve.model_executor.layers.attention import AttentionMetadata, kv_cache_shape, paged_attention
+
+from tree_reference import dense_tree_reference
 
 BLOCK = 4
 KERNEL_BUILDS = cpu_attention.usable("cpu", torch.float32)
@@ -20,21 +21,6 @@ def random_tree(n: int, seed: int) -> list[int]:
     """A root (-1) and n - 1 nodes, each under a random earlier one (deep and wide)."""
     rng = random.Random(seed)
     return [-1] + [rng.randrange(i) for i in range(1, n)]
-
-
-def dense_tree_reference(q, keys, values, cached, masks, positions, scale, window=None):
-    """Row i sees the cached keys and the tree slots its mask allows, within ``window`` positions."""
-    new = len(masks)
-    group = q.shape[1] // keys.shape[1]
-    k = keys.repeat_interleave(group, dim=1).transpose(0, 1)   # [Hq, ctx, hd]
-    v = values.repeat_interleave(group, dim=1).transpose(0, 1)
-    allowed = torch.ones(new, cached + new, dtype=torch.bool)
-    for i, m in enumerate(masks):
-        allowed[i, cached:] = torch.tensor([bool(m >> j & 1) for j in range(new)])
-    if window is not None:
-        k_pos = torch.cat([torch.arange(cached), torch.tensor(positions)])
-        allowed &= k_pos[None, :] > torch.tensor(positions)[:, None] - window
-    return F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=allowed, scale=scale).transpose(0, 1)
 
 
 def _setup(cached, new, seed, num_blocks=64, kv_heads=2, hd=16):
@@ -48,15 +34,20 @@ def _setup(cached, new, seed, num_blocks=64, kv_heads=2, hd=16):
     return table, kv_cache, keys, values
 
 
-@pytest.mark.parametrize("path", ["torch", "kernel"])
+@pytest.fixture(params=["torch", "kernel"])
+def path(request, monkeypatch) -> str:
+    """The attention path under test: the compiled CPU kernel, or PyTorch's with the kernel off."""
+    if request.param == "kernel" and not KERNEL_BUILDS:
+        pytest.skip("the CPU attention kernel did not build here")
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_attention, "usable", lambda *args: False)
+    return request.param
+
+
 @pytest.mark.parametrize("window", [None, 5])
-def test_a_70_node_tree_matches_the_dense_reference(monkeypatch, path, window):
+def test_a_70_node_tree_matches_the_dense_reference(path, window):
     """70 nodes need 3 mask words: every node sees exactly its ancestors (a window of 5 ends inside
     the tree, at each node's own depth)."""
-    if path == "kernel" and not KERNEL_BUILDS:
-        pytest.skip("the CPU attention kernel did not build here")
-    if path == "torch":
-        monkeypatch.setattr(cpu_attention, "usable", lambda *args: False)
     parents = random_tree(70, seed=1)
     depths, masks = attention.tree_layout(parents)
     assert max(m.bit_length() for m in masks) > 64
@@ -68,20 +59,15 @@ def test_a_70_node_tree_matches_the_dense_reference(monkeypatch, path, window):
     assert (meta.kernel is not None) == (path == "kernel")
     out = paged_attention(q, keys[cached:], values[cached:], kv_cache, meta, scale=0.25, sliding_window=window)
     positions = [cached + d for d in depths]
-    expected = dense_tree_reference(q, keys, values, cached, masks, positions, 0.25, window)
+    expected = dense_tree_reference(q, keys, values, cached, masks, 0.25, window, positions)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("path", ["torch", "kernel"])
 @pytest.mark.parametrize("window", [None, 4])
-def test_a_tree_grown_over_two_forwards_equals_the_tree_in_one(monkeypatch, path, window):
+def test_a_tree_grown_over_two_forwards_equals_the_tree_in_one(path, window):
     """A draft grows its tree depth by depth: the second forward's nodes see the first's cached
     nodes only where they are ancestors (``tree_back``), exactly as if the whole tree came at once
     (the kernel: the same bits)."""
-    if path == "kernel" and not KERNEL_BUILDS:
-        pytest.skip("the CPU attention kernel did not build here")
-    if path == "torch":
-        monkeypatch.setattr(cpu_attention, "usable", lambda *args: False)
     parents = random_tree(40, seed=5)
     _, masks = attention.tree_layout(parents)
     cached, new, first = 11, len(parents), 23
