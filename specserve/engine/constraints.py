@@ -40,7 +40,7 @@ from specserve.core.request import Request, RequestStatus
 from specserve.core.scheduler import ScheduledRequest
 from specserve.sampling_params import SamplingParams
 from specserve.structured_output.compiler import GrammarCompiler, GrammarLimits, request_grammar
-from specserve.structured_output.matcher import GrammarLimitError, eos_only_mask
+from specserve.structured_output.matcher import GrammarLimitError
 from specserve.structured_output.step_masks import StepMasks
 
 logger = logging.getLogger(__name__)
@@ -88,11 +88,7 @@ class Constraints:
             except GrammarLimitError as e:
                 logger.warning("request %s: %s; it ends here (finish_reason length)", req.request_id, e)
                 req.clear_drafts()
-                if req.eos_token_id is None:
-                    req.grammar.failed = e
-                    continue
-                req.grammar.exhausted = True
-                req.grammar.step_bitmask = eos_only_mask(req.grammar.vocab_size, req.eos_token_id)
+                req.grammar.end_at_limit(e)
             except Exception as e:  # noqa: BLE001 - this request's grammar, not the batch's
                 logger.exception("request %s: its grammar failed", req.request_id)
                 req.clear_drafts()

@@ -84,6 +84,16 @@ class RequestGrammar:
         eos = self.eos_token_id
         return next((i + 1 for i, t in enumerate(tokens) if t == eos), len(tokens))
 
+    def end_at_limit(self, error: GrammarLimitError, rows: int = 1) -> None:
+        """A limit ran out while preparing this step: the request ends here. With an end of
+        sequence, ``rows`` verification masks allow only it (finish_reason "length" follows);
+        without one, it fails alone (``failed``, raised by the verifier)."""
+        if self.eos_token_id is None:
+            self.failed = error
+            return
+        self.exhausted = True
+        self.step_bitmask = eos_only_mask(self.vocab_size, self.eos_token_id).expand(rows, -1).clone()
+
     # ------------------------------------------------------- the step's rows
     def plan_chain_rows(self, chain: list[int], repeat_last: int = 0) -> None:
         """The step verifies ``chain`` (checked drafts) and ``repeat_last`` drafts after them that

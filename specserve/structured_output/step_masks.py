@@ -33,7 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from specserve.structured_output.bitmask import words_for
-from specserve.structured_output.matcher import GrammarLimitError, RequestGrammar, eos_only_mask
+from specserve.structured_output.matcher import GrammarLimitError, RequestGrammar
 
 logger = logging.getLogger(__name__)
 
@@ -114,11 +114,7 @@ def _one_request(request_id: str, g: RequestGrammar, rows_of) -> None:
         g.set_planned_rows(rows_of(g))
     except GrammarLimitError as e:
         logger.warning("request %s: %s; it ends here (finish_reason length)", request_id, e)
-        if g.eos_token_id is None:
-            g.failed = e
-            return
-        g.exhausted = True   # every row allows only the end of sequence: the request ends there
-        g.step_bitmask = eos_only_mask(g.vocab_size, g.eos_token_id).expand(g.planned_row_count(), -1).clone()
+        g.end_at_limit(e, rows=g.planned_row_count())
     except Exception as e:  # noqa: BLE001 - this request's grammar, not the batch's
         logger.exception("request %s: its grammar failed", request_id)
         g.failed = e
