@@ -112,7 +112,7 @@ def valid(text: str) -> bool:
 
 
 class GrammarClock:
-    """Seconds the step spends in the grammar's calls (wrapped once per process, module-wide)."""
+    """Seconds the step spends in the grammar's calls (wrapped module-wide until ``close``)."""
 
     def __init__(self):
         import specserve.engine.constraints as constraints
@@ -121,10 +121,17 @@ class GrammarClock:
         import specserve.spec_decode.eagle as eagle
 
         self.seconds = 0.0
+        self._originals = []
         for owner, name in ((constraints.Constraints, "prepare"), (constraints.Constraints, "after_append"),
                             (constraints.Constraints, "wait_masks"), (verify, "mask_verified_rows"),
                             (draft_model, "mask_draft_rows"), (eagle, "mask_draft_rows")):
+            self._originals.append((owner, name, getattr(owner, name)))
             setattr(owner, name, self._timed(getattr(owner, name)))
+
+    def close(self) -> None:
+        """Put the wrapped calls back."""
+        for owner, name, fn in self._originals:
+            setattr(owner, name, fn)
 
     def _timed(self, fn):
         def wrapper(*args, **kwargs):
@@ -191,7 +198,6 @@ def run(args, doc: dict) -> None:
         raise ValueError(f"unknown configurations {unknown}: use {', '.join([*CONFIGS, *PEERS])}")
     doc["params"] = {k: getattr(args, k) for k in ("model", "draft_model", "records", "batch_size", "max_tokens",
                                                     "configs", "overlap_masks", "threads")}
-    clock = GrammarClock()
     engines, peers = {}, {}
     kw = dict(model=args.model, max_model_len=1024, kv_cache_memory=1 << 28)   # the records need about 300 tokens
     for name in names:
@@ -208,6 +214,7 @@ def run(args, doc: dict) -> None:
     tallies = {n: {"tokens": 0, "seconds": 0.0, "grammar": 0.0, "valid": 0, "answers": 0} for n in names}
     items = records(args.records)
     batches = [items[i : i + args.batch_size] for i in range(0, len(items), args.batch_size)]
+    clock = GrammarClock()
     try:
         for name in names:
             if name in PEERS:
@@ -241,6 +248,7 @@ def run(args, doc: dict) -> None:
                 t["valid"] += sum(valid(o.outputs[0].text) for o in outs)
                 t["answers"] += len(outs)
     finally:
+        clock.close()
         for p in peers.values():
             p.close()
     base = tallies.get("constrained")

@@ -25,6 +25,9 @@ def test_constrained_answers_are_valid_and_tabled(tiny_llama_dir):
     for name in ("constrained", "grammar", "ngram+forced"):
         assert doc["samples"][name]["valid"] == doc["samples"][name]["answers"] == 2
     assert doc["samples"]["grammar"]["spec_decode"]["num_draft_tokens"] > 0     # forced tokens were drafted
+    import specserve.engine.constraints as constraints
+
+    assert constraints.Constraints.prepare.__qualname__ == "Constraints.prepare"   # the timing wrappers are gone
 
 
 def test_unknown_configuration_is_refused(tiny_llama_dir):
