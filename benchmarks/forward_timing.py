@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import os
 import statistics
-import time
 from typing import Callable
+
+from specserve.bench.suites import forward_rows
 
 CONTEXT = 64   # tokens already in the KV cache before the timed rows
 
@@ -29,29 +30,10 @@ def with_amx(enabled: bool, build: Callable):
             os.environ["SPECSERVE_CPU_AMX"] = old
 
 
-def step_input(rows: int) -> list:
-    """One request's ``rows`` new tokens after CONTEXT cached ones (block size 16)."""
-    from specserve.worker.model_runner import ForwardInput
-
-    return [ForwardInput(list(range(100, 100 + rows)), CONTEXT, list(range((CONTEXT + rows) // 16 + 1)), rows)]
-
-
 def time_forwards(llms: dict, rows_list: list[int], rounds: int,
                   before: Callable[[str], None] | None = None) -> dict[tuple[str, int], float]:
-    """{(engine name, rows): median ms}; ``before(name)`` runs ahead of each engine's calls (to
-    switch kernel libraries, say)."""
-    times: dict[tuple[str, int], list[float]] = {}
-    for _ in range(rounds):
-        for rows in rows_list:
-            inp = step_input(rows)
-            for name, llm in llms.items():
-                if before is not None:
-                    before(name)
-                llm.engine.runner.execute(inp)
-                for _ in range(2):
-                    start = time.perf_counter()
-                    llm.engine.runner.execute(inp)
-                    times.setdefault((name, rows), []).append((time.perf_counter() - start) * 1000)
+    """{(engine name, rows): median ms} (``specserve bench forward-rows``' timing, at CONTEXT)."""
+    times = forward_rows.time_forwards(llms, rows_list, rounds, CONTEXT, before)
     return {key: statistics.median(values) for key, values in times.items()}
 
 

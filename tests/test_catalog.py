@@ -244,6 +244,7 @@ def _available(name: str) -> CatalogEntry:
     return entry
 
 
+@pytest.mark.slow
 def test_real_draft_config_and_tokenizer_by_catalog_name():
     """Assembles the 0.5B into the real cache once (~0.5 GB), then reads metadata only."""
     from specserve.model_executor.loader import load_model

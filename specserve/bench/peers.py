@@ -170,6 +170,48 @@ def gguf_path(model: str | None) -> str:
     raise ValueError(f"--peer llama.cpp needs a .gguf model (--model FILE.gguf or a catalog name), not {model!r}")
 
 
+class LlamaServer:
+    """A running ``llama-server`` on a GGUF file, for the peers and suites that measure it from outside.
+
+    Started on a free local port with ``slots`` slots (its log discarded), it answers ``completion``
+    (prompt token ids to ``/completion``, no prompt cache, the generated token ids returned) and
+    ``map`` (one request per slot at a time, concurrently); ``close`` stops it.
+    """
+
+    def __init__(self, model_path: str, threads: int, ctx_size: int, slots: int = 1, bin_dir: str | None = None,
+                 extra_args: list[str] = ()):
+        exe = llama_server_exe(bin_dir)
+        self.log = open(os.devnull, "w")
+        self.proc = None
+        try:
+            self.proc, self.base = start_llama_server(exe, model_path, threads, ctx_size, slots, log=self.log,
+                                                      extra_args=extra_args)
+        except BaseException:
+            self.log.close()
+            raise
+        self.pool = ThreadPoolExecutor(slots)
+
+    def completion(self, ids: list[int], **body) -> tuple[str, list[int]]:
+        """(text, generated token ids) for prompt token ids; ``body``: llama-server's /completion fields."""
+        out = post_json(self.base + "/completion", {"prompt": ids, "cache_prompt": False, "return_tokens": True,
+                                                    "stream": False, **body})
+        tokens = out.get("tokens")
+        if not tokens:   # older servers: only a count
+            tokens = [-1] * int(out.get("tokens_predicted", 0))
+        return out.get("content", ""), list(tokens)
+
+    def map(self, fn, items) -> list:
+        """``fn`` over ``items`` on the server's slots, concurrently; results in order."""
+        return list(self.pool.map(fn, items))
+
+    def close(self) -> None:
+        if getattr(self, "pool", None) is not None:
+            self.pool.shutdown(wait=False)
+        if self.proc is not None:
+            stop_process(self.proc)
+        self.log.close()
+
+
 class LlamaCppPeer:
     """llama.cpp's ``llama-server`` on the same GGUF file, plain decoding, measured from outside.
 
@@ -179,44 +221,25 @@ class LlamaCppPeer:
     """
 
     def __init__(self, opts: BenchOptions):
-        exe = llama_server_exe(opts.llama_cpp_bin)
         self.name = "llama.cpp"
         self.model_path = gguf_path(opts.model)
-        self.slots = max(opts.batch_sizes)
+        slots = max(opts.batch_sizes)
         threads = opts.threads or torch.get_num_threads()
         self.description = f"llama.cpp llama-server, {os.path.basename(self.model_path)}, {threads} threads"
-        self.log = open(os.devnull, "w")
-        self.proc = None
-        try:
-            self.proc, self.base = start_llama_server(exe, self.model_path, threads, opts.max_model_len * self.slots,
-                                                      self.slots, log=self.log)
-        except BaseException:
-            self.log.close()
-            raise
-        self.pool = ThreadPoolExecutor(self.slots)
+        self.server = LlamaServer(self.model_path, threads, opts.max_model_len * slots, slots, opts.llama_cpp_bin)
 
     def tokenizer(self):
         raise RuntimeError("the llama.cpp peer uses specserve's tokenizer")
 
     def _one(self, ids: list[int], max_tokens: int, temperature: float, seed: int, ignore_eos: bool) -> list[int]:
-        out = post_json(self.base + "/completion", {
-            "prompt": ids, "n_predict": max_tokens, "temperature": temperature, "seed": seed,
-            "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repeat_penalty": 1.0, "ignore_eos": ignore_eos,
-            "cache_prompt": False, "return_tokens": True, "stream": False})
-        tokens = out.get("tokens")
-        if not tokens:   # older servers: only a count
-            tokens = [-1] * int(out.get("tokens_predicted", 0))
-        return list(tokens)
+        return self.server.completion(ids, n_predict=max_tokens, temperature=temperature, seed=seed, top_k=0,
+                                      top_p=1.0, min_p=0.0, repeat_penalty=1.0, ignore_eos=ignore_eos)[1]
 
     def run(self, prompts: list[BenchPrompt], max_tokens: int, temperature: float, seeds: list[int],
             ignore_eos: bool) -> GroupResult:
-        futures = [self.pool.submit(self._one, p.token_ids, max_tokens, temperature, s, ignore_eos)
-                   for p, s in zip(prompts, seeds)]
-        return GroupResult([f.result() for f in futures], [None] * len(prompts))
+        tokens = self.server.map(lambda ps: self._one(ps[0].token_ids, max_tokens, temperature, ps[1], ignore_eos),
+                                 list(zip(prompts, seeds)))
+        return GroupResult(tokens, [None] * len(prompts))
 
     def close(self) -> None:
-        if getattr(self, "pool", None) is not None:
-            self.pool.shutdown(wait=False)
-        if self.proc is not None:
-            stop_process(self.proc)
-        self.log.close()
+        self.server.close()

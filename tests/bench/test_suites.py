@@ -67,6 +67,17 @@ def test_kernels_suite(tmp_path):
     assert {s["part"] for s in doc["samples"]} == {"matmul", "attention"}
 
 
+def test_forward_rows_suite(tiny_llama_dir, tmp_path):
+    doc = run_suite(["forward-rows", "--models", tiny_llama_dir, "--rows", "3,1", "--rounds", "1",
+                     "--context", "20"], str(tmp_path))
+    rows = doc["table"]["rows"]
+    assert [r[1] for r in rows] == ["1", "3"]                       # sorted row counts, one model
+    assert rows[0][3] == "1.00x" and rows[0][4] == "—" and rows[1][4] != "—"
+    assert [len(s["ms"]) for s in doc["samples"]] == [2, 2]        # 1 round x 2 timed calls
+    with pytest.raises(ValueError, match="row counts"):
+        run_suite(["forward-rows", "--models", tiny_llama_dir, "--rows", "0"], str(tmp_path / "x"))
+
+
 def test_the_published_batch_scaling_run_is_the_preset():
     """`specserve bench batch-scaling` (the README's command) runs what the published file measured."""
     (path,) = sorted(glob.glob(os.path.join(ROOT, "docs", "bench", "results", "batch-scaling", "*.json")))[-1:]

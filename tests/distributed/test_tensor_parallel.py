@@ -132,6 +132,7 @@ def test_vocab_parallel_embedding_and_lm_head(n):
     torch.testing.assert_close(torch.cat(logits, -1)[:, :vocab], F.linear(h, table))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not quant_gemm.available(), reason="the quantized matmul kernel did not build here")
 @pytest.mark.parametrize("int8", [False, True])
 def test_quantized_shards_carry_the_activation_setting(int8):
@@ -449,6 +450,7 @@ def test_tp_in_the_default_dtype_equals_tp1():
     assert wait_gone(pids) == []
 
 
+@pytest.mark.slow
 def test_more_ranks_than_kv_heads_is_a_clear_error():
     with pytest.raises(ValueError, match=r"tensor_parallel_size=4 .*num_key_value_heads=3.*Sizes that work for it: 1 to 3"):
         LLM(tensor_parallel_size=4, **ENGINE)

@@ -224,6 +224,7 @@ def default_pair():
     return hf, runner, tok.encode(text, add_special_tokens=False)
 
 
+@pytest.mark.slow
 def test_default_model_matches_transformers(default_pair):
     hf, runner, tokens = default_pair
     assert len(tokens) > BLOCK_SIZE  # spans blocks
@@ -265,6 +266,7 @@ def default_dtype_runner(keep_quantized: bool, num_blocks: int):
     return runner, loaded.tokenizer
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("keep_quantized", [True, False], ids=["gguf-blocks", "float16"])
 def test_default_dtype_verified_rows_have_the_bits_of_decoding_alone(keep_quantized):
     """Lossless greedy speculation rests on this, near-tie or not: in the CPU default dtype
@@ -296,6 +298,7 @@ def test_default_dtype_verified_rows_have_the_bits_of_decoding_alone(keep_quanti
     assert torch.equal(verified, alone)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("keep_quantized", [True, False], ids=["gguf-blocks", "float16"])
 def test_default_dtype_prompt_logits_do_not_depend_on_chunking(keep_quantized):
     """A prompt prefilled whole, in chunks cut anywhere (what the token budget, a prefix-cache

@@ -72,6 +72,7 @@ def test_a_fitting_draft_goes_on_to_load_its_weights(tmp_path, tiny_llama_dir):
         engine_with_draft(tiny_llama_dir, draft)
 
 
+@pytest.mark.slow
 def test_real_pair_checked_on_metadata():
     """The catalog's 0.5B fits the 1.5B's vocabulary and not the default model's (skipped when absent)."""
     entry = catalog.lookup("qwen2.5-coder-0.5b-instruct")

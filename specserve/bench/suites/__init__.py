@@ -53,6 +53,8 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
           "specserve bench gpu"),
     Suite("beam-search", "beam_search", "Beam search with speculation against plain beam search (B = 4)",
           "specserve bench beam-search"),
+    Suite("forward-rows", "forward_rows", "What a forward costs by row count: decode steps against verifications, "
+          "for Qwen2.5-Coder-1.5B and its 0.5B draft", "specserve bench forward-rows"),
     Suite("kernels", "kernels", "CPU kernels: GGUF-block matmul and paged attention against their PyTorch paths",
           "specserve bench kernels"),
 ]}

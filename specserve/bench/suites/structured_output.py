@@ -27,10 +27,8 @@ wait for them after the forward counts).
 from __future__ import annotations
 
 import json
-import os
 import random
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 from specserve.bench.results import fmt
 
@@ -144,7 +142,8 @@ class GrammarClock:
 
 
 class LlamaServerJson:
-    """llama.cpp's ``llama-server`` answering with the schema as its grammar, on ``model``'s GGUF file.
+    """llama.cpp's ``llama-server`` answering with the schema as its grammar, on ``model``'s GGUF file
+    (with the catalog's draft as its ``-md`` when ``draft``).
 
     Prompts go in as token ids (the chat template applied by specserve's tokenizer), so both engines
     read exactly the same prompt; ``/completion`` returns the generated token ids and the text.
@@ -152,38 +151,27 @@ class LlamaServerJson:
 
     def __init__(self, model: str | None, draft: bool, slots: int, threads: int, max_tokens: int):
         from specserve import catalog
-        from specserve.bench.peers import gguf_path, llama_server_exe, start_llama_server
+        from specserve.bench.peers import LlamaServer, gguf_path
 
-        path = gguf_path(model)
         extra = []
         if draft:
             entry = catalog.ENTRIES.get(model or "")
             if entry is None or not entry.drafts:
                 raise ValueError(f"{model!r} has no catalog draft for llama-server+draft")
             extra = ["-md", gguf_path(entry.drafts[0]), "--spec-draft-n-max", "4", "--spec-draft-n-min", "0"]
-        self.log = open(os.devnull, "w")
-        self.proc, self.base = start_llama_server(llama_server_exe(None), path, threads, 4096 * slots, slots,
-                                                  log=self.log, extra_args=extra)
-        self.pool = ThreadPoolExecutor(slots)
+        self.server = LlamaServer(gguf_path(model), threads, 4096 * slots, slots, extra_args=extra)
         self.max_tokens = max_tokens
 
     def _one(self, ids: list[int]) -> tuple[str, int]:
-        from specserve.bench.peers import post_json
-
-        out = post_json(self.base + "/completion", {
-            "prompt": ids, "n_predict": self.max_tokens, "temperature": 0.0, "top_k": 1, "json_schema": SCHEMA,
-            "cache_prompt": False, "return_tokens": True, "stream": False})
-        return out.get("content", ""), len(out.get("tokens") or []) or int(out.get("tokens_predicted", 0))
+        text, tokens = self.server.completion(ids, n_predict=self.max_tokens, temperature=0.0, top_k=1,
+                                              json_schema=SCHEMA)
+        return text, len(tokens)
 
     def answer(self, prompt_ids: list[list[int]]) -> list[tuple[str, int]]:
-        return list(self.pool.map(self._one, prompt_ids))
+        return self.server.map(self._one, prompt_ids)
 
     def close(self) -> None:
-        from specserve.bench.peers import stop_process
-
-        self.pool.shutdown(wait=False)
-        stop_process(self.proc)
-        self.log.close()
+        self.server.close()
 
 
 def run(args, doc: dict) -> None:

@@ -12,7 +12,7 @@ from specserve.model_executor.layers import cpu_attention, quant_gemm
 from specserve.model_executor.loader import load_model
 from specserve.worker.model_runner import ForwardInput, ModelRunner
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]   # the default model's weights
 
 
 @pytest.fixture(scope="module")
