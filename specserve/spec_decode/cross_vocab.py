@@ -77,6 +77,10 @@ class _Slot:
 
 
 class CrossVocabProposer(Proposer):
+    # TLI reads the draft's logits of shared tokens only, so its draft's LM head is cut to those
+    # rows (``compute_shared_rows_only``); tests that need the whole row turn this off.
+    CUT_DRAFT_HEAD = True
+
     def __init__(self, runner, mapping: VocabMapping, method: str, target_tokenizer, draft_tokenizer,
                  num_blocks: int, block_size: int, max_len: int):
         if method not in METHODS:
@@ -95,11 +99,32 @@ class CrossVocabProposer(Proposer):
         pairs = [(d, t) for d, t in enumerate(mapping.draft_to_target) if t >= 0]
         self.shared_draft = torch.tensor([d for d, _ in pairs], dtype=torch.long, device=runner.device)   # [S]
         self.shared_target = torch.tensor([t for _, t in pairs], dtype=torch.long, device=runner.device)  # [S]
+        self.head_is_shared = False                 # the draft's logits: all its ids, or shared_draft's only
         self._slots: weakref.WeakKeyDictionary[Request, _Slot] = weakref.WeakKeyDictionary()
         self._released: list[str] = []             # keys of collected requests' blocks (a finalizer's list)
         self._keys = itertools.count()
         self._step = 0
         self.num_evictions = 0                      # requests whose draft KV went to make room
+
+    def compute_shared_rows_only(self, lm_head) -> bool:
+        """Cut the draft's LM head (``ParallelLMHead``, TP 1) to its tokens with a target twin, so a
+        draft step computes only the logits TLI reads: column j becomes ``shared_draft[j]``. Exact:
+        each logit is its own row's dot product, the others were -inf in ``target_logits`` anyway.
+        Pays where the draft's vocabulary is large next to its layers (Gemma 3 270M: 262,144 rows of
+        640). False (nothing cut) for SLEM, which drafts from the whole vocabulary, or identical ones."""
+        if self.method != "tli" or self.identical or not self.CUT_DRAFT_HEAD:
+            return False
+        inside = self.shared_draft < lm_head.vocab_size          # a reduced draft vocabulary keeps fewer
+        try:
+            lm_head.keep_tokens(self.shared_draft[inside])
+        except ValueError as e:   # blocks of several formats, say: the whole head stays, as before
+            logger.info("draft LM head kept whole: %s", e)
+            return False
+        self.shared_draft, self.shared_target = self.shared_draft[inside], self.shared_target[inside]
+        self.head_is_shared = True
+        logger.info("draft LM head cut to the %d tokens with a target twin (of %d)", self.shared_draft.numel(),
+                    self.draft_vocab)
+        return True
 
     # ------------------------------------------------------------------ requests' state
     def _slot(self, request: Request) -> _Slot:
@@ -162,8 +187,9 @@ class CrossVocabProposer(Proposer):
             active.append(i)
         step = 0
         while active:
-            logits = self.runner.execute(inputs).logits                  # [len(active), V_draft or fewer]
-            if logits.shape[1] < self.draft_vocab:   # a reduced draft vocabulary: the rest is never drafted
+            logits = self.runner.execute(inputs).logits   # [len(active), V_draft or fewer; S if head_is_shared]
+            # a reduced draft vocabulary (draft_vocab_size): the rest is never drafted
+            if not self.head_is_shared and logits.shape[1] < self.draft_vocab:
                 logits = torch.nn.functional.pad(logits, (0, self.draft_vocab - logits.shape[1]), value=float("-inf"))
             for row, i in enumerate(active):
                 slots[i].seq.num_computed = inputs[row].start_position + len(inputs[row].token_ids)
@@ -223,12 +249,14 @@ class CrossVocabProposer(Proposer):
         return done
 
     def target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
-        """[R, V_draft] -> [R, V_target]: each shared token's logit at its target twin, -inf elsewhere
-        (identical vocabularies: the same row, an id is the same token in both)."""
+        """[R, V_draft] (or [R, S] shared tokens only: ``head_is_shared``) -> [R, V_target]: each shared
+        token's logit at its target twin, -inf elsewhere (identical vocabularies: the same row, an id
+        is the same token in both)."""
         if self.identical:
             return draft_logits
         out = draft_logits.new_full((draft_logits.shape[0], self.target_vocab), float("-inf"))
-        out[:, self.shared_target] = draft_logits.index_select(1, self.shared_draft)
+        shared = draft_logits if self.head_is_shared else draft_logits.index_select(1, self.shared_draft)   # [R, S]
+        out[:, self.shared_target] = shared
         return out
 
 

@@ -124,6 +124,8 @@ def build_draft_model_proposer(spec: SpeculativeConfig, ctx: ProposerContext) ->
     if fit.mapping is not None:
         from specserve.spec_decode.cross_vocab import DEFAULT_METHOD, CrossVocabProposer
 
-        return CrossVocabProposer(runner, fit.mapping, spec.cross_vocab or DEFAULT_METHOD, ctx.target_tokenizer,
-                                  fit.meta.tokenizer, ctx.kv_cache.num_blocks, ctx.block_size, ctx.max_model_len)
+        proposer = CrossVocabProposer(runner, fit.mapping, spec.cross_vocab or DEFAULT_METHOD, ctx.target_tokenizer,
+                                      fit.meta.tokenizer, ctx.kv_cache.num_blocks, ctx.block_size, ctx.max_model_len)
+        proposer.compute_shared_rows_only(draft_model_at_tp1(runner, "a draft with another vocabulary").lm_head)
+        return proposer
     return DraftModelProposer(runner, ctx.kv_cache, ctx.target_vocab_size, spec.tree, spec.num_speculative_tokens)

@@ -23,12 +23,14 @@ import collections
 import gc
 
 import pytest
+import torch
 
 from specserve import LLM, SamplingParams
 from specserve.core.kv_cache_manager import KVCacheManager
 from specserve.spec_decode import cross_vocab
 from specserve.spec_decode.cross_vocab import CrossVocabProposer
 from specserve.spec_decode.draft_model import DraftModelProposer
+from specserve.worker.model_runner import ForwardInput
 
 from chi_square import chi_square_p
 from cross_vocab_models import sentencepiece_style, write_mimic_draft
@@ -111,6 +113,20 @@ def test_a_draft_vocabulary_cut_to_its_first_ids(tiny_llama_dir, plain, sp_draft
     llm = speculative(tiny_llama_dir, sp_draft, method, draft_vocab_size=300)
     assert generate(llm, prompts, GREEDY) == generate(plain, prompts, GREEDY)
     assert llm.get_spec_decode_stats().num_draft_tokens > 0
+
+
+def test_tli_computes_the_shared_tokens_logits_only(tiny_llama_dir, sp_draft, monkeypatch):
+    """TLI's draft LM head is cut to the draft's tokens with a target twin; the rows it proposes
+    from are the whole head's, bit for bit (SLEM, which drafts from every token, keeps it whole)."""
+    cut = speculative(tiny_llama_dir, sp_draft, "tli").engine.proposer
+    assert not speculative(tiny_llama_dir, sp_draft, "slem").engine.proposer.head_is_shared
+    monkeypatch.setattr(CrossVocabProposer, "CUT_DRAFT_HEAD", False)
+    whole = speculative(tiny_llama_dir, sp_draft, "tli").engine.proposer
+    assert cut.head_is_shared and not whole.head_is_shared
+    assert cut.runner.model.lm_head.vocab_size == cut.shared_draft.numel() < cut.draft_vocab
+    inp = [ForwardInput(list(range(5, 25)), 0, [0, 1], 2)]   # the last 2 positions' logits
+    rows = [p.target_logits(p.runner.execute(inp).logits) for p in (cut, whole)]
+    assert rows[0].shape == (2, cut.target_vocab) and torch.equal(rows[0], rows[1])
 
 
 def test_the_default_method_and_a_same_vocabulary_draft(tiny_llama_dir, tiny_draft_dir, sp_draft):
@@ -208,6 +224,8 @@ def test_distribution_per_method(peaked_pair, monkeypatch):
     n = 300
     ref = second_tokens(plain, prompt, range(n))
     for method in ("tli", "slem", "ignoring"):
+        if method == "ignoring":   # it reads the draft's whole row: its LM head stays whole
+            monkeypatch.setattr(CrossVocabProposer, "CUT_DRAFT_HEAD", False)
         llm = speculative(target, draft, "tli" if method == "ignoring" else method)
         proposer = llm.engine.proposer
         if method == "ignoring":

@@ -31,3 +31,35 @@ def test_lm_head_keeps_the_first_tokens_logits():
     got = head.compute_logits(hidden)
     assert got.shape == (3, 20)
     torch.testing.assert_close(got, want)
+
+
+def test_lm_head_keeps_chosen_tokens_logits_in_their_order():
+    torch.manual_seed(0)
+    head = ParallelLMHead(50, 16)
+    head.load(torch.randn(50, 16))
+    hidden = torch.randn(3, 16)
+    ids = torch.tensor([7, 3, 49, 0, 21])
+    want = head.compute_logits(hidden)[:, ids]
+    head.keep_tokens(ids)
+    assert head.compute_logits(hidden).shape == (3, 5) and torch.equal(head.compute_logits(hidden), want)
+    with pytest.raises(ValueError, match="must be in"):
+        head.keep_tokens(torch.tensor([5]))          # only 5 rows are left: ids 0..4
+
+
+def test_a_quantized_head_keeps_chosen_tokens_bit_for_bit():
+    from gguf import GGMLQuantizationType
+
+    from specserve.bench.suites.kernels import random_blocks
+    from specserve.model_executor.layers import quant_gemm
+    from specserve.model_executor.layers.quantized import QuantizedMatrix
+
+    if not quant_gemm.available():
+        pytest.skip("the quantized matmul kernel did not build here")
+    qtype = int(GGMLQuantizationType.Q8_0)
+    head = ParallelLMHead(40, 64)
+    head.load(QuantizedMatrix.from_blocks(random_blocks("Q8_0", 40, 64), qtype, 64))
+    x = torch.randn(2, 64)
+    ids = torch.tensor([39, 0, 12, 5])
+    want = head.compute_logits(x)[:, ids]
+    head.keep_tokens(ids)
+    assert head.quantized.shape[0] == 4 and torch.equal(head.compute_logits(x), want)

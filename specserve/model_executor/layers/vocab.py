@@ -97,6 +97,34 @@ class ParallelLMHead(VocabParallelEmbedding):
                 self.weight.data = self.packed.weight
         self.vocab_size = self.vocab_local = self.padded_vocab = n
 
+    def keep_tokens(self, ids: torch.Tensor) -> None:
+        """Logits for token ids ``ids`` only, in that order ([S] long, each below ``vocab_size``; TP 1):
+        column j of the logits is token ids[j]. A draft with another tokenizer drafts only the tokens
+        the target's vocabulary shares (token-level intersection), so the other rows of its head
+        need not be computed; the logits then cost S / vocab of the full head's."""
+        if self.tp.world_size != 1:
+            raise ValueError("a reduced LM head needs tensor-parallel size 1")
+        ids = ids.to(torch.long).cpu()
+        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
+            raise ValueError(f"token ids to keep must be in [0, {self.vocab_size})")
+        if self.quantized is not None:
+            rows = self.quantized_file_order if self.quantized.amx_packed else self.quantized
+            if rows is None or rows.amx_packed or len(rows.segments) != 1:
+                raise ValueError("the LM head's blocks cannot be cut by rows (several formats, or packed only)")
+            kept = rows.take_rows(ids)                                           # [S, row bytes] blocks
+            if self.quantized.amx_packed:   # packed rows go by 16: zero rows pad it, trimmed from the logits
+                group = quant_gemm.AMX_GROUP
+                padded = QuantizedMatrix.cat([kept.pad_rows(-(-kept.shape[0] // group) * group - kept.shape[0])])
+                self.quantized_file_order, self.quantized = kept, padded.packed_for_tiles()   # one segment
+            else:
+                self.quantized = kept
+        else:
+            self.weight.data = self.weight.data.index_select(0, ids.to(self.weight.device)).contiguous()
+            if self.packed is not None:
+                self.packed = PackedFp16Weight(self.weight.data)
+                self.weight.data = self.packed.weight
+        self.vocab_size = self.vocab_local = self.padded_vocab = ids.numel()
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [N, hidden] -> [N, vocab] fp32
         if self.quantized is not None:
             logits = self.quantized.matmul(hidden)               # [N, padded_vocab / tp]

@@ -3,10 +3,16 @@ speculative search's beams identical to plain's, bad configurations refused."""
 from __future__ import annotations
 
 import argparse
+import os
 
 import pytest
 
+from specserve.bench.options import spec_bench_path
 from specserve.bench.suites import beam_search
+
+# Spec-Bench's questions are the team's shared copy beside the checkout (bench/options.py).
+needs_spec_bench = pytest.mark.skipif(not os.path.exists(spec_bench_path()),
+                                      reason=f"no Spec-Bench questions at {spec_bench_path()}")
 
 
 def args(model: str, configs: str, ngram_configs: str = "") -> argparse.Namespace:
@@ -17,6 +23,7 @@ def args(model: str, configs: str, ngram_configs: str = "") -> argparse.Namespac
                          "--spec-bench", "coding", "--per-category", "1", "--max-model-len", "1024"])
 
 
+@needs_spec_bench
 @pytest.mark.usefixtures("one_torch_thread")
 def test_rows_per_configuration_and_identical_beams(tiny_llama_dir):
     doc = {}

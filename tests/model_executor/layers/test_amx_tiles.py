@@ -163,6 +163,24 @@ def test_pack_for_tiles_skips_the_embedding_lookup():
                                rtol=1e-5, atol=1e-4)
 
 
+def test_a_packed_head_keeps_chosen_tokens_bit_for_bit():
+    """``keep_tokens`` (a draft's LM head cut to the tokens it shares with the target) takes the
+    rows from the file's order and packs them again: each kept logit has the whole head's bits."""
+    from specserve.model_executor.layers.vocab import ParallelLMHead
+
+    blocks = torch.from_numpy(random_blocks(T.Q6_K, 64, 256))
+    head = ParallelLMHead(64, 256)
+    head.load(QuantizedMatrix.from_blocks(blocks, int(T.Q6_K), 256))
+    pack_for_tiles(torch.nn.ModuleDict({"head": head}))
+    assert head.quantized.amx_packed
+    x = torch.randn(3, 256)
+    ids = torch.tensor([40, 2, 63, 17, 5, 33, 8, 50, 11, 29, 1, 60, 22, 45, 9, 38, 3, 57])   # 18: not a group of 16
+    want = head.compute_logits(x)[:, ids]
+    head.keep_tokens(ids)
+    assert head.quantized.amx_packed and head.quantized.shape[0] == 32   # padded to whole 16-row groups
+    assert torch.equal(head.compute_logits(x), want)
+
+
 def test_pack_for_amx_hands_over_each_slice_once_packed(monkeypatch):
     """A big matrix is packed AMX_PACK_ROWS rows a call, each slice released once packed (loading's
     peak memory); the bytes equal one call's."""
