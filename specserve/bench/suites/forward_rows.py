@@ -28,6 +28,7 @@ def add_arguments(p) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--context", type=int, default=64, help="tokens already in the KV cache before the timed rows")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
 
 
 def step_input(rows: int, context: int) -> list:
@@ -52,7 +53,7 @@ def time_forwards(llms: dict, rows_list: list[int], rounds: int, context: int = 
                 llm.engine.runner.execute(inp)
                 for _ in range(2):
                     start = time.perf_counter()
-                    llm.engine.runner.execute(inp)
+                    llm.engine.runner.execute(inp).logits[0, 0].item()   # waits for an accelerator's forward
                     times.setdefault((name, rows), []).append((time.perf_counter() - start) * 1000)
     return times
 
@@ -69,7 +70,7 @@ def run(args, doc: dict) -> None:
     if not models or not rows_list or rows_list[0] < 1:
         raise ValueError("--models and --rows need at least one model and row counts >= 1")
     max_len = max(1024, args.context + rows_list[-1] + BLOCK_SIZE)
-    llms = {m: LLM(model=None if m == "default" else m, dtype=args.dtype, max_model_len=max_len,
+    llms = {m: LLM(model=None if m == "default" else m, dtype=args.dtype, device=args.device, max_model_len=max_len,
                    kv_cache_memory=1 << 28) for m in models}
     times = time_forwards(llms, rows_list, args.rounds, args.context)
     medians = {key: statistics.median(v) for key, v in times.items()}
@@ -83,7 +84,8 @@ def run(args, doc: dict) -> None:
             table.append([m, str(r), fmt(ms, 1), f"{ms / one:.2f}x", "—" if extra is None else fmt(extra, 1),
                           f"{ms / medians[first, rows_list[0]]:.2f}x"])
     doc["params"] = {"models": models, "rows": rows_list, "rounds": args.rounds, "context": args.context,
-                     "dtype": args.dtype, "threads": torch.get_num_threads()}
+                     "dtype": args.dtype, "device": str(llms[models[0]].engine.runner.device),
+                     "threads": torch.get_num_threads()}
     doc["table"] = {"columns": ["model", "rows", "ms", f"vs {rows_list[0]} row(s)", "ms per extra row",
                                 f"vs {first}'s decode step"], "rows": table}
     doc["notes"] = [f"One request, {args.context} tokens cached, {args.rounds} rounds x 2 timed calls per row count "
