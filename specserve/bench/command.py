@@ -44,7 +44,7 @@ PRESETS = {   # suites that are spec-bench with other defaults
                                "draft:3:model=gemma-3-270m",
                     "prompts": "coding+spec-bench", "categories": "write,refactor,explain,complete,fix,coding,qa",
                     "limit": 2, "max_tokens": 96, "threads": 2},
-    # issue 46: draft-model trees against chains on the real pair (~25 min on 2 cores)
+    # draft-model trees against chains on the real pair (~25 min on 2 cores)
     "draft-trees": {"model": "qwen2.5-coder-1.5b-instruct", "draft_model": "qwen2.5-coder-0.5b-instruct",
                     "configs": "plain,draft:4,draft:5,draft:5:tree=2/6,draft:5:tree=4/12/topk,draft:5:tree=4/12/sampled,"
                                "draft:5:tree=2/8/dynamic",

@@ -10,7 +10,7 @@ engine thread hands it every ``RequestOutput`` with ``loop.call_soon_threadsafe`
     async for out in async_engine.generate("Hello", SamplingParams(max_tokens=8)):
         print(out.outputs[0].text)          # cumulative text so far
 
-Failures are isolated (issue 19). A request that fails on its own (its sampling,
+Failures are isolated. A request that fails on its own (its sampling,
 its detokenization: the engine finishes it with finish_reason "error") raises
 ``RequestFailedError`` in its ``generate``; the others carry on. A failed target
 forward (``StepFailedError``) fails the requests of that step with

@@ -190,7 +190,7 @@ class LLMEngine:
     # ---------------------------------------------------------------------- step
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """One step. Failures are isolated (issue 19): an exception in one request's
+        """One step. Failures are isolated: an exception in one request's
         sampling or output handling finishes that request alone with finish_reason
         "error" (its exception: ``take_request_error``); a failed proposer means no
         drafts this step; only a failed target forward, which every scheduled request

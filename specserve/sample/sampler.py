@@ -80,7 +80,7 @@ def processed_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
 # generator keyed by (the request's seed, an output index, one of these purposes), never from a
 # running stream, so which numbers decide output token j does not depend on how the steps before
 # it went: how many drafts they verified, whether the request was preempted and recomputed, which
-# other requests shared its batch (issue 47).
+# other requests shared its batch.
 CHOICE = 0      # the exponential race that picks output token j: the target's choice, and a draft's guess of it
 REJECTION = 1   # a rejection-sampling step whose first token is output j: its uniforms and residual noise
 _NUM_PURPOSES = 2

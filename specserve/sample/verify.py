@@ -13,7 +13,7 @@ whether a draft stood there and what the draft's q was, and that changes with ba
 samples its next token without drafts) and the proposer's state (suffix decoding learns
 from other requests). The target's choice for output index j is the exponential race with
 ``keyed_generator(seed, j, CHOICE)``, the same numbers whatever came before, so a seeded
-request's tokens are those of plain decoding with its seed (issue 47). A draft model drafts
+request's tokens are those of plain decoding with its seed. A draft model drafts
 with the same noise (``sampler.choose_tokens``), which couples its guess to the target's
 choice; that accepts a little less often than rejection sampling's sum of min(p, q)
 (docs/speculative_decoding.md, "Seeded requests"), which unseeded requests, promised no

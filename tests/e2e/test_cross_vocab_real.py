@@ -1,4 +1,4 @@
-"""Drafts with another tokenizer on real models (issue 45): the default model (SmolLM2-135M,
+"""Drafts with another tokenizer on real models: the default model (SmolLM2-135M,
 byte-level BPE, 49,152 tokens) and Gemma 3 270M (SentencePiece-style, '▁' spaces, ``<0xNN>``
 byte pieces, a BOS, 262,144 tokens), each the other's draft.
 

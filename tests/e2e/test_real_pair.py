@@ -66,8 +66,8 @@ def test_pair_greedy_equals_plain_at_batch_1_and_4(plain, chats, want, k):
 
 def test_pair_second_token_distribution_matches_plain(plain):
     """The first speculated token (the second generated) at temperature 1.0, 150 requests per
-    run: with the plain run's seeds it is the target's own choice, so plain decoding's token
-    (issue 47); unseeded it goes through rejection sampling and has the target's distribution
+    run: with the plain run's seeds it is the target's own choice, so plain decoding's token;
+    unseeded it goes through rejection sampling and has the target's distribution
     (chi-square two-sample test)."""
     prompt = plain.get_tokenizer().encode("def sort_list(", add_special_tokens=False)
     spec = LLM(**KW, speculative_config={"model": DRAFT, "num_speculative_tokens": 1})

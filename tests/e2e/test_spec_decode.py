@@ -423,7 +423,7 @@ def test_second_token_distribution_matches_plain(engines, plain, truncated_draft
 
     - seeded requests take the target's own choice with the noise keyed by their seed
       and output index, so with the same seeds they give plain decoding's tokens
-      exactly (issue 47), and with other seeds the same distribution;
+      exactly, and with other seeds the same distribution;
     - unseeded requests go through rejection sampling (accept, recover, bonus).
 
     300 requests per run. The first token is a plain sample in every run. Power: the

@@ -1,4 +1,4 @@
-"""Failure isolation (issue 19): one request's exception finishes that request
+"""Failure isolation: one request's exception finishes that request
 with an error and the others carry on with the tokens they get alone; a failed
 forward fails only the requests of that step; a failed proposer means plain
 decoding. Faults are injected by the tests (monkeypatching), never by a hook in

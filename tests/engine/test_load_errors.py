@@ -1,4 +1,4 @@
-"""Clear errors at load (issue 19): each names the file or argument and the problem,
+"""Clear errors at load: each names the file or argument and the problem,
 before any tensor data is read. No weights are loaded (seconds)."""
 from __future__ import annotations
 

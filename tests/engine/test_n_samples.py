@@ -1,4 +1,4 @@
-"""n samples of one prompt (``SamplingParams(n=...)``, issue 19): one output with n
+"""n samples of one prompt (``SamplingParams(n=...)``): one output with n
 completions, sample i equal to a lone request seeded seed + i, greedy samples equal,
 the prompt computed once (its full blocks shared through the prefix cache), and an
 abort that ends every sample. Tiny random model: seconds."""

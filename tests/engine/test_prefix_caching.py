@@ -1,4 +1,4 @@
-"""Automatic prefix caching in the engine (issue 20): the same greedy tokens and the
+"""Automatic prefix caching in the engine: the same greedy tokens and the
 same seeded samples as without it (batch 1 and 8, plain, n-gram and a draft model,
 under preemption), hit counts, and no block registered while it holds a draft
 token awaiting verification. Tiny random model: seconds."""

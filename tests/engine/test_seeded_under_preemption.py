@@ -1,5 +1,5 @@
 """A seeded request gives the same samples alone, batched, and preempted, under every
-proposer (issue 47).
+proposer.
 
 The issue's reproduction at the engine level: four prompts, each with temperature 0.9,
 seed 100 + i, n = 3 and 48 tokens, first each alone, then all four twice over at once in

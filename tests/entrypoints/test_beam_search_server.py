@@ -1,4 +1,4 @@
-"""vLLM's ``use_beam_search`` over HTTP (issue 46): completions search ``best_of`` beams (default
+"""vLLM's ``use_beam_search`` over HTTP: completions search ``best_of`` beams (default
 ``n``) and answer the ``n`` best, chat searches ``n``; the texts and order are the library's
 ``LLM.beam_search``'s, streamed or not, with n-gram speculation on the server; fields that
 cannot go with beam search are 400s naming them. Tiny random model."""

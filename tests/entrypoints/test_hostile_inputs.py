@@ -1,4 +1,4 @@
-"""Hostile and careless clients against the real HTTP server (issue 19).
+"""Hostile and careless clients against the real HTTP server.
 
 A real uvicorn server on loopback over a tiny random model (seconds, not the
 default model). Every case asserts its status, OpenAI's error shape, and that a
@@ -149,7 +149,7 @@ def nested(depth: int) -> bytes:
 
 # (id, path, body: dict or raw JSON bytes, status, param, code)
 CASES = [
-    # issue 19's findings
+    # found by hostile-client testing
     ("top_k_1e20", C, comp(top_k=10**20), 400, "top_k", ANY),
     ("surrogate_prompt", C, b'{"model": "tiny", "prompt": "\\ud800 x", "max_tokens": 4}', 400, "prompt", "invalid_unicode"),
     ("surrogate_chat", CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}', 400,

@@ -1,4 +1,4 @@
-"""The OpenAI sampling fields over HTTP (issue 19): ``n`` (choices numbered as OpenAI
+"""The OpenAI sampling fields over HTTP: ``n`` (choices numbered as OpenAI
 numbers them, streamed and not), ``presence_penalty``, ``frequency_penalty``,
 ``repetition_penalty`` and ``logit_bias`` reach the engine and change the tokens as the
 library does; out-of-range values are 400s naming the field. Tiny random model."""

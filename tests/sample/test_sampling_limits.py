@@ -1,7 +1,7 @@
 """Bounds on SamplingParams and sampler numerics that cannot produce garbage:
 every field is checked against what its tensor can hold, tiny temperatures are
 greedy, tiny top_p keeps the most likely token, and zero noise cannot pick a
-zero-probability token (issue 19)."""
+zero-probability token."""
 from __future__ import annotations
 
 import math

@@ -1,4 +1,4 @@
-"""Drafts with another tokenizer, end to end on tiny random models (issue 45).
+"""Drafts with another tokenizer, end to end on tiny random models.
 
 The target is the tiny Llama on the default model's byte-level BPE. Two drafts:
 
@@ -14,7 +14,7 @@ Greedy output equals plain output under both methods, with boundary-case prompts
 characters, emoji, chat specials, code), penalties, stop strings, prefix caching,
 ``dynamic_k``, preemption and a draft KV pool too small for every request; seeded samples
 equal plain decoding's samples for the same seeds (their tokens are the target's own
-choices, issue 47), random text exercising every kind of byte. The sampled distribution
+choices), random text exercising every kind of byte. The sampled distribution
 of each method, with the power check, is in ``test_distribution_per_method`` (slow tier).
 """
 from __future__ import annotations

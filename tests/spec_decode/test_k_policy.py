@@ -177,7 +177,7 @@ def test_dynamic_k_keeps_greedy_output_and_reports_the_lengths(tiny_llama_dir, t
 
 
 def test_seeded_requests_follow_the_policy_and_keep_their_tokens(tiny_llama_dir, tiny_draft_dir):
-    """A seeded request's tokens do not depend on its draft lengths (issue 47: its random numbers
+    """A seeded request's tokens do not depend on its draft lengths (its random numbers
     are keyed by output index), so the policy picks its k as it does for any other request."""
     kw = dict(model=tiny_llama_dir, dtype="float32", max_model_len=256, kv_cache_memory=8 << 20)
     spec = {"method": "draft_model", "model": tiny_draft_dir, "num_speculative_tokens": 3}

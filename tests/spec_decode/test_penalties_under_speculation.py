@@ -1,7 +1,7 @@
-"""Penalties and logit bias are lossless under speculation (issue 19): with a draft
+"""Penalties and logit bias are lossless under speculation: with a draft
 model and with n-gram drafts, seeded requests give plain sampling's tokens with the
 same penalties (their tokens are the target's own choices, keyed by seed and output
-index: issue 47), and unseeded requests with the draft model's probabilities, which
+index), and unseeded requests with the draft model's probabilities, which
 go through rejection sampling, plain sampling's distribution. Each verification row
 must count the draft tokens before it; the tests show they can tell when they are
 ignored (vLLM's old behaviour with speculation).

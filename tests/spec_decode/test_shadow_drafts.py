@@ -91,7 +91,7 @@ def test_costly_rows_verify_nothing_yet_every_proposal_is_scored(tiny_llama_dir)
 
 
 def test_sampled_requests_learn_and_keep_their_distribution_path(tiny_llama_dir):
-    """Sampled requests are trimmed like greedy ones, and a seeded one keeps its tokens (issue 47)."""
+    """Sampled requests are trimmed like greedy ones, and a seeded one keeps its tokens."""
     spec = {"method": "ngram", "num_speculative_tokens": 3}
     seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=20, ignore_eos=True)
     fixed = LLM(model=tiny_llama_dir, **KW, speculative_config=spec)

@@ -1,4 +1,4 @@
-"""Suffix decoding (issue 20): the counting suffix trie, its draft trees (longest match,
+"""Suffix decoding: the counting suffix trie, its draft trees (longest match,
 frequency order, valid parents, min probability, depth cap), the global cache across
 requests (LRU bound, a continuation learnt from an earlier request), the config, and
 end to end on the tiny random model: greedy speculative == plain token for token
@@ -345,7 +345,7 @@ def test_sampled_pairs_match_plain_sampling(tiny_llama_dir):
     """Seeded sampled requests (a logit bias concentrates them on six tokens that the prompt
     and earlier answers repeat, so drafts are proposed and often accepted): with other seeds
     than plain sampling's, the pairs (token 2, token 3) and (token 3, token 4) are distributed
-    as under plain sampling; with the same seeds they are plain sampling's (issue 47)."""
+    as under plain sampling; with the same seeds they are plain sampling's."""
     def params(seed):
         return SamplingParams(temperature=1.0, seed=seed, max_tokens=4, ignore_eos=True,
                               logit_bias={t: 14.0 for t in FAVOURED})

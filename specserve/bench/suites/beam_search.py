@@ -1,4 +1,4 @@
-"""Beam search with speculation against plain beam search (issue 46).
+"""Beam search with speculation against plain beam search.
 
 Each configuration runs ``LLM.beam_search`` (B = ``--beam-width`` beams, ``--max-tokens`` new
 tokens, EOS on, length_penalty 1) over the same chat prompts, one prompt at a time, the
