@@ -5,8 +5,9 @@ tokens, EOS on, length_penalty 1) over the same chat prompts, one prompt at a ti
 configurations of a model in rotating order per prompt (a noisy machine slows all alike):
 the project's 20 coding prompts (the first ``--limit``) and Spec-Bench categories
 (``--spec-bench``, the first ``--per-category`` questions of each). Configurations:
-``plain``, ``draft:K`` (``--draft`` at k = K), ``draft-tree:K:N[:D]`` (the draft's tree of at
-most N nodes, top-K children, D deep, default 4), ``ngram:K`` and ``ngram-tree:K``; the ``--target`` configurations
+``plain``, ``draft:K`` (``--draft`` at k = K; ``draft:K:dynamic``: ``dynamic_k`` picks each
+step's k up to K), ``draft-tree:K:N[:D]`` (the draft's tree of at most N nodes, top-K children, D
+deep, default 4), ``ngram:K`` and ``ngram-tree:K``; the ``--target`` configurations
 first, then ``--ngram-configs`` on ``--ngram-model`` (default: the default model).
 
 Reported per configuration: the speed-up over plain beam search of the same model (plain's
@@ -52,9 +53,11 @@ def _build(model: str | None, draft: str | None, config: str, max_model_len: int
 
     kw = dict(model=model, max_model_len=max_model_len, kv_cache_memory=1 << 28)
     kind, *nums = config.split(":")
+    dynamic = nums[-1:] == ["dynamic"]          # draft:K:dynamic: dynamic_k picks each step's k (at most K)
+    nums = nums[:-1] if dynamic else nums
     specs = {
         "plain": None,
-        "draft": lambda: {"model": draft, "num_speculative_tokens": int(nums[0])},
+        "draft": lambda: {"model": draft, "num_speculative_tokens": int(nums[0]), "dynamic_k": dynamic},
         "draft-tree": lambda: {"method": "draft_model", "model": draft,
                                "num_speculative_tokens": int(nums[2]) if len(nums) > 2 else 4,
                                "tree": {"top_k": int(nums[0]), "max_nodes": int(nums[1])}},
@@ -62,7 +65,8 @@ def _build(model: str | None, draft: str | None, config: str, max_model_len: int
         "ngram-tree": lambda: {"method": "ngram", "num_speculative_tokens": int(nums[0]), "prompt_lookup_tree": True},
     }
     if kind not in specs:
-        raise ValueError(f"unknown configuration {config!r}: plain, draft:K, draft-tree:K:N[:D], ngram:K, ngram-tree:K")
+        raise ValueError(f"unknown configuration {config!r}: plain, draft:K[:dynamic], draft-tree:K:N[:D], ngram:K, "
+                         "ngram-tree:K")
     spec = specs[kind]
     return LLM(**kw) if spec is None else LLM(**kw, speculative_config=spec())
 
