@@ -126,6 +126,8 @@ def build_draft_model_proposer(spec: SpeculativeConfig, ctx: ProposerContext) ->
 
         proposer = CrossVocabProposer(runner, fit.mapping, spec.cross_vocab or DEFAULT_METHOD, ctx.target_tokenizer,
                                       fit.meta.tokenizer, ctx.kv_cache.num_blocks, ctx.block_size, ctx.max_model_len)
-        proposer.compute_shared_rows_only(draft_model_at_tp1(runner, "a draft with another vocabulary").lm_head)
+        model = getattr(runner, "model", None)      # the draft in this process, at TP 1 (the rule for such drafts)
+        if model is not None and model.tp.world_size == 1:
+            proposer.compute_shared_rows_only(model.lm_head)
         return proposer
     return DraftModelProposer(runner, ctx.kv_cache, ctx.target_vocab_size, spec.tree, spec.num_speculative_tokens)
