@@ -68,6 +68,9 @@ class Request:
         self.draft_parents: list[int] | None = None    # a tree of drafts: parent of each (-1 = last token)
         self.proposer_num_computed_tokens = 0
         self.spec_stats = SpecDecodeStats()
+        # dynamic_k's probe steps (a draft length tried where the policy would draft less): off for
+        # beam search's beams (engine.beam_groups), whose probes would cost the draft a prefill.
+        self.takes_draft_probes = True
         # Structured output: the request's matcher (structured_output.matcher.RequestGrammar), which
         # stands after the output so far, and this step's masks; None when unconstrained.
         self.grammar = None

@@ -16,7 +16,10 @@ verified rows allow and gives each new beam the K/V of its tokens:
   (the partial block, and a tree branch's K/V at its positions); copy on write, done at
   the fork. A draft model's cache (same block tables) gets the same copies.
 
-Forked beams join the scheduler's running requests at once (``Scheduler.add_running``). The
+Forked beams join the scheduler's running requests at once (``Scheduler.add_running``). With
+``dynamic_k`` beams take no probe steps (``Request.takes_draft_probes``): a forked beam is a new
+request whose draft cache may hold nothing, so a probe would cost the draft a prefill of its
+whole context, and a search commits depths only where every beam's drafts hold. The
 group's one ``RequestOutput`` comes when the search is done: the ``beam_width`` best finished
 hypotheses, best first, each with its cumulative log-probability.
 """
@@ -133,6 +136,7 @@ class BeamGroups:
         """Queue the first beam (the prompt). ``max_tokens``: params' cap, within the model's length."""
         beam_params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         first = Request(f"{request_id}#beam0", text, token_ids, beam_params, None, eos_token_id)
+        first.takes_draft_probes = False
         group = BeamSearchGroup(request_id, text, list(token_ids), params,
                                 BeamSearchState(params, eos_token_id, max_tokens), first)
         self.by_id[request_id] = group
@@ -251,6 +255,7 @@ class BeamGroups:
         for nb in kids[1:]:
             child = Request(group.beam_id(), req.prompt, req.prompt_token_ids, req.sampling_params, None,
                             req.eos_token_id)
+            child.takes_draft_probes = False
             for t in req.output_token_ids + nb.tokens:
                 child.append_token(t)
             self._of_beam[child.request_id] = group

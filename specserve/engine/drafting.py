@@ -199,7 +199,8 @@ class Drafting:
         prior = self.engine_stats.acceptance_by_position
         rates = [policy.acceptance(s.request.spec_stats.accepted_per_position,
                                    s.request.spec_stats.drafted_per_position, prior) for s in decoding]
-        probe = [policy.is_probe_step(s.request.spec_stats.num_steps) for s in decoding]
+        probe = [s.request.takes_draft_probes and policy.is_probe_step(s.request.spec_stats.num_steps)
+                 for s in decoding]
         for s, k in zip(decoding, policy.choose(rates, [s.num_lookahead for s in decoding], probe)):
             s.num_lookahead = k
 

@@ -122,6 +122,21 @@ def test_speculation_gives_plain_beams_bit_for_bit(target_dir, plain_beams, spec
         assert stats.num_accepted_tokens > 0 and stats.mean_acceptance_length > 1.0   # passes of several depths
 
 
+def test_beams_take_no_dynamic_k_probes(target_dir):
+    """With dynamic_k, beams skip the policy's probe steps (a forked beam's draft cache holds
+    nothing, so a probe would cost the draft a prefill): here the policy drafts on probes only,
+    and every step is a probe, so ordinary requests draft and beams do not."""
+    llm = make(target_dir, {"model": target_dir, "num_speculative_tokens": 3, "dynamic_k": True})
+    policy = llm.engine.drafting.k_policy
+    policy.is_probe_step = lambda step: True
+    policy.choose = lambda rates, limits, probe: [k if p else 0 for k, p in zip(limits, probe)]
+    llm.generate(prompts(1, seed=2), SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    drafted = llm.get_spec_decode_stats().num_draft_tokens
+    assert drafted > 0
+    llm.beam_search(prompts(2, seed=3), BeamSearchParams(beam_width=3, max_tokens=10))
+    assert llm.get_spec_decode_stats().num_draft_tokens == drafted
+
+
 def test_beams_share_their_prefix_blocks(target_dir):
     llm = make(target_dir, block_size=4)
     engine = llm.engine
