@@ -91,10 +91,7 @@ class ParallelLMHead(VocabParallelEmbedding):
             if self.quantized_file_order is not None:
                 self.quantized_file_order = self.quantized_file_order.row_slice(0, n)
         else:
-            self.weight.data = self.weight.data[:n].contiguous()
-            if self.packed is not None:
-                self.packed = PackedFp16Weight(self.weight.data)
-                self.weight.data = self.packed.weight
+            self._keep_float_rows(self.weight.data[:n])
         self.vocab_size = self.vocab_local = self.padded_vocab = n
 
     def keep_tokens(self, ids: torch.Tensor) -> None:
@@ -119,11 +116,15 @@ class ParallelLMHead(VocabParallelEmbedding):
             else:
                 self.quantized = kept
         else:
-            self.weight.data = self.weight.data.index_select(0, ids.to(self.weight.device)).contiguous()
-            if self.packed is not None:
-                self.packed = PackedFp16Weight(self.weight.data)
-                self.weight.data = self.packed.weight
+            self._keep_float_rows(self.weight.data.index_select(0, ids.to(self.weight.device)))
         self.vocab_size = self.vocab_local = self.padded_vocab = ids.numel()
+
+    def _keep_float_rows(self, rows: torch.Tensor) -> None:
+        """The head's float weight becomes ``rows`` [S, hidden] (packed again for the fp16 kernel if it was)."""
+        self.weight.data = rows.contiguous()
+        if self.packed is not None:
+            self.packed = PackedFp16Weight(self.weight.data)
+            self.weight.data = self.packed.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [N, hidden] -> [N, vocab] fp32
         if self.quantized is not None:
