@@ -69,6 +69,7 @@ class ModelRunner:
         self.kv_cache_dtype = kv_cache_dtype_for(dtype, self.dtype, device)
         self.device = device
         self.block_size = block_size
+        self.max_model_len = max_model_len
         model_cls = get_model_class(config)
         # Parameters are created empty (no init cost) and replaced by the checkpoint's
         # tensors, already in ``dtype``; rotary tables stay fp32.
@@ -138,6 +139,8 @@ class ModelRunner:
                 tree_masks[b] = masks[inp.tree_cached:]
                 tree_back[b] = inp.tree_cached
             logit_indices.extend(range(first + n - inp.num_logits, first + n))
+        if positions and max(positions) >= self.max_model_len:
+            raise ValueError(f"position {max(positions)} beyond max_model_len ({self.max_model_len})")
         meta = AttentionMetadata.build(
             query_lens=[len(i.token_ids) for i in inputs],
             context_lens=[i.start_position + len(i.token_ids) for i in inputs],

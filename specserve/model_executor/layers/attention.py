@@ -18,6 +18,9 @@ On a CPU with float32 queries the compiled kernel (``cpu_attention``) serves
 every request of a step instead; each row's result there depends on its own
 position alone, so chunked prefill, prefix caching, preemption and speculation
 never change a token's bits (see docs/architecture.md, "Chunk boundaries").
+On a GPU a Triton kernel (``triton_attention``) does the same through block
+tables, with shapes fixed by the step's request count and query length alone, so
+that CUDA graphs can replay it.
 
 A verification run may also be a *tree* of drafts (several continuations
 sharing prefixes, verified at once): its new tokens come with their parents
@@ -52,7 +55,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from specserve.model_executor.layers import cpu_attention
+from specserve.model_executor.layers import cpu_attention, triton_attention
+from specserve.model_executor.layers.triton_attention import TritonInputs
 
 # One more SDPA call (gathers, padding, launch) costs about as much as reading
 # this many extra padded key positions; measured on CPU, where a padded key
@@ -301,6 +305,7 @@ class AttentionMetadata:
     kernel: KernelInputs | None         # the compiled CPU kernel's inputs, when it serves the step
     _group_args: tuple = field(repr=False)
     _groups: list[ContextGroup] | None = field(default=None, repr=False)
+    triton: TritonInputs | None = None  # the Triton kernel's inputs (GPUs), when it serves the step
 
     @property
     def groups(self) -> list[ContextGroup]:
@@ -346,12 +351,55 @@ class AttentionMetadata:
                 context_lens=torch.tensor(context_lens, dtype=torch.long),
                 tree_masks=None if tree_masks is None else _tree_descriptor(tree_masks, tree_back, query_lens),
             )
+        triton = None
+        if kernel is None and query_lens and triton_attention.usable(device, dtype, cache_dtype):
+            triton = _triton_inputs(query_lens, context_lens, token_start, block_tables, block_size, device,
+                                    tree_masks, tree_back)
         return cls(
             slot_mapping=torch.tensor(slots, dtype=torch.long).to(device),
             kernel=kernel,
             _group_args=(len(query_lens), query_lens, context_lens, token_start, block_tables,
                          block_size, device, dtype, tree_masks, tree_back),
+            triton=triton,
         )
+
+
+def _triton_inputs(query_lens: list[int], context_lens: list[int], token_start: list[int],
+                   block_tables: list[list[int]], block_size: int, device: torch.device,
+                   tree_masks: list[list[int] | None] | None, tree_back: list[int] | None) -> TritonInputs:
+    """The Triton kernel's device tensors for a step (``AttentionMetadata.build``'s arguments)."""
+    positions: list[int] = []
+    backs: list[int] = []
+    for b, (q_len, ctx) in enumerate(zip(query_lens, context_lens)):
+        masks = None if tree_masks is None else tree_masks[b]
+        if masks is None:
+            positions.extend(range(ctx - q_len, ctx))
+            backs.append(-1)
+        else:   # a node's mask holds its ancestors and itself: its depth is the bit count - 1
+            back = 0 if tree_back is None else tree_back[b]
+            positions.extend(ctx - q_len - back + m.bit_count() - 1 for m in masks)
+            backs.append(back)
+    tree_words = back_t = None
+    span = 0
+    if tree_masks is not None:
+        span = max(len(m) + back for m, back in zip(tree_masks, backs) if m is not None)
+        rows: list[int] = []
+        for masks, q_len in zip(tree_masks, query_lens):
+            rows.extend(masks if masks is not None else [0] * q_len)
+        words = _mask_words(rows, -(-span // 32))
+        tree_words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32).to(device)
+        back_t = torch.tensor(backs, dtype=torch.int32).to(device)
+    everyone = list(range(len(query_lens)))
+    table = _padded_block_table(block_tables, everyone, context_lens, block_size)
+    return TritonInputs(
+        block_tables=table.to(torch.int32).to(device),
+        query_start=torch.tensor(token_start, dtype=torch.int32).to(device),
+        query_lens=torch.tensor(query_lens, dtype=torch.int32).to(device),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32).to(device),
+        positions=torch.tensor(positions, dtype=torch.long).to(device),
+        max_query_len=max(query_lens),
+        tree_back=back_t, tree_words=tree_words, tree_span=span,
+    )
 
 
 # tree_back of a request without a tree in a step with trees (the kernel's NO_TREE).
@@ -436,6 +484,8 @@ def paged_attention(
     slots = kv_cache.view(2, num_kv_heads, -1, head_dim)   # [2, Hk, num_blocks * block_size, hd]
     slots[0].index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(kv_cache.dtype))
     slots[1].index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(kv_cache.dtype))
+    if meta.triton is not None and meta.triton.serves_window(sliding_window):
+        return triton_attention.paged_attention_triton(q, kv_cache, meta.triton, scale, sliding_window, logit_softcap)
     if len(meta.groups) == 1:
         return _attend_group(q, kv_cache, meta.groups[0], scale, sliding_window, logit_softcap)
     out = q.new_empty(q.shape)

@@ -215,7 +215,8 @@ class DecoderForCausalLM(nn.Module):
         x = self.embed(input_ids)
         if self.layer_kernels is not None and x.device.type == "cpu":
             return self.norm(self._forward_layer_kernels(x, positions, kv_caches, meta))
-        self._check_positions(positions)
+        if positions.device.type == "cpu":   # elsewhere the check would wait for the device
+            self._check_positions(positions)    # (ModelRunner checks its host copy)
         ropes = {key: table.lookup(positions, x.dtype) for key, table in self.rotaries.items()}
         for layer, kv_cache in zip(self.layers, kv_caches):
             rope = None if layer.rope_key is None else ropes[layer.rope_key or "default"]

@@ -14,6 +14,7 @@ from specserve.model_executor.layers.attention import (
 )
 
 from tree_reference import dense_tree_reference
+from triton_interpreter import use_triton_interpreter
 
 BLOCK = 4
 
@@ -93,7 +94,7 @@ def test_paged_attention_matches_dense_reference(monkeypatch, group_cost, path, 
         device=torch.device("cpu"),
         cache_dtype=cache_dtype,
     )
-    assert (meta.kernel is not None) == (path == "kernel")
+    assert (meta.kernel is not None) == (path == "kernel") and (meta.triton is not None) == (path == "triton")
     if path == "torch" and group_cost == 0:
         assert len(meta.groups) == len(shapes)
     if path == "torch" and group_cost == 10**9:
@@ -243,15 +244,12 @@ def test_tree_layout_depths_and_ancestor_masks():
 TREE = [-1, 0, 1, 0, 3, 1, 5, 2]
 
 
-@pytest.mark.parametrize("path", ["torch", "kernel"])
+@pytest.mark.parametrize("path", ["torch", "kernel", "triton"])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 def test_tree_attention_matches_dense_reference(monkeypatch, path, cache_dtype):
     """A step with a tree of drafts, a chain verification and a prefill: the tree's rows see
     only their ancestors (and the cached context); the others are unaffected."""
-    if path == "kernel" and not (KERNEL_BUILDS if cache_dtype == torch.float32 else KERNEL_READS_FP16):
-        pytest.skip("the CPU attention kernel did not build here (no C compiler, or no F16C for float16)")
-    if path == "torch":
-        monkeypatch.setattr(cpu_attention, "usable", lambda *args: False)
+    _use_path(monkeypatch, path, cache_dtype)
     torch.manual_seed(3)
     heads, kv_heads, hd, num_blocks = 6, 2, 12, 100
     _, tree_masks = attention.tree_layout(TREE)
@@ -271,7 +269,7 @@ def test_tree_attention_matches_dense_reference(monkeypatch, path, cache_dtype):
             kv_cache[1, :, tables[-1][p // BLOCK], p % BLOCK] = v[p]
     meta = AttentionMetadata.build([n for _, n in shapes], [c + n for c, n in shapes], tables, BLOCK,
                                    torch.device("cpu"), cache_dtype=cache_dtype, tree_masks=masks_per_req)
-    assert (meta.kernel is not None) == (path == "kernel")
+    assert (meta.kernel is not None) == (path == "kernel") and (meta.triton is not None) == (path == "triton")
     q = torch.randn(sum(n for _, n in shapes), heads, hd)
     out = paged_attention(q, torch.cat([k[c:] for k, (c, _) in zip(keys, shapes)]),
                           torch.cat([v[c:] for v, (c, _) in zip(values, shapes)]), kv_cache, meta, scale=0.3)
@@ -409,10 +407,16 @@ def _step_cache(shapes, kv_heads, hd, cache_dtype, num_blocks, seed):
 
 
 def _use_path(monkeypatch, path, cache_dtype):
+    """path: "kernel" (the compiled CPU kernel), "torch" (SDPA over gathered contexts) or
+    "triton" (the GPU kernel, run by Triton's CPU interpreter)."""
     if path == "kernel" and not (KERNEL_BUILDS if cache_dtype == torch.float32 else KERNEL_READS_FP16):
         pytest.skip("the CPU attention kernel did not build here (no C compiler, or no F16C for float16)")
-    if path == "torch":
+    if path == "triton" and cache_dtype != torch.float32:
+        pytest.skip("the Triton kernel reads a cache in the queries' dtype")
+    if path in ("torch", "triton"):
         monkeypatch.setattr(cpu_attention, "usable", lambda *args: False)
+    if path == "triton":
+        use_triton_interpreter(monkeypatch)
 
 
 # (tokens already cached, new tokens): long decodes, a verification chain, prefill chunks the
@@ -421,7 +425,7 @@ WINDOW_SHAPES = [(60, 1), (40, 5), (20, 30), (0, 50), (3, 1), (0, 6), (90, 40), 
 WINDOW_CASES = [(16, None), (None, 2.0), (7, 2.0), (1, None), (33, 20.0)]
 
 
-@pytest.mark.parametrize("path", ["torch", "kernel"])
+@pytest.mark.parametrize("path", ["torch", "kernel", "triton"])
 @pytest.mark.parametrize("window,softcap", WINDOW_CASES)
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("group_cost", [0, 10**9])  # one SDPA call per request, or one for all
@@ -435,7 +439,7 @@ def test_window_and_softcap_match_the_positional_reference(monkeypatch, path, wi
     kv_cache, tables, keys, values = _step_cache(WINDOW_SHAPES, kv_heads, hd, cache_dtype, 120, seed=7)
     meta = AttentionMetadata.build([n for _, n in WINDOW_SHAPES], [c + n for c, n in WINDOW_SHAPES], tables, BLOCK,
                                    torch.device("cpu"), cache_dtype=cache_dtype)
-    assert (meta.kernel is not None) == (path == "kernel")
+    assert (meta.kernel is not None) == (path == "kernel") and (meta.triton is not None) == (path == "triton")
     q = torch.randn(sum(n for _, n in WINDOW_SHAPES), heads, hd, generator=torch.Generator().manual_seed(8))
     k_new = torch.cat([k[c:] for k, (c, _) in zip(keys, WINDOW_SHAPES)])
     v_new = torch.cat([v[c:] for v, (c, _) in zip(values, WINDOW_SHAPES)])
@@ -449,7 +453,7 @@ def test_window_and_softcap_match_the_positional_reference(monkeypatch, path, wi
         row += new
 
 
-@pytest.mark.parametrize("path", ["torch", "kernel"])
+@pytest.mark.parametrize("path", ["torch", "kernel", "triton"])
 def test_the_window_is_not_ignored(monkeypatch, path):
     """Rows whose context is longer than the window change with it (by far more than rounding);
     rows whose whole context fits in it do not change at all."""
@@ -545,7 +549,7 @@ def _tree_positions(cached, masks):
 DEEP_TREE = [-1, 0, 1, 0, 3, 1, 5, 2, 7, 4, 9, 6]
 
 
-@pytest.mark.parametrize("path", ["torch", "kernel"])
+@pytest.mark.parametrize("path", ["torch", "kernel", "triton"])
 @pytest.mark.parametrize("window,softcap", [(16, None), (9, 3.0), (3, None), (2, 3.0), (None, 3.0)])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 def test_tree_with_a_window_matches_the_positional_reference(monkeypatch, path, window, softcap, cache_dtype):
@@ -560,7 +564,7 @@ def test_tree_with_a_window_matches_the_positional_reference(monkeypatch, path, 
     kv_cache, tables, keys, values = _step_cache(shapes, kv_heads, hd, cache_dtype, 60, seed=5)
     meta = AttentionMetadata.build([n for _, n in shapes], [c + n for c, n in shapes], tables, BLOCK,
                                    torch.device("cpu"), cache_dtype=cache_dtype, tree_masks=masks_per_req)
-    assert (meta.kernel is not None) == (path == "kernel")
+    assert (meta.kernel is not None) == (path == "kernel") and (meta.triton is not None) == (path == "triton")
     q = torch.randn(sum(n for _, n in shapes), heads, hd, generator=torch.Generator().manual_seed(6))
     out = paged_attention(q, torch.cat([k[c:] for k, (c, _) in zip(keys, shapes)]),
                           torch.cat([v[c:] for v, (c, _) in zip(values, shapes)]), kv_cache, meta, scale=0.3,

@@ -11,6 +11,7 @@ from specserve.model_executor.layers import attention, cpu_attention
 from specserve.model_executor.layers.attention import AttentionMetadata, kv_cache_shape, paged_attention
 
 from tree_reference import dense_tree_reference
+from triton_interpreter import use_triton_interpreter
 
 BLOCK = 4
 KERNEL_BUILDS = cpu_attention.usable("cpu", torch.float32)
@@ -34,13 +35,16 @@ def _setup(cached, new, seed, num_blocks=64, kv_heads=2, hd=16):
     return table, kv_cache, keys, values
 
 
-@pytest.fixture(params=["torch", "kernel"])
+@pytest.fixture(params=["torch", "kernel", "triton"])
 def path(request, monkeypatch) -> str:
-    """The attention path under test: the compiled CPU kernel, or PyTorch's with the kernel off."""
+    """The attention path under test: the compiled CPU kernel, PyTorch's with the kernel off, or
+    the GPU path's Triton kernel (in Triton's CPU interpreter)."""
     if request.param == "kernel" and not KERNEL_BUILDS:
         pytest.skip("the CPU attention kernel did not build here")
-    if request.param == "torch":
+    if request.param in ("torch", "triton"):
         monkeypatch.setattr(cpu_attention, "usable", lambda *args: False)
+    if request.param == "triton":
+        use_triton_interpreter(monkeypatch)
     return request.param
 
 
@@ -56,7 +60,7 @@ def test_a_70_node_tree_matches_the_dense_reference(path, window):
     heads = 4
     q = torch.randn(new, heads, 16)
     meta = AttentionMetadata.build([new], [cached + new], [table], BLOCK, CPU, tree_masks=[masks])
-    assert (meta.kernel is not None) == (path == "kernel")
+    assert (meta.kernel is not None) == (path == "kernel") and (meta.triton is not None) == (path == "triton")
     out = paged_attention(q, keys[cached:], values[cached:], kv_cache, meta, scale=0.25, sliding_window=window)
     positions = [cached + d for d in depths]
     expected = dense_tree_reference(q, keys, values, cached, masks, 0.25, window, positions)
