@@ -294,6 +294,9 @@ class EngineConfig:
     On CPUs with AMX, 3 pieces run on int8 tiles (per 32-value sub-block): one
     row 0.77x-0.98x the float32 tiles' time, up to 5 rows 0.97x-1.45x, more
     rows 1.2x-1.9x (docs/architecture.md, "Numerics").
+    enforce_eager: run every step op by op. Otherwise, on a GPU, decode and verification steps
+    (of the target and of a draft model) are captured as CUDA graphs per batch and query
+    bucket and replayed (``worker/cuda_graphs.py``), as vLLM does; a CPU has no graphs.
     overlap_grammar_masks: compute a step's structured-output masks in a background thread
     while the target's forward runs (``structured_output.step_masks``); None: on where the
     forward runs on a GPU (the host is idle then), off on a CPU, where the forward's threads
@@ -313,6 +316,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     int8_activations: bool | int = False
     overlap_grammar_masks: bool | None = None
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):

@@ -40,6 +40,7 @@ from specserve.sampling_params import SamplingParams
 from specserve.spec_decode.factory import build_proposer, resolve_speculative_config
 from specserve.spec_decode.k_policy import DraftLengthPolicy
 from specserve.spec_decode.proposer import Proposer
+from specserve.worker.model_runner import allocate_kv_cache
 from specserve.worker.tp_executor import build_executor, prepare_parallelism
 
 logger = logging.getLogger(__name__)
@@ -72,7 +73,8 @@ class LLMEngine:
         # lookahead slots per decoding request: k for a chain, a draft tree's max_nodes
         self.num_speculative_tokens = k = spec_config.num_lookahead_slots if spec_config else 0
         num_blocks = kv_cache_blocks(config, self.runner.bytes_per_block, self.max_model_len, k)
-        self.runner.allocate_kv_cache(num_blocks)
+        self.graphs = allocate_kv_cache(self.runner, num_blocks, not config.enforce_eager, config.max_num_seqs,
+                                        max_query_len=k + 1, max_tree_span=k + 1 if spec_config else 0)
         prefix_caching = prefix_caching_allowed(config, spec_config, proposer)
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, enable_prefix_caching=prefix_caching)
         if proposer is None and spec_config is not None:

@@ -77,4 +77,6 @@ def proposer_context(config: EngineConfig, runner, dtype: torch.dtype, hf_config
         target_embed_tokens=model.embed_tokens if model is not None else None,
         target_lm_head_weight=lm_head,
         target_tokenizer=tokenizer,
+        graphs=not config.enforce_eager,
+        max_num_seqs=config.max_num_seqs,
     )

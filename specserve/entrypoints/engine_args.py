@@ -23,6 +23,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes of KV cache")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="GPU: run every step op by op instead of replaying captured CUDA graphs")
     p.add_argument(NO_SPECULATION_FLAG, dest="no_speculation", action="store_true",
                    help="plain decoding, whatever the default speculation is")
     p.add_argument("--speculative-model", default=None, help="draft model (anything --model accepts)")
@@ -124,6 +126,7 @@ def build_llm(args, plain: bool = False):
         tensor_parallel_size=args.tensor_parallel_size,
         speculative_config=None if plain else speculative_config_from_args(args),
         enable_prefix_caching=args.enable_prefix_caching,
+        enforce_eager=getattr(args, "enforce_eager", False),
         int8_activations=(args.int8_activation_pieces if getattr(args, "int8_activation_pieces", None)
                           else args.int8_activations),
     )

@@ -80,6 +80,7 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
         int8_activations: bool | int = False,
+        enforce_eager: bool = False,
         proposer=None,
         speculative_model_uses_tp_1: bool | None = None,
         speculative_draft_tensor_parallel_size: int | None = None,
@@ -104,6 +105,7 @@ class LLM:
             tensor_parallel_size=tensor_parallel_size,
             enable_prefix_caching=enable_prefix_caching,
             int8_activations=int8_activations,
+            enforce_eager=enforce_eager,
         )
         self.engine = LLMEngine(config, spec, proposer=proposer)
 

@@ -36,3 +36,6 @@ class ProposerContext:
     target_lm_head_weight: Any = None
     # The target's tokenizer: a draft with another vocabulary is mapped onto it (``vocab_map``).
     target_tokenizer: Any = None
+    # CUDA graphs for a draft model's steps (EngineConfig.enforce_eager off), sized to the batch.
+    graphs: bool = False
+    max_num_seqs: int = 1

@@ -16,6 +16,7 @@ from specserve.spec_decode.context import ProposerContext
 from specserve.spec_decode.draft_model import DraftModelProposer
 from specserve.spec_decode.ngram import NgramProposer
 from specserve.spec_decode.proposer import Proposer
+from specserve.worker.model_runner import allocate_kv_cache
 from specserve.worker.tp_executor import build_draft_runner
 
 logger = logging.getLogger(__name__)
@@ -120,7 +121,9 @@ def build_draft_model_proposer(spec: SpeculativeConfig, ctx: ProposerContext) ->
         draft_model_at_tp1(runner, "draft_vocab_size").lm_head.keep_first_tokens(spec.draft_vocab_size)
     if spec.draft_quantization is not None:
         requantize_draft(runner, spec.draft_quantization)
-    runner.allocate_kv_cache(ctx.kv_cache.num_blocks)
+    lookahead = spec.num_lookahead_slots
+    allocate_kv_cache(runner, ctx.kv_cache.num_blocks, ctx.graphs, ctx.max_num_seqs, max_query_len=lookahead + 1,
+                      max_tree_span=lookahead + 1 if spec.tree is not None else 0)
     if fit.mapping is not None:
         from specserve.spec_decode.cross_vocab import DEFAULT_METHOD, CrossVocabProposer
 

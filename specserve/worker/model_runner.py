@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.distributed.parallel_state import SINGLE, TensorParallelGroup
+from specserve.model_executor.layers import triton_attention
 from specserve.model_executor.layers.attention import (
     AttentionMetadata,
     kv_cache_dtype_for,
@@ -20,7 +21,9 @@ from specserve.model_executor.layers.attention import (
 from specserve.model_executor.layers.fp16_gemm import compute_dtype_for, round_to_weight_dtype
 from specserve.model_executor.layers.quantized import pack_for_tiles
 from specserve.model_executor.loader import release_mapped_pages, release_pages_of
+from specserve.model_executor.models.decoder import DecoderForCausalLM
 from specserve.model_executor.models.registry import get_model_class
+from specserve.worker.cuda_graphs import StepGraphs, graphs_on_cpu
 
 
 @dataclass
@@ -83,6 +86,8 @@ class ModelRunner:
             self.model.use_cpu_layer_kernels()   # quantized GGUF weights: two compiled calls per layer
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
+        self.padding_block: int | None = None   # a block past num_blocks that captured graphs' padding writes
+        self.graphs: StepGraphs | None = None   # decode and verification steps as CUDA graphs (use_graphs)
 
     def load_weights(self, model, state_dict: dict[str, torch.Tensor]) -> None:
         """Full (unsharded) checkpoint tensors; each layer keeps its shard.
@@ -97,11 +102,32 @@ class ModelRunner:
         per_layer = 2 * self.block_size * m.num_kv_heads_local * m.head_dim * torch.finfo(self.kv_cache_dtype).bits // 8
         return per_layer * len(m.layers)
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, padding_block: bool = False) -> None:
+        """``num_blocks`` blocks for the KV cache manager to hand out; with ``padding_block`` one
+        more (``self.padding_block``), which only the padding rows of captured graphs write."""
         m = self.model
-        shape = kv_cache_shape(num_blocks, self.block_size, m.num_kv_heads_local, m.head_dim)
+        shape = kv_cache_shape(num_blocks + int(padding_block), self.block_size, m.num_kv_heads_local, m.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device) for _ in m.layers]
         self.num_blocks = num_blocks
+        self.padding_block = num_blocks if padding_block else None
+
+    def can_use_graphs(self) -> bool:
+        """Whether steps can replay as graphs: a decoder on CUDA (or, in the tests, a CPU with
+        ``SPECSERVE_GRAPHS_ON_CPU=1``) whose attention is the Triton kernel."""
+        device = torch.device(self.device)
+        if not isinstance(self.model, DecoderForCausalLM):
+            return False
+        if device.type != "cuda" and not (device.type == "cpu" and graphs_on_cpu()):
+            return False
+        return triton_attention.usable(device, self.dtype, self.kv_cache_dtype)
+
+    def use_graphs(self, max_num_reqs: int, max_query_len: int, max_tree_span: int) -> None:
+        """Replay decode and verification steps of up to ``max_num_reqs`` requests and
+        ``max_query_len`` rows each as CUDA graphs (``cuda_graphs``); the cache must have its
+        padding block. On a CPU (tests) the same padded forward runs eagerly."""
+        assert self.padding_block is not None, "allocate_kv_cache(padding_block=True) first"
+        self.graphs = StepGraphs(self, max_num_reqs, max_query_len, max_tree_span,
+                                 capture=torch.device(self.device).type == "cuda")
 
     @torch.inference_mode()
     def copy_kv_slots(self, src: list[int], dst: list[int]) -> None:
@@ -119,6 +145,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, inputs: list[ForwardInput], return_all_hidden: bool = False) -> ForwardOutput:
+        bucket = self.graphs.bucket_for(inputs) if self.graphs is not None else None
+        if bucket is not None:
+            self._check_inputs(inputs)
+            rows, logit_rows, token_rows = self.graphs.run(bucket, inputs)    # [bucket rows, hidden]
+            hidden = rows[torch.tensor(logit_rows, dtype=torch.long).to(self.device, non_blocking=True)]
+            all_hidden = None
+            if return_all_hidden:
+                all_hidden = rows[torch.tensor(token_rows, dtype=torch.long).to(self.device, non_blocking=True)]
+            return ForwardOutput(logits=self.model.compute_logits(hidden), hidden=hidden, all_hidden=all_hidden)
         token_ids: list[int] = []
         positions: list[int] = []
         logit_indices: list[int] = []
@@ -162,6 +197,27 @@ class ModelRunner:
             hidden=hidden,
             all_hidden=all_hidden if return_all_hidden else None,
         )
+
+
+    def _check_inputs(self, inputs: list[ForwardInput]) -> None:
+        """What the eager path's flattening would refuse: positions past the rotary table."""
+        for inp in inputs:
+            if inp.start_position + len(inp.token_ids) > self.max_model_len:
+                raise ValueError(f"position {inp.start_position + len(inp.token_ids) - 1} beyond max_model_len "
+                                 f"({self.max_model_len})")
+
+
+def allocate_kv_cache(runner, num_blocks: int, graphs: bool, max_num_reqs: int, max_query_len: int,
+                      max_tree_span: int) -> bool:
+    """A target's or draft's KV cache of ``num_blocks`` blocks and, where ``graphs`` is asked for
+    and the runner can (``ModelRunner.can_use_graphs``; a TensorParallelExecutor cannot), CUDA
+    graphs for its steps of up to ``max_num_reqs`` requests x ``max_query_len`` rows (trees up to
+    ``max_tree_span`` slots). Returns whether its steps replay as graphs."""
+    graphs = graphs and isinstance(runner, ModelRunner) and runner.can_use_graphs()
+    runner.allocate_kv_cache(num_blocks, **({"padding_block": True} if graphs else {}))
+    if graphs:
+        runner.use_graphs(max_num_reqs, max_query_len, max_tree_span)
+    return graphs
 
 
 class _PageReleaser:

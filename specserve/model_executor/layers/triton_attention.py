@@ -81,6 +81,9 @@ class TritonInputs:
     tree_back: torch.Tensor | None = None    # [B] int32: a tree's first slot back from the first new one; -1: a chain
     tree_words: torch.Tensor | None = None   # [T, W] int32: each row's ancestor mask, 32 bits a word
     tree_span: int = 0                       # the widest tree's slots (back + new nodes), for the window check
+    # Rows past a request's query run belong to no request (a captured graph's padding): the
+    # output starts as zeros there, since the kernel writes each request's own rows only.
+    padded: bool = False
 
     def serves_window(self, sliding_window: int | None) -> bool:
         """Whether the kernel computes this window exactly: no trees, or trees narrower than it."""
@@ -115,7 +118,8 @@ def paged_attention_triton(
     assert kv_cache.stride(-1) == 1 and q.stride(-1) == 1, "the kernel reads head dims contiguously"
     assert inputs.serves_window(sliding_window), "a window no wider than a tree: use the SDPA path"
     group = num_heads // num_kv_heads
-    out = torch.empty_like(q) if out is None else out
+    if out is None:
+        out = torch.zeros_like(q) if inputs.padded else torch.empty_like(q)
     bm = block_m(inputs.max_query_len, group)
     num_reqs = inputs.query_lens.shape[0]
     grid = (num_reqs, num_kv_heads, -(-inputs.max_query_len * group // bm))

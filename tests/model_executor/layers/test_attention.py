@@ -17,6 +17,10 @@ from tree_reference import dense_tree_reference
 from triton_interpreter import use_triton_interpreter
 
 BLOCK = 4
+# Each attention path with the caches it reads: the Triton kernel (GPUs) reads a cache in the
+# queries' dtype, float32 here.
+PATHS_AND_CACHES = [("torch", torch.float32), ("torch", torch.float16), ("kernel", torch.float32),
+                    ("kernel", torch.float16), ("triton", torch.float32)]
 
 
 def test_similar_lengths_stay_one_group_in_order():
@@ -244,8 +248,7 @@ def test_tree_layout_depths_and_ancestor_masks():
 TREE = [-1, 0, 1, 0, 3, 1, 5, 2]
 
 
-@pytest.mark.parametrize("path", ["torch", "kernel", "triton"])
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("path,cache_dtype", PATHS_AND_CACHES)
 def test_tree_attention_matches_dense_reference(monkeypatch, path, cache_dtype):
     """A step with a tree of drafts, a chain verification and a prefill: the tree's rows see
     only their ancestors (and the cached context); the others are unaffected."""
@@ -411,8 +414,7 @@ def _use_path(monkeypatch, path, cache_dtype):
     "triton" (the GPU kernel, run by Triton's CPU interpreter)."""
     if path == "kernel" and not (KERNEL_BUILDS if cache_dtype == torch.float32 else KERNEL_READS_FP16):
         pytest.skip("the CPU attention kernel did not build here (no C compiler, or no F16C for float16)")
-    if path == "triton" and cache_dtype != torch.float32:
-        pytest.skip("the Triton kernel reads a cache in the queries' dtype")
+    assert path != "triton" or cache_dtype == torch.float32, "the Triton kernel reads a cache in the queries' dtype"
     if path in ("torch", "triton"):
         monkeypatch.setattr(cpu_attention, "usable", lambda *args: False)
     if path == "triton":
@@ -425,9 +427,8 @@ WINDOW_SHAPES = [(60, 1), (40, 5), (20, 30), (0, 50), (3, 1), (0, 6), (90, 40), 
 WINDOW_CASES = [(16, None), (None, 2.0), (7, 2.0), (1, None), (33, 20.0)]
 
 
-@pytest.mark.parametrize("path", ["torch", "kernel", "triton"])
+@pytest.mark.parametrize("path,cache_dtype", PATHS_AND_CACHES)
 @pytest.mark.parametrize("window,softcap", WINDOW_CASES)
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("group_cost", [0, 10**9])  # one SDPA call per request, or one for all
 def test_window_and_softcap_match_the_positional_reference(monkeypatch, path, window, softcap, cache_dtype,
                                                            group_cost):
@@ -549,9 +550,8 @@ def _tree_positions(cached, masks):
 DEEP_TREE = [-1, 0, 1, 0, 3, 1, 5, 2, 7, 4, 9, 6]
 
 
-@pytest.mark.parametrize("path", ["torch", "kernel", "triton"])
+@pytest.mark.parametrize("path,cache_dtype", PATHS_AND_CACHES)
 @pytest.mark.parametrize("window,softcap", [(16, None), (9, 3.0), (3, None), (2, 3.0), (None, 3.0)])
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 def test_tree_with_a_window_matches_the_positional_reference(monkeypatch, path, window, softcap, cache_dtype):
     """A tree node's position is the first new slot + its depth, not its slot: the window starts
     from there, and among its ancestors (windows of 2 and 3 end inside the tree) it is applied

@@ -1,0 +1,232 @@
+"""Decode and verification steps as captured CUDA graphs, replayed instead of launched op by op.
+
+On a GPU a step of a small model is bound by the host: every layer launches a dozen kernels
+from Python, and a 135M-parameter model took 15 ms a step on an H200, where its weights take
+about 0.1 ms to read. A CUDA graph records the launches of one forward once and replays them
+with one call.
+
+A graph fixes every shape, so steps are cut to *buckets*: ``num_reqs`` requests (the step's
+count rounded up to a batch bucket) of ``query_len`` rows each (the step's longest query run
+rounded up to a query bucket). Request b owns rows ``b * query_len ..`` of the flat batch;
+rows past its own tokens and requests past the step's are padding:
+  - padding rows write their K/V to a padding block the KV cache manager never hands out
+    (``ModelRunner.allocate_kv_cache(padding_block=True)``), and padding requests have no
+    query rows (``query_lens`` 0), so the attention kernel reads nothing for them;
+  - the attention kernel writes only a request's own rows; the others are zeros
+    (``TritonInputs.padded``), and every other op of the model works row by row, so padding
+    never reaches a real row;
+  - the LM head runs after the graph, on the rows whose logits are asked for.
+
+What a step changes (token ids, positions, cache slots, block tables, query and context
+lengths, tree masks) is copied into static device tensors the graph reads: two host-to-device
+copies a step. Attention is the Triton kernel (``triton_attention``), whose grid depends on
+the bucket only.
+
+Steps that are not served run eagerly: a prefill chunk longer than the largest query bucket,
+more requests than the largest batch bucket, a tree wider than the captured mask words, or
+one a layer's sliding window could cut inside. A bucket is captured the first time a step
+needs it (logged once, with its time), so shapes a workload never uses cost nothing.
+
+On a CPU there is nothing to capture; ``capture=False`` runs the same padded static-buffer
+forward eagerly, which is how the tests check the padding (``SPECSERVE_GRAPHS_ON_CPU=1``).
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specserve.model_executor.layers.attention import AttentionMetadata, cache_slot, tree_layout
+from specserve.model_executor.layers.triton_attention import TritonInputs
+
+logger = logging.getLogger(__name__)
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+QUERY_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 48, 64)
+
+
+def graphs_on_cpu() -> bool:
+    """Tests only: the padded static-buffer forward runs eagerly on a CPU."""
+    return os.environ.get("SPECSERVE_GRAPHS_ON_CPU", "") == "1"
+
+
+def buckets_up_to(buckets: tuple[int, ...], largest: int) -> list[int]:
+    """The buckets below ``largest``, then ``largest`` itself (so that it is served exactly)."""
+    return [b for b in buckets if b < largest] + [largest]
+
+
+@dataclass(frozen=True)
+class Bucket:
+    num_reqs: int
+    query_len: int
+
+    @property
+    def rows(self) -> int:
+        return self.num_reqs * self.query_len
+
+
+@dataclass
+class _Captured:
+    graph: "torch.cuda.CUDAGraph | None"   # None: run eagerly (a CPU)
+    hidden: torch.Tensor | None            # [rows, hidden] the graph's output (CUDA)
+
+
+class StepGraphs:
+    """The captured forwards of one ``ModelRunner`` and the static tensors they read."""
+
+    def __init__(self, runner, max_num_reqs: int, max_query_len: int, max_tree_span: int, capture: bool):
+        """``runner``: a ModelRunner whose cache has a padding block. Steps of up to
+        ``max_num_reqs`` requests of up to ``max_query_len`` rows are served; trees up to
+        ``max_tree_span`` slots (cached nodes + new ones; 0: chains only)."""
+        self.runner = runner
+        self.capture = capture
+        self.batch_buckets = buckets_up_to(BATCH_BUCKETS, max_num_reqs)
+        self.query_buckets = buckets_up_to(QUERY_BUCKETS, max_query_len)
+        self.num_words = -(-max_tree_span // 32) if max_tree_span else 0
+        self.max_tree_span = 32 * self.num_words
+        b_max, q_max = self.batch_buckets[-1], self.query_buckets[-1]
+        rows = b_max * q_max
+        self.max_blocks = -(-runner.max_model_len // runner.block_size)
+        self.pad_slot = runner.padding_block * runner.block_size
+        device = runner.device
+        # One int64 and one int32 tensor hold every input, so a step copies them in two transfers.
+        self.i64 = torch.zeros(3 * rows, dtype=torch.long, device=device)
+        self.ids, self.positions, self.slots = self.i64.view(3, rows)
+        n32 = b_max * (self.max_blocks + 4) + rows * self.num_words
+        self.i32 = torch.zeros(n32, dtype=torch.int32, device=device)
+        self.block_tables = self.i32[: b_max * self.max_blocks].view(b_max, self.max_blocks)
+        self.query_start, self.query_lens, self.context_lens, self.tree_back = (
+            self.i32[b_max * self.max_blocks : b_max * (self.max_blocks + 4)].view(4, b_max))
+        self.tree_words = (self.i32[b_max * (self.max_blocks + 4) :].view(rows, self.num_words)
+                           if self.num_words else None)
+        self.smallest_window = min((w for w in _sliding_windows(runner.model) if w is not None), default=None)
+        self.captured: dict[Bucket, _Captured] = {}
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+
+    # ------------------------------------------------------------------ which steps
+    def bucket_for(self, inputs: list) -> Bucket | None:
+        """The bucket a step runs in, or None when it runs eagerly."""
+        if not inputs or len(inputs) > self.batch_buckets[-1]:
+            return None
+        longest = max(len(inp.token_ids) for inp in inputs)
+        if longest == 0 or longest > self.query_buckets[-1]:
+            return None
+        for inp in inputs:
+            if inp.tree_parents is not None:
+                span = inp.tree_cached + len(inp.token_ids)
+                if span > self.max_tree_span:
+                    return None
+                if self.smallest_window is not None and self.smallest_window <= span:
+                    return None
+        return Bucket(self.batch_buckets[bisect.bisect_left(self.batch_buckets, len(inputs))],
+                      self.query_buckets[bisect.bisect_left(self.query_buckets, longest)])
+
+    # ------------------------------------------------------------------ one step
+    def run(self, bucket: Bucket, inputs: list) -> tuple[torch.Tensor, list[int], list[int]]:
+        """The step through the bucket's graph: the final hidden states of every row
+        [bucket rows, hidden] (the graph's own output tensor, valid until its next replay),
+        the rows whose logits the inputs ask for, and the rows of their tokens, each in
+        ``ModelRunner.execute``'s order."""
+        logit_rows, token_rows = self._fill(bucket, inputs)
+        captured = self.captured.get(bucket)
+        if captured is None:
+            captured = self.captured[bucket] = self._capture(bucket)
+        if captured.graph is None:
+            return self._forward(bucket), logit_rows, token_rows
+        captured.graph.replay()
+        return captured.hidden, logit_rows, token_rows
+
+    def _fill(self, bucket: Bucket, inputs: list) -> tuple[list[int], list[int]]:
+        """Copy the step into the static tensors; returns the rows whose logits are asked for
+        and the rows of real tokens, in the order ``ModelRunner.execute`` gives them."""
+        q, rows = bucket.query_len, bucket.rows
+        ids = [0] * rows
+        positions = [0] * rows
+        slots = [self.pad_slot] * rows
+        starts = [b * q for b in range(bucket.num_reqs)]
+        q_lens = [0] * bucket.num_reqs
+        ctx_lens = [0] * bucket.num_reqs
+        backs = [-1] * bucket.num_reqs
+        words = [0] * (rows * self.num_words)
+        table = torch.zeros(bucket.num_reqs, self.max_blocks, dtype=torch.int32)
+        logit_rows: list[int] = []
+        token_rows: list[int] = []
+        bs = self.runner.block_size
+        for b, inp in enumerate(inputs):
+            n, first_row = len(inp.token_ids), b * q
+            ctx = inp.start_position + n
+            q_lens[b], ctx_lens[b] = n, ctx
+            ids[first_row : first_row + n] = inp.token_ids
+            slots[first_row : first_row + n] = [cache_slot(inp.block_table, p, bs) for p in range(inp.start_position, ctx)]
+            if inp.tree_parents is None:
+                positions[first_row : first_row + n] = range(inp.start_position, ctx)
+            else:
+                depths, masks = tree_layout(inp.tree_parents)
+                tree_start = inp.start_position - inp.tree_cached
+                positions[first_row : first_row + n] = [tree_start + d for d in depths[inp.tree_cached:]]
+                backs[b] = inp.tree_cached
+                for i, m in enumerate(masks[inp.tree_cached:]):
+                    for w in range(self.num_words):
+                        word = (m >> (32 * w)) & 0xFFFFFFFF
+                        words[(first_row + i) * self.num_words + w] = word - (1 << 32) if word >= 1 << 31 else word
+            used = -(-ctx // bs)
+            table[b, :used] = torch.tensor(inp.block_table[:used], dtype=torch.int32)
+            logit_rows.extend(range(first_row + n - inp.num_logits, first_row + n))
+            token_rows.extend(range(first_row, first_row + n))
+        host64 = torch.tensor([ids, positions, slots], dtype=torch.long)            # [3, rows]
+        self.i64.view(3, -1)[:, :rows].copy_(host64, non_blocking=True)
+        b_max = self.batch_buckets[-1]
+        self.block_tables[: bucket.num_reqs].copy_(table, non_blocking=True)
+        meta4 = torch.tensor([starts, q_lens, ctx_lens, backs], dtype=torch.int32)    # [4, B]
+        self.i32[b_max * self.max_blocks : b_max * (self.max_blocks + 4)].view(4, b_max)[:, : bucket.num_reqs].copy_(
+            meta4, non_blocking=True)
+        if self.num_words:
+            self.tree_words[:rows].copy_(torch.tensor(words, dtype=torch.int32).view(rows, self.num_words),
+                                         non_blocking=True)
+        return logit_rows, token_rows
+
+    def _meta(self, bucket: Bucket) -> AttentionMetadata:
+        b, rows = bucket.num_reqs, bucket.rows
+        tri = TritonInputs(
+            block_tables=self.block_tables[:b], query_start=self.query_start[:b], query_lens=self.query_lens[:b],
+            context_lens=self.context_lens[:b], positions=self.positions[:rows], max_query_len=bucket.query_len,
+            tree_back=self.tree_back[:b] if self.num_words else None,
+            tree_words=self.tree_words[:rows] if self.num_words else None,
+            tree_span=self.max_tree_span, padded=True)
+        return AttentionMetadata(slot_mapping=self.slots[:rows], kernel=None, _group_args=(), triton=tri)
+
+    def _forward(self, bucket: Bucket) -> torch.Tensor:   # [rows, hidden]
+        rows = bucket.rows
+        return self.runner.model(self.ids[:rows], self.positions[:rows], self.runner.kv_caches, self._meta(bucket))
+
+    def _capture(self, bucket: Bucket) -> _Captured:
+        if not self.capture:
+            return _Captured(None, None)
+        start = time.perf_counter()
+        saved = self.i64.clone(), self.i32.clone()
+        # Capture with nothing to attend (no query rows) and every write to the padding block.
+        self.slots.fill_(self.pad_slot)
+        self.query_lens.zero_()
+        self.context_lens.zero_()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):   # warm-up: Triton compiles, cuBLAS picks its kernels
+            for _ in range(2):
+                self._forward(bucket)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            hidden = self._forward(bucket)
+        self.i64.copy_(saved[0])
+        self.i32.copy_(saved[1])
+        logger.info("captured a CUDA graph for %d requests x %d rows in %.2f s (%d graphs)", bucket.num_reqs,
+                    bucket.query_len, time.perf_counter() - start, len(self.captured) + 1)
+        return _Captured(graph, hidden)
+
+
+def _sliding_windows(model) -> list[int | None]:
+    return [getattr(getattr(layer, "self_attn", None), "sliding_window", None) for layer in getattr(model, "layers", [])]

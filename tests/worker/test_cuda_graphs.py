@@ -1,0 +1,126 @@
+"""Decode and verification steps through ``cuda_graphs.StepGraphs``: the padded static-tensor
+forward a CUDA graph replays, run eagerly on a CPU (``SPECSERVE_GRAPHS_ON_CPU=1``, attention
+by the Triton kernel in Triton's interpreter). Capture itself needs a GPU:
+tests/e2e/test_cuda.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve import LLM, SamplingParams
+from specserve.model_executor.layers import cpu_attention
+from specserve.worker.cuda_graphs import Bucket
+from specserve.worker.model_runner import ForwardInput
+
+from tiny_models import write_tiny_llama
+from triton_interpreter import use_triton_interpreter
+
+BLOCK = 16
+
+
+@pytest.fixture
+def graphs_on_cpu(monkeypatch):
+    """Attention by the Triton kernel, and graphs' padded forwards, on this CPU."""
+    monkeypatch.setattr(cpu_attention, "usable", lambda *args: False)
+    use_triton_interpreter(monkeypatch)
+    monkeypatch.setenv("SPECSERVE_GRAPHS_ON_CPU", "1")
+
+
+@pytest.fixture(scope="module")
+def peaked_llama(tmp_path_factory, default_model_tokenizer) -> str:
+    """A tiny Llama whose next token stands out (greedy answers do not hang on rounding)."""
+    return write_tiny_llama(str(tmp_path_factory.mktemp("peaked")), seed=3, tokenizer=default_model_tokenizer,
+                            embedding_scale=8.0)
+
+
+def _llm(model, **kw) -> LLM:
+    return LLM(model=model, device="cpu", dtype="float32", max_model_len=256, kv_cache_memory=1 << 22, max_num_seqs=6, **kw)
+
+
+def _step(runner, shapes, seed=0):
+    """ForwardInputs of requests with (cached, new) tokens over disjoint blocks of the runner's cache
+    (whose cached K/V are random)."""
+    gen = torch.Generator().manual_seed(seed)
+    for cache in runner.kv_caches:
+        cache[:, :, : runner.num_blocks].normal_(generator=gen)
+    inputs, next_block = [], 0
+    for cached, new in shapes:
+        n_blocks = -(-(cached + new) // BLOCK)
+        table = list(range(next_block, next_block + n_blocks))
+        next_block += n_blocks
+        ids = torch.randint(0, 1000, (new,), generator=gen).tolist()
+        inputs.append(ForwardInput(ids, cached, table, new))
+    return inputs
+
+
+def test_graph_steps_equal_eager_steps_and_padding_never_leaks(graphs_on_cpu, peaked_llama):
+    """Steps of 1-3 requests with 1-5 new tokens each (so padded requests and padded rows) give
+    the eager forward's logits, hidden states and cache contents; padding writes only the
+    padding block."""
+    llm = _llm(peaked_llama, num_speculative_tokens=4, speculative_config={"method": "ngram"})
+    runner = llm.engine.runner
+    assert runner.graphs is not None and runner.padding_block == runner.num_blocks
+    for shapes in ([(20, 1), (5, 1), (9, 1)], [(20, 5), (3, 2), (40, 1)], [(0, 4), (17, 3)]):
+        inputs = _step(runner, shapes, seed=len(shapes))
+        bucket = runner.graphs.bucket_for(inputs)
+        assert bucket is not None and bucket.rows > sum(n for _, n in shapes)   # padding in every one
+        before = [c.clone() for c in runner.kv_caches]
+        graphed = runner.execute(inputs, return_all_hidden=True)
+        after_graph = [c.clone() for c in runner.kv_caches]
+        for c, b in zip(runner.kv_caches, before):
+            c.copy_(b)
+        graphs, runner.graphs = runner.graphs, None
+        eager = runner.execute(inputs, return_all_hidden=True)
+        runner.graphs = graphs
+        torch.testing.assert_close(graphed.logits, eager.logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(graphed.all_hidden, eager.all_hidden, rtol=1e-5, atol=1e-5)
+        for c_graph, c_eager in zip(after_graph, runner.kv_caches):
+            # the real blocks hold the same K/V; only the padding block may differ
+            torch.testing.assert_close(c_graph[:, :, : runner.num_blocks], c_eager[:, :, : runner.num_blocks],
+                                       rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_answers_with_graphs_are_the_eager_ones(graphs_on_cpu, peaked_llama, tiny_draft_dir):
+    """Plain decoding, n-gram and draft-model speculation with graphs give the tokens of the same
+    engine with enforce_eager=True, and speculation gives plain's."""
+    prompts = ["The quick brown fox jumps over the lazy dog. The quick brown", "1, 2, 3, 4, 5,", "Hello"]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    answers = {}
+    for name, kw in {"plain": {}, "ngram": {"speculative_config": {"method": "ngram"}, "num_speculative_tokens": 3},
+                     "draft": {"speculative_model": tiny_draft_dir, "num_speculative_tokens": 3}}.items():
+        for eager in (False, True):
+            llm = _llm(peaked_llama, enforce_eager=eager, **kw)
+            assert (llm.engine.runner.graphs is None) == eager
+            answers[name, eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            if not eager:
+                assert llm.engine.runner.graphs.captured, "no step ran through a graph"
+                if name == "draft":
+                    assert llm.engine.proposer.runner.graphs.captured, "the draft's steps ran eagerly"
+    for key, tokens in answers.items():
+        assert tokens == answers["plain", True], key
+
+
+def test_steps_outside_the_buckets_run_eagerly(graphs_on_cpu, peaked_llama):
+    llm = _llm(peaked_llama, num_speculative_tokens=3, speculative_config={"method": "ngram"})
+    graphs = llm.engine.runner.graphs
+    assert graphs.batch_buckets == [1, 2, 4, 6] and graphs.query_buckets == [1, 2, 3, 4]
+    one = ForwardInput([1], 10, [0], 1)
+    assert graphs.bucket_for([one] * 3) == Bucket(4, 1)
+    assert graphs.bucket_for([ForwardInput([1, 2, 3], 10, [0], 3), one]) == Bucket(2, 3)
+    assert graphs.bucket_for([one] * 7) is None                                   # more requests than buckets
+    assert graphs.bucket_for([ForwardInput(list(range(5)), 0, [0], 1)]) is None   # a prefill chunk
+    tree = ForwardInput([1, 2, 3], 10, [0], 3, tree_parents=[-1, 0, 0])
+    assert graphs.bucket_for([tree]) == Bucket(1, 3)
+    wide = ForwardInput([1, 2, 3], 40, [0, 1, 2], 3, tree_parents=[-1] + list(range(32)) + [-1, 0, 0], tree_cached=33)
+    assert graphs.bucket_for([wide]) is None                                      # wider than the mask words
+
+
+def test_graphs_only_where_asked_and_possible(monkeypatch, peaked_llama):
+    """enforce_eager turns them off; a CPU has none unless the tests ask."""
+    monkeypatch.delenv("SPECSERVE_GRAPHS_ON_CPU", raising=False)
+    assert _llm(peaked_llama).engine.runner.graphs is None
+    monkeypatch.setattr(cpu_attention, "usable", lambda *args: False)
+    use_triton_interpreter(monkeypatch)
+    monkeypatch.setenv("SPECSERVE_GRAPHS_ON_CPU", "1")
+    assert _llm(peaked_llama).engine.runner.graphs is not None
+    assert _llm(peaked_llama, enforce_eager=True).engine.runner.graphs is None
