@@ -152,7 +152,7 @@ class StepGraphs:
         ctx_lens = [0] * bucket.num_reqs
         backs = [-1] * bucket.num_reqs
         words = [0] * (rows * self.num_words)
-        table = torch.zeros(bucket.num_reqs, self.max_blocks, dtype=torch.int32)
+        tables: list[list[int]] = []
         logit_rows: list[int] = []
         token_rows: list[int] = []
         bs = self.runner.block_size
@@ -173,14 +173,16 @@ class StepGraphs:
                     for w in range(self.num_words):
                         word = (m >> (32 * w)) & 0xFFFFFFFF
                         words[(first_row + i) * self.num_words + w] = word - (1 << 32) if word >= 1 << 31 else word
-            used = -(-ctx // bs)
-            table[b, :used] = torch.tensor(inp.block_table[:used], dtype=torch.int32)
+            tables.append(inp.block_table[: -(-ctx // bs)])
             logit_rows.extend(range(first_row + n - inp.num_logits, first_row + n))
             token_rows.extend(range(first_row, first_row + n))
         host64 = torch.tensor([ids, positions, slots], dtype=torch.long)            # [3, rows]
         self.i64.view(3, -1)[:, :rows].copy_(host64, non_blocking=True)
         b_max = self.batch_buckets[-1]
-        self.block_tables[: bucket.num_reqs].copy_(table, non_blocking=True)
+        # Only the columns some request uses: the kernel reads a row up to its context's block.
+        width = max(len(t) for t in tables)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)   # [B_step, width]
+        self.block_tables[: len(tables), :width].copy_(table, non_blocking=True)
         meta4 = torch.tensor([starts, q_lens, ctx_lens, backs], dtype=torch.int32)    # [4, B]
         self.i32[b_max * self.max_blocks : b_max * (self.max_blocks + 4)].view(4, b_max)[:, : bucket.num_reqs].copy_(
             meta4, non_blocking=True)

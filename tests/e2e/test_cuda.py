@@ -2,13 +2,14 @@
 machine with ``pytest tests/e2e/test_cuda.py``).
 
 Every other test runs on the CPU, where specserve's own kernels serve the default dtype.
-On a GPU the same engine runs PyTorch's CUDA paths instead: cuBLAS matmuls, SDPA attention
-over K/V gathered from the paged cache, bfloat16 by default, the samplers' generators on
-the GPU. These tests check that path for what the CPU tests check: greedy speculative
+On a GPU the same engine runs PyTorch's CUDA paths instead: cuBLAS matmuls, attention by the
+Triton kernel over the paged cache (SDPA over gathered K/V without Triton), decode and
+verification steps replayed from captured CUDA graphs, bfloat16 by default, the samplers'
+generators on the GPU. These tests check that path for what the CPU tests check: greedy speculative
 output equals plain output for every proposer (float32, where cuBLAS's choice of kernel per
 shape cannot flip a token on these prompts), the sampled distribution is the target's,
-prefix caching and preemption change nothing, and the GPU computes the same greedy tokens as
-the CPU in float32.
+prefix caching and preemption change nothing, CUDA graphs change no token, and the GPU
+computes the same greedy tokens as the CPU in float32.
 
 The first tests need no default GGUF: two tiny random Llamas, with the default model's
 tokenizer taken from the draft shipped in specserve/drafts/, serve as a target and a draft
@@ -92,6 +93,8 @@ PROPOSERS = {
     "draft_model": lambda pair, eagle: {"method": "draft_model", "model": pair[1], "num_speculative_tokens": 3},
     "self_draft": lambda pair, eagle: {"method": "draft_model", "model": pair[0], "num_speculative_tokens": 3},
     "eagle": lambda pair, eagle: {"method": "eagle", "model": eagle, "num_speculative_tokens": 3},
+    "draft_tree": lambda pair, eagle: {"method": "draft_model", "model": pair[1], "num_speculative_tokens": 3,
+                                       "tree": {"top_k": 2, "max_nodes": 6}},
 }
 
 
@@ -108,6 +111,28 @@ def test_greedy_speculative_output_is_plain_output_on_the_gpu(proposer, tiny_pai
     assert stats.num_draft_tokens > 0
     if proposer == "self_draft":
         assert stats.acceptance_rate > 0.9
+
+
+@pytest.mark.parametrize("proposer", [None] + list(PROPOSERS))
+def test_cuda_graphs_change_no_token(proposer, tiny_pair, tiny_eagle, prompts):
+    """Steps replayed from captured CUDA graphs (the default on a GPU) against the same engine
+    with enforce_eager=True, plain and with every proposer: the same greedy tokens (float32),
+    a batch of 5 (padded to a bucket of 8 requests) and one request alone."""
+    target = tiny_pair[0]
+    spec = None if proposer is None else PROPOSERS[proposer](tiny_pair, tiny_eagle)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    eager = LLM(model=target, device=DEVICE, dtype="float32", **KW, speculative_config=spec, enforce_eager=True)
+    assert eager.engine.runner.graphs is None
+    ref = tokens(eager.generate(prompts, params)), tokens(eager.generate(prompts[3:4], params))
+    graphed = LLM(model=target, device=DEVICE, dtype="float32", **KW, speculative_config=spec)
+    got = tokens(graphed.generate(prompts, params)), tokens(graphed.generate(prompts[3:4], params))
+    assert got == ref
+    if DEVICE == "cuda":
+        graphs = graphed.engine.runner.graphs
+        assert graphs is not None and any(c.graph is not None for c in graphs.captured.values())
+        draft_runner = getattr(graphed.engine.proposer, "runner", None)
+        if proposer in ("draft_model", "self_draft", "draft_tree"):
+            assert draft_runner.graphs is not None and draft_runner.graphs.captured
 
 
 def _second_tokens(llm: LLM, prompt: list[int], n: int, max_tokens: int, first_seed: int | None = 0) -> list[int]:
@@ -161,6 +186,8 @@ def test_prefix_caching_and_preemption_change_nothing_on_the_gpu(tiny_pair, prom
     outs = small.generate(batch, params)
     assert sum(o.metrics["num_preemptions"] for o in outs) > 0
     assert tokens(outs) == ref
+    if DEVICE == "cuda":   # the steps around the preemptions replayed captured graphs
+        assert small.engine.runner.graphs is not None and small.engine.runner.graphs.captured
 
 
 # ----------------------------------------------------------------- the default model
