@@ -88,3 +88,15 @@ def test_the_published_batch_scaling_run_is_the_preset():
     assert set(args.categories.split(",")) == set(s["categories"]) and args.limit == s["limit_per_category"]
     assert args.max_tokens == s["max_tokens"] and args.threads == s["threads"]
     assert [c["name"] for c in s["configs"]] == args.configs.split(",") == PRESETS["batch-scaling"]["configs"].split(",")
+
+
+def test_forward_rows_suite_on_a_random_shape(tmp_path):
+    """shape:NAME models: random weights, the memory limit's share on the 1-row forward."""
+    doc = run_suite(["forward-rows", "--models", "shape:tiny,shape:tiny:eager", "--rows", "1,2", "--rounds", "1",
+                     "--context", "20", "--device", "cpu", "--dtype", "float32", "--memory-bandwidth", "10"],
+                    str(tmp_path))
+    assert doc["table"]["columns"][-1] == "of the memory limit"
+    rows = doc["table"]["rows"]
+    assert [r[0] for r in rows] == ["shape:tiny"] * 2 + ["shape:tiny:eager"] * 2
+    assert rows[0][-1].endswith("%") and rows[1][-1] == "—"
+    assert doc["params"]["graphs"] == {"shape:tiny": False, "shape:tiny:eager": False}   # a CPU has none
