@@ -73,8 +73,9 @@ class LLMEngine:
         # lookahead slots per decoding request: k for a chain, a draft tree's max_nodes
         self.num_speculative_tokens = k = spec_config.num_lookahead_slots if spec_config else 0
         num_blocks = kv_cache_blocks(config, self.runner.bytes_per_block, self.max_model_len, k)
-        self.graphs = allocate_kv_cache(self.runner, num_blocks, not config.enforce_eager, config.max_num_seqs,
-                                        max_query_len=k + 1, max_tree_span=k + 1 if spec_config else 0)
+        # CUDA graphs for decode and verification steps (k + 1 rows; a tree's nodes + 1) on GPUs
+        self.uses_graphs = allocate_kv_cache(self.runner, num_blocks, not config.enforce_eager, config.max_num_seqs,
+                                             max_query_len=k + 1, max_tree_span=k + 1 if spec_config else 0)
         prefix_caching = prefix_caching_allowed(config, spec_config, proposer)
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, enable_prefix_caching=prefix_caching)
         if proposer is None and spec_config is not None:

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.model_executor.layers.attention import AttentionMetadata, cache_slot, tree_layout
+from specserve.model_executor.layers.attention import AttentionMetadata, cache_slot, mask_words_int32, tree_layout
 from specserve.model_executor.layers.triton_attention import TritonInputs
 
 logger = logging.getLogger(__name__)
@@ -151,7 +151,7 @@ class StepGraphs:
         q_lens = [0] * bucket.num_reqs
         ctx_lens = [0] * bucket.num_reqs
         backs = [-1] * bucket.num_reqs
-        words = [0] * (rows * self.num_words)
+        masks = [0] * rows   # each row's ancestor mask (trees)
         tables: list[list[int]] = []
         logit_rows: list[int] = []
         token_rows: list[int] = []
@@ -165,14 +165,11 @@ class StepGraphs:
             if inp.tree_parents is None:
                 positions[first_row : first_row + n] = range(inp.start_position, ctx)
             else:
-                depths, masks = tree_layout(inp.tree_parents)
+                depths, node_masks = tree_layout(inp.tree_parents)
                 tree_start = inp.start_position - inp.tree_cached
                 positions[first_row : first_row + n] = [tree_start + d for d in depths[inp.tree_cached:]]
                 backs[b] = inp.tree_cached
-                for i, m in enumerate(masks[inp.tree_cached:]):
-                    for w in range(self.num_words):
-                        word = (m >> (32 * w)) & 0xFFFFFFFF
-                        words[(first_row + i) * self.num_words + w] = word - (1 << 32) if word >= 1 << 31 else word
+                masks[first_row : first_row + n] = node_masks[inp.tree_cached:]
             tables.append(inp.block_table[: -(-ctx // bs)])
             logit_rows.extend(range(first_row + n - inp.num_logits, first_row + n))
             token_rows.extend(range(first_row, first_row + n))
@@ -187,8 +184,7 @@ class StepGraphs:
         self.i32[b_max * self.max_blocks : b_max * (self.max_blocks + 4)].view(4, b_max)[:, : bucket.num_reqs].copy_(
             meta4, non_blocking=True)
         if self.num_words:
-            self.tree_words[:rows].copy_(torch.tensor(words, dtype=torch.int32).view(rows, self.num_words),
-                                         non_blocking=True)
+            self.tree_words[:rows].copy_(mask_words_int32(masks, self.num_words), non_blocking=True)
         return logit_rows, token_rows
 
     def _meta(self, bucket: Bucket) -> AttentionMetadata:

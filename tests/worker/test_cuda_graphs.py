@@ -80,6 +80,24 @@ def test_graph_steps_equal_eager_steps_and_padding_never_leaks(graphs_on_cpu, pe
                                        rtol=1e-5, atol=1e-5)
 
 
+def test_a_tree_step_through_a_graph_equals_the_eager_step(graphs_on_cpu, peaked_llama):
+    """A verification step holding a tree of drafts (its ancestor masks packed into the graph's
+    mask words) beside a chain and a decode: the eager step's logits."""
+    llm = _llm(peaked_llama, num_speculative_tokens=5, speculative_config={"method": "ngram"})
+    runner = llm.engine.runner
+    inputs = _step(runner, [(30, 6), (12, 3), (50, 1)], seed=9)
+    inputs[0].tree_parents = [-1, 0, 0, 1, 2, 1]
+    assert runner.graphs.bucket_for(inputs) == Bucket(4, 6)
+    before = [c.clone() for c in runner.kv_caches]
+    graphed = runner.execute(inputs).logits
+    for c, b in zip(runner.kv_caches, before):
+        c.copy_(b)
+    graphs, runner.graphs = runner.graphs, None
+    eager = runner.execute(inputs).logits
+    runner.graphs = graphs
+    torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=1e-5)
+
+
 def test_greedy_answers_with_graphs_are_the_eager_ones(graphs_on_cpu, peaked_llama, tiny_draft_dir):
     """Plain decoding, n-gram and draft-model speculation with graphs give the tokens of the same
     engine with enforce_eager=True, and speculation gives plain's."""

@@ -278,6 +278,13 @@ def _mask_words(masks: list[int], num_words: int) -> torch.Tensor:
                         dtype=torch.long).reshape(len(masks), num_words)
 
 
+def mask_words_int32(masks: list[int], num_words: int) -> torch.Tensor:
+    """[len(masks), num_words] int32: the 32-bit words of ``_mask_words``, bit patterns kept
+    (a word with its top bit set is negative), as the Triton kernel reads them."""
+    words = _mask_words(masks, num_words)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
 @dataclass
 class KernelInputs:
     """What the compiled CPU kernel (``cpu_attention``) reads: every request of the step."""
@@ -386,8 +393,7 @@ def _triton_inputs(query_lens: list[int], context_lens: list[int], token_start: 
         rows: list[int] = []
         for masks, q_len in zip(tree_masks, query_lens):
             rows.extend(masks if masks is not None else [0] * q_len)
-        words = _mask_words(rows, -(-span // 32))
-        tree_words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32).to(device)
+        tree_words = mask_words_int32(rows, -(-span // 32)).to(device)
         back_t = torch.tensor(backs, dtype=torch.int32).to(device)
     everyone = list(range(len(query_lens)))
     table = _padded_block_table(block_tables, everyone, context_lens, block_size)
