@@ -48,15 +48,19 @@ def _rows(path: str, category: str | None, limit: int) -> list[dict]:
     return [r for r in rows if category is None or r["category"] == category][:limit]
 
 
-def _build(model: str | None, draft: str | None, config: str, max_model_len: int):
-    from specserve import LLM
-
-    kw = dict(model=model, max_model_len=max_model_len, kv_cache_memory=1 << 28)
+def speculative_config(config: str, draft: str | None) -> dict | None:
+    """A configuration's speculative config (None: plain); ValueError naming the forms for any
+    other spelling (a kind's wrong field count, ``:dynamic`` on a kind other than draft)."""
     kind, *nums = config.split(":")
     dynamic = nums[-1:] == ["dynamic"]          # draft:K:dynamic: dynamic_k picks each step's k (at most K)
     nums = nums[:-1] if dynamic else nums
+    fields = {"plain": (0, 0), "draft": (1, 1), "draft-tree": (2, 3), "ngram": (1, 1), "ngram-tree": (1, 1)}
+    if (kind not in fields or not fields[kind][0] <= len(nums) <= fields[kind][1] or (dynamic and kind != "draft")
+            or not all(n.isdigit() for n in nums)):
+        raise ValueError(f"unknown configuration {config!r}: plain, draft:K[:dynamic], draft-tree:K:N[:D], ngram:K, "
+                         "ngram-tree:K")
     specs = {
-        "plain": None,
+        "plain": lambda: None,
         "draft": lambda: {"model": draft, "num_speculative_tokens": int(nums[0]), "dynamic_k": dynamic},
         "draft-tree": lambda: {"method": "draft_model", "model": draft,
                                "num_speculative_tokens": int(nums[2]) if len(nums) > 2 else 4,
@@ -64,11 +68,15 @@ def _build(model: str | None, draft: str | None, config: str, max_model_len: int
         "ngram": lambda: {"method": "ngram", "num_speculative_tokens": int(nums[0])},
         "ngram-tree": lambda: {"method": "ngram", "num_speculative_tokens": int(nums[0]), "prompt_lookup_tree": True},
     }
-    if kind not in specs:
-        raise ValueError(f"unknown configuration {config!r}: plain, draft:K[:dynamic], draft-tree:K:N[:D], ngram:K, "
-                         "ngram-tree:K")
-    spec = specs[kind]
-    return LLM(**kw) if spec is None else LLM(**kw, speculative_config=spec())
+    return specs[kind]()
+
+
+def _build(model: str | None, draft: str | None, config: str, max_model_len: int):
+    from specserve import LLM
+
+    kw = dict(model=model, max_model_len=max_model_len, kv_cache_memory=1 << 28)
+    spec = speculative_config(config, draft)
+    return LLM(**kw) if spec is None else LLM(**kw, speculative_config=spec)
 
 
 def _beams(out) -> list[tuple]:
@@ -119,9 +127,11 @@ def run(args, doc: dict) -> None:
     runs = [(args.target, args.draft, [c for c in args.configs.split(",") if c])]
     if args.ngram_configs:
         runs.append((args.ngram_model, None, [c for c in args.ngram_configs.split(",") if c]))
-    for _, _, configs in runs:
+    for _, draft, configs in runs:
         if not configs or configs[0] != "plain":
             raise ValueError(f"each model's configurations start with plain, got {configs}")
+        for c in configs:   # every spelling checked before any model loads
+            speculative_config(c, draft)
     columns = ["model", "configuration"] + [f"{name}: speed-up (tau)" for name, _ in sets] + ["identical beams"]
     rows, samples = [], {}
     for run_name, (model, draft, configs) in zip(("target", "n-gram"), runs):

@@ -40,3 +40,18 @@ def test_configurations_must_start_with_plain(tiny_llama_dir):
         beam_search.run(args(tiny_llama_dir, "draft:2", spec_bench=""), {})
     with pytest.raises(ValueError, match="unknown configuration"):
         beam_search.run(args(tiny_llama_dir, "plain,nope:3", spec_bench=""), {})
+
+
+@pytest.mark.parametrize("config", ["ngram:4:dynamic", "draft", "draft:2:3", "draft-tree:2", "ngram:x", "plain:1"])
+def test_misspelled_configurations_are_refused_before_any_model_loads(tiny_llama_dir, config):
+    """:dynamic on a kind that has no dynamic_k here, missing or extra fields: refused by name, whichever
+    model's list holds them (the n-gram list's too, before the target's configurations run)."""
+    with pytest.raises(ValueError, match="unknown configuration"):
+        beam_search.run(args(tiny_llama_dir, "plain,draft:2", "plain," + config, spec_bench=""), {})
+
+
+def test_speculative_configs_of_each_kind():
+    assert beam_search.speculative_config("plain", "d") is None
+    assert beam_search.speculative_config("draft:3:dynamic", "d") == {"model": "d", "num_speculative_tokens": 3,
+                                                                      "dynamic_k": True}
+    assert beam_search.speculative_config("draft-tree:2:8", "d")["tree"] == {"top_k": 2, "max_nodes": 8}
