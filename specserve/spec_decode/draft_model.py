@@ -72,6 +72,8 @@ class DraftModelProposer(Proposer):
                     probs[i].append(choice.probs[row])                            # [V]
             # Next step: feed each new draft token to requests that want more.
             active = [i for i in active if len(drafts[i]) < budgets[i]]
+            if step == 0 and active and self._greedy_chain(reqs, active, drafts, budgets):
+                break
             inputs = [
                 ForwardInput([drafts[i][-1]], reqs[i].proposer_num_computed_tokens,
                              self.kv_cache.block_table(reqs[i].request_id), 1)
@@ -83,6 +85,25 @@ class DraftModelProposer(Proposer):
             token_ids=drafts,
             probs=[torch.stack(p) if p else None for p in probs],
         )
+
+    def _greedy_chain(self, reqs: list[Request], active: list[int], drafts: list[list[int]], budgets: list[int]) -> bool:
+        """Drafts 2.. of every active request in one captured graph (``StepGraphs.greedy_chain``:
+        each argmax fed back on the device), where the runner has one for this batch and every
+        active request drafts greedily with nothing adjusting or masking its logits; extends
+        ``drafts`` and returns True, else False (the caller steps on)."""
+        graphs = self.runner.graphs
+        steps = [budgets[i] - len(drafts[i]) for i in active]
+        bucket = graphs.chain_bucket(len(active), max(steps)) if graphs is not None else None
+        if bucket is None or any(not reqs[i].sampling_params.greedy or reqs[i].sampling_params.adjusts_logits
+                                 or getattr(reqs[i], "grammar", None) is not None for i in active):
+            return False
+        tokens = graphs.greedy_chain(bucket, [drafts[i][-1] for i in active],
+                                     [reqs[i].proposer_num_computed_tokens for i in active],
+                                     [self.kv_cache.block_table(reqs[i].request_id) for i in active], steps)
+        for i, n, new in zip(active, steps, tokens):
+            drafts[i].extend(new)
+            reqs[i].proposer_num_computed_tokens += n   # it fed drafts 1..n (the last one drafted is not fed)
+        return True
 
     def _propose_trees(self, scheduled: list[ScheduledRequest]) -> Proposal:
         """Catch up (the last token's logits are the root's), then grow each request's tree."""

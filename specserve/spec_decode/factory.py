@@ -123,7 +123,8 @@ def build_draft_model_proposer(spec: SpeculativeConfig, ctx: ProposerContext) ->
         requantize_draft(runner, spec.draft_quantization)
     lookahead = spec.num_lookahead_slots
     allocate_kv_cache(runner, ctx.kv_cache.num_blocks, ctx.graphs, ctx.max_num_seqs, max_query_len=lookahead + 1,
-                      max_tree_span=lookahead + 1 if spec.tree is not None else 0)
+                      max_tree_span=lookahead + 1 if spec.tree is not None else 0,
+                      max_chain_steps=lookahead - 1 if spec.tree is None and fit.mapping is None else 0)
     if fit.mapping is not None:
         from specserve.spec_decode.cross_vocab import DEFAULT_METHOD, CrossVocabProposer
 

@@ -27,6 +27,12 @@ more requests than the largest batch bucket, a tree wider than the captured mask
 one a layer's sliding window could cut inside. A bucket is captured the first time a step
 needs it (logged once, with its time), so shapes a workload never uses cost nothing.
 
+A draft model's greedy drafts 2..k can run as one graph as well (``greedy_chain``): step j
+feeds the argmax of step j - 1's logits straight back in on the device, so the host reads all
+the drafted tokens once instead of once a draft. Positions, slots and context lengths of every
+step are known beforehand; a request whose draft budget ends early writes its later steps to
+the padding block.
+
 On a CPU there is nothing to capture; ``capture=False`` runs the same padded static-buffer
 forward eagerly, which is how the tests check the padding (``SPECSERVE_GRAPHS_ON_CPU=1``).
 """
@@ -72,16 +78,18 @@ class Bucket:
 @dataclass
 class _Captured:
     graph: "torch.cuda.CUDAGraph | None"   # None: run eagerly (a CPU)
-    hidden: torch.Tensor | None            # [rows, hidden] the graph's output (CUDA)
+    hidden: torch.Tensor | None            # the graph's output (CUDA): [rows, hidden], a chain's [steps, B] tokens
 
 
 class StepGraphs:
     """The captured forwards of one ``ModelRunner`` and the static tensors they read."""
 
-    def __init__(self, runner, max_num_reqs: int, max_query_len: int, max_tree_span: int, capture: bool):
+    def __init__(self, runner, max_num_reqs: int, max_query_len: int, max_tree_span: int, capture: bool,
+                 max_chain_steps: int = 0):
         """``runner``: a ModelRunner whose cache has a padding block. Steps of up to
         ``max_num_reqs`` requests of up to ``max_query_len`` rows are served; trees up to
-        ``max_tree_span`` slots (cached nodes + new ones; 0: chains only)."""
+        ``max_tree_span`` slots (cached nodes + new ones; 0: chains only); greedy chains of up
+        to ``max_chain_steps`` decode steps (a draft model's; 0: none)."""
         self.runner = runner
         self.capture = capture
         self.batch_buckets = buckets_up_to(BATCH_BUCKETS, max_num_reqs)
@@ -103,8 +111,19 @@ class StepGraphs:
             self.i32[b_max * self.max_blocks : b_max * (self.max_blocks + 4)].view(4, b_max))
         self.tree_words = (self.i32[b_max * (self.max_blocks + 4) :].view(rows, self.num_words)
                            if self.num_words else None)
+        # A greedy chain's inputs: the first tokens, then per step positions and slots (int64),
+        # context and query lengths (int32); query starts are 0, 1, 2, ... (one row a request).
+        self.max_chain_steps = max_chain_steps
+        steps = max(1, max_chain_steps)
+        self.c64 = torch.zeros(1 + 2 * steps, b_max, dtype=torch.long, device=device)
+        self.chain_ids, self.chain_positions, self.chain_slots = (self.c64[0], self.c64[1 : 1 + steps],
+                                                                  self.c64[1 + steps :])
+        self.c32 = torch.zeros(2 * steps, b_max, dtype=torch.int32, device=device)
+        self.chain_context_lens, self.chain_query_lens = self.c32[:steps], self.c32[steps:]
+        self.chain_query_start = torch.arange(b_max, dtype=torch.int32, device=device)
         self.smallest_window = min((w for w in _sliding_windows(runner.model) if w is not None), default=None)
         self.captured: dict[Bucket, _Captured] = {}
+        self.chains: dict[tuple[int, int], _Captured] = {}   # (requests bucket, steps) -> greedy chain
         self.pool = torch.cuda.graph_pool_handle() if capture else None
 
     # ------------------------------------------------------------------ which steps
@@ -134,7 +153,8 @@ class StepGraphs:
         logit_rows, token_rows = self._fill(bucket, inputs)
         captured = self.captured.get(bucket)
         if captured is None:
-            captured = self.captured[bucket] = self._capture(bucket)
+            captured = self.captured[bucket] = self._capture(lambda: self._forward(bucket),
+                                                             f"{bucket.num_reqs} requests x {bucket.query_len} rows")
         if captured.graph is None:
             return self._forward(bucket), logit_rows, token_rows
         captured.graph.replay()
@@ -201,29 +221,92 @@ class StepGraphs:
         rows = bucket.rows
         return self.runner.model(self.ids[:rows], self.positions[:rows], self.runner.kv_caches, self._meta(bucket))
 
-    def _capture(self, bucket: Bucket) -> _Captured:
+    # ------------------------------------------------------------------ a draft's greedy chain
+    def chain_bucket(self, num_reqs: int, steps: int) -> int | None:
+        """The requests bucket a greedy chain of ``steps`` runs in, or None (run step by step)."""
+        if not 0 < steps <= self.max_chain_steps or num_reqs > self.batch_buckets[-1]:
+            return None
+        return self.batch_buckets[bisect.bisect_left(self.batch_buckets, num_reqs)]
+
+    def greedy_chain(self, num_reqs: int, first_tokens: list[int], positions: list[int], tables: list[list[int]],
+                     steps: list[int]) -> list[list[int]]:
+        """Request i feeds ``first_tokens[i]`` at ``positions[i]`` and each next argmax after it, for
+        ``steps[i]`` decode steps (``chain_bucket(len, max(steps))`` gave ``num_reqs``); returns the
+        argmax tokens of its steps. One host read for all of them."""
+        longest = max(steps)
+        bs = self.runner.block_size
+        pos = [[0] * num_reqs for _ in range(longest)]
+        slots = [[self.pad_slot] * num_reqs for _ in range(longest)]
+        ctx = [[0] * num_reqs for _ in range(longest)]
+        q = [[0] * num_reqs for _ in range(longest)]
+        for i, (p0, table, n) in enumerate(zip(positions, tables, steps)):
+            for j in range(n):
+                pos[j][i], slots[j][i], ctx[j][i], q[j][i] = p0 + j, cache_slot(table, p0 + j, bs), p0 + j + 1, 1
+        ids = first_tokens + [0] * (num_reqs - len(first_tokens))
+        self.c64[0, :num_reqs].copy_(torch.tensor(ids, dtype=torch.long), non_blocking=True)
+        host = torch.tensor([pos, slots], dtype=torch.long)                          # [2, steps, B]
+        self.chain_positions[:longest, :num_reqs].copy_(host[0], non_blocking=True)
+        self.chain_slots[:longest, :num_reqs].copy_(host[1], non_blocking=True)
+        host = torch.tensor([ctx, q], dtype=torch.int32)
+        self.chain_context_lens[:longest, :num_reqs].copy_(host[0], non_blocking=True)
+        self.chain_query_lens[:longest, :num_reqs].copy_(host[1], non_blocking=True)
+        width = max(len(t) for t in tables)
+        self.block_tables[: len(tables), :width].copy_(
+            torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32), non_blocking=True)
+        key = (num_reqs, longest)
+        captured = self.chains.get(key)
+        if captured is None:
+            captured = self.chains[key] = self._capture(lambda: self._chain_forward(num_reqs, longest),
+                                                        f"a greedy chain of {longest} steps x {num_reqs} requests")
+        if captured.graph is None:
+            tokens = self._chain_forward(num_reqs, longest)
+        else:
+            captured.graph.replay()
+            tokens = captured.hidden
+        tokens = tokens.tolist()                                                     # [steps][B]: the one host read
+        return [[tokens[j][i] for j in range(n)] for i, n in enumerate(steps)]
+
+    def _chain_forward(self, num_reqs: int, steps: int) -> torch.Tensor:   # [steps, num_reqs] token ids
+        model, b = self.runner.model, num_reqs
+        ids, out = self.chain_ids[:b], []
+        for j in range(steps):
+            tri = TritonInputs(
+                block_tables=self.block_tables[:b], query_start=self.chain_query_start[:b],
+                query_lens=self.chain_query_lens[j, :b], context_lens=self.chain_context_lens[j, :b],
+                positions=self.chain_positions[j, :b], max_query_len=1, padded=True)
+            meta = AttentionMetadata(slot_mapping=self.chain_slots[j, :b], kernel=None, _group_args=(), triton=tri)
+            hidden = model(ids, self.chain_positions[j, :b], self.runner.kv_caches, meta)   # [b, hidden]
+            ids = model.compute_logits(hidden).argmax(dim=-1)                             # [b]
+            out.append(ids)
+        return torch.stack(out)
+
+    # ------------------------------------------------------------------ capture
+    def _capture(self, forward, what: str) -> _Captured:
+        """``forward``'s launches as a CUDA graph (its output tensor kept), or on a CPU nothing."""
         if not self.capture:
             return _Captured(None, None)
         start = time.perf_counter()
-        saved = self.i64.clone(), self.i32.clone()
+        static = (self.i64, self.i32, self.c64, self.c32)
+        saved = [t.clone() for t in static]
         # Capture with nothing to attend (no query rows) and every write to the padding block.
-        self.slots.fill_(self.pad_slot)
-        self.query_lens.zero_()
-        self.context_lens.zero_()
+        for slots in (self.slots, self.chain_slots):
+            slots.fill_(self.pad_slot)
+        for lens in (self.query_lens, self.context_lens, self.chain_query_lens, self.chain_context_lens):
+            lens.zero_()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):   # warm-up: Triton compiles, cuBLAS picks its kernels
             for _ in range(2):
-                self._forward(bucket)
+                forward()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            hidden = self._forward(bucket)
-        self.i64.copy_(saved[0])
-        self.i32.copy_(saved[1])
-        logger.info("captured a CUDA graph for %d requests x %d rows in %.2f s (%d graphs)", bucket.num_reqs,
-                    bucket.query_len, time.perf_counter() - start, len(self.captured) + 1)
-        return _Captured(graph, hidden)
+            output = forward()
+        for t, old in zip(static, saved):
+            t.copy_(old)
+        logger.info("captured a CUDA graph for %s in %.2f s (%d graphs)", what, time.perf_counter() - start,
+                    len(self.captured) + len(self.chains) + 1)
+        return _Captured(graph, output)
 
 
 def _sliding_windows(model) -> list[int | None]:

@@ -121,13 +121,14 @@ class ModelRunner:
             return False
         return triton_attention.usable(device, self.dtype, self.kv_cache_dtype)
 
-    def use_graphs(self, max_num_reqs: int, max_query_len: int, max_tree_span: int) -> None:
+    def use_graphs(self, max_num_reqs: int, max_query_len: int, max_tree_span: int, max_chain_steps: int = 0) -> None:
         """Replay decode and verification steps of up to ``max_num_reqs`` requests and
-        ``max_query_len`` rows each as CUDA graphs (``cuda_graphs``); the cache must have its
-        padding block. On a CPU (tests) the same padded forward runs eagerly."""
+        ``max_query_len`` rows each (and greedy chains of up to ``max_chain_steps`` decode steps)
+        as CUDA graphs (``cuda_graphs``); the cache must have its padding block. On a CPU (tests)
+        the same padded forward runs eagerly."""
         assert self.padding_block is not None, "allocate_kv_cache(padding_block=True) first"
         self.graphs = StepGraphs(self, max_num_reqs, max_query_len, max_tree_span,
-                                 capture=torch.device(self.device).type == "cuda")
+                                 capture=torch.device(self.device).type == "cuda", max_chain_steps=max_chain_steps)
 
     @torch.inference_mode()
     def copy_kv_slots(self, src: list[int], dst: list[int]) -> None:
@@ -208,15 +209,16 @@ class ModelRunner:
 
 
 def allocate_kv_cache(runner, num_blocks: int, graphs: bool, max_num_reqs: int, max_query_len: int,
-                      max_tree_span: int) -> bool:
+                      max_tree_span: int, max_chain_steps: int = 0) -> bool:
     """A target's or draft's KV cache of ``num_blocks`` blocks and, where ``graphs`` is asked for
     and the runner can (``ModelRunner.can_use_graphs``; a TensorParallelExecutor cannot), CUDA
     graphs for its steps of up to ``max_num_reqs`` requests x ``max_query_len`` rows (trees up to
-    ``max_tree_span`` slots). Returns whether its steps replay as graphs."""
+    ``max_tree_span`` slots; a draft's greedy chains up to ``max_chain_steps`` steps). Returns
+    whether its steps replay as graphs."""
     graphs = graphs and isinstance(runner, ModelRunner) and runner.can_use_graphs()
     runner.allocate_kv_cache(num_blocks, **({"padding_block": True} if graphs else {}))
     if graphs:
-        runner.use_graphs(max_num_reqs, max_query_len, max_tree_span)
+        runner.use_graphs(max_num_reqs, max_query_len, max_tree_span, max_chain_steps)
     return graphs
 
 

@@ -98,24 +98,64 @@ def test_a_tree_step_through_a_graph_equals_the_eager_step(graphs_on_cpu, peaked
     torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=1e-5)
 
 
+def test_a_greedy_chain_equals_step_by_step_decoding(graphs_on_cpu, peaked_llama):
+    """Requests chaining 4, 2 and 3 greedy steps in one graph (the draft model's drafts 2..k): each
+    request's tokens and the K/V at its fed positions are those of decoding it step by step; the
+    steps past a request's budget write only the padding block."""
+    llm = _llm(peaked_llama)
+    runner = llm.engine.runner
+    runner.use_graphs(6, 1, 0, max_chain_steps=4)
+    steps = [4, 2, 3]
+    inputs = _step(runner, [(30, 4), (12, 2), (50, 3)], seed=11)   # blocks up to each request's last step
+    firsts = [inp.token_ids[0] for inp in inputs]
+    positions = [inp.start_position for inp in inputs]
+    tables = [inp.block_table for inp in inputs]
+    before = [c.clone() for c in runner.kv_caches]
+    bucket = runner.graphs.chain_bucket(3, 4)
+    assert bucket == 4 and runner.graphs.chain_bucket(3, 5) is None
+    chained = runner.graphs.greedy_chain(bucket, firsts, positions, tables, steps)
+    after_chain = [c.clone() for c in runner.kv_caches]
+    for c, b in zip(runner.kv_caches, before):
+        c.copy_(b)
+    graphs, runner.graphs = runner.graphs, None
+    stepped = []
+    for first, p0, table, n in zip(firsts, positions, tables, steps):
+        tokens, token = [], first
+        for j in range(n):
+            token = int(runner.execute([ForwardInput([token], p0 + j, table, 1)]).logits.argmax(-1))
+            tokens.append(token)
+        stepped.append(tokens)
+    runner.graphs = graphs
+    assert chained == stepped
+    for c_chain, c_steps in zip(after_chain, runner.kv_caches):
+        torch.testing.assert_close(c_chain[:, :, : runner.num_blocks], c_steps[:, :, : runner.num_blocks],
+                                   rtol=1e-5, atol=1e-5)
+
+
 def test_greedy_answers_with_graphs_are_the_eager_ones(graphs_on_cpu, peaked_llama, tiny_draft_dir):
     """Plain decoding, n-gram and draft-model speculation with graphs give the tokens of the same
     engine with enforce_eager=True, and speculation gives plain's."""
     prompts = ["The quick brown fox jumps over the lazy dog. The quick brown", "1, 2, 3, 4, 5,", "Hello"]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    answers = {}
+    answers, accepted = {}, {}
     for name, kw in {"plain": {}, "ngram": {"speculative_config": {"method": "ngram"}, "num_speculative_tokens": 3},
                      "draft": {"speculative_model": tiny_draft_dir, "num_speculative_tokens": 3}}.items():
         for eager in (False, True):
             llm = _llm(peaked_llama, enforce_eager=eager, **kw)
             assert (llm.engine.runner.graphs is None) == eager
             answers[name, eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            stats = llm.get_spec_decode_stats()
+            accepted[name, eager] = (stats.num_draft_tokens, stats.num_accepted_tokens)
             if not eager:
                 assert llm.engine.runner.graphs.captured, "no step ran through a graph"
                 if name == "draft":
-                    assert llm.engine.proposer.runner.graphs.captured, "the draft's steps ran eagerly"
+                    draft_graphs = llm.engine.proposer.runner.graphs
+                    assert draft_graphs.captured, "the draft's steps ran eagerly"
+                    assert draft_graphs.chains, "drafts 2..k ran step by step, not as one greedy chain"
     for key, tokens in answers.items():
         assert tokens == answers["plain", True], key
+    assert accepted["draft", False] == accepted["draft", True]    # the chain drafted exactly what steps draft
+    assert accepted["ngram", False] == accepted["ngram", True]
 
 
 def test_steps_outside_the_buckets_run_eagerly(graphs_on_cpu, peaked_llama):
