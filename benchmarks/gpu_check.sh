@@ -48,7 +48,7 @@ echo "pytest exit $?" | tee -a "$LOG"
 step "decode and verification steps on published shapes: graphs against eager, against the memory limit"
 timeout 170 $SPECSERVE bench forward-rows --device cuda --dtype bfloat16 --rows 1,5,8,13 --rounds 3 \
     --models shape:llama-3.1-8b,shape:llama-3.1-8b:eager,shape:llama-3.2-1b,shape:qwen2.5-1.5b,shape:qwen2.5-1.5b:eager,shape:smollm2-135m,shape:smollm2-135m:eager \
-    --memory-bandwidth "${BW:-4800}" --peer transformers --results "$OUT/results" >>"$LOG" 2>&1
+    --memory-bandwidth "${BW:-4800}" --chain-steps 4 --peer transformers --results "$OUT/results" >>"$LOG" 2>&1
 echo "forward-rows exit $?" | tee -a "$LOG"
 
 step "attention: the Triton kernel against SDPA over gathered blocks (both eager)"

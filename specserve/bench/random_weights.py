@@ -72,17 +72,18 @@ def random_state_dict(config, dtype: torch.dtype, device: torch.device | str, se
 
 def random_runner(name: str, dtype: torch.dtype, device: torch.device | str, max_model_len: int,
                   kv_cache_memory: int, block_size: int = 16, enforce_eager: bool = False, max_num_reqs: int = 1,
-                  max_query_len: int = 16):
+                  max_query_len: int = 16, max_chain_steps: int = 0):
     """A ModelRunner of the shape with random weights and a KV cache of ``kv_cache_memory``
-    bytes; its steps of up to ``max_num_reqs`` x ``max_query_len`` rows replay as CUDA graphs
-    where they can, unless ``enforce_eager``."""
+    bytes; its steps of up to ``max_num_reqs`` x ``max_query_len`` rows (and greedy chains of
+    up to ``max_chain_steps`` steps) replay as CUDA graphs where they can, unless ``enforce_eager``."""
     from specserve.worker.model_runner import ModelRunner, allocate_kv_cache
 
     config = shape_config(name)
     runner = ModelRunner(config, random_state_dict(config, dtype, device), dtype, torch.device(device), max_model_len,
                          block_size)
     num_blocks = max(1, kv_cache_memory // runner.bytes_per_block)
-    allocate_kv_cache(runner, num_blocks, not enforce_eager, max_num_reqs, max_query_len, max_tree_span=0)
+    allocate_kv_cache(runner, num_blocks, not enforce_eager, max_num_reqs, max_query_len, max_tree_span=0,
+                      max_chain_steps=max_chain_steps)
     return runner
 
 

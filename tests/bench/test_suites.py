@@ -93,10 +93,11 @@ def test_the_published_batch_scaling_run_is_the_preset():
 def test_forward_rows_suite_on_a_random_shape(tmp_path):
     """shape:NAME models: random weights, the memory limit's share on the 1-row forward."""
     doc = run_suite(["forward-rows", "--models", "shape:tiny,shape:tiny:eager", "--rows", "1,2", "--rounds", "1",
-                     "--context", "20", "--device", "cpu", "--dtype", "float32", "--memory-bandwidth", "10"],
-                    str(tmp_path))
+                     "--context", "20", "--device", "cpu", "--dtype", "float32", "--memory-bandwidth", "10",
+                     "--chain-steps", "3"], str(tmp_path))
     assert doc["table"]["columns"][-1] == "of the memory limit"
     rows = doc["table"]["rows"]
-    assert [r[0] for r in rows] == ["shape:tiny"] * 2 + ["shape:tiny:eager"] * 2
-    assert rows[0][-1].endswith("%") and rows[1][-1] == "—"
+    assert [r[0] for r in rows] == ["shape:tiny"] * 3 + ["shape:tiny:eager"] * 3
+    assert [r[1] for r in rows[:3]] == ["1", "2", "chain 3"]     # 3 greedy steps in a row: a draft's k
+    assert rows[0][-1].endswith("%") and rows[1][-1] == rows[2][-1] == "—"
     assert doc["params"]["graphs"] == {"shape:tiny": False, "shape:tiny:eager": False}   # a CPU has none

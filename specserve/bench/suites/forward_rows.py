@@ -38,6 +38,9 @@ def add_arguments(p) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--memory-bandwidth", type=float, default=None,
                    help="GB/s the device reads memory at (H200: 4800): adds each shape's share of the memory limit")
+    p.add_argument("--chain-steps", type=int, default=0,
+                   help="also time K greedy decode steps in a row, as a draft model drafts 2..K+1 (one captured "
+                        "graph where the runner has graphs, else K forwards with an argmax each)")
     p.add_argument("--peer", choices=["transformers"], default=None,
                    help="also time transformers' generate per decoded token on each shape (batch 1, greedy)")
 
@@ -69,6 +72,23 @@ def time_forwards(runners: dict, rows_list: list[int], rounds: int, context: int
     return times
 
 
+def time_chain(runner, steps: int, context: int) -> float:
+    """ms of ``steps`` greedy decode steps of one request after ``context`` cached tokens, each fed
+    the previous argmax: the runner's captured chain where it has one, else forward by forward."""
+    from specserve.worker.model_runner import ForwardInput
+
+    blocks = list(range((context + steps) // BLOCK_SIZE + 1))
+    graphs = runner.graphs
+    start = time.perf_counter()
+    if graphs is not None and graphs.chain_bucket(1, steps):
+        graphs.greedy_chain(graphs.chain_bucket(1, steps), [100], [context], [blocks], [steps])
+    else:
+        token = 100
+        for j in range(steps):
+            token = int(runner.execute([ForwardInput([token], context + j, blocks, 1)]).logits.argmax(-1))
+    return (time.perf_counter() - start) * 1000
+
+
 def build_runner(model: str, args, max_len: int, rows: int):
     """A model's runner: ``shape:NAME[:eager]`` (random weights, ``bench/random_weights.py``) or
     anything ``LLM(model=...)`` takes ('default': SmolLM2-135M)."""
@@ -81,7 +101,8 @@ def build_runner(model: str, args, max_len: int, rows: int):
         parts = model.split(":")
         device = resolve_device(args.device)
         return random_weights.random_runner(parts[1], resolve_dtype(args.dtype, device), device, max_len, 1 << 28,
-                                            BLOCK_SIZE, enforce_eager="eager" in parts[2:], max_query_len=rows)
+                                            BLOCK_SIZE, enforce_eager="eager" in parts[2:], max_query_len=rows,
+                                            max_chain_steps=args.chain_steps)
     llm = LLM(model=None if model == "default" else model, dtype=args.dtype, device=args.device, max_model_len=max_len,
               kv_cache_memory=1 << 28)
     return llm.engine.runner
@@ -124,6 +145,13 @@ def run(args, doc: dict) -> None:
     max_len = max(1024, args.context + rows_list[-1] + BLOCK_SIZE)
     runners = {m: build_runner(m, args, max_len, rows_list[-1]) for m in models}
     times = time_forwards(runners, rows_list, args.rounds, args.context)
+    if args.chain_steps:
+        for _ in range(args.rounds):
+            for name, runner in runners.items():
+                time_chain(runner, args.chain_steps, args.context)   # warm-up (and capture)
+                for _ in range(2):
+                    times.setdefault((name, f"chain {args.chain_steps}"), []).append(
+                        time_chain(runner, args.chain_steps, args.context))
     medians = {key: statistics.median(v) for key, v in times.items()}
     first = models[0]
     shapes = [m for m in models if m.startswith("shape:")]
@@ -147,10 +175,14 @@ def run(args, doc: dict) -> None:
                 shape = m.split(":")[1] if m in shapes else None
                 row.append(f"{fmt(peer_ms[shape], 2)} ({peer_ms[shape] / ms:.2f}x)" if shape and r == 1 else "—")
             table.append(row)
+        if args.chain_steps:
+            ms = medians[m, f"chain {args.chain_steps}"]
+            table.append([m, f"chain {args.chain_steps}", fmt(ms, 1), f"{ms / one:.2f}x", "—",
+                          f"{ms / medians[first, rows_list[0]]:.2f}x"] + ["—"] * (bool(limit_ms) + bool(peer_ms)))
     doc["params"] = {"models": models, "rows": rows_list, "rounds": args.rounds, "context": args.context,
                      "dtype": args.dtype, "device": str(runners[models[0]].device),
                      "threads": torch.get_num_threads(), "memory_bandwidth_gbs": args.memory_bandwidth,
-                     "peer": args.peer,
+                     "peer": args.peer, "chain_steps": args.chain_steps,
                      "graphs": {m: getattr(runners[m], "graphs", None) is not None for m in models}}
     columns = ["model", "rows", "ms", f"vs {rows_list[0]} row(s)", "ms per extra row", f"vs {first}'s decode step"]
     if limit_ms:
@@ -167,4 +199,5 @@ def run(args, doc: dict) -> None:
                     "N + 1 rows; beam search with B beams verifies B (k + 1).",
                     "shape:NAME: random weights of that published shape drawn on the device (CUDA graphs on unless "
                     ":eager); of the memory limit: (bytes a decode step streams / --memory-bandwidth) / ms."]
-    doc["samples"] = [{"model": m, "rows": r, "ms": times[m, r]} for m in models for r in rows_list]
+    doc["samples"] = [{"model": m, "rows": r, "ms": times[m, r]} for m in models
+                      for r in rows_list + ([f"chain {args.chain_steps}"] if args.chain_steps else [])]
