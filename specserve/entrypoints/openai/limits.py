@@ -21,9 +21,10 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
-from starlette.requests import ClientDisconnect, Request
+if TYPE_CHECKING:   # the server's modules import starlette; the command line's options (OPTIONS) need not
+    from starlette.requests import Request
 
 
 class APIError(Exception):
@@ -125,6 +126,8 @@ OPTIONS = [
 
 async def read_json(raw: Request, limits: ServerLimits) -> dict:
     """The request's body as a checked JSON object (see the module docstring)."""
+    from starlette.requests import ClientDisconnect
+
     media_type = raw.headers.get("content-type", "").split(";")[0].strip().lower()
     if media_type != "application/json":
         raise APIError(415, f"the request body must be JSON sent with 'Content-Type: application/json' "
