@@ -28,7 +28,7 @@ step machine
   $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 } >>"$LOG" 2>&1
 
-step "memory bandwidth for context (device-to-device copy of 4 GiB, bytes read and written; the limit below uses the H200 datasheet's 4.8 TB/s, as the GPU issue states it)"
+step "memory bandwidth for context (device-to-device copy of 4 GiB, bytes read and written; the memory limit below uses the H200 datasheet's 4.8 TB/s)"
 BW=$($PY - <<'EOF' 2>>"$LOG"
 import torch
 x = torch.empty(1 << 31, dtype=torch.int16, device="cuda"); y = torch.empty_like(x)
