@@ -145,6 +145,7 @@ class StepGraphs:
                       self.query_buckets[bisect.bisect_left(self.query_buckets, longest)])
 
     # ------------------------------------------------------------------ one step
+    @torch.inference_mode()
     def run(self, bucket: Bucket, inputs: list) -> tuple[torch.Tensor, list[int], list[int]]:
         """The step through the bucket's graph: the final hidden states of every row
         [bucket rows, hidden] (the graph's own output tensor, valid until its next replay),
@@ -228,6 +229,7 @@ class StepGraphs:
             return None
         return self.batch_buckets[bisect.bisect_left(self.batch_buckets, num_reqs)]
 
+    @torch.inference_mode()
     def greedy_chain(self, num_reqs: int, first_tokens: list[int], positions: list[int], tables: list[list[int]],
                      steps: list[int]) -> list[list[int]]:
         """Request i feeds ``first_tokens[i]`` at ``positions[i]`` and each next argmax after it, for
