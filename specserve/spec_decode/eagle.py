@@ -51,6 +51,7 @@ from specserve.spec_decode.context import ProposerContext
 from specserve.spec_decode.draft_tree import DraftTreeGrower, TreeStep
 from specserve.spec_decode.proposer import Proposal, Proposer, TargetHidden
 from specserve.structured_output.rows import mask_draft_rows
+from specserve.worker.cuda_graphs import StepGraphs, graphs_possible
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +100,13 @@ class EagleProposer(Proposer):
         block_size: int,
         tree: TreeConfig | None = None,
         depth: int = 0,
+        graphs: bool = False,
+        max_num_seqs: int = 1,
+        max_model_len: int = 0,
     ):
-        """``head`` arrives in the compute dtype for ``weight_dtype`` (fp16_gemm.compute_dtype_for)."""
+        """``head`` arrives in the compute dtype for ``weight_dtype`` (fp16_gemm.compute_dtype_for).
+        ``graphs``: greedy drafts 2..``depth`` as one CUDA graph where the device allows
+        (``cuda_graphs.graphs_possible``), for up to ``max_num_seqs`` requests."""
         self.dtype = dtype = compute_dtype_for(weight_dtype, device)
         self.head = head.to(device).eval()
         self.embed_tokens = embed_tokens
@@ -122,8 +128,16 @@ class EagleProposer(Proposer):
         skip_row_padding(self.head)
         skip_row_padding(self.lm_head)
         cfg = head.config
-        shape = kv_cache_shape(kv_cache.num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.kv = torch.zeros(shape, dtype=kv_cache_dtype_for(weight_dtype, dtype, device), device=device)
+        kv_dtype = kv_cache_dtype_for(weight_dtype, dtype, device)
+        chain = graphs and tree is None and depth > 1 and graphs_possible(device, dtype, kv_dtype)
+        # With graphs, one more block: the padding block a chain's padding rows write (cuda_graphs)
+        shape = kv_cache_shape(kv_cache.num_blocks + int(chain), block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.kv = torch.zeros(shape, dtype=kv_dtype, device=device)
+        # What StepGraphs reads of its owner (a ModelRunner's names).
+        self.model, self.kv_caches, self.max_model_len = self.head, [self.kv], max_model_len
+        self.padding_block = kv_cache.num_blocks
+        self.graphs = (StepGraphs(self, max_num_seqs, 1, 0, capture=torch.device(device).type == "cuda",
+                                  max_chain_steps=depth - 1, chain_step=self._chain_step) if chain else None)
         self.features: weakref.WeakKeyDictionary[Request, _Features] = weakref.WeakKeyDictionary()
         self._warned = False
         self.tree = DraftTreeGrower(tree, depth, vocab_size) if tree is not None else None
@@ -218,6 +232,8 @@ class EagleProposer(Proposer):
             keep = [row for row, i in enumerate(active) if len(drafts[i]) < budgets[i]]
             if not keep:
                 break
+            if step == 0 and self._greedy_chain(reqs, [active[row] for row in keep], hidden[keep], drafts, budgets):
+                break
             active = [active[row] for row in keep]
             hidden = hidden[torch.tensor(keep, device=self.device)]
             pos = [reqs[i].num_computed_tokens + step for i in active]
@@ -231,6 +247,32 @@ class EagleProposer(Proposer):
             )
             step += 1
         return Proposal(token_ids=drafts, probs=[torch.stack(p) if p else None for p in probs])
+
+    def _greedy_chain(self, reqs: list[Request], active: list[int], hidden: torch.Tensor, drafts: list[list[int]],
+                      budgets: list[int]) -> bool:
+        """Drafts 2.. in one captured graph (``StepGraphs.greedy_chain`` with ``_chain_step``), from
+        the catch-up's output features ``hidden`` [len(active), H], where there is one for this
+        batch and every active request drafts greedily with nothing adjusting or masking its
+        logits; extends ``drafts`` and returns True, else False (the caller steps on)."""
+        steps = [budgets[i] - len(drafts[i]) for i in active]
+        bucket = self.graphs.chain_bucket(len(active), max(steps)) if self.graphs is not None else None
+        if bucket is None or any(not reqs[i].sampling_params.greedy or reqs[i].sampling_params.adjusts_logits
+                                 or reqs[i].grammar is not None for i in active):
+            return False
+        tokens = self.graphs.greedy_chain(bucket, [drafts[i][-1] for i in active],
+                                          [reqs[i].num_computed_tokens for i in active],
+                                          [self.kv_cache.block_table(reqs[i].request_id) for i in active], steps,
+                                          first_state=hidden)
+        for i, new in zip(active, tokens):
+            drafts[i].extend(new)
+        return True
+
+    def _chain_step(self, ids: torch.Tensor, state: torch.Tensor, meta, positions: torch.Tensor):
+        """One greedy draft on the device: the head at the fed token with the last output as its
+        feature, then the argmax of the LM head (ids, state [B], [B, H] -> the next ones)."""
+        state = self.head(state.to(self.dtype), self.embed_tokens(ids).to(self.dtype), positions, self.kv, meta)
+        best = self.lm_head(state).float().argmax(dim=-1)
+        return (self.draft_vocab[best] if self.draft_vocab is not None else best), state
 
     def _propose_trees(self, reqs: list[Request], budgets: list[int]) -> Proposal:
         """Catch up, then grow each request's tree under its root at position n - 1."""
@@ -329,4 +371,5 @@ def build_eagle_proposer(spec, ctx: ProposerContext) -> EagleProposer:
     )
     return EagleProposer(head, ctx.target_embed_tokens, ctx.target_lm_head_weight, ctx.kv_cache,
                          ctx.target_vocab_size, ctx.device, weight_dtype, ctx.block_size, spec.tree,
-                         spec.num_speculative_tokens)
+                         spec.num_speculative_tokens, graphs=ctx.graphs, max_num_seqs=ctx.max_num_seqs,
+                         max_model_len=ctx.max_model_len + spec.num_speculative_tokens)

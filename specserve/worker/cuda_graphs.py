@@ -27,11 +27,13 @@ more requests than the largest batch bucket, a tree wider than the captured mask
 one a layer's sliding window could cut inside. A bucket is captured the first time a step
 needs it (logged once, with its time), so shapes a workload never uses cost nothing.
 
-A draft model's greedy drafts 2..k can run as one graph as well (``greedy_chain``): step j
-feeds the argmax of step j - 1's logits straight back in on the device, so the host reads all
-the drafted tokens once instead of once a draft. Positions, slots and context lengths of every
+A draft's greedy drafts 2..k can run as one graph as well (``greedy_chain``): step j feeds
+the argmax of step j - 1's logits straight back in on the device, so the host reads all the
+drafted tokens once instead of once a draft. Positions, slots and context lengths of every
 step are known beforehand; a request whose draft budget ends early writes its later steps to
-the padding block.
+the padding block. What one step computes is the owner's ``chain_step``: a draft model's
+forward and argmax by default, an EAGLE head's (which also carries its output feature to the
+next step as a ``state`` row) where the EAGLE proposer sets it.
 
 On a CPU there is nothing to capture; ``capture=False`` runs the same padded static-buffer
 forward eagerly, which is how the tests check the padding (``SPECSERVE_GRAPHS_ON_CPU=1``).
@@ -46,6 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.model_executor.layers import triton_attention
 from specserve.model_executor.layers.attention import AttentionMetadata, cache_slot, mask_words_int32, tree_layout
 from specserve.model_executor.layers.triton_attention import TritonInputs
 
@@ -58,6 +61,15 @@ QUERY_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 48, 64)
 def graphs_on_cpu() -> bool:
     """Tests only: the padded static-buffer forward runs eagerly on a CPU."""
     return os.environ.get("SPECSERVE_GRAPHS_ON_CPU", "") == "1"
+
+
+def graphs_possible(device: torch.device | str, dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether a model on ``device`` with these query and cache dtypes can replay graphs: CUDA (or,
+    in the tests, a CPU with ``SPECSERVE_GRAPHS_ON_CPU=1``) and the Triton attention kernel."""
+    device = torch.device(device)
+    if device.type != "cuda" and not (device.type == "cpu" and graphs_on_cpu()):
+        return False
+    return triton_attention.usable(device, dtype, cache_dtype)
 
 
 def buckets_up_to(buckets: tuple[int, ...], largest: int) -> list[int]:
@@ -85,8 +97,12 @@ class StepGraphs:
     """The captured forwards of one ``ModelRunner`` and the static tensors they read."""
 
     def __init__(self, runner, max_num_reqs: int, max_query_len: int, max_tree_span: int, capture: bool,
-                 max_chain_steps: int = 0):
-        """``runner``: a ModelRunner whose cache has a padding block. Steps of up to
+                 max_chain_steps: int = 0, chain_step=None):
+        """``runner``: a ModelRunner whose cache has a padding block (or any owner with its
+        ``device``, ``block_size``, ``max_model_len``, ``padding_block``, ``model`` and
+        ``kv_caches``). ``chain_step(ids [B], state [B, H] or None, meta, positions [B]) ->
+        (next ids [B], next state or None)``: one step of a greedy chain (default: the decoder's
+        forward, LM head and argmax). Steps of up to
         ``max_num_reqs`` requests of up to ``max_query_len`` rows are served; trees up to
         ``max_tree_span`` slots (cached nodes + new ones; 0: chains only); greedy chains of up
         to ``max_chain_steps`` decode steps (a draft model's; 0: none)."""
@@ -121,6 +137,8 @@ class StepGraphs:
         self.c32 = torch.zeros(2 * steps, b_max, dtype=torch.int32, device=device)
         self.chain_context_lens, self.chain_query_lens = self.c32[:steps], self.c32[steps:]
         self.chain_query_start = torch.arange(b_max, dtype=torch.int32, device=device)
+        self.chain_step = chain_step or self._decoder_chain_step
+        self.chain_state: torch.Tensor | None = None   # [B_max, H] a chain's first state rows (EAGLE's features)
         self.smallest_window = min((w for w in _sliding_windows(runner.model) if w is not None), default=None)
         self.captured: dict[Bucket, _Captured] = {}
         self.chains: dict[tuple[int, int], _Captured] = {}   # (requests bucket, steps) -> greedy chain
@@ -231,10 +249,11 @@ class StepGraphs:
 
     @torch.inference_mode()
     def greedy_chain(self, num_reqs: int, first_tokens: list[int], positions: list[int], tables: list[list[int]],
-                     steps: list[int]) -> list[list[int]]:
-        """Request i feeds ``first_tokens[i]`` at ``positions[i]`` and each next argmax after it, for
-        ``steps[i]`` decode steps (``chain_bucket(len, max(steps))`` gave ``num_reqs``); returns the
-        argmax tokens of its steps. One host read for all of them."""
+                     steps: list[int], first_state: torch.Tensor | None = None) -> list[list[int]]:
+        """Request i feeds ``first_tokens[i]`` (with ``first_state[i]``, for a chain step that
+        carries one) at ``positions[i]`` and each next argmax after it, for ``steps[i]`` decode
+        steps (``chain_bucket(len, max(steps))`` gave ``num_reqs``); returns the argmax tokens of
+        its steps. One host read for all of them."""
         longest = max(steps)
         bs = self.runner.block_size
         pos = [[0] * num_reqs for _ in range(longest)]
@@ -255,6 +274,10 @@ class StepGraphs:
         width = max(len(t) for t in tables)
         self.block_tables[: len(tables), :width].copy_(
             torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32), non_blocking=True)
+        if first_state is not None:
+            if self.chain_state is None:
+                self.chain_state = first_state.new_zeros(self.batch_buckets[-1], first_state.shape[1])
+            self.chain_state[: first_state.shape[0]].copy_(first_state)
         key = (num_reqs, longest)
         captured = self.chains.get(key)
         if captured is None:
@@ -269,18 +292,23 @@ class StepGraphs:
         return [[tokens[j][i] for j in range(n)] for i, n in enumerate(steps)]
 
     def _chain_forward(self, num_reqs: int, steps: int) -> torch.Tensor:   # [steps, num_reqs] token ids
-        model, b = self.runner.model, num_reqs
+        b = num_reqs
         ids, out = self.chain_ids[:b], []
+        state = self.chain_state[:b] if self.chain_state is not None else None
         for j in range(steps):
             tri = TritonInputs(
                 block_tables=self.block_tables[:b], query_start=self.chain_query_start[:b],
                 query_lens=self.chain_query_lens[j, :b], context_lens=self.chain_context_lens[j, :b],
                 positions=self.chain_positions[j, :b], max_query_len=1, padded=True)
             meta = AttentionMetadata(slot_mapping=self.chain_slots[j, :b], kernel=None, _group_args=(), triton=tri)
-            hidden = model(ids, self.chain_positions[j, :b], self.runner.kv_caches, meta)   # [b, hidden]
-            ids = model.compute_logits(hidden).argmax(dim=-1)                             # [b]
+            ids, state = self.chain_step(ids, state, meta, self.chain_positions[j, :b])
             out.append(ids)
         return torch.stack(out)
+
+    def _decoder_chain_step(self, ids, state, meta, positions):
+        model = self.runner.model
+        hidden = model(ids, positions, self.runner.kv_caches, meta)                       # [b, hidden]
+        return model.compute_logits(hidden).argmax(dim=-1), None
 
     # ------------------------------------------------------------------ capture
     def _capture(self, forward, what: str) -> _Captured:
@@ -288,7 +316,7 @@ class StepGraphs:
         if not self.capture:
             return _Captured(None, None)
         start = time.perf_counter()
-        static = (self.i64, self.i32, self.c64, self.c32)
+        static = tuple(t for t in (self.i64, self.i32, self.c64, self.c32, self.chain_state) if t is not None)
         saved = [t.clone() for t in static]
         # Capture with nothing to attend (no query rows) and every write to the padding block.
         for slots in (self.slots, self.chain_slots):

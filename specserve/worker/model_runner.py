@@ -11,7 +11,6 @@ from dataclasses import dataclass
 import torch
 
 from specserve.distributed.parallel_state import SINGLE, TensorParallelGroup
-from specserve.model_executor.layers import triton_attention
 from specserve.model_executor.layers.attention import (
     AttentionMetadata,
     kv_cache_dtype_for,
@@ -23,7 +22,7 @@ from specserve.model_executor.layers.quantized import pack_for_tiles
 from specserve.model_executor.loader import release_mapped_pages, release_pages_of
 from specserve.model_executor.models.decoder import DecoderForCausalLM
 from specserve.model_executor.models.registry import get_model_class
-from specserve.worker.cuda_graphs import StepGraphs, graphs_on_cpu
+from specserve.worker.cuda_graphs import StepGraphs, graphs_possible
 
 
 @dataclass
@@ -114,12 +113,8 @@ class ModelRunner:
     def can_use_graphs(self) -> bool:
         """Whether steps can replay as graphs: a decoder on CUDA (or, in the tests, a CPU with
         ``SPECSERVE_GRAPHS_ON_CPU=1``) whose attention is the Triton kernel."""
-        device = torch.device(self.device)
-        if not isinstance(self.model, DecoderForCausalLM):
-            return False
-        if device.type != "cuda" and not (device.type == "cpu" and graphs_on_cpu()):
-            return False
-        return triton_attention.usable(device, self.dtype, self.kv_cache_dtype)
+        return isinstance(self.model, DecoderForCausalLM) and graphs_possible(self.device, self.dtype,
+                                                                               self.kv_cache_dtype)
 
     def use_graphs(self, max_num_reqs: int, max_query_len: int, max_tree_span: int, max_chain_steps: int = 0) -> None:
         """Replay decode and verification steps of up to ``max_num_reqs`` requests and

@@ -135,6 +135,8 @@ def test_cuda_graphs_change_no_token(proposer, tiny_pair, tiny_eagle, prompts):
             assert draft_runner.graphs is not None and draft_runner.graphs.captured
         if proposer in ("draft_model", "self_draft"):   # greedy drafts 2..k as one graph
             assert draft_runner.graphs.chains
+        if proposer == "eagle":
+            assert graphed.engine.proposer.graphs is not None and graphed.engine.proposer.graphs.chains
 
 
 def _second_tokens(llm: LLM, prompt: list[int], n: int, max_tokens: int, first_seed: int | None = 0) -> list[int]:

@@ -158,6 +158,46 @@ def test_greedy_answers_with_graphs_are_the_eager_ones(graphs_on_cpu, peaked_lla
     assert accepted["ngram", False] == accepted["ngram", True]
 
 
+@pytest.fixture(scope="module")
+def peaked_eagle(tmp_path_factory, peaked_llama) -> str:
+    """An EAGLE head made from the peaked model's last layer, its fc nudged so that its drafts depend
+    on both of its inputs (as in tests/e2e/test_cuda.py)."""
+    from specserve.model_executor.loader import load_model
+    from specserve.training.train_eagle import EagleTask
+
+    loaded = load_model(peaked_llama, torch.float32)
+    task = EagleTask(loaded.config, loaded.state_dict, torch.arange(0, len(loaded.tokenizer), 7), "tiny")
+    torch.manual_seed(2)
+    with torch.no_grad():
+        task.module.fc.weight.add_(0.3 * torch.randn_like(task.module.fc.weight))
+    folder = str(tmp_path_factory.mktemp("peaked-eagle"))
+    task.export(folder, {})
+    return folder
+
+
+def test_eagle_drafts_greedy_chains_in_one_graph(graphs_on_cpu, peaked_llama, peaked_eagle):
+    """EAGLE's drafts 2..k through StepGraphs with its own chain step (the head's output feature
+    carried on the device): the drafts, acceptances and answers of enforce_eager."""
+    prompts = ["The quick brown fox jumps over the lazy dog. The quick brown", "1, 2, 3, 4, 5,"]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    spec = {"method": "eagle", "model": peaked_eagle, "num_speculative_tokens": 3}
+    runs = {}
+    for eager in (False, True):
+        llm = _llm(peaked_llama, enforce_eager=eager, speculative_config=spec)
+        proposer = llm.engine.proposer
+        assert (proposer.graphs is None) == eager
+        proposals = []
+        propose = proposer.propose
+        proposer.propose = lambda scheduled: proposals.append(propose(scheduled).token_ids) or proposals[-1]
+        tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        runs[eager] = tokens, proposals
+        if not eager:
+            assert proposer.graphs.chains, "EAGLE's drafts 2..k ran step by step"
+    assert runs[False][0] == runs[True][0]
+    assert runs[False][1] == runs[True][1]          # every step's drafts, the third included
+    assert any(len(d) == 3 for p in runs[True][1] for d in p)
+
+
 def test_steps_outside_the_buckets_run_eagerly(graphs_on_cpu, peaked_llama):
     llm = _llm(peaked_llama, num_speculative_tokens=3, speculative_config={"method": "ngram"})
     graphs = llm.engine.runner.graphs
