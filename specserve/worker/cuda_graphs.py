@@ -23,8 +23,9 @@ copies a step. Attention is the Triton kernel (``triton_attention``), whose grid
 the bucket only.
 
 Steps that are not served run eagerly: a prefill chunk longer than the largest query bucket,
-more requests than the largest batch bucket, a tree wider than the captured mask words, or
-one a layer's sliding window could cut inside. A bucket is captured the first time a step
+more requests than the largest batch bucket, a tree wider than the captured mask words, and
+every tree where a layer's sliding window is no wider than those words (the kernel computes
+no tree node's ancestors' positions). A bucket is captured the first time a step
 needs it (logged once, with its time), so shapes a workload never uses cost nothing.
 
 A draft's greedy drafts 2..k can run as one graph as well (``greedy_chain``): step j feeds
@@ -110,7 +111,10 @@ class StepGraphs:
         self.capture = capture
         self.batch_buckets = buckets_up_to(BATCH_BUCKETS, max_num_reqs)
         self.query_buckets = buckets_up_to(QUERY_BUCKETS, max_query_len)
+        self.smallest_window = min((w for w in _sliding_windows(runner.model) if w is not None), default=None)
         self.num_words = -(-max_tree_span // 32) if max_tree_span else 0
+        if self.num_words and self.smallest_window is not None and self.smallest_window <= 32 * self.num_words:
+            self.num_words = 0   # the kernel cannot apply such a window inside a tree: tree steps run eagerly
         self.max_tree_span = 32 * self.num_words
         b_max, q_max = self.batch_buckets[-1], self.query_buckets[-1]
         rows = b_max * q_max
@@ -139,7 +143,6 @@ class StepGraphs:
         self.chain_query_start = torch.arange(b_max, dtype=torch.int32, device=device)
         self.chain_step = chain_step or self._decoder_chain_step
         self.chain_state: torch.Tensor | None = None   # [B_max, H] a chain's first state rows (EAGLE's features)
-        self.smallest_window = min((w for w in _sliding_windows(runner.model) if w is not None), default=None)
         self.captured: dict[Bucket, _Captured] = {}
         self.chains: dict[tuple[int, int], _Captured] = {}   # (requests bucket, steps) -> greedy chain
         self.pool = torch.cuda.graph_pool_handle() if capture else None
@@ -152,13 +155,9 @@ class StepGraphs:
         longest = max(len(inp.token_ids) for inp in inputs)
         if longest == 0 or longest > self.query_buckets[-1]:
             return None
-        for inp in inputs:
-            if inp.tree_parents is not None:
-                span = inp.tree_cached + len(inp.token_ids)
-                if span > self.max_tree_span:
-                    return None
-                if self.smallest_window is not None and self.smallest_window <= span:
-                    return None
+        for inp in inputs:   # a tree wider than the mask words (none where a window forbids trees)
+            if inp.tree_parents is not None and inp.tree_cached + len(inp.token_ids) > self.max_tree_span:
+                return None
         return Bucket(self.batch_buckets[bisect.bisect_left(self.batch_buckets, len(inputs))],
                       self.query_buckets[bisect.bisect_left(self.query_buckets, longest)])
 

@@ -10,8 +10,9 @@ import torch
 from specserve import LLM, SamplingParams
 from specserve.model_executor.layers import cpu_attention
 from specserve.worker.cuda_graphs import Bucket
-from specserve.worker.model_runner import ForwardInput
+from specserve.worker.model_runner import ForwardInput, ModelRunner
 
+from model_families import FAMILIES, VOCAB, WINDOWED, tiny_model
 from tiny_models import write_tiny_llama
 from triton_interpreter import use_triton_interpreter
 
@@ -222,3 +223,47 @@ def test_graphs_only_where_asked_and_possible(monkeypatch, peaked_llama):
     monkeypatch.setenv("SPECSERVE_GRAPHS_ON_CPU", "1")
     assert _llm(peaked_llama).engine.runner.graphs is not None
     assert _llm(peaked_llama, enforce_eager=True).engine.runner.graphs is None
+
+
+# One family per part a captured forward must carry: llama 3 rope scaling, q/k norms per head
+# (qwen3) and over the projection (olmo2), soft caps and windows (gemma2), per-layer rotaries
+# (gemma3), partial rotary and fused weights (phi3), multipliers (granite), NoPE layers (smollm3).
+GRAPH_FAMILIES = ["llama3", "qwen3", "olmo2", "gemma2", "gemma3", "phi3", "granite", "smollm3"]
+
+
+@pytest.mark.parametrize("family", GRAPH_FAMILIES)
+def test_families_through_graphs(graphs_on_cpu, family):
+    """Each family's decode, verification and tree steps through graphs equal its eager steps.
+    Where a sliding window is no wider than the tree mask words, tree steps run eagerly."""
+    assert family in FAMILIES
+    hf = tiny_model(family)
+    runner = ModelRunner(hf.config, hf.state_dict(), torch.float32, torch.device("cpu"), 256, BLOCK)
+    runner.allocate_kv_cache(24, padding_block=True)
+    runner.use_graphs(4, 6, max_tree_span=6)
+    windowed = family in WINDOWED
+    assert (runner.graphs.max_tree_span == 0) == windowed
+    prompts = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (40, 23)]
+    tables = [[0, 1, 2, 3], [4, 5, 6]]
+    graphs, runner.graphs = runner.graphs, None
+    for ids, table in zip(prompts, tables):   # prefill, eagerly
+        runner.execute([ForwardInput(ids, 0, table, 1)])
+    runner.graphs = graphs
+    steps = [
+        [ForwardInput([5], 40, tables[0], 1), ForwardInput([6], 23, tables[1], 1)],               # decode
+        [ForwardInput([5, 7, 9, 11, 13], 40, tables[0], 5), ForwardInput([6, 8], 23, tables[1], 2)],  # verify
+        [ForwardInput([5, 7, 9, 11], 40, tables[0], 4, tree_parents=[-1, 0, 0, 1]),
+         ForwardInput([6], 23, tables[1], 1)],                                                     # a tree
+    ]
+    for i, inputs in enumerate(steps):
+        served = graphs.bucket_for(inputs) is not None
+        assert served == (i < 2 or not windowed), i
+        before = [c.clone() for c in runner.kv_caches]
+        graphed = runner.execute(inputs).logits
+        for c, b in zip(runner.kv_caches, before):
+            c.copy_(b)
+        runner.graphs = None
+        eager = runner.execute(inputs).logits
+        runner.graphs = graphs
+        for c, b in zip(runner.kv_caches, before):
+            c.copy_(b)
+        torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4, msg=lambda m: f"step {i}: {m}")
