@@ -52,10 +52,10 @@ timeout 200 $SPECSERVE bench forward-rows --device cuda --dtype bfloat16 --rows 
     --memory-bandwidth 4800 --peer transformers --results "$OUT/results" >>"$LOG" 2>&1
 echo "forward-rows exit $?" | tee -a "$LOG"
 
-step "n-gram on Spec-Bench's grounded categories, batch 1, real weights (${TARGET:-default model})"
-timeout 90 $SPECSERVE bench spec-bench --device cuda ${TARGET:+--model $TARGET} --configs plain,ngram:4 \
-    --categories summarization,rag,extraction,qa --limit 3 --batch-sizes 1 --max-tokens 96 --results "$OUT/results" \
-    >>"$LOG" 2>&1
+step "n-gram on Spec-Bench's grounded categories, batch 1, real weights (${TARGET:-default model}), against transformers plain and with prompt lookup"
+timeout 120 $SPECSERVE bench spec-bench --device cuda ${TARGET:+--model $TARGET} --configs plain,ngram:4 \
+    --categories summarization,rag,extraction,qa --limit 3 --batch-sizes 1 --max-tokens 96 \
+    --peer transformers --peer transformers-ngram --results "$OUT/results" >>"$LOG" 2>&1
 echo "spec-bench exit $?" | tee -a "$LOG"
 
 step "dynamic_k against plain at batches 1, 8, 32, 64 (greedy answers compared)"

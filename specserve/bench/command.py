@@ -104,8 +104,11 @@ def add_spec_bench_options(p: argparse.ArgumentParser, d: dict) -> None:
                         "(trees against chains); plain is always run (speedups are against it)")
     p.add_argument("--draft-model", default=d.get("draft_model"), help="the draft for draft:K configurations")
     p.add_argument("--eagle-model", default=None, help="the EAGLE head folder for eagle:K configurations")
-    p.add_argument("--peer", action="append", default=d["peer"], choices=["transformers", "llama.cpp"],
-                   help="also measure a peer engine on the same prompts (repeatable)")
+    p.add_argument("--peer", action="append", default=d["peer"],
+                   choices=["transformers", "transformers-assisted", "transformers-ngram", "llama.cpp"],
+                   help="also measure a peer engine on the same prompts (repeatable): transformers' generate "
+                        "plain, with --draft-model as its assistant_model, or with prompt lookup "
+                        "(prompt_lookup_num_tokens=4; both one prompt at a time, as transformers requires)")
     p.add_argument("--llama-cpp-bin", default=None,
                    help="folder with llama-server, built by ../shared/peers/build-llamacpp.sh "
                         "(default: ~/.cache/specserve-peers/llama.cpp/build/bin)")
@@ -145,7 +148,7 @@ def options_from_args(args, argv: list[str] | None = None):
     return BenchOptions(
         model=args.model, dtype=args.dtype, device=args.device,
         configs=parse_configs(args.configs, args.draft_model, args.eagle_model),
-        peers=list(dict.fromkeys(args.peer or [])), llama_cpp_bin=args.llama_cpp_bin,
+        peers=list(dict.fromkeys(args.peer or [])), draft_model=args.draft_model, llama_cpp_bin=args.llama_cpp_bin,
         transformers_dtype=args.transformers_dtype,
         prompts_path=args.prompts,
         categories=[c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None,

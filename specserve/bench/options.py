@@ -192,6 +192,7 @@ class BenchOptions:
     device: str | None = None
     configs: list[Config] = field(default_factory=lambda: [Config("plain", "specserve")])
     peers: list[str] = field(default_factory=list)
+    draft_model: str | None = None     # the transformers-assisted peer's assistant (None: the shipped draft)
     llama_cpp_bin: str | None = None
     transformers_dtype: str = "bfloat16"
     prompts_path: str | None = None

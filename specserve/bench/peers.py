@@ -43,15 +43,30 @@ def load_transformers_model(model: str | None, dtype_name: str, device: torch.de
     return hf.to(device).eval(), loaded.tokenizer, dtype
 
 
+# transformers' prompt lookup decoding drafts this many tokens (as ngram:4)
+PROMPT_LOOKUP_TOKENS = 4
+
+
+def shipped_draft_for(opts: BenchOptions) -> str:
+    """The shipped draft model of the default target (the assisted peer's default assistant)."""
+    from specserve.drafts import shipped_draft
+
+    return shipped_draft("draft_model", opts.model)
+
+
 class TransformersPeer:
     """``generate`` on the very weights specserve loads.
 
     ``dtype_name``: default ``opts.transformers_dtype``; ``named_by_dtype``: call it
     ``transformers-bf16`` (etc.) rather than ``transformers``, for runs of several dtypes.
+    ``assistant``: a draft model's path, passed as ``assistant_model`` (assisted generation);
+    ``prompt_lookup``: ``prompt_lookup_num_tokens`` (transformers' n-gram drafting). Either one
+    makes the peer run a group's prompts one at a time: transformers drafts for batch 1 only.
     It runs on the device specserve runs on (``opts.device``; default: cuda when available).
     """
 
-    def __init__(self, opts: BenchOptions, dtype_name: str | None = None, named_by_dtype: bool = False):
+    def __init__(self, opts: BenchOptions, dtype_name: str | None = None, named_by_dtype: bool = False,
+                 assistant: str | None = None, prompt_lookup: int | None = None):
         from specserve.engine.start_up import resolve_device
 
         self.device = resolve_device(opts.device)
@@ -60,6 +75,17 @@ class TransformersPeer:
         self.name = "transformers-" + SHORT_DTYPES.get(dtype, str(dtype).removeprefix("torch.")) \
             if named_by_dtype else "transformers"
         self.description = f"Hugging Face transformers generate, {dtype}, same weights"
+        self.drafting: dict = {}
+        if assistant is not None:
+            self.drafting["assistant_model"] = load_transformers_model(assistant, dtype_name or opts.transformers_dtype,
+                                                                       self.device)[0]
+            self.name, self.description = "transformers-assisted", self.description + f", assistant_model {assistant}"
+        elif prompt_lookup is not None:
+            self.drafting["prompt_lookup_num_tokens"] = prompt_lookup
+            self.name = f"transformers-ngram:{prompt_lookup}"
+            self.description += f", prompt lookup of {prompt_lookup} tokens"
+        if self.drafting:
+            self.description += ", one prompt at a time"
         pad = self.tok.pad_token_id
         self.pad_id = pad if pad is not None else self.tok.eos_token_id
 
@@ -69,6 +95,9 @@ class TransformersPeer:
     @torch.inference_mode()
     def run(self, prompts: list[BenchPrompt], max_tokens: int, temperature: float, seeds: list[int],
             ignore_eos: bool) -> GroupResult:
+        if self.drafting and len(prompts) > 1:   # transformers drafts for one sequence at a time
+            rows = [self.run([p], max_tokens, temperature, [s], ignore_eos).token_ids[0] for p, s in zip(prompts, seeds)]
+            return GroupResult(rows, [None] * len(prompts))
         width = max(len(p.token_ids) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -76,7 +105,7 @@ class TransformersPeer:
             n = len(p.token_ids)
             ids[i, width - n:] = torch.tensor(p.token_ids)
             mask[i, width - n:] = 1
-        kwargs = dict(max_new_tokens=max_tokens, pad_token_id=self.pad_id)
+        kwargs = dict(max_new_tokens=max_tokens, pad_token_id=self.pad_id, **self.drafting)
         if ignore_eos:
             kwargs.update(min_new_tokens=max_tokens)
         if temperature == 0:

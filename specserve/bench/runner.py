@@ -87,10 +87,15 @@ def build_engines(opts: BenchOptions) -> list:
         if peer == "transformers":   # one peer per dtype of --transformers-dtype (comma-separated)
             dtypes = list(dict.fromkeys(d.strip() for d in opts.transformers_dtype.split(",") if d.strip()))
             engines += [peers.TransformersPeer(opts, d, named_by_dtype=len(dtypes) > 1) for d in dtypes]
+        elif peer == "transformers-assisted":
+            engines.append(peers.TransformersPeer(opts, assistant=opts.draft_model or peers.shipped_draft_for(opts)))
+        elif peer == "transformers-ngram":
+            engines.append(peers.TransformersPeer(opts, prompt_lookup=peers.PROMPT_LOOKUP_TOKENS))
         elif peer == "llama.cpp":
             engines.append(peers.LlamaCppPeer(opts))
         else:
-            raise ValueError(f"unknown peer {peer!r}: use transformers or llama.cpp")
+            raise ValueError(f"unknown peer {peer!r}: use transformers, transformers-assisted, transformers-ngram "
+                             "or llama.cpp")
     names = [e.name for e in engines]
     if len(set(names)) < len(names):
         for e in engines:
@@ -223,7 +228,7 @@ def _run(opts: BenchOptions, prompts: list[BenchPrompt], engines: list, machine:
             "batch_sizes": opts.batch_sizes, "temperatures": opts.temperatures, "max_tokens": opts.max_tokens,
             "stop_at_eos": opts.stop_at_eos, "max_model_len": opts.max_model_len, "seed": opts.seed,
             "threads": torch.get_num_threads(), "prefix_caching": False,
-            "transformers_dtype": opts.transformers_dtype if "transformers" in opts.peers else None,
+            "transformers_dtype": opts.transformers_dtype if any(p.startswith("transformers") for p in opts.peers) else None,
         },
         "configs": [{"name": e.name, "kind": "specserve" if isinstance(e, SpecserveEngine) else "peer",
                      "speculative_config": getattr(e, "resolved", None), "description": getattr(e, "description", None)}

@@ -246,3 +246,21 @@ def test_configuration_labels_say_when_ngram_drafts_a_fixed_k():
     assert "dynamic_k=False" in _spec_text({"method": "ngram", "num_speculative_tokens": 4, "dynamic_k": False})
     assert "dynamic_k" not in _spec_text({"method": "ngram", "num_speculative_tokens": 4})   # the default
     assert "dynamic_k=True" in _spec_text({"method": "draft_model", "model": "/d", "dynamic_k": True})
+
+
+def test_transformers_drafting_peers(tiny_llama_dir, tiny_draft_dir, tmp_path):
+    """transformers' assisted generation (--draft-model as assistant_model) and prompt lookup: each
+    peer one prompt at a time, greedy answers compared with plain decoding's."""
+    argv = ["bench", "--model", tiny_llama_dir, "--prompts", two_prompts(str(tmp_path / "prompts.jsonl")),
+            "--configs", "plain", "--batch-sizes", "2", "--max-tokens", "8", "--max-model-len", "512",
+            "--kv-cache-memory", str(1 << 24), "--peer", "transformers-assisted", "--peer", "transformers-ngram",
+            "--draft-model", tiny_draft_dir, "--transformers-dtype", "float32", "--no-progress",
+            "--out", str(tmp_path / "out")]
+    assert run_cli(argv) == 0
+    with open(tmp_path / "out" / "results.json") as f:
+        doc = json.load(f)
+    configs = {c["name"]: c for c in doc["configs"]}
+    assert list(configs) == ["plain", "transformers-assisted", "transformers-ngram:4"]
+    assert tiny_draft_dir in configs["transformers-assisted"]["description"]
+    rows = {r["config"]: r for r in doc["results"] if r["category"] == ALL}
+    assert rows["transformers-assisted"]["tok_s"] > 0 and rows["transformers-ngram:4"]["tok_s"] > 0
