@@ -11,13 +11,16 @@ import os
 # attention) at 42 s with spinning and 2.4 s without when one other process was busy, and
 # ~4 s either way on an idle machine. Scheduling only: every result is the same.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# Triton reads this when it is first imported (torch may import it early): its kernels then run
-# in its CPU interpreter, which is how the GPU attention kernel is tested here. Only tests that
-# ask for it (triton_interpreter.use_triton_interpreter) send attention there.
-os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+# Without a GPU, Triton's kernels run in its CPU interpreter, which is how the GPU attention
+# kernel is tested here (only tests that ask for it, triton_interpreter.use_triton_interpreter,
+# send attention there). Set before Triton is first imported (torch does not import it); on a
+# CUDA machine Triton compiles as it does for users.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from safetensors.torch import save_file  # noqa: E402
 
 from specserve.config import SpeculativeConfig  # noqa: E402
