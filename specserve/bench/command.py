@@ -1,6 +1,6 @@
 """``specserve bench [SUITE]``: every figure specserve publishes, one suite per question.
 
-Each run writes one results file, RESULTS/<suite>/<UTC time>.json (``--results``, default
+Each run writes one results file, RESULTS/<suite>/<UTC time>.json.gz (``--results``, default
 bench-results/): the machine's facts, the command, the commit, the table and the raw samples;
 ``specserve bench page`` turns the newest file of each suite under docs/bench/results into
 docs/benchmarks.md. The suites: ``specserve bench --help`` lists them, ``specserve bench SUITE
@@ -87,7 +87,7 @@ def add_common_options(p: argparse.ArgumentParser) -> None:
     from specserve.bench.results import DEFAULT_RESULTS_DIR
 
     p.add_argument("--results", default=DEFAULT_RESULTS_DIR,
-                   help="folder for the results file (written as RESULTS/<suite>/<UTC time>.json)")
+                   help="folder for the results file (written as RESULTS/<suite>/<UTC time>.json.gz)")
     if not any(a.dest == "threads" for a in p._actions):
         p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
 

@@ -1,6 +1,7 @@
 """Results files: what every ``specserve bench`` suite writes, and what docs/benchmarks.md is made from.
 
-One run of one suite is one JSON file, ``RESULTS_DIR/<suite>/<UTC time>.json``::
+One run of one suite is one gzipped JSON file, ``RESULTS_DIR/<suite>/<UTC time>.json.gz`` (``zcat``
+shows it; plain ``.json`` files are read too)::
 
     {"schema": 1, "suite": "llama-bench", "question": "...", "command": "specserve bench llama-bench ...",
      "date": "2026-12-05T11:30:00Z", "commit": "3cd1df9", "machine": {machine_facts()},
@@ -12,11 +13,15 @@ One run of one suite is one JSON file, ``RESULTS_DIR/<suite>/<UTC time>.json``::
 The newest file of each suite is that suite's current answer (``latest``); the older ones are its
 history. ``source`` (optional) says where a file's figures came from when they were not measured by
 this command (files converted from earlier scripts' raw output).
+
+Why gzip: the raw samples make a file 0.1-1.4 MB of JSON, about 15 times that gzipped, and the
+checkout travels whole to a GPU machine whose limit is 64 MiB.
 """
 from __future__ import annotations
 
 import datetime
 import glob
+import gzip
 import json
 import os
 
@@ -50,25 +55,46 @@ def check(doc: dict, where: str = "results") -> None:
 
 
 def save(doc: dict, results_dir: str | None = None) -> str:
-    """Write ``doc`` as ``results_dir/<suite>/<date>.json``; returns the path."""
+    """Write ``doc`` as ``results_dir/<suite>/<date>.json.gz``; returns the path."""
     check(doc)
     folder = os.path.join(results_dir or DEFAULT_RESULTS_DIR, doc["suite"])
     os.makedirs(folder, exist_ok=True)
     stamp = doc["date"].replace(":", "").replace("-", "")
-    path = os.path.join(folder, f"{stamp}.json")
+    path = os.path.join(folder, f"{stamp}.json.gz")
     n = 1
     while os.path.exists(path):   # two runs in one second
         n += 1
-        path = os.path.join(folder, f"{stamp}-{n}.json")
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
-        f.write("\n")
+        path = os.path.join(folder, f"{stamp}-{n}.json.gz")
+    write_json(path, doc)
     return path
 
 
+def write_json(path: str, doc) -> None:
+    """``doc`` as JSON at ``path``, gzipped when it ends in .gz (without a time stamp: the bytes
+    depend on the document alone)."""
+    text = json.dumps(doc, indent=1) + "\n"
+    if path.endswith(".gz"):
+        with open(path, "wb") as f, gzip.GzipFile(fileobj=f, mode="wb", mtime=0) as z:
+            z.write(text.encode())
+    else:
+        with open(path, "w") as f:
+            f.write(text)
+
+
+def read_json(path: str):
+    """A JSON file, gzipped (.gz) or not."""
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+        return json.load(f)
+
+
+def results_files(results_dir: str, suite: str = "*") -> list[str]:
+    """The results files under ``results_dir`` (of ``suite``), gzipped or not, sorted by name."""
+    return sorted(glob.glob(os.path.join(results_dir, suite, "*.json")) +
+                  glob.glob(os.path.join(results_dir, suite, "*.json.gz")))
+
+
 def load(path: str) -> dict:
-    with open(path) as f:
-        doc = json.load(f)
+    doc = read_json(path)
     check(doc, path)
     return doc
 
@@ -76,7 +102,7 @@ def load(path: str) -> dict:
 def latest(results_dir: str) -> dict[str, dict]:
     """{suite: its newest results document} under ``results_dir`` (newest by the date inside)."""
     best: dict[str, dict] = {}
-    for path in sorted(glob.glob(os.path.join(results_dir, "*", "*.json"))):
+    for path in results_files(results_dir):
         doc = load(path)
         if doc["suite"] not in best or doc["date"] >= best[doc["suite"]]["date"]:
             best[doc["suite"]] = doc

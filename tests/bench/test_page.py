@@ -83,3 +83,17 @@ def test_the_published_page_is_what_its_results_give():
     with open(os.path.join(ROOT, "docs", "benchmarks.md")) as f:
         assert f.read() == page, "run `specserve bench page` after changing docs/bench/results or benchmarks/"
     assert len(page.splitlines()) <= 400
+
+
+def test_results_are_saved_gzipped_and_read_either_way(tmp_path):
+    """save writes <suite>/<date>.json.gz, the same bytes for the same document; load and latest read
+    gzipped and plain files alike."""
+    doc = load(os.path.join(FIXTURE, "results", "llama-bench", "20260102T010000Z.json"))
+    path = save(doc, str(tmp_path / "a"))
+    assert path.endswith(os.path.join("llama-bench", "20260102T010000Z.json.gz"))
+    assert load(path) == doc
+    again = save(doc, str(tmp_path / "b"))
+    assert open(path, "rb").read() == open(again, "rb").read()
+    shutil.copy(os.path.join(FIXTURE, "results", "llama-bench", "20260102T010000Z.json"),
+                tmp_path / "a" / "llama-bench" / "20250101T000000Z.json")   # an older plain file beside it
+    assert latest(str(tmp_path / "a"))["llama-bench"] == doc

@@ -3,13 +3,12 @@ results file whose table and samples agree. (llama-bench, llama-server and real-
 binaries and real models; serve-load starts servers: those run as `specserve bench SUITE`.)"""
 from __future__ import annotations
 
-import glob
-import json
 import os
 
 import pytest
 
 from specserve.bench.command import PRESETS
+from specserve.bench.results import read_json, results_files
 from specserve.entrypoints.cli import build_parser
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -20,9 +19,8 @@ def run_suite(argv: list[str], results: str) -> dict:
     argv = ["bench", *argv, "--results", results]
     args = build_parser().parse_args(argv)
     assert args.func(args, argv) == 0
-    (path,) = glob.glob(os.path.join(results, argv[1], "*.json"))
-    with open(path) as f:
-        doc = json.load(f)
+    (path,) = results_files(results, argv[1])
+    doc = read_json(path)
     assert doc["suite"] == argv[1] and doc["command"] == "specserve " + " ".join(argv)
     assert doc["machine"]["cpu"] and doc["commit"]
     return doc
@@ -80,9 +78,8 @@ def test_forward_rows_suite(tiny_llama_dir, tmp_path):
 
 def test_the_published_batch_scaling_run_is_the_preset():
     """`specserve bench batch-scaling` (the README's command) runs what the published file measured."""
-    (path,) = sorted(glob.glob(os.path.join(ROOT, "docs", "bench", "results", "batch-scaling", "*.json")))[-1:]
-    with open(path) as f:
-        s = json.load(f)["params"]
+    path = results_files(os.path.join(ROOT, "docs", "bench", "results"), "batch-scaling")[-1]
+    s = read_json(path)["params"]
     args = build_parser().parse_args(["bench", "batch-scaling"])
     assert [int(b) for b in args.batch_sizes.split(",")] == s["batch_sizes"] == [1, 8, 32, 64]
     assert set(args.categories.split(",")) == set(s["categories"]) and args.limit == s["limit_per_category"]
