@@ -311,8 +311,11 @@ class TensorParallelExecutor:
 
     Attributes the engine may read: ``config``, ``dtype``, ``device``, ``block_size``,
     ``model`` (rank 0's shard), ``num_blocks``, ``bytes_per_block`` (per rank: the
-    KV cache of each rank holds only its kv heads), ``weight_bytes_per_rank``.
+    KV cache of each rank holds only its kv heads), ``weight_bytes_per_rank``, ``graphs``
+    (always None: steps over ranks run eagerly, not as captured CUDA graphs).
     """
+
+    graphs = None
 
     def __init__(self, group: WorkerGroup, key: str, local: ModelRunner, weight_bytes: list[int], peak_rss: list[int]):
         self.group = group
