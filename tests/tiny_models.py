@@ -6,6 +6,20 @@ import torch
 from specserve.model_executor.loader import load_model
 
 
+def write_tiny_eagle(folder: str, target_dir: str, seed: int = 2) -> str:
+    """An EAGLE head made from the target's last layer (``target_dir``: a tiny model's folder), its
+    fc nudged so that its drafts depend on both of its inputs (as in tests/spec_decode/test_eagle.py)."""
+    from specserve.training.train_eagle import EagleTask
+
+    loaded = load_model(target_dir, torch.float32)
+    task = EagleTask(loaded.config, loaded.state_dict, torch.arange(0, len(loaded.tokenizer), 7), "tiny")
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        task.module.fc.weight.add_(0.3 * torch.randn_like(task.module.fc.weight))
+    task.export(folder, {})
+    return folder
+
+
 def write_tiny_llama(folder: str, seed: int, tokenizer=None, embedding_scale: float = 1.0) -> str:
     """A 2-layer, width-64 random Llama with ``tokenizer`` (default: the default model's): loads in a second.
 

@@ -27,7 +27,7 @@ import specserve.drafts
 from specserve import LLM, SamplingParams
 
 from chi_square import chi_square_p
-from tiny_models import write_tiny_llama
+from tiny_models import write_tiny_eagle, write_tiny_llama
 
 # SPECSERVE_TEST_GPU=cpu runs the same tests on the CPU: a dry run of their logic.
 DEVICE = os.environ.get("SPECSERVE_TEST_GPU", "cuda")
@@ -67,19 +67,8 @@ def tiny_pair(tmp_path_factory, tokenizer) -> tuple[str, str]:
 
 @pytest.fixture(scope="module")
 def tiny_eagle(tmp_path_factory, tiny_pair) -> str:
-    """An EAGLE head made from the tiny target's last layer, its fc nudged so that its drafts
-    depend on both of its inputs (as in tests/spec_decode/test_eagle.py)."""
-    from specserve.model_executor.loader import load_model
-    from specserve.training.train_eagle import EagleTask
-
-    loaded = load_model(tiny_pair[0], torch.float32)
-    task = EagleTask(loaded.config, loaded.state_dict, torch.arange(0, len(loaded.tokenizer), 7), "tiny")
-    torch.manual_seed(2)
-    with torch.no_grad():
-        task.module.fc.weight.add_(0.3 * torch.randn_like(task.module.fc.weight))
-    folder = str(tmp_path_factory.mktemp("cuda-eagle"))
-    task.export(folder, {})
-    return folder
+    """An EAGLE head made from the tiny target's last layer."""
+    return write_tiny_eagle(str(tmp_path_factory.mktemp("cuda-eagle")), tiny_pair[0])
 
 
 def tokens(outs) -> list[list[int]]:

@@ -13,7 +13,7 @@ from specserve.worker.cuda_graphs import Bucket
 from specserve.worker.model_runner import ForwardInput, ModelRunner
 
 from model_families import FAMILIES, VOCAB, WINDOWED, tiny_model
-from tiny_models import write_tiny_llama
+from tiny_models import write_tiny_eagle, write_tiny_llama
 from triton_interpreter import use_triton_interpreter
 
 BLOCK = 16
@@ -161,19 +161,8 @@ def test_greedy_answers_with_graphs_are_the_eager_ones(graphs_on_cpu, peaked_lla
 
 @pytest.fixture(scope="module")
 def peaked_eagle(tmp_path_factory, peaked_llama) -> str:
-    """An EAGLE head made from the peaked model's last layer, its fc nudged so that its drafts depend
-    on both of its inputs (as in tests/e2e/test_cuda.py)."""
-    from specserve.model_executor.loader import load_model
-    from specserve.training.train_eagle import EagleTask
-
-    loaded = load_model(peaked_llama, torch.float32)
-    task = EagleTask(loaded.config, loaded.state_dict, torch.arange(0, len(loaded.tokenizer), 7), "tiny")
-    torch.manual_seed(2)
-    with torch.no_grad():
-        task.module.fc.weight.add_(0.3 * torch.randn_like(task.module.fc.weight))
-    folder = str(tmp_path_factory.mktemp("peaked-eagle"))
-    task.export(folder, {})
-    return folder
+    """An EAGLE head made from the peaked model's last layer."""
+    return write_tiny_eagle(str(tmp_path_factory.mktemp("peaked-eagle")), peaked_llama)
 
 
 def test_eagle_drafts_greedy_chains_in_one_graph(graphs_on_cpu, peaked_llama, peaked_eagle):
