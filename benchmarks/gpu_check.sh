@@ -42,6 +42,14 @@ EOF
 )
 echo "copy bandwidth: ${BW:-unknown} GB/s" | tee -a "$LOG"
 
+step "smoke: Triton attention and CUDA graphs against eager steps (benchmarks/gpu_smoke.py)"
+if ! timeout 120 $PY benchmarks/gpu_smoke.py >>"$LOG" 2>&1; then
+    echo "smoke failed: stopping here (the log says why)" | tee -a "$LOG"
+    tar -czf "$OUT/results.tar.gz" -C "$OUT" results && rm -rf "$OUT/results"
+    exit 1
+fi
+tail -4 "$LOG"
+
 step "tests/e2e/test_cuda.py (graphs on and off, every proposer, preemption, sampling)"
 timeout 180 $PY -m pytest -q -x tests/e2e/test_cuda.py -p no:cacheprovider >>"$LOG" 2>&1
 echo "pytest exit $?" | tee -a "$LOG"
