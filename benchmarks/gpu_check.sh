@@ -55,10 +55,8 @@ timeout 180 $PY -m pytest -q -x tests/e2e/test_cuda.py -p no:cacheprovider >>"$L
 echo "pytest exit $?" | tee -a "$LOG"
 
 step "decode, verification and a draft's 4-step chain on published shapes: graphs against eager, the memory limit, transformers"
-timeout 200 $SPECSERVE bench forward-rows --device cuda --dtype bfloat16 --rows 1,5,8,13 --rounds 2 --chain-steps 4 \
-    --models shape:llama-3.1-8b,shape:llama-3.1-8b:eager,shape:llama-3.2-1b,shape:qwen2.5-1.5b,shape:qwen2.5-1.5b:eager \
-    --memory-bandwidth 4800 --peer transformers --results "$OUT/results" >>"$LOG" 2>&1
-echo "forward-rows exit $?" | tee -a "$LOG"
+timeout 200 $SPECSERVE bench gpu-steps --results "$OUT/results" >>"$LOG" 2>&1
+echo "gpu-steps exit $?" | tee -a "$LOG"
 
 step "n-gram on Spec-Bench's grounded categories, batch 1, real weights (${TARGET:-default model}), against transformers plain and with prompt lookup"
 timeout 120 $SPECSERVE bench spec-bench --device cuda ${TARGET:+--model $TARGET} --configs plain,ngram:4 \

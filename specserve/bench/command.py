@@ -53,6 +53,13 @@ PRESETS = {   # suites that are spec-bench with other defaults
     "gpu": {"configs": "plain,ngram:4,eagle:4", "batch_sizes": "1,8", "limit": 1, "max_tokens": 96,
             "device": "cuda", "peer": ["transformers"]},
 }
+SUITE_DEFAULTS = {   # other suites that are another suite's module with other defaults
+    # the GPU's step times: the 8B shape's decode and verification with and without graphs, the
+    # 1B shape's 4-step draft chain against it, the 1.5B shape, against 4.8 TB/s and transformers
+    "gpu-steps": {"models": "shape:llama-3.1-8b,shape:llama-3.1-8b:eager,shape:llama-3.2-1b,shape:qwen2.5-1.5b,"
+                            "shape:qwen2.5-1.5b:eager", "rows": "1,5,8,13", "rounds": 2, "chain_steps": 4,
+                  "device": "cuda", "dtype": "bfloat16", "memory_bandwidth": 4800.0, "peer": "transformers"},
+}
 
 
 def add_bench_parser(sub) -> argparse.ArgumentParser:
@@ -71,6 +78,7 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
             from specserve.bench.suites import suite_module
 
             suite_module(name).add_arguments(sp)
+            sp.set_defaults(**SUITE_DEFAULTS.get(name, {}))
             add_common_options(sp)
     page = suites.add_parser("page", help="regenerate docs/benchmarks.md from the newest results file of each suite")
     from specserve.bench.page import DEFAULT_PAGE, DEFAULT_RESULTS, DEFAULT_SCRIPTS

@@ -98,3 +98,14 @@ def test_forward_rows_suite_on_a_random_shape(tmp_path):
     assert [r[1] for r in rows[:3]] == ["1", "2", "chain 3"]     # 3 greedy steps in a row: a draft's k
     assert rows[0][-1].endswith("%") and rows[1][-1] == rows[2][-1] == "—"
     assert doc["params"]["graphs"] == {"shape:tiny": False, "shape:tiny:eager": False}   # a CPU has none
+
+
+def test_gpu_steps_is_forward_rows_with_the_gpu_defaults():
+    """`specserve bench gpu-steps`: the 8B shape with and without graphs, the 1B shape's 4-step chain
+    against it, against the datasheet's memory bandwidth and transformers, on CUDA."""
+    args = build_parser().parse_args(["bench", "gpu-steps"])
+    assert args.models.split(",")[:3] == ["shape:llama-3.1-8b", "shape:llama-3.1-8b:eager", "shape:llama-3.2-1b"]
+    assert (args.device, args.dtype, args.chain_steps, args.memory_bandwidth, args.peer) == \
+        ("cuda", "bfloat16", 4, 4800.0, "transformers")
+    plain = build_parser().parse_args(["bench", "forward-rows"])   # the suite's own defaults are untouched
+    assert plain.device is None and plain.chain_steps == 0 and plain.models.startswith("qwen2.5-coder-1.5b")

@@ -6,7 +6,8 @@
 and ``run(args, doc)``, which measures and fills the results document's ``params``, ``table``,
 ``notes`` and ``samples`` (``bench/results.py``); the command line writes the file. The
 ``spec-bench`` presets (``batch-scaling``, ``gpu``) share ``spec_bench.py``'s runner and
-differ only in their defaults. Nothing in this module imports torch, so the benchmarks page
+differ only in their defaults, as ``gpu-steps`` shares ``forward_rows.py``'s
+(``command.SUITE_DEFAULTS``). Nothing in this module imports torch, so the benchmarks page
 (``bench/page.py``) can list the suites cheaply.
 """
 from __future__ import annotations
@@ -51,6 +52,9 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
           "writing", "specserve bench draft-trees"),
     Suite("gpu", "spec_bench", "On a GPU: plain, n-gram and EAGLE against transformers",
           "specserve bench gpu"),
+    Suite("gpu-steps", "forward_rows", "On a GPU: decode, verification and draft steps of published shapes (random "
+          "weights) with CUDA graphs and without, against the memory limit and transformers",
+          "specserve bench gpu-steps"),
     Suite("beam-search", "beam_search", "Beam search with speculation against plain beam search (B = 4)",
           "specserve bench beam-search"),
     Suite("forward-rows", "forward_rows", "What a forward costs by row count: decode steps against verifications, "
