@@ -224,10 +224,12 @@ def calibrate_k_policy(policy: DraftLengthPolicy, runner, draft_runner, k: int, 
     block_table = list(range(blocks_for(start + k + 1)))
     runner.execute([ForwardInput([0] * (k + 1), start, block_table, k + 1)])   # warm-up, not timed
     timings: dict[int, list[float]] = {rows: [] for rows in calibration_rows(k)}
+    # Each timed forward ends by reading one logit: on a GPU the forward runs asynchronously (a
+    # replayed CUDA graph returns at once), and only the read waits for it to finish.
     for _ in range(2):                     # the faster of two per row count: one spike is ignored
         for rows in timings:
             started = time.perf_counter()
-            runner.execute([ForwardInput([0] * rows, start, block_table, rows)])
+            runner.execute([ForwardInput([0] * rows, start, block_table, rows)]).logits[-1, 0].item()
             timings[rows].append(time.perf_counter() - started)
     for rows, seconds in timings.items():
         policy.calibrate_forward(rows, min(seconds))
@@ -235,5 +237,5 @@ def calibrate_k_policy(policy: DraftLengthPolicy, runner, draft_runner, k: int, 
         draft_runner.execute([ForwardInput([0], start, block_table, 1)])
         for _ in range(2):
             started = time.perf_counter()
-            draft_runner.execute([ForwardInput([0], start, block_table, 1)])
+            draft_runner.execute([ForwardInput([0], start, block_table, 1)]).logits[-1, 0].item()
             policy.record_draft(1, time.perf_counter() - started)
