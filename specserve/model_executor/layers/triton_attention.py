@@ -19,6 +19,11 @@ and soft-capped logits. Where it does not apply the SDPA path runs: Triton missi
 ``SPECSERVE_GPU_ATTENTION=sdpa``, or a sliding window no wider than a tree's span (whose
 nodes' own positions the kernel does not compute).
 
+Known limit: one program walks a request's whole context for its KV head, so a decode step of one
+request has only (KV heads) programs; at long contexts and batch 1 most of a GPU's
+multiprocessors idle. Splitting the context over programs and merging their softmax sums
+(flash-decoding) is the next step if a measurement shows attention's share there.
+
 On a CPU the tests run it through Triton's interpreter, which executes the same kernel source
 on CPU tensors: ``TRITON_INTERPRET=1`` before Triton is first imported, and
 ``SPECSERVE_TRITON_ON_CPU=1`` to send a CPU's attention here.
