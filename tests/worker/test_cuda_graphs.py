@@ -220,6 +220,7 @@ def test_graphs_only_where_asked_and_possible(monkeypatch, peaked_llama):
 GRAPH_FAMILIES = ["llama3", "qwen3", "olmo2", "gemma2", "gemma3", "phi3", "granite", "smollm3"]
 
 
+@pytest.mark.slow   # breadth over families (no real model): the fast tier keeps the Llama-shaped tests above
 @pytest.mark.parametrize("family", GRAPH_FAMILIES)
 def test_families_through_graphs(graphs_on_cpu, family):
     """Each family's decode, verification and tree steps through graphs equal its eager steps.
