@@ -118,7 +118,10 @@ class StepGraphs:
         self.max_tree_span = 32 * self.num_words
         b_max, q_max = self.batch_buckets[-1], self.query_buckets[-1]
         rows = b_max * q_max
-        self.max_blocks = -(-runner.max_model_len // runner.block_size)
+        # A table reaches past max_model_len by a step's lookahead slots (a tree's nodes sit at
+        # slots beyond their positions), as the KV cache manager sizes a request (start_up.kv_cache_blocks).
+        lookahead = max(max_query_len, max_tree_span, max_chain_steps + 1)
+        self.max_blocks = -(-(runner.max_model_len + lookahead) // runner.block_size)
         self.pad_slot = runner.padding_block * runner.block_size
         device = runner.device
         # One int64 and one int32 tensor hold every input, so a step copies them in two transfers.
@@ -155,8 +158,11 @@ class StepGraphs:
         longest = max(len(inp.token_ids) for inp in inputs)
         if longest == 0 or longest > self.query_buckets[-1]:
             return None
+        bs = self.runner.block_size
         for inp in inputs:   # a tree wider than the mask words (none where a window forbids trees)
             if inp.tree_parents is not None and inp.tree_cached + len(inp.token_ids) > self.max_tree_span:
+                return None
+            if -(-(inp.start_position + len(inp.token_ids)) // bs) > self.max_blocks:   # past the static table
                 return None
         return Bucket(self.batch_buckets[bisect.bisect_left(self.batch_buckets, len(inputs))],
                       self.query_buckets[bisect.bisect_left(self.query_buckets, longest)])

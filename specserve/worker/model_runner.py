@@ -196,11 +196,15 @@ class ModelRunner:
 
 
     def _check_inputs(self, inputs: list[ForwardInput]) -> None:
-        """What the eager path's flattening would refuse: positions past the rotary table."""
+        """What the eager path's flattening refuses: positions past the rotary table (a tree
+        node's position is its tree's first slot + its depth)."""
         for inp in inputs:
-            if inp.start_position + len(inp.token_ids) > self.max_model_len:
-                raise ValueError(f"position {inp.start_position + len(inp.token_ids) - 1} beyond max_model_len "
-                                 f"({self.max_model_len})")
+            last = inp.start_position + len(inp.token_ids) - 1
+            if inp.tree_parents is not None:
+                depths, _ = tree_layout(inp.tree_parents)
+                last = inp.start_position - inp.tree_cached + max(depths[inp.tree_cached:])
+            if last >= self.max_model_len:
+                raise ValueError(f"position {last} beyond max_model_len ({self.max_model_len})")
 
 
 def allocate_kv_cache(runner, num_blocks: int, graphs: bool, max_num_reqs: int, max_query_len: int,

@@ -203,6 +203,21 @@ def test_steps_outside_the_buckets_run_eagerly(graphs_on_cpu, peaked_llama):
     assert graphs.bucket_for([wide]) is None                                      # wider than the mask words
 
 
+def test_positions_past_the_model_length_are_refused_as_eagerly(graphs_on_cpu, peaked_llama):
+    """A graph step checks positions as the eager step does: a tree node's is its depth's, not its slot's."""
+    llm = _llm(peaked_llama, num_speculative_tokens=3, speculative_config={"method": "ngram"})
+    runner = llm.engine.runner
+    table = list(range(17))
+    with pytest.raises(ValueError, match="beyond max_model_len"):
+        runner.execute([ForwardInput([1], 256, table, 1)])
+    # slots 254..256 (one past the model's 256), positions 254, 255, 255 (inside it)
+    tree = ForwardInput([1, 2, 3], 254, table, 3, tree_parents=[-1, 0, 0])
+    assert runner.graphs.bucket_for([tree]) is not None
+    assert runner.execute([tree]).logits.shape[0] == 3
+    with pytest.raises(ValueError, match="beyond max_model_len"):
+        runner.execute([ForwardInput([1, 2], 255, table, 2)])
+
+
 def test_graphs_only_where_asked_and_possible(monkeypatch, peaked_llama):
     """enforce_eager turns them off; a CPU has none unless the tests ask."""
     monkeypatch.delenv("SPECSERVE_GRAPHS_ON_CPU", raising=False)
