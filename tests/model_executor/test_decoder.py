@@ -235,6 +235,7 @@ def test_default_model_matches_transformers(default_pair):
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
+@pytest.mark.slow
 def test_default_model_chunked_and_batched(default_pair):
     hf, runner, tokens = default_pair
     n = len(tokens)

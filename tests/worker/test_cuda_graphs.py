@@ -133,6 +133,7 @@ def test_a_greedy_chain_equals_step_by_step_decoding(graphs_on_cpu, peaked_llama
                                    rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow   # six engines in Triton's interpreter; the fast tier keeps the step-level tests above
 def test_greedy_answers_with_graphs_are_the_eager_ones(graphs_on_cpu, peaked_llama, tiny_draft_dir):
     """Plain decoding, n-gram and draft-model speculation with graphs give the tokens of the same
     engine with enforce_eager=True, and speculation gives plain's."""
