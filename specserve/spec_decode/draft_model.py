@@ -25,7 +25,7 @@ from specserve.model_executor.layers.attention import cache_slot
 from specserve.sample.penalties import adjust_each_row
 from specserve.sample.sampler import CHOICE, choose_tokens, keyed_generator
 from specserve.spec_decode.draft_tree import DraftTreeGrower, TreeStep
-from specserve.spec_decode.proposer import Proposal, Proposer
+from specserve.spec_decode.proposer import Proposal, Proposer, drafts_by_argmax
 from specserve.structured_output.rows import mask_draft_rows
 from specserve.worker.model_runner import ForwardInput, ModelRunner
 
@@ -94,8 +94,7 @@ class DraftModelProposer(Proposer):
         graphs = self.runner.graphs
         steps = [budgets[i] - len(drafts[i]) for i in active]
         bucket = graphs.chain_bucket(len(active), max(steps)) if graphs is not None else None
-        if bucket is None or any(not reqs[i].sampling_params.greedy or reqs[i].sampling_params.adjusts_logits
-                                 or getattr(reqs[i], "grammar", None) is not None for i in active):
+        if bucket is None or not all(drafts_by_argmax(reqs[i]) for i in active):
             return False
         tokens = graphs.greedy_chain(bucket, [drafts[i][-1] for i in active],
                                      [reqs[i].proposer_num_computed_tokens for i in active],

@@ -49,7 +49,7 @@ from specserve.sample.sampler import CHOICE, choose_tokens, keyed_generator
 from specserve.spec_decode.checks import check_vocab
 from specserve.spec_decode.context import ProposerContext
 from specserve.spec_decode.draft_tree import DraftTreeGrower, TreeStep
-from specserve.spec_decode.proposer import Proposal, Proposer, TargetHidden
+from specserve.spec_decode.proposer import Proposal, Proposer, TargetHidden, drafts_by_argmax
 from specserve.structured_output.rows import mask_draft_rows
 from specserve.worker.cuda_graphs import StepGraphs, graphs_possible
 
@@ -256,8 +256,7 @@ class EagleProposer(Proposer):
         logits; extends ``drafts`` and returns True, else False (the caller steps on)."""
         steps = [budgets[i] - len(drafts[i]) for i in active]
         bucket = self.graphs.chain_bucket(len(active), max(steps)) if self.graphs is not None else None
-        if bucket is None or any(not reqs[i].sampling_params.greedy or reqs[i].sampling_params.adjusts_logits
-                                 or reqs[i].grammar is not None for i in active):
+        if bucket is None or not all(drafts_by_argmax(reqs[i]) for i in active):
             return False
         tokens = self.graphs.greedy_chain(bucket, [drafts[i][-1] for i in active],
                                           [reqs[i].num_computed_tokens for i in active],

@@ -106,3 +106,11 @@ def kept_hidden_states(
             out.append(TargetHidden(s.request, start, all_hidden[row : row + kept]))
         row += n
     return out
+
+
+def drafts_by_argmax(request: Request) -> bool:
+    """True where a request's drafts are the argmax of the draft's own logits: greedy, with no
+    penalty or bias adjusting them and no grammar masking them (what a captured greedy chain of
+    drafts computes on the device, ``worker/cuda_graphs.py``)."""
+    params = request.sampling_params
+    return params.greedy and not params.adjusts_logits and getattr(request, "grammar", None) is None
