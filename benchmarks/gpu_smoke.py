@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from specserve.bench.graph_checks import graph_and_eager, greedy_steps
 from specserve.bench.random_weights import random_runner
 from specserve.worker.model_runner import ForwardInput
 
@@ -47,27 +48,15 @@ def main() -> int:
     }
     failed = 0
     for name, inputs in steps.items():
-        before = [c.clone() for c in runner.kv_caches]
-        graphed = runner.execute(inputs).logits
-        for c, b in zip(runner.kv_caches, before):
-            c.copy_(b)
-        runner.graphs = None
-        eager = runner.execute(inputs).logits
-        runner.graphs = graphs
-        for c, b in zip(runner.kv_caches, before):
-            c.copy_(b)
-        diff = (graphed - eager).abs().max().item()
+        both = graph_and_eager(runner, inputs)
+        graphed = both.graphed.logits
+        diff = (graphed - both.eager.logits).abs().max().item()
         ok = diff < 1e-3 and bool(torch.isfinite(graphed).all())
         failed += not ok
         print(f"{'PASS' if ok else 'FAIL'} {name}: max |graph - eager| = {diff:.2e}")
     chain = graphs.greedy_chain(graphs.chain_bucket(2, 3), [5, 6], [40, 23], tables, [3, 2])
-    runner.graphs, stepped = None, []
-    for first, p0, table, n in zip([5, 6], [40, 23], tables, [3, 2]):
-        tokens, token = [], first
-        for j in range(n):
-            token = int(runner.execute([ForwardInput([token], p0 + j, table, 1)]).logits.argmax(-1))
-            tokens.append(token)
-        stepped.append(tokens)
+    runner.graphs = None
+    stepped = [greedy_steps(runner, *step) for step in zip([5, 6], [40, 23], tables, [3, 2])]
     runner.graphs = graphs
     ok = chain == stepped
     failed += not ok

@@ -204,8 +204,6 @@ class StepGraphs:
             n, first_row = len(inp.token_ids), b * q
             ctx = inp.start_position + n
             q_lens[b], ctx_lens[b] = n, ctx
-            ids[first_row : first_row + n] = inp.token_ids
-            slots[first_row : first_row + n] = [cache_slot(inp.block_table, p, bs) for p in range(inp.start_position, ctx)]
             if inp.tree_parents is None:
                 positions[first_row : first_row + n] = range(inp.start_position, ctx)
             else:
@@ -214,6 +212,11 @@ class StepGraphs:
                 positions[first_row : first_row + n] = [tree_start + d for d in depths[inp.tree_cached:]]
                 backs[b] = inp.tree_cached
                 masks[first_row : first_row + n] = node_masks[inp.tree_cached:]
+            last = max(positions[first_row : first_row + n], default=-1)
+            if last >= self.runner.max_model_len:   # as the eager step refuses it (past the rotary table)
+                raise ValueError(f"position {last} beyond max_model_len ({self.runner.max_model_len})")
+            ids[first_row : first_row + n] = inp.token_ids
+            slots[first_row : first_row + n] = [cache_slot(inp.block_table, p, bs) for p in range(inp.start_position, ctx)]
             tables.append(inp.block_table[: -(-ctx // bs)])
             logit_rows.extend(range(first_row + n - inp.num_logits, first_row + n))
             token_rows.extend(range(first_row, first_row + n))

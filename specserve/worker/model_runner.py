@@ -143,7 +143,6 @@ class ModelRunner:
     def execute(self, inputs: list[ForwardInput], return_all_hidden: bool = False) -> ForwardOutput:
         bucket = self.graphs.bucket_for(inputs) if self.graphs is not None else None
         if bucket is not None:
-            self._check_inputs(inputs)
             rows, logit_rows, token_rows = self.graphs.run(bucket, inputs)    # [bucket rows, hidden]
             hidden = rows[torch.tensor(logit_rows, dtype=torch.long).to(self.device, non_blocking=True)]
             all_hidden = None
@@ -193,18 +192,6 @@ class ModelRunner:
             hidden=hidden,
             all_hidden=all_hidden if return_all_hidden else None,
         )
-
-
-    def _check_inputs(self, inputs: list[ForwardInput]) -> None:
-        """What the eager path's flattening refuses: positions past the rotary table (a tree
-        node's position is its tree's first slot + its depth)."""
-        for inp in inputs:
-            last = inp.start_position + len(inp.token_ids) - 1
-            if inp.tree_parents is not None:
-                depths, _ = tree_layout(inp.tree_parents)
-                last = inp.start_position - inp.tree_cached + max(depths[inp.tree_cached:])
-            if last >= self.max_model_len:
-                raise ValueError(f"position {last} beyond max_model_len ({self.max_model_len})")
 
 
 def allocate_kv_cache(runner, num_blocks: int, graphs: bool, max_num_reqs: int, max_query_len: int,

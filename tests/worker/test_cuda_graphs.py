@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams
+from specserve.bench.graph_checks import graph_and_eager, greedy_steps
 from specserve.model_executor.layers import cpu_attention
 from specserve.worker.cuda_graphs import Bucket
 from specserve.worker.model_runner import ForwardInput, ModelRunner
@@ -65,17 +66,10 @@ def test_graph_steps_equal_eager_steps_and_padding_never_leaks(graphs_on_cpu, pe
         inputs = _step(runner, shapes, seed=len(shapes))
         bucket = runner.graphs.bucket_for(inputs)
         assert bucket is not None and bucket.rows > sum(n for _, n in shapes)   # padding in every one
-        before = [c.clone() for c in runner.kv_caches]
-        graphed = runner.execute(inputs, return_all_hidden=True)
-        after_graph = [c.clone() for c in runner.kv_caches]
-        for c, b in zip(runner.kv_caches, before):
-            c.copy_(b)
-        graphs, runner.graphs = runner.graphs, None
-        eager = runner.execute(inputs, return_all_hidden=True)
-        runner.graphs = graphs
-        torch.testing.assert_close(graphed.logits, eager.logits, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(graphed.all_hidden, eager.all_hidden, rtol=1e-5, atol=1e-5)
-        for c_graph, c_eager in zip(after_graph, runner.kv_caches):
+        both = graph_and_eager(runner, inputs, return_all_hidden=True)
+        torch.testing.assert_close(both.graphed.logits, both.eager.logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(both.graphed.all_hidden, both.eager.all_hidden, rtol=1e-5, atol=1e-5)
+        for c_graph, c_eager in zip(both.graphed_cache, both.eager_cache):
             # the real blocks hold the same K/V; only the padding block may differ
             torch.testing.assert_close(c_graph[:, :, : runner.num_blocks], c_eager[:, :, : runner.num_blocks],
                                        rtol=1e-5, atol=1e-5)
@@ -89,14 +83,8 @@ def test_a_tree_step_through_a_graph_equals_the_eager_step(graphs_on_cpu, peaked
     inputs = _step(runner, [(30, 6), (12, 3), (50, 1)], seed=9)
     inputs[0].tree_parents = [-1, 0, 0, 1, 2, 1]
     assert runner.graphs.bucket_for(inputs) == Bucket(4, 6)
-    before = [c.clone() for c in runner.kv_caches]
-    graphed = runner.execute(inputs).logits
-    for c, b in zip(runner.kv_caches, before):
-        c.copy_(b)
-    graphs, runner.graphs = runner.graphs, None
-    eager = runner.execute(inputs).logits
-    runner.graphs = graphs
-    torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=1e-5)
+    both = graph_and_eager(runner, inputs)
+    torch.testing.assert_close(both.graphed.logits, both.eager.logits, rtol=1e-5, atol=1e-5)
 
 
 def test_a_greedy_chain_equals_step_by_step_decoding(graphs_on_cpu, peaked_llama):
@@ -119,13 +107,7 @@ def test_a_greedy_chain_equals_step_by_step_decoding(graphs_on_cpu, peaked_llama
     for c, b in zip(runner.kv_caches, before):
         c.copy_(b)
     graphs, runner.graphs = runner.graphs, None
-    stepped = []
-    for first, p0, table, n in zip(firsts, positions, tables, steps):
-        tokens, token = [], first
-        for j in range(n):
-            token = int(runner.execute([ForwardInput([token], p0 + j, table, 1)]).logits.argmax(-1))
-            tokens.append(token)
-        stepped.append(tokens)
+    stepped = [greedy_steps(runner, *step) for step in zip(firsts, positions, tables, steps)]
     runner.graphs = graphs
     assert chained == stepped
     for c_chain, c_steps in zip(after_chain, runner.kv_caches):
@@ -263,13 +245,6 @@ def test_families_through_graphs(graphs_on_cpu, family):
     for i, inputs in enumerate(steps):
         served = graphs.bucket_for(inputs) is not None
         assert served == (i < 2 or not windowed), i
-        before = [c.clone() for c in runner.kv_caches]
-        graphed = runner.execute(inputs).logits
-        for c, b in zip(runner.kv_caches, before):
-            c.copy_(b)
-        runner.graphs = None
-        eager = runner.execute(inputs).logits
-        runner.graphs = graphs
-        for c, b in zip(runner.kv_caches, before):
-            c.copy_(b)
-        torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4, msg=lambda m: f"step {i}: {m}")
+        both = graph_and_eager(runner, inputs)
+        torch.testing.assert_close(both.graphed.logits, both.eager.logits, rtol=1e-4, atol=1e-4,
+                                   msg=lambda m: f"step {i}: {m}")

@@ -75,7 +75,7 @@ def time_forwards(runners: dict, rows_list: list[int], rounds: int, context: int
 def time_chain(runner, steps: int, context: int) -> float:
     """ms of ``steps`` greedy decode steps of one request after ``context`` cached tokens, each fed
     the previous argmax: the runner's captured chain where it has one, else forward by forward."""
-    from specserve.worker.model_runner import ForwardInput
+    from specserve.bench.graph_checks import greedy_steps
 
     blocks = list(range((context + steps) // BLOCK_SIZE + 1))
     graphs = runner.graphs
@@ -83,9 +83,7 @@ def time_chain(runner, steps: int, context: int) -> float:
     if graphs is not None and graphs.chain_bucket(1, steps):
         graphs.greedy_chain(graphs.chain_bucket(1, steps), [100], [context], [blocks], [steps])
     else:
-        token = 100
-        for j in range(steps):
-            token = int(runner.execute([ForwardInput([token], context + j, blocks, 1)]).logits.argmax(-1))
+        greedy_steps(runner, 100, context, blocks, steps)
     return (time.perf_counter() - start) * 1000
 
 
@@ -127,7 +125,6 @@ def transformers_ms_per_token(shape: str, dtype, device, tokens: int = 64) -> fl
 
     timed(2)
     per_token = [(timed(tokens) - timed(1)) / (tokens - 1) * 1000 for _ in range(3)]
-    del model
     return statistics.median(per_token)
 
 
