@@ -109,3 +109,32 @@ def test_gpu_steps_is_forward_rows_with_the_gpu_defaults():
         ("cuda", "bfloat16", 4, 4800.0, "transformers")
     plain = build_parser().parse_args(["bench", "forward-rows"])   # the suite's own defaults are untouched
     assert plain.device is None and plain.chain_steps == 0 and plain.models.startswith("qwen2.5-coder-1.5b")
+
+
+def test_attention_suite_compares_the_three_kernels(tmp_path, monkeypatch):
+    """`specserve bench attention`: the Triton kernel (here in Triton's interpreter), SDPA over
+    gathered blocks and flex_attention with a block mask (eager on a CPU) agree on random blocks
+    scattered over the cache, at decode and verification shapes."""
+    from triton_interpreter import use_triton_interpreter
+
+    use_triton_interpreter(monkeypatch)
+    doc = run_suite(["attention", "--shape", "tiny", "--batches", "1,3", "--rows", "1,4", "--context", "40",
+                     "--rounds", "1", "--calls", "1", "--device", "cpu", "--dtype", "float16"], str(tmp_path))
+    rows = doc["table"]["rows"]
+    assert [(r[0], r[1], r[2]) for r in rows] == [(b, q, k) for b in "13" for q in "14" for k in ("triton", "sdpa", "flex")]
+    assert doc["failed"] == {} and all(r[3] != "failed" for r in rows)
+    assert set(doc["max_abs_diff_vs_sdpa"]) == {"triton", "sdpa", "flex"}
+    assert all(r[5] != "—" for r in rows if r[2] == "flex")          # the block mask's build time
+    assert len(doc["samples"]) == 12
+
+
+def test_attention_suite_fails_when_a_kernel_is_wrong(tmp_path, monkeypatch):
+    """Power: a flex mask that also lets a row see the position after its own is caught."""
+    from specserve.bench.suites import attention_kernels
+
+    build = attention_kernels.flex_block_mask
+    monkeypatch.setattr(attention_kernels, "flex_block_mask",
+                        lambda tables, lens, rows, n, device: build(tables, [c + 1 for c in lens], rows, n, device))
+    with pytest.raises(AssertionError, match="flex differs from sdpa"):
+        run_suite(["attention", "--shape", "tiny", "--batches", "2", "--rows", "3", "--context", "40", "--rounds", "1",
+                   "--calls", "1", "--device", "cpu", "--dtype", "float32", "--kernels", "sdpa,flex"], str(tmp_path))

@@ -55,6 +55,9 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
     Suite("gpu-steps", "forward_rows", "On a GPU: decode, verification and draft steps of published shapes (random "
           "weights) with CUDA graphs and without, against the memory limit and transformers",
           "specserve bench gpu-steps"),
+    Suite("attention", "attention_kernels", "On a GPU: paged attention at decode and verification shapes, specserve's "
+          "Triton kernel against SDPA over gathered blocks and flex_attention with a block mask",
+          "specserve bench attention"),
     Suite("beam-search", "beam_search", "Beam search with speculation against plain beam search (B = 4)",
           "specserve bench beam-search"),
     Suite("forward-rows", "forward_rows", "What a forward costs by row count: decode steps against verifications, "
