@@ -75,10 +75,13 @@ class Step:
         self.context_lens = [context + rows] * batch
         self.meta = AttentionMetadata.build(self.query_lens, self.context_lens, self.block_tables, BLOCK_SIZE,
                                             torch.device(device), dtype)
-        self.flex_mask_ms = None
+        self.flex_mask_ms = self.flex_mask = self.flex_error = None
         if "flex" in kernels:
             start = time.perf_counter()
-            self.flex_mask = flex_block_mask(self.block_tables, self.context_lens, rows, num_blocks, device)
+            try:
+                self.flex_mask = flex_block_mask(self.block_tables, self.context_lens, rows, num_blocks, device)
+            except Exception as e:   # noqa: BLE001 - reported as flex's failure by run("flex")
+                self.flex_error = e
             synchronize(device)
             self.flex_mask_ms = (time.perf_counter() - start) * 1e3
 
@@ -96,6 +99,8 @@ class Step:
             return paged_attention(self.q, self.k, self.v, self.kv_cache, replace(self.meta, kernel=None, triton=None),
                                    self.scale)
         if kernel == "flex":
+            if self.flex_error is not None:
+                raise self.flex_error
             return self._flex()
         raise ValueError(f"unknown kernel {kernel!r}; known: {', '.join(KERNELS)}")
 
