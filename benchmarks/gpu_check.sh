@@ -71,7 +71,7 @@ timeout 60 $SPECSERVE bench batch-scaling --device cuda ${TARGET:+--model $TARGE
 echo "batch-scaling exit $?" | tee -a "$LOG"
 
 step "tests/e2e/test_cuda.py (graphs on and off, every proposer, preemption, sampling)"
-timeout 100 $PY -m pytest -v -x tests/e2e/test_cuda.py -p no:cacheprovider >>"$LOG" 2>&1
+timeout 90 $PY -m pytest -v -x tests/e2e/test_cuda.py -p no:cacheprovider >>"$LOG" 2>&1
 echo "pytest exit $?" | tee -a "$LOG"
 
 step "the 135M shape (graphs on and off)"
@@ -80,7 +80,7 @@ timeout 30 $SPECSERVE bench forward-rows --device cuda --dtype bfloat16 --rows 1
 echo "135M exit $?" | tee -a "$LOG"
 
 step "paged attention of the 8B shape: the Triton kernel, SDPA over gathered blocks, flex_attention (compiled)"
-timeout 60 $SPECSERVE bench attention --calls 20 --results "$OUT/results" >>"$LOG" 2>&1
+timeout 80 $SPECSERVE bench attention --batches 1,32 --calls 20 --results "$OUT/results" >>"$LOG" 2>&1
 echo "attention exit $?" | tee -a "$LOG"
 
 step done
