@@ -101,8 +101,8 @@ class Constraints:
 
     def after_append(self, req: Request, appended: list[int], status: RequestStatus | None) -> RequestStatus | None:
         """Advance the matcher by the step's appended tokens -> the request's status. A complete
-        constraint allows only the end of sequence, which stops the request as usual; with
-        ignore_eos it stops it too (nothing else could follow)."""
+        constraint allows only the end of sequence, which stops the request, with ignore_eos too
+        (``OutputProcessor.append``: accepted drafts after it are dropped)."""
         g = req.grammar
         if g is None:
             return status
@@ -115,9 +115,6 @@ class Constraints:
         if g.exhausted:     # the grammar cannot go on within its limits: cut, as at max_tokens
             req.stop_reason = None
             return RequestStatus.FINISHED_LENGTH
-        if g.is_done and appended and appended[-1] == req.eos_token_id and status != RequestStatus.FINISHED_STOPPED:
-            req.stop_reason = None        # ignore_eos: the constraint is complete and has ended
-            return RequestStatus.FINISHED_STOPPED
         return status
 
 

@@ -18,7 +18,9 @@ class OutputProcessor:
         """Append one token; return the finishing status, or None to carry on."""
         req.append_token(token_id)
         params = req.sampling_params
-        if not params.ignore_eos and token_id == req.eos_token_id:
+        # Under a constraint (req.grammar) an end of sequence is allowed only where the constraint
+        # is complete, so it ends the request even with ignore_eos: nothing else could follow.
+        if token_id == req.eos_token_id and (not params.ignore_eos or req.grammar is not None):
             req.stop_reason = None
             return RequestStatus.FINISHED_STOPPED
         if token_id in params.stop_token_ids:

@@ -2,6 +2,8 @@
 whole output decoded, split UTF-8 characters included; stop strings are found in it."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -58,3 +60,21 @@ def test_a_stop_string_split_over_tokens_cuts_the_text_before_it(tokenizer):
     assert status is RequestStatus.FINISHED_STOPPED and req.stop_reason == "TOP f"
     assert req.output_text == "one two three S"
     assert tokenizer.decode(ids[: stopped_at + 1]).startswith("one two three STOP f")
+
+
+def test_an_end_of_sequence_under_a_constraint_ends_the_request_even_with_ignore_eos(tokenizer):
+    """A constraint allows the end of sequence only once it is complete, so with ignore_eos that
+    token still ends the request, and the tokens a verification step accepted after it (drafts that
+    repeat it) are dropped: found by tests/engine/test_mixed_workload.py, where an n-gram draft
+    repeated it and the output had two."""
+    eos = 2
+    proc = OutputProcessor(tokenizer, max_model_len=4096)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    free = Request("free", None, [1], params, None, eos)
+    assert proc.append(free, eos) is None                      # ignore_eos alone: an ordinary token
+    bound = Request("bound", None, [1], params, None, eos)
+    bound.grammar = object()                                  # any constraint attached
+    verified = SimpleNamespace(token_ids=[300, eos, eos, 301], logprobs=None, sources=["target"] * 4)
+    status, appended = proc.append_verified(bound, verified)
+    assert status is RequestStatus.FINISHED_STOPPED and appended == 2 and bound.stop_reason is None
+    assert bound.output_token_ids == [300, eos]
