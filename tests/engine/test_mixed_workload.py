@@ -1,7 +1,8 @@
 """Every feature at once: a random workload of greedy and seeded requests (n = 1 and 2, stop
 strings and stop tokens, penalties and logit bias, top-k and top-p, regexes and choices), beam
 searches and aborts, sharing prompt prefixes, run together under speculation in a KV cache too
-small for them (preemption by recompute, prefix caching on). Each request that is not aborted
+small for them (preemption by recompute, prefix caching on) and with a token budget that cuts
+prompts into prefill chunks. Each request that is not aborted
 must give exactly what it gives alone in a plain engine with room to spare: the same tokens,
 text and finish reason, and for beam searches the same beams and (to float32 rounding) scores.
 
@@ -57,11 +58,13 @@ def workload(seed: int) -> list[tuple[str, list[int], object]]:
                                                          length_penalty=rng.choice([0.0, 1.0]))))
             continue
         sampled = roll > 0.5
-        kw = dict(max_tokens=rng.randrange(6, 40), ignore_eos=rng.random() < 0.7)
+        # A few run to max_model_len (max_tokens None), where drafts and trees meet the end.
+        kw = dict(max_tokens=rng.choice([None] + [rng.randrange(6, 40)] * 9), ignore_eos=rng.random() < 0.7,
+                  logprobs=rng.choice([None, None, 2]))
         if sampled:
             kw.update(temperature=rng.choice([0.7, 1.0]), seed=1000 + i, n=rng.choice([1, 1, 2]))
             if rng.random() < 0.3:
-                kw.update(top_k=rng.choice([5, 50]), top_p=rng.choice([0.8, 1.0]))
+                kw.update(top_k=rng.choice([5, 50]), top_p=rng.choice([0.8, 1.0]), min_p=rng.choice([0.0, 0.05]))
         else:
             kw.update(temperature=0.0)
         if rng.random() < 0.25:
@@ -78,9 +81,9 @@ def workload(seed: int) -> list[tuple[str, list[int], object]]:
     return out
 
 
-def make(target_dir: str, spec: dict | None, kv_cache_memory: int = 8 << 20) -> LLM:
+def make(target_dir: str, spec: dict | None, kv_cache_memory: int = 8 << 20, **kw) -> LLM:
     return LLM(model=target_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, kv_cache_memory=kv_cache_memory,
-               max_num_seqs=12, speculative_config=spec)
+               max_num_seqs=12, speculative_config=spec, **kw)
 
 
 def result(kind: str, out, params):
@@ -159,7 +162,9 @@ def test_every_request_of_a_mixed_workload_is_its_lone_plain_run(target_dir, dra
     if spec["method"] == "draft_model":
         spec["model"] = draft_dir
     roomy = make(target_dir, None)
-    small = make(target_dir, spec, kv_cache_memory=SMALL_CACHE_BLOCKS * roomy.engine.runner.bytes_per_block)
+    # 48 tokens a step: long prompts are prefilled in chunks beside other requests' verifications
+    small = make(target_dir, spec, kv_cache_memory=SMALL_CACHE_BLOCKS * roomy.engine.runner.bytes_per_block,
+                 max_num_batched_tokens=48)
     del roomy
     total_preempted = 0
     for seed in SEEDS:
