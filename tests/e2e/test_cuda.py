@@ -183,6 +183,31 @@ def test_prefix_caching_and_preemption_change_nothing_on_the_gpu(tiny_pair, prom
         assert small.engine.runner.graphs is not None and small.engine.runner.graphs.captured
 
 
+def test_a_mixed_workload_under_graphs_is_each_requests_lone_eager_run(tmp_path_factory, tokenizer):
+    """tests/mixed_workload.py's random workload (greedy and seeded n = 2, stop strings,
+    penalties, constraints, beam searches, aborts, shared prefixes, chunked prefills) with draft
+    trees, in a cache that forces preemption, replayed from CUDA graphs: every request equals
+    its lone run in a plain engine with enforce_eager."""
+    from mixed_workload import lone_results, run_together, workload
+
+    root = tmp_path_factory.mktemp("cuda-mixed")
+    target = write_tiny_llama(str(root / "target"), seed=0, tokenizer=tokenizer, embedding_scale=8.0)
+    draft = write_tiny_llama(str(root / "draft"), seed=0, tokenizer=tokenizer, embedding_scale=6.0)
+    kw = dict(model=target, device=DEVICE, dtype="float32", max_model_len=160, max_num_seqs=12)
+    eager = LLM(**kw, kv_cache_memory=8 << 20, enforce_eager=True)
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3, "tree": {"top_k": 2, "max_nodes": 6}}
+    small = LLM(**kw, kv_cache_memory=24 * eager.engine.runner.bytes_per_block, max_num_batched_tokens=48,
+                speculative_config=spec)
+    preempted = 0
+    for seed in (0, 1):
+        got, preempted_now = run_together(small, seed)
+        assert got == lone_results(eager, workload(seed)), seed
+        preempted += preempted_now
+    assert preempted > 0 and small.get_spec_decode_stats().num_accepted_tokens > 0
+    if DEVICE == "cuda":
+        assert small.engine.runner.graphs is not None and small.engine.runner.graphs.captured
+
+
 # ----------------------------------------------------------------- the default model
 @pytest.fixture(scope="module")
 def default_model() -> str:
