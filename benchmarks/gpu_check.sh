@@ -56,22 +56,22 @@ fi
 tail -4 "$LOG"
 
 step "decode, verification and a draft's 4-step chain on published shapes: graphs against eager, the memory limit, transformers"
-timeout 170 $SPECSERVE bench gpu-steps --memory-bandwidth $LIMIT_BW --results "$OUT/results" >>"$LOG" 2>&1
+timeout 160 $SPECSERVE bench gpu-steps --memory-bandwidth $LIMIT_BW --results "$OUT/results" >>"$LOG" 2>&1
 echo "gpu-steps exit $?" | tee -a "$LOG"
 
 step "n-gram on Spec-Bench's grounded categories, batch 1, real weights (${TARGET:-default model}), against transformers plain and with prompt lookup"
-timeout 60 $SPECSERVE bench spec-bench --device cuda ${TARGET:+--model $TARGET} --configs plain,ngram:4 \
+timeout 55 $SPECSERVE bench spec-bench --device cuda ${TARGET:+--model $TARGET} --configs plain,ngram:4 \
     --categories summarization,rag,extraction,qa --limit 3 --batch-sizes 1 --max-tokens 96 \
     --peer transformers --peer transformers-ngram --results "$OUT/results" >>"$LOG" 2>&1
 echo "spec-bench exit $?" | tee -a "$LOG"
 
 step "dynamic_k against plain at batches 1, 8, 32, 64 (greedy answers compared)"
-timeout 60 $SPECSERVE bench batch-scaling --device cuda ${TARGET:+--model $TARGET} --results "$OUT/results" \
+timeout 55 $SPECSERVE bench batch-scaling --device cuda ${TARGET:+--model $TARGET} --results "$OUT/results" \
     >>"$LOG" 2>&1
 echo "batch-scaling exit $?" | tee -a "$LOG"
 
 step "tests/e2e/test_cuda.py (graphs on and off, every proposer, preemption, sampling)"
-timeout 90 $PY -m pytest -v -x tests/e2e/test_cuda.py -p no:cacheprovider >>"$LOG" 2>&1
+timeout 120 $PY -m pytest -v -x tests/e2e/test_cuda.py -p no:cacheprovider >>"$LOG" 2>&1
 echo "pytest exit $?" | tee -a "$LOG"
 
 step "the 135M shape (graphs on and off)"
@@ -80,7 +80,7 @@ timeout 30 $SPECSERVE bench forward-rows --device cuda --dtype bfloat16 --rows 1
 echo "135M exit $?" | tee -a "$LOG"
 
 step "paged attention of the 8B shape: the Triton kernel, SDPA over gathered blocks, flex_attention (compiled)"
-timeout 80 $SPECSERVE bench attention --batches 1,32 --calls 20 --results "$OUT/results" >>"$LOG" 2>&1
+timeout 70 $SPECSERVE bench attention --batches 1,32 --calls 20 --results "$OUT/results" >>"$LOG" 2>&1
 echo "attention exit $?" | tee -a "$LOG"
 
 step done
