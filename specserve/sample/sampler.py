@@ -110,6 +110,10 @@ def keyed_generator(seed: int | None, index: int, purpose: int, device) -> torch
     return torch.Generator(device=device).manual_seed(key)
 
 
+# Rows of float64 uniforms drawn before one batched log1p (64 MiB at most).
+NOISE_CHUNK_ELEMENTS = 1 << 23
+
+
 def exponential_noise(num_rows: int, vocab_size: int, generators: list[torch.Generator | None], device) -> torch.Tensor:
     """[num_rows, V] Exp(1) noise; row i drawn from generators[i] (None: global RNG).
 
@@ -117,10 +121,22 @@ def exponential_noise(num_rows: int, vocab_size: int, generators: list[torch.Gen
     which needs no cumulative sum and no host sync. The noise is clamped away
     from 0: a zero would make ``0 / 0`` a NaN, which argmax picks, so a
     zero-probability token could win.
+
+    Each row is ``-log1p(-u)`` of float64 uniforms u from its generator, rounded to float32:
+    on a CPU exactly the numbers ``Tensor.exponential_`` draws from the same generator
+    (tests/sample/test_sampler.py), in a third of the time, since only the uniforms are drawn
+    row by row and the logarithm runs vectorised over many rows at once (0.27 against 0.80 ms
+    for a 49,152-token row). float64 keeps the smallest values, which decide when a rare
+    token wins, as fine as float32 can hold them.
     """
     noise = torch.empty(num_rows, vocab_size, device=device)
-    for i, gen in enumerate(generators):
-        noise[i].exponential_(generator=gen)
+    chunk = max(1, min(num_rows, NOISE_CHUNK_ELEMENTS // max(1, vocab_size)))
+    for start in range(0, num_rows, chunk):
+        rows = generators[start : start + chunk]
+        uniforms = torch.empty(len(rows), vocab_size, dtype=torch.float64, device=device)   # [rows, V]
+        for j, gen in enumerate(rows):
+            uniforms[j].uniform_(generator=gen)
+        noise[start : start + len(rows)] = uniforms.neg_().log1p_().neg_()
     return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
 
 

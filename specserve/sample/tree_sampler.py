@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.sample.sampler import choose_tokens
+from specserve.sample.sampler import choose_tokens, exponential_noise
 from specserve.sampling_params import SamplingParams
 
 
@@ -125,7 +125,7 @@ def walk_tree_rejection(
                 break
             p, q = residual(p, q, token)
         if accepted is None:
-            noise = torch.empty_like(p).exponential_(generator=generator).clamp_(min=torch.finfo(p.dtype).tiny)
+            noise = exponential_noise(1, p.shape[-1], [generator], device)[0].to(p.dtype)   # [V]
             emitted.append(int((p / noise).argmax()))
             return emitted, path
         emitted.append(draft_tokens[accepted])

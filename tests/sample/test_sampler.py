@@ -267,3 +267,26 @@ def test_keyed_draws_over_output_indices_sample_from_p():
     assert expected.min() > 50
     statistic = ((observed - expected) ** 2 / expected).sum().item()
     assert stats.chi2.sf(statistic, df=25) > 1e-6
+
+
+@pytest.mark.parametrize("chunk_elements", [1 << 23, 100], ids=["one-chunk", "a-row-a-chunk"])
+def test_exponential_noise_is_what_exponential_draws_from_the_same_generators(monkeypatch, chunk_elements):
+    """The noise rows are the numbers ``Tensor.exponential_`` draws (bitwise, on a CPU): keyed
+    generators, the global RNG (None), and rows split over chunks, so seeded samples are the
+    same as before the faster draw."""
+    import specserve.sample.sampler as sampler
+
+    monkeypatch.setattr(sampler, "NOISE_CHUNK_ELEMENTS", chunk_elements)
+    vocab = 49152
+    keys = [(7, 0), (7, 1), (123456789, 40), None, (0, 3)]
+
+    def generators():
+        return [None if k is None else keyed_generator(k[0], k[1], CHOICE, "cpu") for k in keys]
+
+    torch.manual_seed(11)
+    got = sampler.exponential_noise(len(keys), vocab, generators(), "cpu")                  # [5, V]
+    torch.manual_seed(11)
+    want = torch.empty(len(keys), vocab)
+    for row, gen in zip(want, generators()):
+        row.exponential_(generator=gen)
+    assert torch.equal(got, want.clamp_(min=torch.finfo(torch.float32).tiny))
