@@ -162,12 +162,13 @@ def choose_tokens(logits: torch.Tensor, params: list[SamplingParams],
     and to the draft alike: the draft's guess of token j then races with the target's own noise,
     so it is accepted as often as that coupling allows, and the target's choice is the same
     whatever was drafted. logits [N, V] fp32 (bias and penalties already applied); one host sync."""
-    tokens = logits.argmax(dim=-1)                                            # [N]
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if not sampled:
-        return Choice(tokens.tolist(), None)
+        return Choice(logits.argmax(dim=-1).tolist(), None)
     probs = processed_probs(logits, SamplingTensors.build(params, logits.shape[-1], logits.device))   # [N, V]
+    if len(sampled) == len(params):   # no greedy row: no argmax over the logits
+        return Choice(sample_from_probs(probs, generators).tolist(), probs)
     rows = torch.tensor(sampled, device=logits.device)
     drawn = sample_from_probs(probs.index_select(0, rows), [generators[i] for i in sampled])      # [S]
-    tokens = tokens.index_copy(0, rows, drawn)
+    tokens = logits.argmax(dim=-1).index_copy(0, rows, drawn)                                     # [N]
     return Choice(tokens.tolist(), probs)
