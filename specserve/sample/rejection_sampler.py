@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.sample.sampler import exponential_noise
+from specserve.sample.sampler import exponential_noise, row_argmax
 
 
 @dataclass
@@ -76,7 +76,7 @@ def rejection_sample(
                 uniforms[b, : counts[b]].uniform_(generator=generators[b])
         noise[random_rows] = exponential_noise(len(random_rows), vocab, [generators[b] for b in random_rows], device)
 
-    argmax = target_probs.argmax(dim=-1)                                             # [B, K+1]
+    argmax = row_argmax(target_probs)                                             # [B, K+1]
     accept_greedy = drafts == argmax[:, :k]
     accept_random = uniforms * q_of_draft < p_of_draft
     accepted = torch.where(is_greedy[:, None], accept_greedy, accept_random) & valid  # [B, K]
@@ -97,7 +97,7 @@ def rejection_sample(
     residual = (p_next - q_next).clamp(min=0)
     mass = residual.sum(dim=-1, keepdim=True)
     residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_next)
-    sampled = (residual / noise).argmax(dim=-1)                                      # [B]
+    sampled = row_argmax(residual / noise)                                      # [B]
     next_token = torch.where(is_greedy, argmax.gather(1, num_accepted.unsqueeze(1)).squeeze(1), sampled)
 
     out = torch.full((batch, k_plus_1), -1, dtype=torch.long, device=device)

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.sample.sampler import choose_tokens, exponential_noise
+from specserve.sample.sampler import choose_tokens, exponential_noise, row_argmax
 from specserve.sampling_params import SamplingParams
 
 
@@ -126,7 +126,7 @@ def walk_tree_rejection(
             p, q = residual(p, q, token)
         if accepted is None:
             noise = exponential_noise(1, p.shape[-1], [generator], device)[0].to(p.dtype)   # [V]
-            emitted.append(int((p / noise).argmax()))
+            emitted.append(int(row_argmax(p / noise)))
             return emitted, path
         emitted.append(draft_tokens[accepted])
         path.append(accepted)

@@ -35,7 +35,8 @@ import torch
 from specserve.outputs import logprob_entries, step_token_sources
 from specserve.sample.penalties import adjust_logits, draft_histories
 from specserve.sample.rejection_sampler import rejection_sample
-from specserve.sample.sampler import CHOICE, REJECTION, SamplingTensors, keyed_generator, processed_probs
+from specserve.sample.sampler import (CHOICE, REJECTION, SamplingTensors, keyed_generator, processed_probs,
+                                      row_argmax)
 from specserve.sample.tree_sampler import node_depths, target_choices, walk_tree, walk_tree_rejection
 from specserve.structured_output.rows import mask_verified_rows
 
@@ -236,7 +237,7 @@ class Verifier:
         at batch 16 on CPU; the tokens are those of ``rejection_sample``'s
         greedy rows. -> (token_ids [B][accepted + 1], num_accepted [B]).
         """
-        best = logits.argmax(dim=-1).tolist()     # [sum (n_i + 1)]: the one host sync of the step
+        best = row_argmax(logits).tolist()     # [sum (n_i + 1)]: the one host sync of the step
         token_ids, num_accepted, row = [], [], 0
         for r in reqs:
             n = len(r.draft_token_ids)

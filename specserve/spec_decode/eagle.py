@@ -45,7 +45,7 @@ from specserve.model_executor.layers.linear import ColumnParallelLinear
 from specserve.model_executor.layers.quantized import QuantizedMatrix
 from specserve.model_executor.models.eagle import EagleHead
 from specserve.sample.penalties import adjust_each_row
-from specserve.sample.sampler import CHOICE, choose_tokens, keyed_generator
+from specserve.sample.sampler import CHOICE, choose_tokens, keyed_generator, row_argmax
 from specserve.spec_decode.checks import check_vocab
 from specserve.spec_decode.context import ProposerContext
 from specserve.spec_decode.draft_tree import DraftTreeGrower, TreeStep
@@ -182,7 +182,7 @@ class EagleProposer(Proposer):
         adjusts = any(p.adjusts_logits for p in params)
         constrained = any(reqs[i].grammar is not None for i in rows)
         if all(p.greedy for p in params) and not adjusts and not constrained:
-            best = logits.argmax(dim=-1)
+            best = row_argmax(logits)
             tokens = self.draft_vocab[best] if self.draft_vocab is not None else best
             return tokens.tolist(), None
         if self.draft_vocab is not None:  # tokens outside the draft vocabulary get probability 0
@@ -270,7 +270,7 @@ class EagleProposer(Proposer):
         """One greedy draft on the device: the head at the fed token with the last output as its
         feature, then the argmax of the LM head (ids, state [B], [B, H] -> the next ones)."""
         state = self.head(state.to(self.dtype), self.embed_tokens(ids).to(self.dtype), positions, self.kv, meta)
-        best = self.lm_head(state).float().argmax(dim=-1)
+        best = row_argmax(self.lm_head(state).float())
         return (self.draft_vocab[best] if self.draft_vocab is not None else best), state
 
     def _propose_trees(self, reqs: list[Request], budgets: list[int]) -> Proposal:

@@ -290,3 +290,17 @@ def test_exponential_noise_is_what_exponential_draws_from_the_same_generators(mo
     for row, gen in zip(want, generators()):
         row.exponential_(generator=gen)
     assert torch.equal(got, want.clamp_(min=torch.finfo(torch.float32).tiny))
+
+
+def test_row_argmax_is_argmax_with_ties_infinities_and_nan():
+    from specserve.sample.sampler import row_argmax
+
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        x = torch.randint(-3, 3, (4, 1 + trial * 37), generator=gen).float()   # many ties
+        if trial % 3 == 0:
+            x[x < 0] = float("-inf")
+        if trial % 7 == 0:
+            x[1, trial % x.shape[1]] = float("nan")
+        assert torch.equal(row_argmax(x), x.argmax(dim=-1)), trial
+        assert torch.equal(row_argmax(x[0]), x[0].argmax())
