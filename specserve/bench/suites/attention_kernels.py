@@ -105,8 +105,6 @@ class Step:
         raise ValueError(f"unknown kernel {kernel!r}; known: {', '.join(KERNELS)}")
 
     def _flex(self):
-        import torch
-
         hk, hd = self.num_kv_heads, self.kv_cache.shape[-1]
         slots = self.kv_cache.view(2, hk, -1, hd)                                  # [2, Hk, S, hd]
         slots[0].index_copy_(1, self.meta.slot_mapping, self.k.transpose(0, 1))
