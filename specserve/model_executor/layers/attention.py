@@ -281,7 +281,11 @@ def _mask_words(masks: list[int], num_words: int) -> torch.Tensor:
 def mask_words_int32(masks: list[int], num_words: int) -> torch.Tensor:
     """[len(masks), num_words] int32: the 32-bit words of ``_mask_words``, bit patterns kept
     (a word with its top bit set is negative), as the Triton kernel reads them."""
-    words = _mask_words(masks, num_words)
+    return _as_int32(_mask_words(masks, num_words))
+
+
+def _as_int32(words: torch.Tensor) -> torch.Tensor:
+    """int64 values of 32 bits -> int32 with the same bit patterns (the top bit set: negative)."""
     return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
 
 
@@ -422,8 +426,7 @@ def _tree_descriptor(tree_masks: list[list[int] | None], tree_back: list[int] | 
     rows: list[int] = []
     for masks, q_len in zip(tree_masks, query_lens):
         rows.extend(masks if masks is not None else [0] * q_len)
-    flat = torch.cat([torch.tensor([words] + backs, dtype=torch.long), _mask_words(rows, words).view(-1)])
-    return torch.where(flat >= 1 << 31, flat - (1 << 32), flat).to(torch.int32)
+    return _as_int32(torch.cat([torch.tensor([words] + backs, dtype=torch.long), _mask_words(rows, words).view(-1)]))
 
 
 def _padded_block_table(block_tables: list[list[int]], members: list[int], context_lens: list[int],
