@@ -109,9 +109,9 @@ class Step:
         slots = self.kv_cache.view(2, hk, -1, hd)                                  # [2, Hk, S, hd]
         slots[0].index_copy_(1, self.meta.slot_mapping, self.k.transpose(0, 1))
         slots[1].index_copy_(1, self.meta.slot_mapping, self.v.transpose(0, 1))
-        # Every request reads the whole cache as its sequence; the block mask keeps its own blocks.
-        keys = slots[0].unsqueeze(0).expand(self.batch, -1, -1, -1)                 # [B, Hk, S, hd]
-        values = slots[1].unsqueeze(0).expand(self.batch, -1, -1, -1)
+        # Every request reads the whole cache as its sequence (a key batch of 1, broadcast over
+        # the requests); the block mask keeps each request's own blocks.
+        keys, values = slots[0].unsqueeze(0), slots[1].unsqueeze(0)                 # [1, Hk, S, hd]
         q = self.q.view(self.batch, self.rows, self.num_heads, hd).transpose(1, 2)  # [B, Hq, rows, hd]
         out = _flex_attention(q.device)(q, keys, values, block_mask=self.flex_mask, scale=self.scale,
                                         enable_gqa=self.num_heads != hk)            # [B, Hq, rows, hd]
