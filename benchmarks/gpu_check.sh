@@ -6,6 +6,9 @@
 #
 #   OUT=/tmp/gpu-out benchmarks/gpu_check.sh
 #
+# A copy of the checkout without .git (a device machine's) records SPECSERVE_GIT_REVISION as the
+# results files' commit: SPECSERVE_GIT_REVISION=<short commit> OUT=... benchmarks/gpu_check.sh
+#
 # Needs: PyTorch with CUDA and Triton, transformers, pytest; specserve importable (installed, or
 # this checkout with its missing pure-Python dependencies on PYTHONPATH). Weights: none travel.
 # Speed uses published shapes with random weights drawn on the GPU (bench/random_weights.py);

@@ -20,15 +20,19 @@ def cpu_model() -> str:
 
 
 def git_revision() -> str:
+    """The checkout's short commit (+dirty when specserve/ has changes), else
+    ``SPECSERVE_GIT_REVISION`` (a copy without .git, as on a GPU machine the checkout was sent
+    to: benchmarks/gpu_check.sh), else "unknown"."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    fallback = os.environ.get("SPECSERVE_GIT_REVISION") or "unknown"
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
                               timeout=10).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "specserve"], cwd=root, capture_output=True,
                                text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return (head or "unknown") + ("+dirty" if dirty else "") if head else "unknown"
+        return fallback
+    return head + ("+dirty" if dirty else "") if head else fallback
 
 
 def machine_facts() -> dict:

@@ -1,0 +1,22 @@
+"""bench/machine.py: the commit a results file records."""
+from __future__ import annotations
+
+import subprocess
+
+from specserve.bench import machine
+
+
+def test_a_checkout_without_git_records_the_revision_it_was_given(monkeypatch):
+    """A device machine gets the working tree without .git: git answers nothing, and the
+    revision benchmarks/gpu_check.sh passes (SPECSERVE_GIT_REVISION) is recorded instead."""
+    monkeypatch.setattr(subprocess, "run", lambda *a, **kw: subprocess.CompletedProcess(a, 128, "", "not a git repo"))
+    monkeypatch.delenv("SPECSERVE_GIT_REVISION", raising=False)
+    assert machine.git_revision() == "unknown"
+    monkeypatch.setenv("SPECSERVE_GIT_REVISION", "abc1234")
+    assert machine.git_revision() == "abc1234"
+
+
+def test_a_checkout_with_git_records_its_commit(monkeypatch):
+    monkeypatch.setenv("SPECSERVE_GIT_REVISION", "abc1234")
+    revision = machine.git_revision()
+    assert revision != "abc1234" and len(revision.split("+")[0]) >= 7
