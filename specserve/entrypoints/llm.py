@@ -207,6 +207,7 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         wanted = set(ids)
         bar = tqdm(total=len(ids), desc="Generating", disable=not show_progress)
+        self.engine.stream_outputs = False   # only finished outputs are read here
         try:
             while wanted - finished.keys():
                 for out in self.engine.step():
@@ -218,6 +219,7 @@ class LLM:
                 self.engine.abort_request(rid)
             raise
         finally:
+            self.engine.stream_outputs = True
             bar.close()
         return [finished[i] for i in ids]
 

@@ -36,3 +36,27 @@ def test_disable_by_batch_size_skips_drafting_in_large_batches(tiny_llama_dir, p
 def test_disable_by_batch_size_is_validated(tiny_llama_dir):
     with pytest.raises(ValueError, match="disable_by_batch_size"):
         spec_llm(tiny_llama_dir, disable_by_batch_size=0)
+
+
+def test_generate_builds_only_final_outputs_and_streams_still_get_every_step(plain, monkeypatch):
+    """LLM.generate reads finished outputs only, so its steps build no others (stream_outputs off
+    while it runs); driving step() directly, as AsyncLLMEngine does, still yields one output a step
+    per request, and both end with the same tokens and text."""
+    engine = plain.engine
+    built = []
+    real = engine.output_processor.make_output
+    monkeypatch.setattr(engine.output_processor, "make_output", lambda req, *a: built.append(req) or real(req, *a))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    final = plain.generate(PROMPTS, params)
+    assert len(built) == 2 and engine.stream_outputs                      # the two finished ones; reset
+    built.clear()
+    for p in PROMPTS:
+        engine.add_request(p, params)
+    streamed = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            streamed.setdefault(out.request_id, []).append(out)
+    assert len(built) == 16 and all(len(v) == 8 for v in streamed.values())
+    last = [v[-1] for v in streamed.values()]
+    assert [(o.outputs[0].token_ids, o.outputs[0].text) for o in last] == \
+        [(o.outputs[0].token_ids, o.outputs[0].text) for o in final]
