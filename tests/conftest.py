@@ -105,3 +105,18 @@ def tiny_draft_dir(tmp_path_factory, default_model_tokenizer) -> str:
     """Another tiny random Llama (seed 1), a draft that often disagrees with ``tiny_llama_dir``."""
     folder = str(tmp_path_factory.mktemp("tiny-draft"))
     return share_folder(write_tiny_llama(folder, seed=1, tokenizer=default_model_tokenizer))
+
+
+@pytest.fixture(scope="session")
+def peaked_llama_dir(tmp_path_factory, default_model_tokenizer) -> str:
+    """The tiny Llama with its logits scaled up (``embedding_scale`` 8): it repeats itself often
+    enough for n-gram and suffix lookups to hit, and still samples."""
+    folder = str(tmp_path_factory.mktemp("peaked-target"))
+    return share_folder(write_tiny_llama(folder, seed=0, tokenizer=default_model_tokenizer, embedding_scale=8.0))
+
+
+@pytest.fixture(scope="session")
+def peaked_draft_dir(tmp_path_factory, default_model_tokenizer) -> str:
+    """The same model scaled less (6): a draft that agrees with ``peaked_llama_dir`` often, not always."""
+    folder = str(tmp_path_factory.mktemp("peaked-draft"))
+    return share_folder(write_tiny_llama(folder, seed=0, tokenizer=default_model_tokenizer, embedding_scale=6.0))

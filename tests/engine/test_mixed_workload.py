@@ -18,25 +18,11 @@ import pytest
 from specserve import LLM
 
 from mixed_workload import lone_results, run_together, workload
-from model_cache import share_folder
-from tiny_models import write_tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 SMALL_CACHE_BLOCKS = 24      # of 16 tokens: the workload needs several times that
 MAX_MODEL_LEN = 160
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory, default_model_tokenizer) -> str:
-    folder = str(tmp_path_factory.mktemp("mixed-target"))
-    return share_folder(write_tiny_llama(folder, seed=0, tokenizer=default_model_tokenizer, embedding_scale=8.0))
-
-
-@pytest.fixture(scope="module")
-def draft_dir(tmp_path_factory, default_model_tokenizer) -> str:
-    folder = str(tmp_path_factory.mktemp("mixed-draft"))
-    return share_folder(write_tiny_llama(folder, seed=0, tokenizer=default_model_tokenizer, embedding_scale=6.0))
 
 
 def make(target_dir: str, spec: dict | None, kv_cache_memory: int = 8 << 20, **kw) -> LLM:
@@ -45,9 +31,9 @@ def make(target_dir: str, spec: dict | None, kv_cache_memory: int = 8 << 20, **k
 
 
 @pytest.fixture(scope="module")
-def alone(target_dir) -> dict[tuple[int, int], list]:
+def alone(peaked_llama_dir) -> dict[tuple[int, int], list]:
     """Each request of each workload alone in a plain engine with room to spare."""
-    llm = make(target_dir, None)
+    llm = make(peaked_llama_dir, None)
     return {(seed, i): r for seed in SEEDS for i, r in lone_results(llm, workload(seed)).items()}
 
 
@@ -63,13 +49,13 @@ SPECS = {
 
 @pytest.mark.parametrize("name", ["ngram", "ngram_tree"] + [pytest.param(n, marks=pytest.mark.slow)
                                                              for n in ("suffix", "draft_model", "draft_tree")])
-def test_every_request_of_a_mixed_workload_is_its_lone_plain_run(target_dir, draft_dir, alone, name):
+def test_every_request_of_a_mixed_workload_is_its_lone_plain_run(peaked_llama_dir, peaked_draft_dir, alone, name):
     spec = dict(SPECS[name])
     if spec["method"] == "draft_model":
-        spec["model"] = draft_dir
-    roomy = make(target_dir, None)
+        spec["model"] = peaked_draft_dir
+    roomy = make(peaked_llama_dir, None)
     # 48 tokens a step: long prompts are prefilled in chunks beside other requests' verifications
-    small = make(target_dir, spec, kv_cache_memory=SMALL_CACHE_BLOCKS * roomy.engine.runner.bytes_per_block,
+    small = make(peaked_llama_dir, spec, kv_cache_memory=SMALL_CACHE_BLOCKS * roomy.engine.runner.bytes_per_block,
                  max_num_batched_tokens=48)
     del roomy
     total_preempted = 0

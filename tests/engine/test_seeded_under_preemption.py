@@ -23,8 +23,6 @@ import pytest
 
 from specserve import LLM, SamplingParams
 
-from model_cache import share_folder
-from tiny_models import write_tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -33,20 +31,18 @@ PROMPTS = [f"Write a short story number {i} about a cat and a {thing}." for i, t
 SMALL_CACHE_BLOCKS = 30         # of 16 tokens; 24 samples of ~65 tokens (5 blocks each) overflow it
 
 
+@pytest.fixture(scope="module")
+def target_dir(peaked_llama_dir) -> str:
+    return peaked_llama_dir
+
+
+@pytest.fixture(scope="module")
+def draft_dir(peaked_draft_dir) -> str:
+    return peaked_draft_dir
+
+
 def params(i: int) -> SamplingParams:
     return SamplingParams(temperature=0.9, seed=100 + i, n=3, max_tokens=48, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory, default_model_tokenizer) -> str:
-    folder = str(tmp_path_factory.mktemp("peaked-target"))
-    return share_folder(write_tiny_llama(folder, seed=0, tokenizer=default_model_tokenizer, embedding_scale=8.0))
-
-
-@pytest.fixture(scope="module")
-def draft_dir(tmp_path_factory, default_model_tokenizer) -> str:
-    folder = str(tmp_path_factory.mktemp("peaked-draft"))
-    return share_folder(write_tiny_llama(folder, seed=0, tokenizer=default_model_tokenizer, embedding_scale=6.0))
 
 
 def spec_config(method: str, draft_dir: str) -> dict:
