@@ -12,6 +12,8 @@ from specserve.entrypoints.llm import beam_search_output
 from specserve.sampling_params import SamplingParams, StructuredOutput
 
 NUM_REQUESTS = 22
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
 
 
 def workload(seed: int) -> list[tuple[str, list[int], object]]:
@@ -45,7 +47,8 @@ def workload(seed: int) -> list[tuple[str, list[int], object]]:
             kw.update(repetition_penalty=1.3, frequency_penalty=0.5, logit_bias={rng.randrange(200, 3000): 5.0})
         if rng.random() < 0.15:
             constraint = rng.choice([StructuredOutput(regex="[a-z ]{4,30}"),
-                                     StructuredOutput(choice=["yes", "no", "maybe later"])])
+                                     StructuredOutput(choice=["yes", "no", "maybe later"]),
+                                     StructuredOutput(json_schema=SCHEMA)])
             kw.update(structured_output=constraint)
         out.append(("abort" if rng.random() < 0.1 else "sample", prompt, SamplingParams(**kw)))
     return out

@@ -1,5 +1,5 @@
 """Every feature at once: a random workload of greedy and seeded requests (n = 1 and 2, stop
-strings and stop tokens, penalties and logit bias, top-k and top-p, regexes and choices), beam
+strings and stop tokens, penalties and logit bias, top-k and top-p, regexes, choices and a JSON schema), beam
 searches and aborts, sharing prompt prefixes, run together under speculation in a KV cache too
 small for them (preemption by recompute, prefix caching on) and with a token budget that cuts
 prompts into prefill chunks. Each request that is not aborted
