@@ -99,10 +99,6 @@ class LLMEngine:
         self.drafting = Drafting(spec_config.disable_by_batch_size if spec_config else None, self.k_policy,
                                  self.spec_stats)
         self.request_errors: dict[str, BaseException] = {}   # finish_reason "error" -> why
-        # False: step() returns finished requests' outputs only (LLM.generate reads no other), so
-        # no step builds and detokenizes the others' (1.6 ms a step at batch 64 on a CPU). Streams
-        # (AsyncLLMEngine, the server) keep the default.
-        self.stream_outputs = True
         self._ids = itertools.count()
         self._seed_rng = torch.Generator().manual_seed(config.seed)
         self.eos_token_id = self.tokenizer.eos_token_id
@@ -196,12 +192,16 @@ class LLMEngine:
 
     # ---------------------------------------------------------------------- step
     @torch.inference_mode()
-    def step(self) -> list[RequestOutput]:
+    def step(self, stream_outputs: bool = True) -> list[RequestOutput]:
         """One step. Failures are isolated: an exception in one request's
         sampling or output handling finishes that request alone with finish_reason
         "error" (its exception: ``take_request_error``); a failed proposer means no
         drafts this step; only a failed target forward, which every scheduled request
-        shares, raises ``StepFailedError`` naming the requests it hit."""
+        shares, raises ``StepFailedError`` naming the requests it hit.
+
+        ``stream_outputs`` False: only finished requests' outputs are built and returned
+        (``LLM.generate`` reads no other), saving every other request's detokenization and
+        RequestOutput (1.6 ms a step at batch 64 on a CPU); streams keep the default."""
         step_started = time.perf_counter()
         for req in self.groups.take_released():
             self.scheduler.add_request(req)
@@ -238,7 +238,7 @@ class LLMEngine:
             if s.request.request_id in beam_rows:
                 continue
             try:
-                out = self._update(s, emitted)
+                out = self._update(s, emitted, stream_outputs)
             except Exception as e:  # noqa: BLE001 - this request's failure, not the batch's
                 out = self._fail_request(s.request, e)
             if out is not None:
@@ -252,8 +252,9 @@ class LLMEngine:
             self.drafting.show_hidden_states(self.proposer, plan.scheduled, inputs, starts, result.all_hidden)
         return outputs
 
-    def _update(self, s: ScheduledRequest, emitted: dict) -> RequestOutput | None:
-        """Advance one scheduled request by its emitted tokens (stop checks one by one)."""
+    def _update(self, s: ScheduledRequest, emitted: dict, stream_outputs: bool = True) -> RequestOutput | None:
+        """Advance one scheduled request by its emitted tokens (stop checks one by one) -> its
+        output; without ``stream_outputs`` only a finished request's (``step``)."""
         req = s.request
         if not s.will_sample:   # a prefill chunk short of the prompt's end
             req.commit_step(s.num_new_tokens, None)
@@ -277,7 +278,7 @@ class LLMEngine:
             self.spec_stats.record(num_drafts, verified.num_accepted, appended, per_depth)
         if status is not None:
             self._finish(req, status)
-        if not (self.stream_outputs or req.is_finished()):
+        if not (stream_outputs or req.is_finished()):
             return None
         return self.output_processor.make_output(req)
 

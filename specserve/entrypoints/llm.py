@@ -207,10 +207,9 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         wanted = set(ids)
         bar = tqdm(total=len(ids), desc="Generating", disable=not show_progress)
-        self.engine.stream_outputs = False   # only finished outputs are read here
         try:
             while wanted - finished.keys():
-                for out in self.engine.step():
+                for out in self.engine.step(stream_outputs=False):   # only finished outputs are read here
                     if out.finished and out.request_id in wanted:
                         finished[out.request_id] = out
                         bar.update(1)
@@ -219,7 +218,6 @@ class LLM:
                 self.engine.abort_request(rid)
             raise
         finally:
-            self.engine.stream_outputs = True
             bar.close()
         return [finished[i] for i in ids]
 

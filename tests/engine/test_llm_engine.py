@@ -39,16 +39,16 @@ def test_disable_by_batch_size_is_validated(tiny_llama_dir):
 
 
 def test_generate_builds_only_final_outputs_and_streams_still_get_every_step(plain, monkeypatch):
-    """LLM.generate reads finished outputs only, so its steps build no others (stream_outputs off
-    while it runs); driving step() directly, as AsyncLLMEngine does, still yields one output a step
-    per request, and both end with the same tokens and text."""
+    """LLM.generate reads finished outputs only, so its steps build no others (step(stream_outputs=
+    False)); driving step() directly, as AsyncLLMEngine does, still yields one output a step per
+    request, and both end with the same tokens and text."""
     engine = plain.engine
     built = []
     real = engine.output_processor.make_output
     monkeypatch.setattr(engine.output_processor, "make_output", lambda req, *a: built.append(req) or real(req, *a))
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     final = plain.generate(PROMPTS, params)
-    assert len(built) == 2 and engine.stream_outputs                      # the two finished ones; reset
+    assert len(built) == 2                                                # the two finished ones
     built.clear()
     for p in PROMPTS:
         engine.add_request(p, params)
