@@ -57,3 +57,25 @@ def machine_facts() -> dict:
         "git": git_revision(),
     }
     return facts
+
+
+def memory_available() -> int | None:
+    """Bytes the kernel says new allocations can still get (``MemAvailable``), or None where
+    /proc/meminfo is missing (not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def process_memory() -> int | None:
+    """Bytes this process holds in memory now (resident set), or None where /proc is missing."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None

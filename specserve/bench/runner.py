@@ -25,7 +25,7 @@ from collections import OrderedDict
 import torch
 
 from specserve.bench.engines import GroupResult, SpecserveEngine
-from specserve.bench.machine import machine_facts
+from specserve.bench.machine import machine_facts, memory_available, process_memory
 from specserve.bench.options import (
     ALL,
     METHODS,
@@ -80,7 +80,16 @@ def groups_of(prompts: list[BenchPrompt], batch_size: int) -> list[list[BenchPro
 
 # --------------------------------------------------------------------------- the run
 def build_engines(opts: BenchOptions) -> list:
-    engines: list = [SpecserveEngine(c, opts) for c in opts.configs]
+    engines: list = []
+    try:
+        for i, config in enumerate(opts.configs):
+            before = process_memory()
+            engines.append(SpecserveEngine(config, opts))
+            check_room_for(opts.configs[i + 1:], config.name, before, process_memory(), memory_available())
+    except BaseException:
+        for e in engines:
+            e.close()
+        raise
     for peer in opts.peers:
         from specserve.bench import peers
 
@@ -102,6 +111,28 @@ def build_engines(opts: BenchOptions) -> list:
             e.close()
         raise ValueError(f"two configurations of the same name in {names} (e.g. --transformers-dtype bf16,bfloat16)")
     return engines
+
+
+def check_room_for(rest: list[Config], name: str, before: int | None, after: int | None,
+                   available: int | None) -> None:
+    """Stop, with a message that says what to do, before the next engines run the machine out of memory.
+
+    Configurations are interleaved prompt group by prompt group, so every one of them holds its own
+    engine (its target, its draft, its KV cache) for the whole run: ten configurations of a 1.5B
+    target and its draft take about 30 GiB. The engine just built (``before`` -> ``after`` bytes
+    of this process) stands for each of the ``rest``; where the memory still ``available`` cannot
+    hold them, the run stops now rather than being killed half-way. Unknown sizes (no /proc) skip
+    the check."""
+    if not rest or before is None or after is None or available is None or after <= before:
+        return
+    each = after - before
+    if each * len(rest) > available:
+        gib = 1 << 30
+        raise MemoryError(
+            f"not enough memory for {len(rest)} more bench configurations: {name!r} took {each / gib:.1f} GiB, so "
+            f"{', '.join(c.name for c in rest)} would need about {each * len(rest) / gib:.1f} GiB and "
+            f"{available / gib:.1f} GiB is available. Every configuration keeps its engine loaded for the whole run "
+            "(they are interleaved); run fewer configurations at once (--configs)")
 
 
 def run_bench(opts: BenchOptions) -> dict:

@@ -264,3 +264,41 @@ def test_transformers_drafting_peers(tiny_llama_dir, tiny_draft_dir, tmp_path):
     assert tiny_draft_dir in configs["transformers-assisted"]["description"]
     rows = {r["config"]: r for r in doc["results"] if r["category"] == ALL}
     assert rows["transformers-assisted"]["tok_s"] > 0 and rows["transformers-ngram:4"]["tok_s"] > 0
+
+
+def test_check_room_for_stops_before_memory_runs_out():
+    from specserve.bench.runner import check_room_for
+
+    gib = 1 << 30
+    rest = [Config("draft:4", "specserve"), Config("draft:5", "specserve")]
+    with pytest.raises(MemoryError, match=r"2 more bench configurations: 'draft:3' took 3\.0 GiB.*draft:4, draft:5.*"
+                                          r"6\.0 GiB and 5\.0 GiB is available"):
+        check_room_for(rest, "draft:3", 1 * gib, 4 * gib, 5 * gib)
+    check_room_for(rest, "draft:3", 1 * gib, 4 * gib, 6 * gib)        # exactly enough
+    check_room_for([], "draft:3", 1 * gib, 4 * gib, 0)                 # nothing left to build
+    check_room_for(rest, "draft:3", None, 4 * gib, 0)                  # sizes unknown: no check
+    check_room_for(rest, "draft:3", 1 * gib, 4 * gib, None)
+
+
+def test_build_engines_closes_what_it_built_when_memory_would_run_out(monkeypatch):
+    from specserve.bench import runner
+    from specserve.bench.runner import BenchOptions
+
+    built, closed, rss = [], [], iter(range(0, 100, 10))
+
+    class FakeEngine:
+        def __init__(self, config, opts):
+            self.name = config.name
+            built.append(self.name)
+
+        def close(self):
+            closed.append(self.name)
+
+    monkeypatch.setattr(runner, "SpecserveEngine", FakeEngine)
+    monkeypatch.setattr(runner, "process_memory", lambda: next(rss) << 30)   # each engine takes 10 GiB
+    available = iter([35 << 30, 15 << 30])   # room for 3 more after the first engine, not 2 after the second
+    monkeypatch.setattr(runner, "memory_available", lambda: next(available))
+    opts = BenchOptions(configs=parse_configs("plain,ngram:2,ngram:3,ngram:4"))
+    with pytest.raises(MemoryError, match="ngram:3, ngram:4 would need about 20.0 GiB"):
+        runner.build_engines(opts)
+    assert built == ["plain", "ngram:2"] and closed == built

@@ -20,3 +20,18 @@ def test_a_checkout_with_git_records_its_commit(monkeypatch):
     monkeypatch.setenv("SPECSERVE_GIT_REVISION", "abc1234")
     revision = machine.git_revision()
     assert revision != "abc1234" and len(revision.split("+")[0]) >= 7
+
+
+def test_memory_figures_are_read_where_proc_exists():
+    import os
+
+    from specserve.bench.machine import memory_available, process_memory
+
+    if not os.path.exists("/proc/meminfo"):
+        assert memory_available() is None and process_memory() is None
+        return
+    before = process_memory()
+    block = bytearray(64 << 20)   # touched: 64 MiB more resident
+    block[:: 4096] = b"\1" * len(block[:: 4096])
+    assert process_memory() - before >= 60 << 20
+    assert 0 < memory_available() < os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
