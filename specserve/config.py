@@ -207,9 +207,12 @@ class SpeculativeConfig:
 
     @property
     def num_lookahead_slots(self) -> int:
-        """KV slots a decoding request reserves for drafts: a tree's nodes, else k."""
+        """KV slots a decoding request reserves for drafts: k for a chain; for a tree, its nodes
+        or the nodes the draft expands to reach the tree's depth (``top_k`` at each depth but the
+        last, each computed in the draft's cache at a slot of its own), whichever is more."""
         if self.tree is not None:
-            return self.tree.max_nodes
+            depth = self.tree.max_depth or self.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS
+            return max(self.tree.max_nodes, self.tree.top_k * (depth - 1))
         return self.num_speculative_tokens or 0
 
     @classmethod

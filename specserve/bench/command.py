@@ -44,12 +44,13 @@ PRESETS = {   # suites that are spec-bench with other defaults
                                "draft:3:model=gemma-3-270m",
                     "prompts": "coding+spec-bench", "categories": "write,refactor,explain,complete,fix,coding,qa",
                     "limit": 2, "max_tokens": 96, "threads": 2},
-    # draft-model trees against chains on the real pair (~25 min on 2 cores)
+    # draft-model trees against chains of 3-5 on the real pair (~35 min on 2 cores); 256 MiB of KV
+    # cache per configuration (one request at a time) keeps the nine engines in about 19 GiB
     "draft-trees": {"model": "qwen2.5-coder-1.5b-instruct", "draft_model": "qwen2.5-coder-0.5b-instruct",
-                    "configs": "plain,draft:4,draft:5,draft:5:tree=2/6,draft:5:tree=4/12/topk,draft:5:tree=4/12/sampled,"
-                               "draft:5:tree=2/8/dynamic",
+                    "configs": "plain,draft:3,draft:4,draft:5,draft:4:tree=2/6,draft:5:tree=2/6,draft:5:tree=4/12/topk,"
+                               "draft:5:tree=4/12/sampled,draft:5:tree=2/8/dynamic",
                     "prompts": "coding+spec-bench", "categories": "write,refactor,explain,complete,fix,coding,qa,writing",
-                    "limit": 1, "max_tokens": 64, "threads": 2, "temperature": "0,0.7"},
+                    "limit": 1, "max_tokens": 64, "threads": 2, "temperature": "0,0.7", "kv_cache_memory": 1 << 28},
     "gpu": {"configs": "plain,ngram:4,eagle:4", "batch_sizes": "1,8", "limit": 1, "max_tokens": 96,
             "device": "cuda", "peer": ["transformers"]},
 }
@@ -134,7 +135,8 @@ def add_spec_bench_options(p: argparse.ArgumentParser, d: dict) -> None:
     p.add_argument("--stop-at-eos", action="store_true",
                    help="answers end at end-of-sequence (Spec-Bench's protocol) instead of always --max-tokens")
     p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes of KV cache per configuration")
+    p.add_argument("--kv-cache-memory", type=int, default=d.get("kv_cache_memory", 1 << 30),
+                   help="bytes of KV cache per configuration")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=d["threads"], help="torch.set_num_threads (and llama.cpp's -t)")
     p.add_argument("--out", default=None, help="also write report.md, results.json and plots to this folder")

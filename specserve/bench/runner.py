@@ -132,7 +132,8 @@ def check_room_for(rest: list[Config], name: str, before: int | None, after: int
             f"not enough memory for {len(rest)} more bench configurations: {name!r} took {each / gib:.1f} GiB, so "
             f"{', '.join(c.name for c in rest)} would need about {each * len(rest) / gib:.1f} GiB and "
             f"{available / gib:.1f} GiB is available. Every configuration keeps its engine loaded for the whole run "
-            "(they are interleaved); run fewer configurations at once (--configs)")
+            "(they are interleaved); run fewer configurations at once (--configs) or give each less KV cache "
+            "(--kv-cache-memory)")
 
 
 def run_bench(opts: BenchOptions) -> dict:

@@ -73,7 +73,8 @@ class _Node:
 class _Growing:
     request: Request
     last: int                                  # position of the root (the request's last token)
-    budget: int                                # nodes (and slots) at most
+    budget: int                                # nodes at most
+    slots: int                                 # expanded nodes at most (the request's lookahead slots)
     nodes: list[_Node] = field(default_factory=list)
     dists: list[torch.Tensor] = field(default_factory=list)   # [V] processed draft distributions
     slot_parents: list[int] = field(default_factory=lambda: [-1])   # per tree slot: its parent's slot
@@ -116,7 +117,8 @@ class DraftTreeGrower:
              forward: Callable[[list[TreeStep]], torch.Tensor], roots: list[int] | None = None) -> Proposal:
         """root_logits [B, V]: each request's draft logits after its last token (position
         ``num_computed_tokens``, already in the draft's cache); budgets: each request's lookahead
-        slots (its tree's nodes, and the draft's expanded nodes, at most) -> a tree per request.
+        slots (the draft's expanded nodes at most; its tree's nodes are at most these and
+        ``max_nodes``) -> a tree per request.
         ``roots``: where each tree's root sits in the draft's cache if not at the last token's
         position (EAGLE's head computes position t from the token after it: one earlier)."""
         roots = roots or [r.num_computed_tokens for r in reqs]
@@ -124,14 +126,14 @@ class DraftTreeGrower:
         if self.policy is not None:
             shape = self.policy.choose([r.request_id for r in reqs], [r.num_output_tokens for r in reqs])
             self.shapes_used[str(shape)] = self.shapes_used.get(str(shape), 0) + 1
-        trees = [_Growing(r, root, min(b, shape.max_nodes)) for r, root, b in zip(reqs, roots, budgets)]
+        trees = [_Growing(r, root, min(b, shape.max_nodes), b) for r, root, b in zip(reqs, roots, budgets)]
         self._add_children(trees, [(i, -1) for i in range(len(trees)) if trees[i].budget > 0], root_logits,
                            shape.top_k)
         for depth in range(1, shape.max_depth):
             steps, expanded = [], []
             for i, t in enumerate(trees):
                 fed = len(t.slot_parents) - 1
-                room = min(shape.top_k, t.budget - fed)
+                room = min(shape.top_k, t.slots - fed)
                 layer = [n for n, node in enumerate(t.nodes) if node.depth == depth]
                 chosen = sorted(sorted(layer, key=lambda n: -t.nodes[n].score)[:max(room, 0)])
                 if not chosen:

@@ -167,3 +167,19 @@ def test_dynamic_shapes_are_plain_output(tiny_llama_dir, tiny_draft_dir, plain_t
     assert _tokens(llm, PROMPTS, GREEDY) == plain_tokens
     used = llm.engine.proposer.tree.shapes_used
     assert set(used) == {"chain:2", "chain:3", "chain:4", "tree:3/6/4", "tree:3/12/4"}
+
+
+def test_a_narrow_tree_reaches_its_depth(peaked_llama_dir):
+    """Tree 3/5, 4 deep: reaching depth 4 takes 3 expansions at each of depths 1-3, 9 nodes in
+    the draft's cache for a tree of 5 (SpeculativeConfig.num_lookahead_slots reserves 9). A peaked
+    model drafting for itself makes its likeliest paths deep, so drafts at depth 4 are proposed
+    and accepted, the output is plain output, and the draft's cache, moved from slots past the
+    tree's 5, equals the target's."""
+    plain = _tokens(_llm(peaked_llama_dir), PROMPTS, GREEDY)
+    llm = _llm(peaked_llama_dir, _tree(peaked_llama_dir, top_k=3, max_nodes=5))
+    assert llm.engine.num_speculative_tokens == 9
+    errors = _draft_cache_errors(llm)
+    assert _tokens(llm, PROMPTS, GREEDY) == plain
+    accepted = llm.get_spec_decode_stats().accepted_per_position
+    assert len(accepted) == 4 and accepted[3] > 0
+    assert max(errors) < 1e-4

@@ -99,3 +99,50 @@ def test_a_one_deep_tree_is_the_roots_top_k():
     q = torch.softmax(_logits_after(7), -1)
     assert proposal.token_ids[0] == q.topk(2).indices.tolist() and proposal.parents[0] == [-1, -1]
     assert steps == []                                  # one depth: no draft forward past the root's
+
+
+def _depths(proposal) -> list[int]:
+    depths = []
+    for p in proposal.parents[0]:
+        depths.append(1 if p < 0 else depths[p] + 1)
+    return depths
+
+
+def test_a_tree_reaches_its_depth_when_it_expands_more_nodes_than_it_keeps():
+    """Tree 2/6, 5 deep: the draft expands 2 nodes at each of depths 1-4 (8, more than the 6 the
+    tree keeps), each in a lookahead slot of its own (SpeculativeConfig.num_lookahead_slots
+    reserves 8), so the best path, a chain here, is 5 deep; with only 6 slots the draft could
+    expand 6 nodes and the tree would stop at depth 4."""
+    from specserve.config import SpeculativeConfig
+
+    tree = TreeConfig(top_k=2, max_nodes=6, max_depth=5)
+    spec = SpeculativeConfig(method="draft_model", model="unused", num_speculative_tokens=5, tree=tree)
+    assert spec.num_lookahead_slots == 8
+    logits = torch.full((VOCAB,), -20.0)
+    logits[0], logits[1] = 2.2, 0.0        # everywhere: token 0 at about 0.9, token 1 at 0.1
+    steps = []
+
+    def forward(batch):
+        steps.extend(batch)
+        return logits.expand(sum(len(st.token_ids) for st in batch), VOCAB)
+
+    for slots, deepest, forwards in ((8, 5, 4), (6, 4, 3)):
+        steps.clear()
+        proposal = DraftTreeGrower(tree, 5, VOCAB).grow([_request(SamplingParams(temperature=0))], [slots],
+                                                        logits[None], forward)
+        assert len(proposal.token_ids[0]) == 6 and max(_depths(proposal)) == deepest
+        assert len(steps) == forwards and sum(len(st.token_ids) for st in steps) <= slots
+        assert max(st.tree_cached + len(st.token_ids) for st in steps) <= slots + 1   # root + its slots
+
+
+def test_lookahead_slots_cover_a_trees_expansions():
+    from specserve.config import SpeculativeConfig
+
+    def slots(k, **tree):
+        return SpeculativeConfig(method="draft_model", model="unused", num_speculative_tokens=k,
+                                 tree=tree).num_lookahead_slots
+
+    assert slots(5, top_k=4, max_nodes=16) == 16          # 4 x 4 expansions: the nodes are more
+    assert slots(5, top_k=4, max_nodes=12) == 16          # 4 x 4 expansions past 12 nodes
+    assert slots(4, top_k=2, max_nodes=6, max_depth=6) == 10
+    assert SpeculativeConfig(method="draft_model", model="unused", num_speculative_tokens=5).num_lookahead_slots == 5
