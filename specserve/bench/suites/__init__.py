@@ -48,7 +48,7 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
           "speculation against constrained plain decoding and llama-server's json_schema",
           "specserve bench structured-output"),
     Suite("draft-trees", "spec_bench", "Draft trees against chains: Qwen2.5-Coder-1.5B with its 0.5B draft proposing "
-          "trees (top-k and sampled children) and chains of 4 and 5, on coding prompts and Spec-Bench's coding, qa and "
+          "trees (top-k and sampled children) and chains of 3 to 5, on coding prompts and Spec-Bench's coding, qa and "
           "writing", "specserve bench draft-trees"),
     Suite("gpu", "spec_bench", "On a GPU: plain, n-gram and EAGLE against transformers",
           "specserve bench gpu"),
