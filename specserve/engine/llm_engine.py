@@ -70,7 +70,7 @@ class LLMEngine:
         del loaded
         self.vocab_size = self.hf_config.vocab_size
         self.verifier = Verifier(self.vocab_size, self.device, self.tokenizer)
-        # lookahead slots per decoding request: k for a chain, a draft tree's max_nodes
+        # lookahead slots per decoding request: k for a chain; a draft tree's nodes or expansions
         self.num_speculative_tokens = k = spec_config.num_lookahead_slots if spec_config else 0
         num_blocks = kv_cache_blocks(config, self.runner.bytes_per_block, self.max_model_len, k)
         # CUDA graphs for decode and verification steps (k + 1 rows; a tree's nodes + 1) on GPUs
