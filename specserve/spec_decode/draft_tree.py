@@ -124,7 +124,7 @@ class DraftTreeGrower:
         roots = roots or [r.num_computed_tokens for r in reqs]
         shape = self.shape
         if self.policy is not None:
-            shape = self.policy.choose([r.request_id for r in reqs], [r.num_output_tokens for r in reqs])
+            shape = self.policy.choose([r.request_id for r in reqs], [r.num_output_tokens for r in reqs], budgets)
             self.shapes_used[str(shape)] = self.shapes_used.get(str(shape), 0) + 1
         trees = [_Growing(r, root, min(b, shape.max_nodes), b) for r, root, b in zip(reqs, roots, budgets)]
         self._add_children(trees, [(i, -1) for i in range(len(trees)) if trees[i].budget > 0], root_logits,

@@ -80,23 +80,24 @@ class TreeSizePolicy:
         self.samples: dict[tuple[int, TreeShape], int] = {}
         self.last_used: dict[tuple[int, TreeShape], int] = {}
         self.decisions = 0
-        self._pending: tuple[int, TreeShape, tuple[str, ...], list[int], float] | None = None
+        self._pending: tuple[int, TreeShape, tuple[str, ...], list[int], list[int] | None, float] | None = None
 
-    def choose(self, request_ids: list[str], emitted: list[int]) -> TreeShape:
+    def choose(self, request_ids: list[str], emitted: list[int], budgets: list[int] | None = None) -> TreeShape:
         """This step's shape for these decoding requests (``emitted``: each one's output tokens so
-        far); also credits the previous choice if the batch is the same one."""
+        far; ``budgets``: the drafts each may take this step, fewer than a shape's near
+        ``max_tokens``); also credits the previous choice if the batch is the same one."""
         now = self.clock()
         ids = tuple(request_ids)
         if self._pending is not None:
-            bucket, shape, last_ids, last_emitted, started = self._pending
+            bucket, shape, last_ids, last_emitted, last_budgets, started = self._pending
             deltas = [e - last for e, last in zip(emitted, last_emitted)]
             if last_ids == ids and now > started and all(d > 0 for d in deltas):
-                self._record(bucket, shape, deltas, now - started)
+                self._record(bucket, shape, deltas, last_budgets, now - started)
         bucket = batch_bucket(len(ids))
         shape = self._pick(bucket)
         self.decisions += 1
         self.last_used[bucket, shape] = self.decisions
-        self._pending = (bucket, shape, ids, list(emitted), now)
+        self._pending = (bucket, shape, ids, list(emitted), None if budgets is None else list(budgets), now)
         return shape
 
     def rate(self, bucket: int, shape: TreeShape) -> float:
@@ -120,7 +121,8 @@ class TreeSizePolicy:
             tokens += reach
         return tokens
 
-    def _record(self, bucket: int, shape: TreeShape, deltas: list[int], seconds: float) -> None:
+    def _record(self, bucket: int, shape: TreeShape, deltas: list[int], budgets: list[int] | None,
+                seconds: float) -> None:
         key = (bucket, shape)
         n = self.samples.get(key, 0)
         self.seconds[key] = _running_mean(self.seconds.get(key), seconds, n, SMOOTHING)
@@ -136,9 +138,10 @@ class TreeSizePolicy:
             for i in range(len(drafted)):
                 drafted[i] *= ACCEPT_DECAY
                 accepted[i] *= ACCEPT_DECAY
-            for d in deltas:
-                took = min(int(d) - 1, k)             # drafts accepted; the next one, if any, rejected
-                for i in range(min(took + 1, k)):
+            for r, d in enumerate(deltas):
+                drafts = k if budgets is None else min(k, budgets[r])
+                took = min(int(d) - 1, drafts)        # drafts accepted; the next one, if any, rejected
+                for i in range(min(took + 1, drafts)):
                     drafted[i] += 1.0
                 for i in range(took):
                     accepted[i] += 1.0

@@ -132,3 +132,13 @@ def test_noisy_steps_still_run_near_the_best_fixed_shape():
         engine.run(1, 400)
         ratios.append(engine.tokens / engine.elapsed / best)
     assert sum(ratios) / len(ratios) >= 0.97
+
+
+def test_a_request_with_fewer_drafts_than_the_chain_is_not_counted_as_rejecting():
+    """Near max_tokens a request drafts fewer than the chain's k: all of them accepted is no
+    rejection at the next position, which it never drafted."""
+    shape = TreeShape(1, 4, 4)
+    policy = TreeSizePolicy([shape], clock=iter([0.0, 1.0]).__next__)
+    policy.choose(["a", "b"], [0, 0], budgets=[4, 2])
+    policy.choose(["a", "b"], [3, 3], budgets=[4, 1])   # a: 2 of 4 accepted; b: 2 of its 2
+    assert policy.drafted[1] == [2.0, 2.0, 1.0, 0.0] and policy.accepted[1] == [2.0, 2.0, 0.0, 0.0]
