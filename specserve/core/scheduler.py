@@ -124,14 +124,25 @@ class Scheduler:
         return out
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
-        self.running.remove(req)
-        self.kv_cache.free(req.request_id)
-        req.status = RequestStatus.WAITING
-        req.discard_kv()
-        req.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.requeue(req, front=True)
         out.preempted.append(req)
         out.scheduled = [s for s in out.scheduled if s.request is not req]
+
+    def requeue(self, req: Request, front: bool) -> None:
+        """Put a request back in the waiting queue, at its front or its back. A running one is
+        preempted: it gives its blocks up and is computed again from its tokens when admitted."""
+        if req in self.running:
+            self.running.remove(req)
+            self.kv_cache.free(req.request_id)
+            req.status = RequestStatus.WAITING
+            req.discard_kv()
+            req.num_preemptions += 1
+        else:
+            self.waiting.remove(req)
+        if front:
+            self.waiting.appendleft(req)
+        else:
+            self.waiting.append(req)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Mark a request finished (stop, length or abort) and free its blocks."""

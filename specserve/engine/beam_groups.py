@@ -14,7 +14,10 @@ verified rows allow and gives each new beam the K/V of its tokens:
 - each further successor is a new request that shares the parent's full blocks below their
   common prefix (``KVCacheManager.fork``: reference counts) and gets its own copy of the rest
   (the partial block, and a tree branch's K/V at its positions); copy on write, done at
-  the fork. A draft model's cache (same block tables) gets the same copies.
+  the fork. A draft model's or EAGLE head's cache (same block tables) gets the same copies
+  (``Proposer.copy_kv_slots``), and EAGLE hands the new request its share of the target's
+  hidden states (``Proposer.fork``). A draft with another tokenizer keeps blocks of its own,
+  which a fork cannot share: it is refused (``Proposer.runs_beams``).
 
 Forked beams join the scheduler's running requests at once (``Scheduler.add_running``). With
 ``dynamic_k`` beams take no probe steps (``Request.takes_draft_probes``): a forked beam is a new
@@ -41,36 +44,23 @@ from specserve.engine.step_inputs import drafts_per_depth
 from specserve.model_executor.layers.attention import cache_slot
 from specserve.outputs import CompletionOutput, Logprob, RequestOutput, SpecDecodeStats
 from specserve.sampling_params import SamplingParams
-from specserve.spec_decode.draft_model import DraftModelProposer
-from specserve.spec_decode.ngram import NgramProposer
-from specserve.spec_decode.suffix import SuffixProposer
 
 logger = logging.getLogger(__name__)
-
-
-# Proposers whose drafts beams may carry: they keep no K/V (n-gram, suffix) or keep it in the
-# target's block tables (the draft model), so a forked beam's copies cover it. EAGLE's features
-# and a cross-vocabulary draft's own blocks follow a request object, not its blocks: not yet.
-BEAM_PROPOSERS = (NgramProposer, SuffixProposer, DraftModelProposer)
 
 
 def beam_capable_proposer(proposer, beam_width: int, max_num_seqs: int, max_num_batched_tokens: int,
                           vocab_size: int) -> None:
     """ValueError naming why this engine cannot run a beam search of ``beam_width`` beams."""
-    if proposer is not None and not isinstance(proposer, BEAM_PROPOSERS):
-        raise ValueError(f"beam search runs with the ngram, suffix and draft_model proposers or none; this engine's "
-                         f"is {type(proposer).__name__}")
+    if proposer is not None and not proposer.runs_beams:
+        raise ValueError(f"beam search runs with the ngram, suffix, draft_model (same vocabulary) and eagle "
+                         f"proposers or none; this engine's is {type(proposer).__name__}, whose per-request "
+                         f"state cannot follow a forked beam")
     if beam_width > min(max_num_seqs, max_num_batched_tokens):
         raise ValueError(f"beam_width {beam_width} exceeds what one step runs (max_num_seqs {max_num_seqs}, "
                          f"max_num_batched_tokens {max_num_batched_tokens}): every beam needs a place in the same step")
     if 2 * beam_width > vocab_size:
         raise ValueError(f"beam_width {beam_width} needs 2 x {beam_width} candidate tokens; the vocabulary has "
                          f"{vocab_size}")
-
-
-def draft_cache_runner(proposer):
-    """The runner whose KV cache follows the target's block tables (a draft model's), else None."""
-    return proposer.runner if isinstance(proposer, DraftModelProposer) else None
 
 
 @dataclass
@@ -92,6 +82,7 @@ class BeamSearchGroup:
         self.search = search
         self.running = [RunningBeam(first, [], 0.0)]
         self.num_beams_made = 1
+        self.stalled_alone = 0                  # passes in a row it waited for blocks no one else held
         self.spec_stats = SpecDecodeStats()     # per pass and running beam: drafts, depths beyond the first
         self.arrival_time = first.arrival_time
         self.first_pass_time: float | None = None
@@ -110,7 +101,6 @@ class BeamGroups:
         self.scheduler = scheduler
         self.runner = runner                  # the target's: copy_kv_slots
         self.proposer = proposer
-        self.draft_runner = draft_cache_runner(proposer)      # a draft model's (same block tables), or None
         self.tokenizer = tokenizer
         self.engine_stats = engine_stats
         self.by_id: dict[str, BeamSearchGroup] = {}
@@ -169,27 +159,63 @@ class BeamGroups:
         outputs (a group that fails ends alone, its exception filed in ``errors``)."""
         copies: list[tuple[int, int]] = []    # (source slot, destination slot), all read before any write
         ended: list[Request] = []
+        stalled: list[BeamSearchGroup] = []    # put off while some of their beams wait for blocks
         outputs = []
         for group in {id(g): g for g in (self._of_beam[rid] for rid in beams)}.values():
             try:
                 out = self._advance(group, beams, copies, ended)
             except Exception as e:  # noqa: BLE001 - this request's failure, not the batch's
-                logger.error("beam search %s failed: %s", group.request_id, e, exc_info=e)
-                errors[group.request_id] = e
-                self.by_id.pop(group.request_id, None)
-                self._end(group, RequestStatus.FINISHED_ABORTED)
-                out = RequestOutput(group.request_id, group.prompt, group.prompt_token_ids,
-                                    [CompletionOutput(0, "", [], finish_reason="error")], True, group.spec_stats)
+                out = self._fail(group, e, errors)
+            if out is None and group.request_id in self.by_id and any(
+                    b.request.status is RequestStatus.WAITING for b in group.running):
+                stalled.append(group)
             if out is not None:
                 outputs.append(out)
         if copies:
             src, dst = zip(*copies)
             self.runner.copy_kv_slots(list(src), list(dst))
-            if self.draft_runner is not None:
-                self.draft_runner.copy_kv_slots(list(src), list(dst))
+            if self.proposer is not None:        # a draft model's or EAGLE head's cache: the same copies
+                self.proposer.copy_kv_slots(list(src), list(dst))
         for req in ended:
             self._release(req)
+        if stalled:
+            outputs += self._unstall(stalled, errors)
         return outputs
+
+    def _unstall(self, stalled: list[BeamSearchGroup], errors: dict) -> list[RequestOutput]:
+        """Searches whose running beams hold blocks while their other beams wait for blocks
+        could wait on each other forever (the scheduler never takes a running request's blocks
+        for a waiting one). The oldest goes first: its waiting beams move to the front of the
+        queue, and the newer ones give their running beams' blocks up (to the back of the queue;
+        computed again when admitted). A search that holds every running request and still waits
+        can never fit in the KV cache: after a few passes it fails with a clear error."""
+        age = {id(g): i for i, g in enumerate(self.by_id.values())}
+        first, *newer = sorted(stalled, key=lambda g: age[id(g)])
+        for group in newer:
+            group.stalled_alone = 0
+            for b in group.running:
+                if b.request.status is RequestStatus.RUNNING:
+                    self.scheduler.requeue(b.request, front=False)
+        for b in reversed(first.running):
+            if b.request.status is RequestStatus.WAITING:
+                self.scheduler.requeue(b.request, front=True)
+        alone = all(self._of_beam.get(r.request_id) is first for r in self.scheduler.running)
+        first.stalled_alone = first.stalled_alone + 1 if alone else 0
+        if first.stalled_alone < 3:
+            return []
+        return [self._fail(first, MemoryError(
+            f"beam search {first.request_id} needs its {len(first.running)} beams in the KV cache at once, and "
+            f"the cache ({self.kv_cache.num_blocks} blocks of {self.kv_cache.block_size} tokens) cannot hold them: "
+            f"raise kv_cache_memory, or lower beam_width or max_tokens"), errors)]
+
+    def _fail(self, group: BeamSearchGroup, error: Exception, errors: dict) -> RequestOutput:
+        """End one search because of its own failure; its error output (the rest carry on)."""
+        logger.error("beam search %s failed: %s", group.request_id, error, exc_info=error)
+        errors[group.request_id] = error
+        self.by_id.pop(group.request_id, None)
+        self._end(group, RequestStatus.FINISHED_ABORTED)
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids,
+                             [CompletionOutput(0, "", [], finish_reason="error")], True, group.spec_stats)
 
     def _advance(self, group: BeamSearchGroup, beams: dict, copies: list, ended: list) -> RequestOutput | None:
         if not all(b.request.request_id in beams for b in group.running):
@@ -200,6 +226,7 @@ class BeamGroups:
                     b.request.commit_step(s.num_new_tokens - 1, 0)
             return None
         group.first_pass_time = group.first_pass_time or time.monotonic()
+        group.stalled_alone = 0
         passing = [PassBeam(list(b.request.output_token_ids), b.logprobs, b.cum_logprob,
                             beams[b.request.request_id][1], list(b.request.draft_token_ids), b.request.draft_parents)
                    for b in group.running]
@@ -267,6 +294,8 @@ class BeamGroups:
                 child.proposer_num_computed_tokens = min(drafted_to, in_place(nb), keep)
                 self.kv_cache.cache_full_blocks(child.request_id, child.all_token_ids, keep)
                 self.scheduler.add_running(child)
+                if self.proposer is not None:
+                    self.proposer.fork(req, child, nb.nodes, length - 1)
             else:        # no room: it computes its K/V again when admitted (its prefix from the cache)
                 self.kv_cache.free(child.request_id)
                 self.scheduler.add_request(child)

@@ -31,6 +31,8 @@ from specserve.worker.model_runner import ForwardInput, ModelRunner
 
 
 class DraftModelProposer(Proposer):
+    runs_beams = True     # its K/V follows the target's block tables
+
     def __init__(self, runner: ModelRunner, kv_cache: KVCacheManager, vocab_size: int,
                  tree: TreeConfig | None = None, depth: int = 0):
         """``tree``: propose trees of drafts, ``depth`` deep unless ``tree.max_depth`` says."""
@@ -123,6 +125,9 @@ class DraftModelProposer(Proposer):
                 for st in steps]).logits                                                # [sum nodes, V or Vd]
 
         return self.tree.grow(reqs, [s.num_lookahead for s in scheduled], root_logits, forward)
+
+    def copy_kv_slots(self, src: list[int], dst: list[int]) -> None:
+        self.runner.copy_kv_slots(src, dst)
 
     def keep_tree_branch(self, request: Request, path: list[int], last: int) -> None:
         if self.tree is not None:

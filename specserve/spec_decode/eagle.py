@@ -39,7 +39,8 @@ from specserve.config import TreeConfig
 from specserve.core.kv_cache_manager import KVCacheManager
 from specserve.core.request import Request
 from specserve.core.scheduler import ScheduledRequest
-from specserve.model_executor.layers.attention import AttentionMetadata, kv_cache_dtype_for, kv_cache_shape, tree_layout
+from specserve.model_executor.layers.attention import (AttentionMetadata, copy_cache_slots, kv_cache_dtype_for,
+                                                       kv_cache_shape, tree_layout)
 from specserve.model_executor.layers.fp16_gemm import compute_dtype_for, round_to_weight_dtype, skip_row_padding
 from specserve.model_executor.layers.linear import ColumnParallelLinear
 from specserve.model_executor.layers.quantized import QuantizedMatrix
@@ -87,6 +88,7 @@ class _Features:
 class EagleProposer(Proposer):
     needs_target_hidden = True
     takes_tree_hidden = True
+    runs_beams = True     # its K/V follows the target's block tables; a forked beam gets its features (fork)
 
     def __init__(
         self,
@@ -142,11 +144,16 @@ class EagleProposer(Proposer):
         self._warned = False
         self.tree = DraftTreeGrower(tree, depth, vocab_size) if tree is not None else None
         self.branches: weakref.WeakKeyDictionary[Request, list[int]] = weakref.WeakKeyDictionary()
+        # Beams forked off a request this step, with their paths: they get its step's rows in observe.
+        self.forks: weakref.WeakKeyDictionary[Request, list[tuple[Request, list[int], int]]] = \
+            weakref.WeakKeyDictionary()
 
     # ------------------------------------------------------------------ hooks
     def observe(self, states: list[TargetHidden]) -> None:
         for st in states:
             req = st.request
+            for child, path, last in self.forks.pop(req, []):   # before the parent's own rows are stored
+                self._give_fork_features(req, st, child, path, last)
             if st.tree_rows is not None:   # a tree step: the accepted branch's rows, root first
                 path = self.branches.pop(req, [])
                 kept = req.num_computed_tokens - st.start_position
@@ -162,6 +169,37 @@ class EagleProposer(Proposer):
 
     def keep_tree_branch(self, request: Request, path: list[int], last: int) -> None:
         self.branches[request] = list(path)   # observe() picks these rows of the tree's hidden states
+
+    def copy_kv_slots(self, src: list[int], dst: list[int]) -> None:
+        copy_cache_slots(self.kv_caches, src, dst)
+
+    def fork(self, parent: Request, child: Request, path: list[int], last: int) -> None:
+        self.forks.setdefault(parent, []).append((child, list(path), last))
+
+    def _give_fork_features(self, parent: Request, st: TargetHidden, child: Request, path: list[int],
+                            last: int) -> None:
+        """A forked beam's features: what the parent stored from the child's first uncomputed
+        position on, then the parent's rows of this step up to its last token (position ``last``:
+        a prefill's whole chunk, a verification's one row) and along the child's path of drafts,
+        up to what the child has computed. The head's K/V below sits in the blocks the fork
+        shared or copied. A child that computes its context again (no room at the fork) gets its
+        features from that prefill."""
+        start, kept = child.proposer_num_computed_tokens, child.num_computed_tokens - st.start_position
+        if kept <= 0 or start > st.start_position:
+            return
+        rows = st.tree_rows if st.tree_rows is not None else st.hidden            # [n, H], the step's order
+        own = last + 1 - st.start_position                                         # rows before the drafts
+        index = (list(range(own)) + [own + p for p in path])[:kept]
+        if len(index) < kept or max(index) >= rows.shape[0]:
+            return      # the step did not compute all of the child's positions: nothing to hand over
+        new = rows.index_select(0, torch.tensor(index, device=rows.device))       # [kept, H]
+        if start < st.start_position:
+            stored = self.features.get(parent)
+            before = stored.get(start, st.start_position) if stored is not None else None
+            if before is None:
+                return
+            new = torch.cat([before, new])
+        self.features[child] = _Features(start, new)
 
     # --------------------------------------------------------------- drafting
     def _forward(self, features, token_ids, positions, query_lens, context_lens, block_tables,

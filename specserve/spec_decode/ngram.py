@@ -104,6 +104,7 @@ def ngram_tree(tokens: list[int] | np.ndarray, min_n: int, max_n: int, k: int,
 
 class NgramProposer(Proposer):
     drafts_are_free = True
+    runs_beams = True
 
     def __init__(self, min_n: int, max_n: int, adaptive: bool = True, tree: bool = False):
         self.min_n = min_n

@@ -73,6 +73,11 @@ class Proposer(ABC):
     #: True when a proposer that reads the target's hidden states (EAGLE) can propose trees: it
     #: then gets the hidden states of a tree's accepted branch, in path order.
     takes_tree_hidden: bool = False
+    #: True when beam search may fork this proposer's requests: it keeps no per-request K/V
+    #: (n-gram, suffix), or keeps it in the target's block tables, copied on a fork through
+    #: ``copy_kv_slots``, with any other per-request state handed over in ``fork`` (the draft
+    #: model, EAGLE). A draft with blocks of its own (another tokenizer's) cannot follow a fork.
+    runs_beams: bool = False
 
     @abstractmethod
     def propose(self, scheduled: list[ScheduledRequest]) -> Proposal: ...
@@ -87,6 +92,19 @@ class Proposer(ABC):
         ``request.proposer_num_computed_tokens`` past ``last`` (the engine clamps it to what the
         target keeps). Called before ``Request.commit_step``."""
 
+    def copy_kv_slots(self, src: list[int], dst: list[int]) -> None:  # noqa: B027 - optional hook
+        """K/V of the proposer's own cache slot src[i] -> slot dst[i], where that cache follows the
+        target's block tables (a draft model's, an EAGLE head's): a forked beam's copy of its
+        parent's partial block (``engine/beam_groups.py``), read before any write."""
+
+    def fork(self, parent: Request, child: Request, path: list[int], last: int) -> None:  # noqa: B027
+        """A beam search forked ``child`` off ``parent`` this step, before ``observe``: the child's
+        tokens are the parent's up to its last token (position ``last``), then the drafts at
+        ``path`` (indices into the parent's drafts, one a depth, root first) and one token of its
+        own. Its blocks are the parent's below the fork
+        and copies above it (``copy_kv_slots``); a proposer that keeps other per-request state
+        (EAGLE's target features) gives the child its share of the parent's."""
+
 
 def kept_hidden_states(
     scheduled: list[ScheduledRequest],
@@ -99,7 +117,7 @@ def kept_hidden_states(
     a tree's rows are passed whole (``TargetHidden.tree_rows``)."""
     out, row = [], 0
     for i, (s, n, start) in enumerate(zip(scheduled, num_tokens, starts)):
-        kept = s.request.num_computed_tokens - start
+        kept = max(0, s.request.num_computed_tokens - start)    # 0: rolled back or preempted after the forward
         if trees is not None and trees[i]:
             out.append(TargetHidden(s.request, start, all_hidden[row:row], all_hidden[row : row + n]))
         else:

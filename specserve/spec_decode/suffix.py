@@ -304,6 +304,7 @@ class GlobalSuffixCache:
 
 class SuffixProposer(Proposer):
     drafts_are_free = True
+    runs_beams = True
 
     def __init__(self, max_depth: int = 16, min_token_prob: float = 0.1, max_cached_requests: int = 256,
                  max_spec_factor: float = 1.0, max_match: int = DEFAULT_MAX_MATCH,

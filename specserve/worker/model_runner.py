@@ -13,6 +13,7 @@ import torch
 from specserve.distributed.parallel_state import SINGLE, TensorParallelGroup
 from specserve.model_executor.layers.attention import (
     AttentionMetadata,
+    copy_cache_slots,
     kv_cache_dtype_for,
     kv_cache_shape,
     tree_layout,
@@ -131,13 +132,10 @@ class ModelRunner:
 
         After a tree of drafts is verified, the accepted branch's tokens may sit in
         slots further along than their positions; this moves them where the next step
-        expects them (a chain never needs it).
+        expects them (a chain never needs it). A forked beam gets its copies of its
+        parent's partial block this way too (``engine/beam_groups.py``).
         """
-        src_t = torch.tensor(src, dtype=torch.long, device=self.device)
-        dst_t = torch.tensor(dst, dtype=torch.long, device=self.device)
-        for cache in self.kv_caches:
-            slots = cache.view(2, cache.shape[1], -1, cache.shape[4])   # [2, Hk, num_blocks * block_size, hd]
-            slots.index_copy_(2, dst_t, slots.index_select(2, src_t))
+        copy_cache_slots(self.kv_caches, src, dst)
 
     @torch.inference_mode()
     def execute(self, inputs: list[ForwardInput], return_all_hidden: bool = False) -> ForwardOutput:

@@ -2,13 +2,13 @@
 
 - the beams and scores of transformers' ``num_beams`` search (float32; scores within 1e-4 or 1e-5 relative), EOS and
   early stopping included;
-- with speculation (n-gram chains and trees, suffix, a draft model) the beams, every token's
+- with speculation (n-gram chains and trees, suffix, a draft model's and EAGLE's chains and trees) the beams, every token's
   log-probability and the cumulative ones equal plain beam search's bit for bit in the CPU
   default dtype, with passes that commit several depths;
-- beams share their prefix's KV blocks; preemption, other requests in the same steps and
-  aborts change nothing else.
+- beams share their prefix's KV blocks; a forked beam gets its parent's EAGLE K/V and target
+  features; preemption, other requests in the same steps and aborts change nothing else.
 
-The target is a tiny random Llama with large logits (``embedding_scale``: it repeats itself, so
+The target is a tiny random one-layer Llama (so that an EAGLE head can be an exact copy of it) with large logits (``embedding_scale``: it repeats itself, so
 n-gram lookups hit) and its EOS embedding scaled up, so that beams end on EOS and searches stop
 early. About half a minute on a shared 2-core machine.
 """
@@ -24,10 +24,11 @@ from safetensors.torch import load_file, save_file
 
 from specserve import LLM, SamplingParams
 from specserve.beam_search_params import BeamSearchParams
+from specserve.model_executor.layers.attention import cache_slot
 from specserve.spec_decode.proposer import Proposal, Proposer
 
 from model_cache import share_folder
-from tiny_models import write_tiny_llama
+from tiny_models import write_tiny_eagle, write_tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -37,13 +38,19 @@ EOS_SCALE = 6.0
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory, default_model_tokenizer) -> str:
     folder = write_tiny_llama(str(tmp_path_factory.mktemp("beam-target")), seed=3,
-                              tokenizer=default_model_tokenizer, embedding_scale=8.0)
+                              tokenizer=default_model_tokenizer, embedding_scale=8.0, num_layers=1)
     weights = load_file(os.path.join(folder, "model.safetensors"))
     eos = json.load(open(os.path.join(folder, "config.json")))["eos_token_id"]
     name = next(n for n in weights if "embed_tokens" in n)
     weights[name][eos] *= EOS_SCALE          # tied: EOS's logit grows with it
     save_file(weights, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
     return share_folder(folder)
+
+
+@pytest.fixture(scope="module")
+def eagle_dir(tmp_path_factory, target_dir) -> str:
+    """An EAGLE head that is the one-layer target itself: its drafts are each beam's greedy path."""
+    return write_tiny_eagle(str(tmp_path_factory.mktemp("beam-eagle")), target_dir, exact=True)
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -97,7 +104,22 @@ SPECS = {
     "draft-tree": {"method": "draft_model", "num_speculative_tokens": 3, "tree": {"top_k": 2, "max_nodes": 8}},
     "draft-dynamic-k": {"method": "draft_model", "num_speculative_tokens": 3, "dynamic_k": True},
     "ngram-dynamic-k": {"method": "ngram", "num_speculative_tokens": 4, "dynamic_k": True},
+    "eagle": {"method": "eagle", "num_speculative_tokens": 3},
+    "eagle-tree": {"method": "eagle", "num_speculative_tokens": 3, "tree": {"top_k": 2, "max_nodes": 8}},
 }
+
+
+def spec_config(spec: str | None, request) -> dict | None:
+    """SPECS[spec] with its draft: the target itself for a draft model (each beam's own likeliest
+    paths), the EAGLE head made from it for EAGLE."""
+    if spec is None:
+        return None
+    config = dict(SPECS[spec])
+    if spec.startswith("draft"):
+        config["model"] = request.getfixturevalue("target_dir")
+    elif spec.startswith("eagle"):
+        config["model"] = request.getfixturevalue("eagle_dir")
+    return config
 
 
 @pytest.fixture(scope="module")
@@ -109,10 +131,8 @@ def plain_beams(target_dir):
 
 
 @pytest.mark.parametrize("spec", list(SPECS))
-def test_speculation_gives_plain_beams_bit_for_bit(target_dir, plain_beams, spec):
-    config = dict(SPECS[spec])
-    if spec.startswith("draft"):
-        config["model"] = target_dir       # its guesses: each beam's own likeliest paths
+def test_speculation_gives_plain_beams_bit_for_bit(target_dir, plain_beams, spec, request):
+    config = spec_config(spec, request)
     llm = make(target_dir, config)
     for lp, expected in plain_beams.items():
         assert beams(llm.beam_search(prompts(4, seed=1), BeamSearchParams(beam_width=4, max_tokens=20,
@@ -153,9 +173,9 @@ def test_beams_share_their_prefix_blocks(target_dir):
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
 
 
-@pytest.mark.parametrize("spec", [None, "ngram", "draft-model"])
-def test_preemption_and_other_requests_change_nothing(target_dir, spec):
-    config = None if spec is None else dict(SPECS[spec], **({"model": target_dir} if spec == "draft-model" else {}))
+@pytest.mark.parametrize("spec", [None, "ngram", "draft-model", "eagle"])
+def test_preemption_and_other_requests_change_nothing(target_dir, spec, request):
+    config = spec_config(spec, request)
     params = BeamSearchParams(beam_width=3, max_tokens=24, ignore_eos=True)
     roomy = make(target_dir, config, max_model_len=64)
     alone = beams(roomy.beam_search(prompts(3, seed=2), params))
@@ -165,8 +185,10 @@ def test_preemption_and_other_requests_change_nothing(target_dir, spec):
     engine = small.engine
     ids = [engine.add_beam_search(p, params) for p in prompts(3, seed=2)]
     other = engine.add_request(prompts(1, seed=9)[0], sample)
-    done, preempted = {}, 0
+    done, preempted, steps = {}, 0, 0
     while engine.has_unfinished_requests():
+        steps += 1
+        assert steps < 2000, "the searches stopped advancing"
         before = {r.request_id: r.num_preemptions for r in engine.scheduler.running}
         for out in engine.step():
             done[out.request_id] = out
@@ -176,6 +198,80 @@ def test_preemption_and_other_requests_change_nothing(target_dir, spec):
     from specserve.entrypoints.llm import beam_search_output
     assert beams([beam_search_output(done[i], params.length_penalty) for i in ids]) == alone
     assert done[other].outputs[0].token_ids == sample_alone
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+
+
+@pytest.mark.parametrize("spec", ["eagle", "eagle-tree"])
+def test_a_forked_beam_gets_its_parents_eagle_state(target_dir, spec, request):
+    """After each fork, the new beam's EAGLE K/V below its first uncomputed position equals its
+    parent's (shared blocks, and the partial block's copies), and it holds the target's features
+    from there to what it has computed, so it drafts at once. Fails if the head's copies or the
+    features' hand-over are skipped."""
+    llm = make(target_dir, spec_config(spec, request), block_size=4)
+    engine, proposer = llm.engine, llm.engine.proposer
+    forks = []
+    original = proposer.fork
+
+    def recording_fork(parent, child, path, last):
+        forks.append((parent, child, last))      # the child's tokens up to position last are the parent's
+        original(parent, child, path, last)
+
+    proposer.fork = recording_fork
+    engine.add_beam_search(prompts(1, seed=4)[0], BeamSearchParams(beam_width=4, max_tokens=24, ignore_eos=True))
+    checked = 0
+    bs = engine.kv_cache.block_size
+    while engine.has_unfinished_requests():
+        forks.clear()
+        engine.step()
+        for parent, child, last in forks:
+            if child.num_computed_tokens == 0:      # no room at the fork: it recomputes its context
+                continue
+            start = child.proposer_num_computed_tokens    # 0 after the prompt's step: the head had none of it
+            assert 0 <= start <= last + 1
+            slots = [[cache_slot(engine.kv_cache.block_table(r.request_id), p, bs) for p in range(start)]
+                     for r in (parent, child)]
+            kv = proposer.kv.view(2, proposer.kv.shape[1], -1, proposer.kv.shape[4])  # [2, Hk, slots, hd]
+            assert torch.equal(kv[:, :, slots[0]], kv[:, :, slots[1]])
+            assert proposer.features[child].get(start, child.num_computed_tokens) is not None
+            checked += start > 0
+    assert checked >= 3 and not proposer._warned
+    assert llm.get_spec_decode_stats().num_accepted_tokens > 0
+
+
+def test_searches_that_hold_each_others_blocks_take_turns(target_dir):
+    """Three searches whose beams do not all fit at once: each holds blocks for some of its beams
+    while the others wait, which would stall them all; the oldest goes first instead."""
+    params = BeamSearchParams(beam_width=3, max_tokens=24, ignore_eos=True)
+    roomy = make(target_dir, max_model_len=64)
+    alone = beams(roomy.beam_search(prompts(3, seed=2), params))
+    small = make(target_dir, max_model_len=64, kv_cache_memory=14 * roomy.engine.runner.bytes_per_block)
+    engine = small.engine
+    ids = [engine.add_beam_search(p, params) for p in prompts(3, seed=2)]
+    done, steps = {}, 0
+    while engine.has_unfinished_requests():
+        steps += 1
+        assert steps < 2000, "the searches stopped advancing"
+        done.update((out.request_id, out) for out in engine.step())
+    from specserve.entrypoints.llm import beam_search_output
+    assert beams([beam_search_output(done[i], params.length_penalty) for i in ids]) == alone
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+
+
+def test_a_search_the_cache_cannot_hold_fails_alone(target_dir):
+    """Four beams of 64 tokens in a 5-block cache: the search fails with a clear error once it
+    holds every running request and still waits; a request beside it is answered."""
+    roomy = make(target_dir, max_model_len=64)
+    engine = make(target_dir, max_model_len=64, kv_cache_memory=5 * roomy.engine.runner.bytes_per_block).engine
+    big = engine.add_beam_search(prompts(1)[0], BeamSearchParams(beam_width=4, max_tokens=52, ignore_eos=True))
+    other = engine.add_request(prompts(1, seed=9)[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    done, steps = {}, 0
+    while engine.has_unfinished_requests():
+        steps += 1
+        assert steps < 2000, "the search neither advanced nor failed"
+        done.update((out.request_id, out) for out in engine.step())
+    assert done[big].outputs[0].finish_reason == "error"
+    assert "cannot hold them" in str(engine.request_errors[big])
+    assert len(done[other].outputs[0].token_ids) == 8
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
 
 
@@ -206,5 +302,5 @@ def test_what_cannot_run_is_refused_before_any_work(target_dir):
         llm.beam_search([prompts(1)[0], [10**7]], BeamSearchParams(beam_width=2, max_tokens=4))
     assert not llm.engine.has_unfinished_requests()
     custom = make(target_dir, proposer=_HiddenStateProposer())
-    with pytest.raises(ValueError, match="ngram, suffix and draft_model"):
+    with pytest.raises(ValueError, match="runs with the ngram, suffix, draft_model"):
         custom.beam_search([prompts(1)[0]], BeamSearchParams(beam_width=2, max_tokens=4))

@@ -121,6 +121,19 @@ def cache_slot(block_table: list[int], position: int, block_size: int) -> int:
     return block_table[position // block_size] * block_size + position % block_size
 
 
+def copy_cache_slots(kv_caches: list[torch.Tensor], src: list[int], dst: list[int]) -> None:
+    """K/V of cache slot src[i] -> slot dst[i] in every cache of ``kv_caches`` (each
+    ``kv_cache_shape``), all sources read before any write."""
+    if not kv_caches:
+        return
+    device = kv_caches[0].device
+    src_t = torch.tensor(src, dtype=torch.long, device=device)
+    dst_t = torch.tensor(dst, dtype=torch.long, device=device)
+    for cache in kv_caches:
+        slots = cache.view(2, cache.shape[1], -1, cache.shape[4])   # [2, Hk, num_blocks * block_size, hd]
+        slots.index_copy_(2, dst_t, slots.index_select(2, src_t))
+
+
 def tree_layout(parents: list[int]) -> tuple[list[int], list[int]]:
     """Depths and ancestor bitmasks of a request's new tokens laid out as a tree.
 
