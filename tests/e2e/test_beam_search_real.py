@@ -9,10 +9,10 @@ cumulative log-probability), ``early_stopping`` False (the default heuristic) an
 specserve runs in float32 here (transformers' numbers up to kernel rounding): the same beams,
 in the same order, and cumulative log-probabilities within 2e-3 (32 tokens of float32
 log-softmax sums from different matmul kernels; the measured gap is ~1e-4). Then the default
-dtype with n-gram speculation and with the shipped draft model gives plain beam search's
-beams and scores bit for bit (n-gram commits several depths in some passes on the answer that
-copies its prompt; the draft model's chains, one per beam, hardly ever hold for all four beams
-at once: docs/speculative_decoding.md, "Beam search").
+dtype with n-gram speculation, the shipped draft model and the shipped EAGLE head gives plain
+beam search's beams and scores bit for bit (n-gram commits several depths in some passes on the
+answer that copies its prompt; the draft model's and EAGLE's chains, one per beam, hardly ever
+hold for all four beams at once: docs/speculative_decoding.md, "Beam search").
 """
 from __future__ import annotations
 
@@ -78,12 +78,12 @@ def test_the_beams_and_cumulative_logprobs_of_transformers(plain32, prompts):
     print(f"largest |cumulative log-probability difference|: {worst:.2e}")
 
 
-@pytest.mark.parametrize("spec", ["ngram", "draft_model"])
+@pytest.mark.parametrize("spec", ["ngram", "draft_model", "eagle"])
 def test_speculation_gives_plain_beams_bit_for_bit_in_the_default_dtype(prompts, spec):
     params = BeamSearchParams(beam_width=4, max_tokens=MAX_TOKENS)
     plain = LLM(model=None, max_model_len=1024, kv_cache_memory=1 << 27)
     expected = plain.beam_search(prompts, params)
-    config = {"method": spec, "num_speculative_tokens": 4}   # draft_model: the draft the default model ships with
+    config = {"method": spec, "num_speculative_tokens": 4}   # draft_model, eagle: the drafts the default model ships with
     fast = LLM(model=None, max_model_len=1024, kv_cache_memory=1 << 27, speculative_config=config)
     got = fast.beam_search(prompts, params)
     for a, b in zip(expected, got):
