@@ -27,7 +27,7 @@ from specserve.config import SpeculativeConfig  # noqa: E402
 from specserve.model_executor.loader import load_model  # noqa: E402
 
 from model_cache import share_folder, shared_folder_loads  # noqa: E402
-from tiny_models import write_tiny_llama  # noqa: E402
+from tiny_models import write_tiny_eagle, write_tiny_llama  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -113,6 +113,12 @@ def peaked_llama_dir(tmp_path_factory, default_model_tokenizer) -> str:
     enough for n-gram and suffix lookups to hit, and still samples."""
     folder = str(tmp_path_factory.mktemp("peaked-target"))
     return share_folder(write_tiny_llama(folder, seed=0, tokenizer=default_model_tokenizer, embedding_scale=8.0))
+
+
+@pytest.fixture(scope="session")
+def peaked_eagle_dir(tmp_path_factory, peaked_llama_dir) -> str:
+    """An EAGLE head made from ``peaked_llama_dir``'s last layer (tiny_models.write_tiny_eagle)."""
+    return share_folder(write_tiny_eagle(str(tmp_path_factory.mktemp("peaked-eagle")), peaked_llama_dir))
 
 
 @pytest.fixture(scope="session")

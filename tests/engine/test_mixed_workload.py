@@ -44,15 +44,18 @@ SPECS = {
     "suffix": {"method": "suffix", "num_speculative_tokens": 4},
     "draft_model": {"method": "draft_model", "num_speculative_tokens": 3},
     "draft_tree": {"method": "draft_model", "num_speculative_tokens": 3, "tree": {"top_k": 2, "max_nodes": 6}},
+    "eagle": {"method": "eagle", "num_speculative_tokens": 3},
 }
 
 
 @pytest.mark.parametrize("name", ["ngram", "ngram_tree"] + [pytest.param(n, marks=pytest.mark.slow)
-                                                             for n in ("suffix", "draft_model", "draft_tree")])
-def test_every_request_of_a_mixed_workload_is_its_lone_plain_run(peaked_llama_dir, peaked_draft_dir, alone, name):
+                                                             for n in ("suffix", "draft_model", "draft_tree", "eagle")])
+def test_every_request_of_a_mixed_workload_is_its_lone_plain_run(peaked_llama_dir, alone, name, request):
     spec = dict(SPECS[name])
     if spec["method"] == "draft_model":
-        spec["model"] = peaked_draft_dir
+        spec["model"] = request.getfixturevalue("peaked_draft_dir")
+    elif spec["method"] == "eagle":       # prefix caching is then off (the head needs every position's features)
+        spec["model"] = request.getfixturevalue("peaked_eagle_dir")
     roomy = make(peaked_llama_dir, None)
     # 48 tokens a step: long prompts are prefilled in chunks beside other requests' verifications
     small = make(peaked_llama_dir, spec, kv_cache_memory=SMALL_CACHE_BLOCKS * roomy.engine.runner.bytes_per_block,
