@@ -7,7 +7,8 @@ the project's 20 coding prompts (the first ``--limit``) and Spec-Bench categorie
 (``--spec-bench``, the first ``--per-category`` questions of each). Configurations:
 ``plain``, ``draft:K`` (``--draft`` at k = K; ``draft:K:dynamic``: ``dynamic_k`` picks each
 step's k up to K), ``draft-tree:K:N[:D]`` (the draft's tree of at most N nodes, top-K children, D
-deep, default 4), ``ngram:K`` and ``ngram-tree:K``; the ``--target`` configurations
+deep, default 4), ``ngram:K``, ``ngram-tree:K``, ``eagle:K`` and ``eagle-tree:K:N[:D]`` (the
+model's shipped EAGLE head: the default model has one); the ``--target`` configurations
 first, then ``--ngram-configs`` on ``--ngram-model`` (default: the default model).
 
 Reported per configuration: the speed-up over plain beam search of the same model (plain's
@@ -32,9 +33,10 @@ from specserve.bench.results import fmt
 def add_arguments(p) -> None:
     p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="anything LLM(model=...) accepts")
     p.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct", help="the draft of draft:K")
-    p.add_argument("--configs", default="plain,draft:4", help="the target's configurations (plain first)")
+    p.add_argument("--configs", default="plain,draft:4", help="the target's configurations (plain first; '' for none)")
     p.add_argument("--ngram-model", default=None, help="the model of --ngram-configs (default: the default model)")
-    p.add_argument("--ngram-configs", default="plain,ngram:4", help="'' for none")
+    p.add_argument("--ngram-configs", default="plain,ngram:4",
+                   help="--ngram-model's configurations: n-gram, and EAGLE where the model ships a head ('' for none)")
     p.add_argument("--beam-width", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--limit", type=int, default=4, help="coding prompts (0: none)")
@@ -54,19 +56,24 @@ def speculative_config(config: str, draft: str | None) -> dict | None:
     kind, *nums = config.split(":")
     dynamic = nums[-1:] == ["dynamic"]          # draft:K:dynamic: dynamic_k picks each step's k (at most K)
     nums = nums[:-1] if dynamic else nums
-    fields = {"plain": (0, 0), "draft": (1, 1), "draft-tree": (2, 3), "ngram": (1, 1), "ngram-tree": (1, 1)}
+    fields = {"plain": (0, 0), "draft": (1, 1), "draft-tree": (2, 3), "ngram": (1, 1), "ngram-tree": (1, 1),
+              "eagle": (1, 1), "eagle-tree": (2, 3)}
     if (kind not in fields or not fields[kind][0] <= len(nums) <= fields[kind][1] or (dynamic and kind != "draft")
             or not all(n.isdigit() for n in nums)):
         raise ValueError(f"unknown configuration {config!r}: plain, draft:K[:dynamic], draft-tree:K:N[:D], ngram:K, "
-                         "ngram-tree:K")
+                         "ngram-tree:K, eagle:K, eagle-tree:K:N[:D]")
+    def tree(method: str, model: str | None) -> dict:
+        return {"method": method, "model": model, "num_speculative_tokens": int(nums[2]) if len(nums) > 2 else 4,
+                "tree": {"top_k": int(nums[0]), "max_nodes": int(nums[1])}}
+
     specs = {
         "plain": lambda: None,
         "draft": lambda: {"model": draft, "num_speculative_tokens": int(nums[0]), "dynamic_k": dynamic},
-        "draft-tree": lambda: {"method": "draft_model", "model": draft,
-                               "num_speculative_tokens": int(nums[2]) if len(nums) > 2 else 4,
-                               "tree": {"top_k": int(nums[0]), "max_nodes": int(nums[1])}},
+        "draft-tree": lambda: tree("draft_model", draft),
         "ngram": lambda: {"method": "ngram", "num_speculative_tokens": int(nums[0])},
         "ngram-tree": lambda: {"method": "ngram", "num_speculative_tokens": int(nums[0]), "prompt_lookup_tree": True},
+        "eagle": lambda: {"method": "eagle", "num_speculative_tokens": int(nums[0])},
+        "eagle-tree": lambda: tree("eagle", None),
     }
     return specs[kind]()
 
@@ -124,17 +131,17 @@ def run(args, doc: dict) -> None:
     for cat in filter(None, (c.strip() for c in args.spec_bench.split(","))):
         sets.append((f"spec-bench {cat}", _rows(spec_bench_path(), cat, args.per_category)))
     params = BeamSearchParams(beam_width=args.beam_width, max_tokens=args.max_tokens)
-    runs = [(args.target, args.draft, [c for c in args.configs.split(",") if c])]
+    runs = [("target", args.target, args.draft, [c for c in args.configs.split(",") if c])] if args.configs else []
     if args.ngram_configs:
-        runs.append((args.ngram_model, None, [c for c in args.ngram_configs.split(",") if c]))
-    for _, draft, configs in runs:
+        runs.append(("n-gram", args.ngram_model, None, [c for c in args.ngram_configs.split(",") if c]))
+    for _, _, draft, configs in runs:
         if not configs or configs[0] != "plain":
             raise ValueError(f"each model's configurations start with plain, got {configs}")
         for c in configs:   # every spelling checked before any model loads
             speculative_config(c, draft)
     columns = ["model", "configuration"] + [f"{name}: speed-up (tau)" for name, _ in sets] + ["identical beams"]
     rows, samples = [], {}
-    for run_name, (model, draft, configs) in zip(("target", "n-gram"), runs):
+    for run_name, model, draft, configs in runs:
         tally = _measure(model, draft, configs, sets, params, args.max_model_len)
         label = model or "default (SmolLM2-135M)"
         for c in configs:

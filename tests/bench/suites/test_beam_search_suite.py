@@ -34,6 +34,14 @@ def test_rows_per_configuration_and_identical_beams(tiny_llama_dir):
     assert rows[0][2].startswith("1.00x (1.00)")      # plain against itself: tau 1
 
 
+@pytest.mark.usefixtures("one_torch_thread")
+def test_the_target_run_may_be_left_out(tiny_llama_dir):
+    doc = {}
+    beam_search.run(args(tiny_llama_dir, "", "plain,ngram:2", spec_bench=""), doc)
+    assert [r[1] for r in doc["table"]["rows"]] == ["plain", "ngram:2"]
+    assert list(doc["samples"]) == [f"n-gram run: {tiny_llama_dir}"]
+
+
 def test_configurations_must_start_with_plain(tiny_llama_dir):
     # the project's own coding prompts only: this runs where the shared Spec-Bench copy is absent too
     with pytest.raises(ValueError, match="start with plain"):
@@ -42,7 +50,8 @@ def test_configurations_must_start_with_plain(tiny_llama_dir):
         beam_search.run(args(tiny_llama_dir, "plain,nope:3", spec_bench=""), {})
 
 
-@pytest.mark.parametrize("config", ["ngram:4:dynamic", "draft", "draft:2:3", "draft-tree:2", "ngram:x", "plain:1"])
+@pytest.mark.parametrize("config", ["ngram:4:dynamic", "draft", "draft:2:3", "draft-tree:2", "ngram:x", "plain:1",
+                                    "eagle:3:dynamic", "eagle-tree:2"])
 def test_misspelled_configurations_are_refused_before_any_model_loads(tiny_llama_dir, config):
     """:dynamic on a kind that has no dynamic_k here, missing or extra fields: refused by name, whichever
     model's list holds them (the n-gram list's too, before the target's configurations run)."""
@@ -55,3 +64,6 @@ def test_speculative_configs_of_each_kind():
     assert beam_search.speculative_config("draft:3:dynamic", "d") == {"model": "d", "num_speculative_tokens": 3,
                                                                       "dynamic_k": True}
     assert beam_search.speculative_config("draft-tree:2:8", "d")["tree"] == {"top_k": 2, "max_nodes": 8}
+    assert beam_search.speculative_config("eagle:3", "d") == {"method": "eagle", "num_speculative_tokens": 3}
+    assert beam_search.speculative_config("eagle-tree:2:6:3", "d") == {
+        "method": "eagle", "model": None, "num_speculative_tokens": 3, "tree": {"top_k": 2, "max_nodes": 6}}
