@@ -16,8 +16,8 @@ verified rows allow and gives each new beam the K/V of its tokens:
   (the partial block, and a tree branch's K/V at its positions); copy on write, done at
   the fork. A draft model's or EAGLE head's cache (same block tables) gets the same copies
   (``Proposer.copy_kv_slots``), and EAGLE hands the new request its share of the target's
-  hidden states (``Proposer.fork``). A draft with another tokenizer keeps blocks of its own,
-  which a fork cannot share: it is refused (``Proposer.runs_beams``).
+  hidden states (``Proposer.fork``). A draft with another tokenizer keeps blocks of its own
+  per request: a forked beam reads its context into the draft again when it first drafts.
 
 Forked beams join the scheduler's running requests at once (``Scheduler.add_running``). With
 ``dynamic_k`` beams take no probe steps (``Request.takes_draft_probes``): a forked beam is a new
@@ -52,9 +52,9 @@ def beam_capable_proposer(proposer, beam_width: int, max_num_seqs: int, max_num_
                           vocab_size: int) -> None:
     """ValueError naming why this engine cannot run a beam search of ``beam_width`` beams."""
     if proposer is not None and not proposer.runs_beams:
-        raise ValueError(f"beam search runs with the ngram, suffix, draft_model (same vocabulary) and eagle "
-                         f"proposers or none; this engine's is {type(proposer).__name__}, whose per-request "
-                         f"state cannot follow a forked beam")
+        raise ValueError(f"beam search runs with the ngram, suffix, draft_model and eagle proposers or none; "
+                         f"this engine's is {type(proposer).__name__}, which does not say it can follow a forked "
+                         f"beam (Proposer.runs_beams)")
     if beam_width > min(max_num_seqs, max_num_batched_tokens):
         raise ValueError(f"beam_width {beam_width} exceeds what one step runs (max_num_seqs {max_num_seqs}, "
                          f"max_num_batched_tokens {max_num_batched_tokens}): every beam needs a place in the same step")

@@ -77,6 +77,10 @@ class _Slot:
 
 
 class CrossVocabProposer(Proposer):
+    # Its KV blocks and draft text are its own, per request object: a forked beam (a new request)
+    # reads its context into the draft again at its first draft (``_slot``), which keeps beam
+    # search exact at the cost of that prefill.
+    runs_beams = True
     # TLI reads the draft's logits of shared tokens only, so its draft's LM head is cut to those
     # rows (``compute_shared_rows_only``); tests that need the whole row turn this off.
     CUT_DRAFT_HEAD = True

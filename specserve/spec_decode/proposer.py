@@ -76,7 +76,7 @@ class Proposer(ABC):
     #: True when beam search may fork this proposer's requests: it keeps no per-request K/V
     #: (n-gram, suffix), or keeps it in the target's block tables, copied on a fork through
     #: ``copy_kv_slots``, with any other per-request state handed over in ``fork`` (the draft
-    #: model, EAGLE). A draft with blocks of its own (another tokenizer's) cannot follow a fork.
+    #: model, EAGLE), or treats a forked beam as a new request (a draft with another tokenizer).
     runs_beams: bool = False
 
     @abstractmethod

@@ -4,7 +4,8 @@ byte pieces, a BOS, 262,144 tokens), each the other's draft.
 
 Greedy output equals plain output token for token, in the CPU default dtype (row-invariant
 kernels: docs/architecture.md, "Numerics"), under both methods; the mapping shares most of
-SmolLM2's vocabulary with Gemma's. Skipped with the reason when Gemma's packages are absent
+SmolLM2's vocabulary with Gemma's. Beam search with Gemma drafting gives plain beam search's
+beams and scores bit for bit. Skipped with the reason when Gemma's packages are absent
 (docs/models.md); about a minute (three Gemma loads).
 """
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from specserve import LLM, SamplingParams
+from specserve.beam_search_params import BeamSearchParams
 from specserve.spec_decode.cross_vocab import CrossVocabProposer
 
 from catalog_files import installed_file
@@ -53,3 +55,17 @@ def test_the_default_model_drafts_for_gemma():
     assert isinstance(llm.engine.proposer, CrossVocabProposer)
     assert answers(llm, PROMPTS) == ref
     assert llm.get_spec_decode_stats().num_accepted_tokens > 0
+
+
+def test_beam_search_with_gemma_drafting_gives_plain_beams():
+    """Each forked beam reads its context into Gemma's own KV blocks again (its first draft)."""
+    params = BeamSearchParams(beam_width=4, max_tokens=24)
+    prompts = PROMPTS[:2]
+
+    def beams(llm):
+        return [[(s.tokens, s.cum_logprob, s.score) for s in o.sequences] for o in llm.beam_search(prompts, params)]
+
+    ref = beams(LLM(**KW))
+    llm = LLM(**KW, speculative_config={"model": GEMMA, "num_speculative_tokens": 3, "cross_vocab": "tli"})
+    assert beams(llm) == ref
+    assert llm.get_spec_decode_stats().num_draft_tokens > 0

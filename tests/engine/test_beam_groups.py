@@ -2,7 +2,8 @@
 
 - the beams and scores of transformers' ``num_beams`` search (float32; scores within 1e-4 or 1e-5 relative), EOS and
   early stopping included;
-- with speculation (n-gram chains and trees, suffix, a draft model's and EAGLE's chains and trees) the beams, every token's
+- with speculation (n-gram chains and trees, suffix, a draft model's and EAGLE's chains and trees, a
+  draft with another tokenizer by both methods) the beams, every token's
   log-probability and the cumulative ones equal plain beam search's bit for bit in the CPU
   default dtype, with passes that commit several depths;
 - beams share their prefix's KV blocks; a forked beam gets its parent's EAGLE K/V and target
@@ -28,6 +29,7 @@ from specserve.model_executor.layers.attention import cache_slot
 from specserve.spec_decode.proposer import Proposal, Proposer
 
 from model_cache import share_folder
+from cross_vocab_models import write_mimic_draft
 from tiny_models import write_tiny_eagle, write_tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -51,6 +53,13 @@ def target_dir(tmp_path_factory, default_model_tokenizer) -> str:
 def eagle_dir(tmp_path_factory, target_dir) -> str:
     """An EAGLE head that is the one-layer target itself: its drafts are each beam's greedy path."""
     return write_tiny_eagle(str(tmp_path_factory.mktemp("beam-eagle")), target_dir, exact=True)
+
+
+@pytest.fixture(scope="module")
+def mimic_dir(tmp_path_factory, target_dir) -> str:
+    """The target read through another vocabulary (tests/cross_vocab_models.py): a draft with
+    another tokenizer that agrees with the target often."""
+    return write_mimic_draft(str(tmp_path_factory.mktemp("beam-mimic")), target_dir)
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -106,6 +115,8 @@ SPECS = {
     "ngram-dynamic-k": {"method": "ngram", "num_speculative_tokens": 4, "dynamic_k": True},
     "eagle": {"method": "eagle", "num_speculative_tokens": 3},
     "eagle-tree": {"method": "eagle", "num_speculative_tokens": 3, "tree": {"top_k": 2, "max_nodes": 8}},
+    "cross-vocab-tli": {"method": "draft_model", "num_speculative_tokens": 3, "cross_vocab": "tli"},
+    "cross-vocab-slem": {"method": "draft_model", "num_speculative_tokens": 3, "cross_vocab": "slem"},
 }
 
 
@@ -117,6 +128,8 @@ def spec_config(spec: str | None, request) -> dict | None:
     config = dict(SPECS[spec])
     if spec.startswith("draft"):
         config["model"] = request.getfixturevalue("target_dir")
+    elif spec.startswith("cross-vocab"):
+        config["model"] = request.getfixturevalue("mimic_dir")
     elif spec.startswith("eagle"):
         config["model"] = request.getfixturevalue("eagle_dir")
     return config
@@ -302,5 +315,5 @@ def test_what_cannot_run_is_refused_before_any_work(target_dir):
         llm.beam_search([prompts(1)[0], [10**7]], BeamSearchParams(beam_width=2, max_tokens=4))
     assert not llm.engine.has_unfinished_requests()
     custom = make(target_dir, proposer=_HiddenStateProposer())
-    with pytest.raises(ValueError, match="runs with the ngram, suffix, draft_model"):
+    with pytest.raises(ValueError, match="runs with the ngram, suffix, draft_model and eagle"):
         custom.beam_search([prompts(1)[0]], BeamSearchParams(beam_width=2, max_tokens=4))
