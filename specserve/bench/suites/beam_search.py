@@ -62,6 +62,7 @@ def speculative_config(config: str, draft: str | None) -> dict | None:
             or not all(n.isdigit() for n in nums)):
         raise ValueError(f"unknown configuration {config!r}: plain, draft:K[:dynamic], draft-tree:K:N[:D], ngram:K, "
                          "ngram-tree:K, eagle:K, eagle-tree:K:N[:D]")
+
     def tree(method: str, model: str | None) -> dict:
         return {"method": method, "model": model, "num_speculative_tokens": int(nums[2]) if len(nums) > 2 else 4,
                 "tree": {"top_k": int(nums[0]), "max_nodes": int(nums[1])}}
