@@ -17,7 +17,7 @@ verified rows allow and gives each new beam the K/V of its tokens:
   the fork. A draft model's or EAGLE head's cache (same block tables) gets the same copies
   (``Proposer.copy_kv_slots``), and EAGLE hands the new request its share of the target's
   hidden states (``Proposer.fork``). A draft with another tokenizer keeps blocks of its own
-  per request: a forked beam reads its context into the draft again when it first drafts.
+  per request: it forks those the same way in ``Proposer.fork``.
 
 Forked beams join the scheduler's running requests at once (``Scheduler.add_running``). With
 ``dynamic_k`` beams take no probe steps (``Request.takes_draft_probes``): a forked beam is a new

@@ -35,6 +35,7 @@ prompt is read by the draft once, at its first draft).
 """
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import weakref
@@ -45,6 +46,7 @@ from specserve.config import SpeculativeConfig
 from specserve.core.kv_cache_manager import KVCacheManager
 from specserve.core.request import Request
 from specserve.core.scheduler import ScheduledRequest
+from specserve.model_executor.layers.attention import cache_slot
 from specserve.sample.penalties import adjust_each_row
 from specserve.sample.sampler import CHOICE, choose_tokens, keyed_generator
 from specserve.spec_decode.draft_text import SPECIAL_BASE, DraftSequence, draft_symbols, target_symbols
@@ -77,9 +79,9 @@ class _Slot:
 
 
 class CrossVocabProposer(Proposer):
-    # Its KV blocks and draft text are its own, per request object: a forked beam (a new request)
-    # reads its context into the draft again at its first draft (``_slot``), which keeps beam
-    # search exact at the cost of that prefill.
+    # Its KV blocks and draft text are its own, per request object: a forked beam gets a copy of
+    # its parent's (``fork``: the full blocks shared, the partial one copied), or, where the
+    # draft's pool has no room, reads its context into the draft again at its first draft.
     runs_beams = True
     # TLI reads the draft's logits of shared tokens only, so its draft's LM head is cut to those
     # rows (``compute_shared_rows_only``); tests that need the whole row turn this off.
@@ -139,6 +141,30 @@ class CrossVocabProposer(Proposer):
             weakref.finalize(request, self._released.append, slot.key)   # list.append: safe from any thread
         slot.last_used = self._step
         return slot
+
+    def fork(self, parent: Request, child: Request, path: list[int], last: int) -> None:
+        """The child's draft reading starts as its parent's: the text the parent had when it last
+        drafted (the child's tokens continue it), its draft tokens and their K/V (full blocks by
+        reference, the partial block copied). ``sync`` then rolls it back to what the child's text
+        shares with the parent's drafts, as after a rejection."""
+        slot = self._slots.get(parent)
+        computed = slot.seq.num_computed if slot is not None else 0
+        if computed == 0 or not self.blocks.block_table(slot.key):
+            return
+        own = self._slot(child)
+        seq = copy.copy(slot.seq)           # the mapping and token tables shared; its lists copied below
+        for name in ("symbols", "target_ends", "ids", "ends", "drafted"):
+            setattr(seq, name, list(getattr(slot.seq, name)))
+        shared = self.blocks.fork(slot.key, own.key, computed)
+        if not self.blocks.allocate_slots(own.key, computed):
+            self.blocks.free(own.key)          # no room: the child reads its context again when it drafts
+            return
+        parent_table, child_table = self.blocks.block_table(slot.key), self.blocks.block_table(own.key)
+        bs = self.blocks.block_size
+        if computed > shared:
+            self.runner.copy_kv_slots([cache_slot(parent_table, p, bs) for p in range(shared, computed)],
+                                      [cache_slot(child_table, p, bs) for p in range(shared, computed)])
+        own.seq = seq
 
     def _free_released(self) -> None:
         while self._released:

@@ -58,7 +58,7 @@ def test_the_default_model_drafts_for_gemma():
 
 
 def test_beam_search_with_gemma_drafting_gives_plain_beams():
-    """Each forked beam reads its context into Gemma's own KV blocks again (its first draft)."""
+    """Forked beams share and copy Gemma's own KV blocks (CrossVocabProposer.fork)."""
     params = BeamSearchParams(beam_width=4, max_tokens=24)
     prompts = PROMPTS[:2]
 
