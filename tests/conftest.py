@@ -26,6 +26,7 @@ from safetensors.torch import save_file  # noqa: E402
 from specserve.config import SpeculativeConfig  # noqa: E402
 from specserve.model_executor.loader import load_model  # noqa: E402
 
+from cross_vocab_models import write_mimic_draft  # noqa: E402
 from model_cache import share_folder, shared_folder_loads  # noqa: E402
 from tiny_models import write_tiny_eagle, write_tiny_llama  # noqa: E402
 
@@ -119,6 +120,13 @@ def peaked_llama_dir(tmp_path_factory, default_model_tokenizer) -> str:
 def peaked_eagle_dir(tmp_path_factory, peaked_llama_dir) -> str:
     """An EAGLE head made from ``peaked_llama_dir``'s last layer (tiny_models.write_tiny_eagle)."""
     return share_folder(write_tiny_eagle(str(tmp_path_factory.mktemp("peaked-eagle")), peaked_llama_dir))
+
+
+@pytest.fixture(scope="session")
+def peaked_mimic_dir(tmp_path_factory, peaked_llama_dir) -> str:
+    """``peaked_llama_dir`` read through another vocabulary (cross_vocab_models.write_mimic_draft):
+    a draft with another tokenizer that agrees with it often."""
+    return share_folder(write_mimic_draft(str(tmp_path_factory.mktemp("peaked-mimic")), peaked_llama_dir))
 
 
 @pytest.fixture(scope="session")

@@ -45,14 +45,17 @@ SPECS = {
     "draft_model": {"method": "draft_model", "num_speculative_tokens": 3},
     "draft_tree": {"method": "draft_model", "num_speculative_tokens": 3, "tree": {"top_k": 2, "max_nodes": 6}},
     "eagle": {"method": "eagle", "num_speculative_tokens": 3},
+    "cross_vocab": {"method": "draft_model", "num_speculative_tokens": 3, "cross_vocab": "tli"},
 }
 
 
 @pytest.mark.parametrize("name", ["ngram", "ngram_tree"] + [pytest.param(n, marks=pytest.mark.slow)
-                                                             for n in ("suffix", "draft_model", "draft_tree", "eagle")])
+                                                             for n in ("suffix", "draft_model", "draft_tree", "eagle", "cross_vocab")])
 def test_every_request_of_a_mixed_workload_is_its_lone_plain_run(peaked_llama_dir, alone, name, request):
     spec = dict(SPECS[name])
-    if spec["method"] == "draft_model":
+    if "cross_vocab" in spec:             # the target read through another vocabulary
+        spec["model"] = request.getfixturevalue("peaked_mimic_dir")
+    elif spec["method"] == "draft_model":
         spec["model"] = request.getfixturevalue("peaked_draft_dir")
     elif spec["method"] == "eagle":       # prefix caching is then off (the head needs every position's features)
         spec["model"] = request.getfixturevalue("peaked_eagle_dir")
