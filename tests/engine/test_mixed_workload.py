@@ -9,7 +9,9 @@ text and finish reason, and for beam searches the same beams and (to float32 rou
 Each feature has its own tests; this one looks for interactions between them (a stop string
 cutting accepted drafts short while a sibling is preempted, a forked beam sharing blocks with a
 cached prefix, a constrained request beside an aborted one). Tiny random models: the target's
-logits scaled up so it repeats itself (n-gram lookup hits), the draft the same model scaled less.
+logits scaled up so it repeats itself (n-gram lookup hits), the draft the same model scaled less,
+an EAGLE head made from its last layer, and the target read through another vocabulary (a draft
+with another tokenizer).
 """
 from __future__ import annotations
 
