@@ -3,7 +3,8 @@
 There is no prefill phase and no decode phase: each step, every request is
 given ``num_tokens - num_computed_tokens`` new tokens (capped by the budget, so
 long prompts are chunked) and, when it is decoding and speculation is on, up
-to k lookahead slots for draft tokens. Running requests go first; waiting ones
+to k lookahead slots for draft tokens (as many as the budget leaves after one token for each
+running request behind it). Running requests go first; waiting ones
 join while budget and blocks last, each starting after the longest prefix of
 its tokens the KV cache already holds (prefix caching). When blocks run out, the most recently
 admitted running request is preempted: its blocks are freed and it is
@@ -87,7 +88,11 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            lookahead = self._lookahead_for(req, num_new, budget - num_new)
+            # Drafts never take the token a later running request needs for its own step: a beam
+            # search runs only in a step that holds all its beams, so a budget spent on the first
+            # beams' drafts would hold the search back for good.
+            later = len(self.running) - i - 1
+            lookahead = self._lookahead_for(req, num_new, budget - num_new - later)
             needed = req.num_computed_tokens + num_new + lookahead
             while not self.kv_cache.allocate_slots(req.request_id, needed):
                 victim = self.running[-1]

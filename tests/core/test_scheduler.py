@@ -286,6 +286,19 @@ def test_lookahead_limited_by_token_budget():
     assert [(s.num_new_tokens, s.num_lookahead) for s in out.scheduled] == [(1, 4), (1, 0)]
 
 
+def test_drafts_leave_a_token_for_each_running_request_behind_them():
+    """Four decoding requests, k = 3, 8 tokens a step: the first ones' drafts stop short of the
+    budget the later ones' own tokens need, so every request runs in every step (a beam search
+    needs all its beams in one step)."""
+    sched = make_scheduler(max_num_batched_tokens=8, k=3)
+    reqs = [make_request(name, 2, 50) for name in "abcd"]
+    for r in reqs:
+        sched.add_request(r)
+    fake_step(sched)
+    out = sched.schedule()
+    assert [(s.num_new_tokens, s.num_lookahead) for s in out.scheduled] == [(1, 3), (1, 1), (1, 0), (1, 0)]
+
+
 # ---------------------------------------------------------------------------- rollback
 
 

@@ -270,6 +270,22 @@ def test_searches_that_hold_each_others_blocks_take_turns(target_dir):
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
 
 
+def test_a_tight_token_budget_still_runs_every_beam(target_dir):
+    """8 tokens a step for 4 beams with 3 drafts each: the first beams' drafts leave the later
+    beams their own tokens, so every pass holds all four (the search stalled here before)."""
+    params = BeamSearchParams(beam_width=4, max_tokens=20)
+    expected = beams(make(target_dir).beam_search(prompts(1, seed=1), params))
+    engine = make(target_dir, SPECS["ngram"], max_num_batched_tokens=8).engine
+    rid = engine.add_beam_search(prompts(1, seed=1)[0], params)
+    done, steps = {}, 0
+    while engine.has_unfinished_requests():
+        steps += 1
+        assert steps < 500, "the search stopped advancing"
+        done.update((out.request_id, out) for out in engine.step())
+    from specserve.entrypoints.llm import beam_search_output
+    assert beams([beam_search_output(done[rid], params.length_penalty)]) == expected
+
+
 def test_a_search_the_cache_cannot_hold_fails_alone(target_dir):
     """Four beams of 64 tokens in a 5-block cache: the search fails with a clear error once it
     holds every running request and still waits; a request beside it is answered."""
