@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from specserve import LLM, SamplingParams
 from specserve.beam_search_params import BeamSearchParams
+from specserve.entrypoints.llm import beam_search_output
 from specserve.model_executor.layers.attention import cache_slot
 from specserve.spec_decode.proposer import Proposal, Proposer
 
@@ -76,6 +77,17 @@ def beams(outputs) -> list[list[tuple]]:
     """Everything a beam search returns, per prompt and beam (floats compared exactly)."""
     return [[(s.tokens, [lp.logprob for d in s.logprobs for lp in d.values()], s.cum_logprob, s.score,
               s.finish_reason, s.text) for s in o.sequences] for o in outputs]
+
+
+def run_to_end(engine, limit: int = 2000) -> dict:
+    """Step ``engine`` until every request is done -> {request id: its last output}; fails past
+    ``limit`` steps, so that a search that stops advancing fails the test instead of hanging it."""
+    done, steps = {}, 0
+    while engine.has_unfinished_requests():
+        steps += 1
+        assert steps < limit, "the requests stopped advancing"
+        done.update((out.request_id, out) for out in engine.step())
+    return done
 
 
 @pytest.mark.parametrize("length_penalty,early_stopping", [(0.0, False), (1.0, True), (-1.0, "never"), (2.0, False)])
@@ -208,7 +220,6 @@ def test_preemption_and_other_requests_change_nothing(target_dir, spec, request)
         preempted += sum(r.num_preemptions > before.get(r.request_id, r.num_preemptions)
                          for r in engine.scheduler.waiting)
     assert preempted > 0 and engine.beams.num_deferred > 0    # passes waited for a preempted beam
-    from specserve.entrypoints.llm import beam_search_output
     assert beams([beam_search_output(done[i], params.length_penalty) for i in ids]) == alone
     assert done[other].outputs[0].token_ids == sample_alone
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
@@ -260,12 +271,7 @@ def test_searches_that_hold_each_others_blocks_take_turns(target_dir):
     small = make(target_dir, max_model_len=64, kv_cache_memory=14 * roomy.engine.runner.bytes_per_block)
     engine = small.engine
     ids = [engine.add_beam_search(p, params) for p in prompts(3, seed=2)]
-    done, steps = {}, 0
-    while engine.has_unfinished_requests():
-        steps += 1
-        assert steps < 2000, "the searches stopped advancing"
-        done.update((out.request_id, out) for out in engine.step())
-    from specserve.entrypoints.llm import beam_search_output
+    done = run_to_end(engine)
     assert beams([beam_search_output(done[i], params.length_penalty) for i in ids]) == alone
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
 
@@ -277,12 +283,7 @@ def test_a_tight_token_budget_still_runs_every_beam(target_dir):
     expected = beams(make(target_dir).beam_search(prompts(1, seed=1), params))
     engine = make(target_dir, SPECS["ngram"], max_num_batched_tokens=8).engine
     rid = engine.add_beam_search(prompts(1, seed=1)[0], params)
-    done, steps = {}, 0
-    while engine.has_unfinished_requests():
-        steps += 1
-        assert steps < 500, "the search stopped advancing"
-        done.update((out.request_id, out) for out in engine.step())
-    from specserve.entrypoints.llm import beam_search_output
+    done = run_to_end(engine, limit=500)
     assert beams([beam_search_output(done[rid], params.length_penalty)]) == expected
 
 
@@ -293,11 +294,7 @@ def test_a_search_the_cache_cannot_hold_fails_alone(target_dir):
     engine = make(target_dir, max_model_len=64, kv_cache_memory=5 * roomy.engine.runner.bytes_per_block).engine
     big = engine.add_beam_search(prompts(1)[0], BeamSearchParams(beam_width=4, max_tokens=52, ignore_eos=True))
     other = engine.add_request(prompts(1, seed=9)[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    done, steps = {}, 0
-    while engine.has_unfinished_requests():
-        steps += 1
-        assert steps < 2000, "the search neither advanced nor failed"
-        done.update((out.request_id, out) for out in engine.step())
+    done = run_to_end(engine)
     assert done[big].outputs[0].finish_reason == "error"
     assert "cannot hold them" in str(engine.request_errors[big])
     assert len(done[other].outputs[0].token_ids) == 8
