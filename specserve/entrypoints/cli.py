@@ -51,6 +51,8 @@ def structured_output_from_args(args):
 def cmd_generate(args) -> int:
     from specserve import SamplingParams
 
+    if args.beam_width is not None:
+        return cmd_beam_search(args)
     params = SamplingParams(
         structured_output=structured_output_from_args(args),
         max_tokens=args.max_tokens,
@@ -104,6 +106,71 @@ def cmd_generate(args) -> int:
         if args.stats:
             print_stats(stats, file=sys.stderr)
     return 0
+
+
+# generate's flags beam search has no use for, with their defaults (it is deterministic and
+# ranks whole beams: docs/speculative_decoding.md, "Beam search").
+NOT_FOR_BEAMS = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "seed": None, "stop": None,
+                 "logprobs": None, "n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                 "repetition_penalty": 1.0, "json_schema": None, "json_object": False, "regex": None,
+                 "grammar": None, "choice": None}
+
+
+def cmd_beam_search(args) -> int:
+    """``generate --beam-width B``: the B best beams, best first, each with its score; with
+    --compare-plain, whether plain beam search gives the same beams, and the time against it."""
+    from specserve.beam_search_params import BeamSearchParams
+
+    given = [f"--{name.replace('_', '-')}" for name, default in NOT_FOR_BEAMS.items() if getattr(args, name) != default]
+    if given:
+        raise ValueError(f"--beam-width takes none of {', '.join(given)}: beam search is deterministic and ranks "
+                         f"whole beams by their cumulative log-probability")
+    params = BeamSearchParams(beam_width=args.beam_width, max_tokens=args.max_tokens,
+                              length_penalty=args.length_penalty)
+    llm = build_llm(args)
+    prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    speculative = llm.engine.spec_config is not None
+    if args.compare_plain and speculative:
+        _search(llm, prompt, BeamSearchParams(beam_width=args.beam_width, max_tokens=min(4, args.max_tokens)))
+    out, seconds = _search(llm, prompt, params)
+    for i, beam in enumerate(out.sequences):
+        generated = beam.tokens[len(beam.tokens) - len(beam.logprobs):]
+        if args.json:
+            print(json.dumps({"prompt": args.prompt, "index": i, "text": beam.text, "token_ids": generated,
+                              "cum_logprob": beam.cum_logprob, "score": beam.score,
+                              "finish_reason": beam.finish_reason}, ensure_ascii=False))
+        else:
+            print(f"--- beam {i}: score {beam.score:.4f} (cumulative log-probability {beam.cum_logprob:.4f})")
+            print(beam.text)
+    if speculative:
+        d = llm.get_spec_decode_stats().as_dict()
+        vs = ""
+        if args.compare_plain:
+            plain = build_llm(args, plain=True)
+            _search(plain, prompt, BeamSearchParams(beam_width=args.beam_width, max_tokens=min(4, args.max_tokens)))
+            plain_out, plain_seconds = _search(plain, prompt, params)
+            vs = (f", {plain_seconds / max(seconds, 1e-9):.2f}x plain beam search's {plain_seconds:.2f} s; "
+                  f"{_same_beams(plain_out, out)}")
+        print(f"[speculation: {llm.engine.spec_config.method}] {d['num_accepted_tokens']} of "
+              f"{d['num_draft_tokens']} drafted tokens accepted, {d['mean_acceptance_length']:.2f} depths a pass, "
+              f"{seconds:.2f} s{vs}", file=sys.stderr)
+    return 0
+
+
+def _same_beams(plain, speculative) -> str:
+    """How the speculative search's beams compare with plain beam search's: equal bit for bit in
+    the CPU default dtype; in float32 the scores' last bits follow the rows a step verifies."""
+    if [b.tokens for b in plain.sequences] != [b.tokens for b in speculative.sequences]:
+        return "beams DIFFERENT from plain beam search's"
+    gap = max(abs(a.cum_logprob - b.cum_logprob) for a, b in zip(plain.sequences, speculative.sequences))
+    return "beams identical to plain beam search's" if gap == 0 else \
+        f"plain beam search's beams, scores within {gap:.1e}"
+
+
+def _search(llm, prompt, params):
+    started = time.perf_counter()
+    out = llm.beam_search([prompt], params)[0]
+    return out, time.perf_counter() - started
 
 
 def _answer(llm, args, params):
@@ -175,6 +242,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]: per occurrence in the output")
     gen.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages prompt and output tokens")
     gen.add_argument("--json", action="store_true", help="print the output as JSON, token ids included")
+    gen.add_argument("--beam-width", type=int, default=None, metavar="B",
+                     help="beam search: print the B best beams, best first, with their scores (with speculation: "
+                          "plain beam search's beams, exactly)")
+    gen.add_argument("--length-penalty", type=float, default=1.0,
+                     help="beam search: a beam's score is its cumulative log-probability / length ** this")
     so = gen.add_argument_group("structured output (one at a time; docs/serving.md)")
     so.add_argument("--json-schema", metavar="FILE", default=None, help="the output is JSON valid under this schema")
     so.add_argument("--json-object", action="store_true", help="the output is a JSON object")

@@ -92,3 +92,38 @@ def test_structured_output_flags(tiny_llama_dir, tmp_path, capsys):
             main(base + flags)
     assert main(base + ["--regex", "(a"]) == 2
     assert "invalid regex" in capsys.readouterr().err
+
+
+def test_beam_width_prints_every_beam_and_compares_with_plain_beam_search(tiny_llama_dir, capsys):
+    # the default dtype: speculative beams equal plain's bit for bit (docs/architecture.md, "Numerics")
+    base = ["generate", "one two three one two three", "--model", tiny_llama_dir,
+            "--max-tokens", "6", "--kv-cache-memory", str(8 << 20), "--beam-width", "3"]
+    assert main(base + ["--json", "--no-speculation"]) == 0
+    docs = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [d["index"] for d in docs] == [0, 1, 2]
+    assert [d["score"] for d in docs] == sorted((d["score"] for d in docs), reverse=True)   # best first
+    assert len({tuple(d["token_ids"]) for d in docs}) == 3 and all(len(d["token_ids"]) <= 6 for d in docs)
+    assert main(base + ["--speculative-method", "ngram", "--num-speculative-tokens", "3", "--compare-plain"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.count("--- beam ") == 3
+    assert "beams identical to plain beam search's" in captured.err
+
+
+def test_beam_width_refuses_sampling_flags(tiny_llama_dir, capsys):
+    code = main(["generate", "x", "--model", tiny_llama_dir, "--beam-width", "2", "--temperature", "0.7", "--n", "2"])
+    assert code == 2
+    assert "--beam-width takes none of --temperature, --n" in capsys.readouterr().err
+
+
+def test_how_beams_compare_with_plain_beam_search():
+    from types import SimpleNamespace
+
+    from specserve.entrypoints.cli import _same_beams
+
+    def out(*beams):
+        return SimpleNamespace(sequences=[SimpleNamespace(tokens=t, cum_logprob=c) for t, c in beams])
+
+    plain = out(([1, 2], -1.0), ([1, 3], -2.0))
+    assert _same_beams(plain, out(([1, 2], -1.0), ([1, 3], -2.0))) == "beams identical to plain beam search's"
+    assert "scores within 1.0e-06" in _same_beams(plain, out(([1, 2], -1.000001), ([1, 3], -2.0)))
+    assert "DIFFERENT" in _same_beams(plain, out(([1, 3], -2.0), ([1, 2], -1.0)))
