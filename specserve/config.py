@@ -211,8 +211,7 @@ class SpeculativeConfig:
         or the nodes the draft expands to reach the tree's depth (``top_k`` at each depth but the
         last, each computed in the draft's cache at a slot of its own), whichever is more."""
         if self.tree is not None:
-            depth = self.tree.max_depth or self.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS
-            return max(self.tree.max_nodes, self.tree.top_k * (depth - 1))
+            return max(self.tree.max_nodes, self.tree.top_k * (self.tree.depth(self.num_speculative_tokens) - 1))
         return self.num_speculative_tokens or 0
 
     @classmethod
@@ -243,6 +242,10 @@ class TreeConfig:
     dynamic: bool = False
 
     CHILDREN = ("topk", "sampled")
+
+    def depth(self, num_speculative_tokens: int | None) -> int:
+        """How deep the tree grows: ``max_depth``, else k (else the default k)."""
+        return self.max_depth or num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS
 
     @classmethod
     def parse(cls, text: str) -> "TreeConfig":

@@ -108,12 +108,10 @@ def cmd_generate(args) -> int:
     return 0
 
 
-# generate's flags beam search has no use for, with their defaults (it is deterministic and
-# ranks whole beams: docs/speculative_decoding.md, "Beam search").
-NOT_FOR_BEAMS = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "seed": None, "stop": None,
-                 "logprobs": None, "n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-                 "repetition_penalty": 1.0, "json_schema": None, "json_object": False, "regex": None,
-                 "grammar": None, "choice": None}
+# generate's flags beam search has no use for (it is deterministic and ranks whole beams:
+# docs/speculative_decoding.md, "Beam search"); refused where they differ from their defaults.
+NOT_FOR_BEAMS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "logprobs", "n", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty", "json_schema", "json_object", "regex", "grammar", "choice")
 
 
 def cmd_beam_search(args) -> int:
@@ -121,7 +119,8 @@ def cmd_beam_search(args) -> int:
     --compare-plain, whether plain beam search gives the same beams, and the time against it."""
     from specserve.beam_search_params import BeamSearchParams
 
-    given = [f"--{name.replace('_', '-')}" for name, default in NOT_FOR_BEAMS.items() if getattr(args, name) != default]
+    defaults = build_parser().parse_args(["generate", ""])
+    given = [f"--{name.replace('_', '-')}" for name in NOT_FOR_BEAMS if getattr(args, name) != getattr(defaults, name)]
     if given:
         raise ValueError(f"--beam-width takes none of {', '.join(given)}: beam search is deterministic and ranks "
                          f"whole beams by their cumulative log-probability")
@@ -131,7 +130,7 @@ def cmd_beam_search(args) -> int:
     prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     speculative = llm.engine.spec_config is not None
     if args.compare_plain and speculative:
-        _search(llm, prompt, BeamSearchParams(beam_width=args.beam_width, max_tokens=min(4, args.max_tokens)))
+        _search(llm, prompt, _warm_up(params))   # warm-up, as the plain engine gets
     out, seconds = _search(llm, prompt, params)
     for i, beam in enumerate(out.sequences):
         generated = beam.tokens[len(beam.tokens) - len(beam.logprobs):]
@@ -147,7 +146,7 @@ def cmd_beam_search(args) -> int:
         vs = ""
         if args.compare_plain:
             plain = build_llm(args, plain=True)
-            _search(plain, prompt, BeamSearchParams(beam_width=args.beam_width, max_tokens=min(4, args.max_tokens)))
+            _search(plain, prompt, _warm_up(params))
             plain_out, plain_seconds = _search(plain, prompt, params)
             vs = (f", {plain_seconds / max(seconds, 1e-9):.2f}x plain beam search's {plain_seconds:.2f} s; "
                   f"{_same_beams(plain_out, out)}")
@@ -180,7 +179,7 @@ def _answer(llm, args, params):
 
 
 def _warm_up(params):
-    """A short request like ``params`` (4 tokens): the prefill and a few decode steps, so kernels
+    """A short request like ``params`` (4 tokens; SamplingParams or BeamSearchParams): the prefill and a few decode steps, so kernels
     compiled or loaded on first use are not timed."""
     import copy
 

@@ -35,7 +35,6 @@ prompt is read by the draft once, at its first draft).
 """
 from __future__ import annotations
 
-import copy
 import itertools
 import logging
 import weakref
@@ -152,9 +151,7 @@ class CrossVocabProposer(Proposer):
         if computed == 0 or not self.blocks.block_table(slot.key):
             return
         own = self._slot(child)
-        seq = copy.copy(slot.seq)           # the mapping and token tables shared; its lists copied below
-        for name in ("symbols", "target_ends", "ids", "ends", "drafted"):
-            setattr(seq, name, list(getattr(slot.seq, name)))
+        seq = slot.seq.copy()
         shared = self.blocks.fork(slot.key, own.key, computed)
         if not self.blocks.allocate_slots(own.key, computed):
             self.blocks.free(own.key)          # no room: the child reads its context again when it drafts

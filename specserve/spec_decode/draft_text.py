@@ -28,6 +28,7 @@ exactly the target's tokens, as the same-vocabulary draft model does.
 from __future__ import annotations
 
 import bisect
+import copy
 from collections.abc import Sequence
 
 from specserve.spec_decode.token_table import TokenText
@@ -75,6 +76,14 @@ class DraftSequence:
         self.num_computed = 0                 # ids with K/V in the draft's cache
         self.base = 0                         # len(symbols) when the last drafts were made
         self.drafted: list[int] = []          # their symbols: the draft's guess of the text after ``base``
+
+    def copy(self) -> "DraftSequence":
+        """Another request's reading that starts as this one (a forked beam): its own lists, the
+        mapping and token tables shared."""
+        other = copy.copy(self)
+        for name in ("symbols", "target_ends", "ids", "ends", "drafted"):
+            setattr(other, name, list(getattr(self, name)))
+        return other
 
     # ------------------------------------------------------------------ the target's side
     def sync(self, target_token_ids: Sequence[int]) -> None:

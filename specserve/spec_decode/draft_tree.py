@@ -102,7 +102,7 @@ class DraftTreeGrower:
     nodes (tree attention); the proposer supplies it (its runner, or EAGLE's head)."""
 
     def __init__(self, tree: TreeConfig, depth: int, vocab_size: int):
-        self.shape = TreeShape(tree.top_k, tree.max_nodes, tree.max_depth or depth)
+        self.shape = TreeShape(tree.top_k, tree.max_nodes, tree.depth(depth))
         self.sampled = tree.children == "sampled"
         self.vocab_size = vocab_size
         self.records: weakref.WeakKeyDictionary[Request, TreeRecord] = weakref.WeakKeyDictionary()

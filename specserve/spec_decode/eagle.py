@@ -155,10 +155,9 @@ class EagleProposer(Proposer):
             for child, path, last in self.forks.pop(req, []):   # before the parent's own rows are stored
                 self._give_fork_features(req, st, child, path, last)
             if st.tree_rows is not None:   # a tree step: the accepted branch's rows, root first
-                path = self.branches.pop(req, [])
-                kept = req.num_computed_tokens - st.start_position
-                rows = torch.tensor([0] + [1 + p for p in path][: max(kept - 1, 0)], device=st.tree_rows.device)
-                st = TargetHidden(req, st.start_position, st.tree_rows.index_select(0, rows)[:kept])
+                kept = max(req.num_computed_tokens - st.start_position, 0)
+                rows = _path_rows(1, self.branches.pop(req, []), kept)
+                st = TargetHidden(req, st.start_position, st.tree_rows[rows.to(st.tree_rows.device)])
             if req.is_finished() or st.hidden.shape[0] == 0:
                 continue
             feats = self.features.get(req)
@@ -188,11 +187,10 @@ class EagleProposer(Proposer):
         if kept <= 0 or start > st.start_position:
             return
         rows = st.tree_rows if st.tree_rows is not None else st.hidden            # [n, H], the step's order
-        own = last + 1 - st.start_position                                         # rows before the drafts
-        index = (list(range(own)) + [own + p for p in path])[:kept]
-        if len(index) < kept or max(index) >= rows.shape[0]:
+        index = _path_rows(last + 1 - st.start_position, path, kept)
+        if index.numel() < kept or int(index.max()) >= rows.shape[0]:
             return      # the step did not compute all of the child's positions: nothing to hand over
-        new = rows.index_select(0, torch.tensor(index, device=rows.device))       # [kept, H]
+        new = rows[index.to(rows.device)]                                          # [kept, H]
         if start < st.start_position:
             stored = self.features.get(parent)
             before = stored.get(start, st.start_position) if stored is not None else None
@@ -380,6 +378,13 @@ class EagleProposer(Proposer):
             r.proposer_num_computed_tokens = r.num_computed_tokens
             self.features[r].drop_before(r.num_computed_tokens)
         return active, hidden
+
+
+def _path_rows(own: int, path: list[int], kept: int) -> torch.Tensor:
+    """[<= kept] rows of a step's hidden states, in position order, for a request that kept
+    ``kept`` positions along ``path``: the ``own`` rows it fed before its drafts (the last token,
+    or a prefill chunk ending with it), then drafts ``path`` (indices among the drafts)."""
+    return torch.tensor((list(range(own)) + [own + p for p in path])[:kept], dtype=torch.long)
 
 
 def build_eagle_proposer(spec, ctx: ProposerContext) -> EagleProposer:
