@@ -1,7 +1,8 @@
 """vLLM's ``use_beam_search`` over HTTP: completions search ``best_of`` beams (default
 ``n``) and answer the ``n`` best, chat searches ``n``; the texts and order are the library's
 ``LLM.beam_search``'s, streamed or not, with n-gram speculation on the server; fields that
-cannot go with beam search are 400s naming them. Tiny random model."""
+cannot go with beam search are 400s naming them, and an answer carries no logprobs it was not
+asked for. Tiny random model."""
 from __future__ import annotations
 
 import json
@@ -50,6 +51,7 @@ def test_completions_return_the_n_best_of_best_of_beams(base_url, ref_llm):
     assert [c["index"] for c in choices] == [0, 1]
     assert [c["text"] for c in choices] == [s.text for s in expected.sequences[:2]]
     assert [c["finish_reason"] for c in choices] == [s.finish_reason for s in expected.sequences[:2]]
+    assert all(c["logprobs"] is None for c in choices)     # not asked for, though each beam has them
     assert r.json()["usage"]["completion_tokens"] == sum(len(s.tokens) - len(PROMPT) for s in expected.sequences[:2])
 
 
@@ -64,6 +66,7 @@ def test_streamed_and_chat(base_url, ref_llm):
             if line.startswith("data: {"):
                 for c in json.loads(line[6:])["choices"]:
                     texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+                    assert c["logprobs"] is None
     assert [texts[i] for i in range(3)] == [s.text for s in expected.sequences]
     messages = [{"role": "user", "content": "Name a colour."}]
     ids = ref_llm.apply_chat_template(messages)
@@ -72,6 +75,7 @@ def test_streamed_and_chat(base_url, ref_llm):
                                                 "max_tokens": 5})
     assert r.status_code == 200, r.text
     assert [c["message"]["content"] for c in r.json()["choices"]] == [s.text for s in chat_expected.sequences]
+    assert all(c["logprobs"] is None for c in r.json()["choices"])
 
 
 @pytest.mark.parametrize("body,field", [

@@ -69,8 +69,11 @@ class ChoiceState:
         return delta, start, end
 
 
-def completion_logprobs(tokenizer, completion, start: int, end: int, num_top: int, text_offset: int) -> dict | None:
-    if completion.logprobs is None:
+def completion_logprobs(tokenizer, completion, start: int, end: int, num_top: int | None,
+                        text_offset: int) -> dict | None:
+    """Tokens start..end in /v1/completions' shape; None where the request asked for no logprobs
+    (``num_top`` None), even if the output carries them (a beam's own log-probabilities)."""
+    if num_top is None or completion.logprobs is None:
         return None
     tokens, token_lps, tops, offsets = [], [], [], []
     for tid, entry in zip(completion.token_ids[start:end], completion.logprobs[start:end]):
@@ -88,8 +91,9 @@ def completion_logprobs(tokenizer, completion, start: int, end: int, num_top: in
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def chat_logprobs(tokenizer, completion, start: int, end: int, num_top: int) -> dict | None:
-    if completion.logprobs is None:
+def chat_logprobs(tokenizer, completion, start: int, end: int, num_top: int | None) -> dict | None:
+    """Tokens start..end in chat's shape; None where the request asked for no logprobs."""
+    if num_top is None or completion.logprobs is None:
         return None
     content = []
     for tid, entry in zip(completion.token_ids[start:end], completion.logprobs[start:end]):

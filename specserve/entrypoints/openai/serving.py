@@ -179,7 +179,7 @@ class OpenAIServing:
                 m.prompt_tokens.labels(ln).inc(len(c.output.prompt_token_ids))
         created, rid = now(), random_id("chatcmpl" if chat else "cmpl")
         body_choices = []
-        num_top = params.logprobs or 0
+        num_top = params.logprobs      # None: not asked for (a beam's output carries them anyway)
         for c in choices:
             completion = c.output.outputs[0]
             n = len(completion.token_ids)
@@ -223,7 +223,7 @@ class OpenAIServing:
         created, rid = now(), random_id("chatcmpl" if chat else "cmpl")
         obj = "chat.completion.chunk" if chat else "text_completion"
         include_usage = request.include_usage
-        num_top = params.logprobs or 0
+        num_top = params.logprobs      # None: not asked for (a beam's output carries them anyway)
         provenance = request.wants_provenance
         offsets = [0] * len(choices)
         counted_prompt = [False] * len(choices)
@@ -262,7 +262,7 @@ class OpenAIServing:
                         delta, call_deltas = parsers[i].feed(delta, final=finish is not None)
                         if finish == "stop" and parsers[i].calls:
                             finish = "tool_calls"
-                    if delta or call_deltas or (start < end and (completion.logprobs is not None or provenance)):
+                    if delta or call_deltas or (start < end and (num_top is not None or provenance)):
                         body_delta = {"content": delta} if delta or not call_deltas else {}
                         if call_deltas:
                             body_delta["tool_calls"] = call_deltas
