@@ -19,6 +19,19 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def cpu_has_amx() -> bool | None:
+    """Whether the CPU has AMX tiles (the ``amx_tile`` flag), which specserve's GGUF kernels use
+    where present; None where /proc/cpuinfo cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "amx_tile" in line.split()
+    except OSError:
+        return None
+    return None
+
+
 def git_revision() -> str:
     """The checkout's short commit (+dirty when specserve/ has changes), else
     ``SPECSERVE_GIT_REVISION`` (a copy without .git, as on a GPU machine the checkout was sent
@@ -50,6 +63,7 @@ def machine_facts() -> dict:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_amx": cpu_has_amx(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "platform": platform.platform(),
         "loadavg_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,

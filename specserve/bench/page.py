@@ -1,4 +1,5 @@
-"""docs/benchmarks.md, generated: one table per suite from that suite's newest results file.
+"""docs/benchmarks.md, generated: one table per suite from that suite's newest results file, and
+one more for each other kind of machine the suite was measured on (another CPU instruction set, a GPU).
 
     specserve bench page                      # docs/bench/results -> docs/benchmarks.md
     specserve bench page --check              # exit 1 if docs/benchmarks.md is not what the results give
@@ -14,7 +15,7 @@ import ast
 import glob
 import os
 
-from specserve.bench.results import latest, machine_line
+from specserve.bench.results import latest_by_machine_kind, machine_kind, machine_line
 from specserve.bench.suites import SUITES
 
 DEFAULT_RESULTS = os.path.join("docs", "bench", "results")
@@ -28,8 +29,9 @@ HEADER = """# Benchmarks
 Every figure specserve publishes comes from `specserve bench`. Each run of a suite writes one
 results file (`--results DIR`, default `bench-results/`): the machine's facts, the command,
 the commit and the raw samples. Copying a file into `docs/bench/results/<suite>/` and running
-`specserve bench page` publishes it here; the newest file of each suite is the table shown, the
-older ones are that suite's history. `docs/bench/history/` keeps earlier measurements as data:
+`specserve bench page` publishes it here; the newest file of each suite is the table shown (and
+the newest of each other kind of machine it ran on, since speed depends on the CPU's vector
+instructions), the older ones are that suite's history. `docs/bench/history/` keeps earlier measurements as data:
 runs of scripts since folded into the suites, and the tables of the earlier prose pages. Timings on
 a shared machine move by 10-20% from run to run: read a ratio measured in one interleaved run, not
 two figures from different rows.
@@ -54,31 +56,39 @@ def _table(table: dict) -> list[str]:
     return lines
 
 
+def _run(d: dict, suite: str, link: str) -> list[str]:
+    """One results file's lines: its command, machine, commit, table and notes."""
+    L = ["```", d["command"], "```", "",
+         f"Machine: {machine_line(d['machine'])}. Commit {d['commit']}, {d['date'][:10]}. "
+         f"Results: `{link}/{suite}/`" + (f"; {d['source']}" if d.get("source") else "") + ".", ""]
+    L += _table(d["table"])
+    L.append("")
+    L += [f"- {note}" for note in d.get("notes") or []]
+    if d.get("notes"):
+        L.append("")
+    return L
+
+
 def render_page(results_dir: str, scripts_dir: str | None = None, results_link: str | None = None,
                 suites: dict | None = None) -> str:
     """The page for the newest results of each suite under ``results_dir`` (``suites``: the registry whose
     order the page follows and whose unmeasured suites it lists; default ``SUITES``)."""
     registry = SUITES if suites is None else suites
-    docs = latest(results_dir)
+    runs = latest_by_machine_kind(results_dir)
     link = results_link if results_link is not None else "bench/results"
-    order = [n for n in registry if n in docs] + sorted(n for n in docs if n not in registry)
+    order = [n for n in registry if n in runs] + sorted(n for n in runs if n not in registry)
     L = [HEADER, "## Contents", ""]
-    L += [f"- [{docs[n]['question']}](#{n}) (`{n}`)" for n in order]
-    missing = [n for n in registry if n not in docs]
+    L += [f"- [{runs[n][0]['question']}](#{n}) (`{n}`)" for n in order]
+    missing = [n for n in registry if n not in runs]
     if missing:
         L.append("- [Suites without published results](#not-measured)")
     L.append("")
     for n in order:
-        d = docs[n]
-        L += [f'<a id="{n}"></a>', f"## {d['question']}", "",
-              "```", d["command"], "```", "",
-              f"Machine: {machine_line(d['machine'])}. Commit {d['commit']}, {d['date'][:10]}. "
-              f"Results: `{link}/{n}/`" + (f"; {d['source']}" if d.get("source") else "") + ".", ""]
-        L += _table(d["table"])
-        L.append("")
-        L += [f"- {note}" for note in d.get("notes") or []]
-        if d.get("notes"):
-            L.append("")
+        L += [f'<a id="{n}"></a>', f"## {runs[n][0]['question']}", ""]
+        for i, d in enumerate(runs[n]):
+            if i:
+                L += [f"On another kind of machine ({machine_kind(d['machine'])}):", ""]
+            L += _run(d, n, link)
     if missing:
         L += ['<a id="not-measured"></a>', "## Suites without published results", ""]
         L += [f"- `{n}`: {registry[n].question}. `{registry[n].example}`" for n in missing]

@@ -109,9 +109,35 @@ def latest(results_dir: str) -> dict[str, dict]:
     return best
 
 
+def machine_kind(m: dict) -> str:
+    """What a suite's figures depend on most, beyond the code: the GPU where one ran, else the
+    CPU's vector instructions as torch names them (AVX2, AVX512) and whether it has AMX tiles
+    (older results files do not say): specserve's CPU kernels have a path for each."""
+    if m.get("cuda"):
+        return f"GPU {m['cuda']}"
+    return (m.get("cpu_capability") or "CPU") + (" with AMX" if m.get("cpu_amx") else "")
+
+
+def latest_by_machine_kind(results_dir: str) -> dict[str, list[dict]]:
+    """{suite: its newest results document for each machine kind, the newest first}."""
+    best: dict[tuple[str, str], dict] = {}
+    for path in results_files(results_dir):
+        doc = load(path)
+        key = (doc["suite"], machine_kind(doc["machine"]))
+        if key not in best or doc["date"] >= best[key]["date"]:
+            best[key] = doc
+    out: dict[str, list[dict]] = {}
+    for (suite, _), doc in best.items():
+        out.setdefault(suite, []).append(doc)
+    return {suite: sorted(docs, key=lambda d: d["date"], reverse=True) for suite, docs in out.items()}
+
+
 def machine_line(m: dict) -> str:
-    """One line naming the machine: CPU, cores, threads used, GPU, and how loaded it was."""
+    """One line naming the machine: CPU, cores, its vector instructions, threads used, GPU, and how
+    loaded it was."""
     text = f"{m.get('cpu', 'unknown CPU')}, {m.get('cpu_count', '?')} cores"
+    if m.get("cpu_capability") and not m.get("cuda"):
+        text += f" ({machine_kind(m)})"
     if m.get("torch_threads"):
         text += f", torch threads {m['torch_threads']}"
     if m.get("cuda"):

@@ -1,9 +1,10 @@
-"""bench/machine.py: the commit a results file records."""
+"""bench/machine.py: the commit and the machine a results file records."""
 from __future__ import annotations
 
 import subprocess
 
 from specserve.bench import machine
+from specserve.bench.results import machine_kind, machine_line
 
 
 def test_a_checkout_without_git_records_the_revision_it_was_given(monkeypatch):
@@ -35,3 +36,16 @@ def test_memory_figures_are_read_where_proc_exists():
     block[:: 4096] = b"\1" * len(block[:: 4096])
     assert process_memory() - before >= 60 << 20
     assert 0 < memory_available() < os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def test_the_machine_kind_names_the_gpu_or_the_cpus_instructions():
+    """Results files are grouped by it on the benchmarks page: a GPU, else torch's name for the CPU's
+    vector instructions, with AMX tiles where the CPU has them."""
+    facts = machine.machine_facts()
+    assert facts["cpu_capability"] and facts["cpu_amx"] in (True, False, None)
+    assert machine_kind({"cpu_capability": "AVX2", "cpu_amx": False}) == "AVX2"
+    assert machine_kind({"cpu_capability": "AVX512", "cpu_amx": True}) == "AVX512 with AMX"
+    assert machine_kind({"cpu_capability": "AVX512"}) == "AVX512"          # a file from before cpu_amx
+    assert machine_kind({"cpu_capability": "AVX2", "cuda": "NVIDIA H200"}) == "GPU NVIDIA H200"
+    assert "(AVX512 with AMX)" in machine_line({"cpu": "Xeon", "cpu_count": 2, "cpu_capability": "AVX512",
+                                                "cpu_amx": True})

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from specserve.bench.page import render_page
-from specserve.bench.results import latest, load, new_results, save
+from specserve.bench.results import latest, latest_by_machine_kind, load, new_results, save
 from specserve.bench.suites import SUITES, Suite
 from specserve.entrypoints.cli import build_parser
 
@@ -24,12 +24,29 @@ FIXTURE_SUITES = {s.name: s for s in [
 
 
 def test_page_from_the_fixture_equals_the_expected_page():
-    """Newest file per suite (spec-bench has two; the page shows the 2026-01-02 one), its command, machine,
-    commit and table; a registered suite without results is listed with its command."""
+    """Newest file per suite and machine kind (spec-bench has two on one kind; the page shows the
+    2026-01-02 one; llama-bench has one on AVX2 and one on AVX512: both, the newer first), its command,
+    machine, commit and table; a registered suite without results is listed with its command."""
     page = render_page(os.path.join(FIXTURE, "results"), None, suites=FIXTURE_SUITES)
     with open(os.path.join(FIXTURE, "benchmarks.md")) as f:
         assert page == f.read()
     assert "specserve bench --limit 2" in page and "--limit 1" not in page and "0000000" not in page
+    avx2, avx512 = page.index("llama-bench --rounds 5"), page.index("llama-bench --rounds 3")
+    assert avx2 < page.index("On another kind of machine (AVX512)") < avx512
+    assert page.count('<a id="llama-bench">') == 1
+
+
+def test_a_gpu_run_and_a_cpu_run_of_one_suite_are_both_shown(tmp_path):
+    shutil.copytree(os.path.join(FIXTURE, "results"), tmp_path / "r")
+    doc = load(os.path.join(FIXTURE, "results", "llama-bench", "20260103T000000Z.json"))
+    doc["machine"]["cuda"], doc["date"], doc["command"] = "NVIDIA H200", "2026-01-04T00:00:00Z", "on the GPU"
+    save(doc, str(tmp_path / "r"))
+    runs = latest_by_machine_kind(str(tmp_path / "r"))
+    assert [d["command"] for d in runs["llama-bench"]] == [
+        "on the GPU", "specserve bench llama-bench --rounds 5", "specserve bench llama-bench --rounds 3"]
+    assert [d["command"] for d in runs["spec-bench"]] == ["specserve bench --limit 2"]
+    page = render_page(str(tmp_path / "r"), None, suites=FIXTURE_SUITES)
+    assert page.index("on the GPU") < page.index("On another kind of machine (AVX2)") < page.index("(AVX512)")
 
 
 def test_latest_follows_the_date_inside_not_the_file_name(tmp_path):
@@ -82,7 +99,7 @@ def test_the_published_page_is_what_its_results_give():
     page = render_page(os.path.join(ROOT, "docs", "bench", "results"), os.path.join(ROOT, "benchmarks"))
     with open(os.path.join(ROOT, "docs", "benchmarks.md")) as f:
         assert f.read() == page, "run `specserve bench page` after changing docs/bench/results or benchmarks/"
-    assert len(page.splitlines()) <= 400
+    assert len(page.splitlines()) <= 450   # a screenful per suite, and a table per machine kind
 
 
 def test_results_are_saved_gzipped_and_read_either_way(tmp_path):
