@@ -1,7 +1,8 @@
 """The int8-activation kernel (``cpu_kernels/q8_act.h``): each format's product equals the
 file's dequantized weights times the activations rounded as documented (8 bits per 256
 values), rows are bitwise independent of the row count and the thread count, and cuts and
-stacks keep the setting. Skipped on CPUs without AVX-512 VNNI."""
+stacks keep the setting. Q4_1, Q5_0 and Q8_0 run on AVX2 too (``q8_act_avx2.h``); the K-quants
+need AVX-512 VNNI, and each case is skipped where its format has no kernel."""
 from __future__ import annotations
 
 import numpy as np
@@ -14,11 +15,20 @@ from specserve.model_executor.layers.quantized import QuantizedMatrix
 
 from test_quant_gemm import assert_rows_bitwise_independent, gguf_values, random_blocks
 
-INT8_FORMATS = [T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K]
-
 pytestmark = pytest.mark.skipif(
-    not quant_gemm.available() or not quant_gemm.supports_int8_activations(int(T.Q4_K), 256),
-    reason="no int8-activation kernel here (needs AVX-512 VNNI)")
+    not quant_gemm.available() or not quant_gemm.supports_int8_activations(int(T.Q4_1), 256),
+    reason="no int8-activation kernel here (needs AVX-512 VNNI, or AVX2 for the 32-value block formats)")
+
+
+def formats(*qtypes):
+    """Parameters for these formats, each skipped where this CPU's kernel lacks it (AVX2: Q4_1, Q5_0
+    and Q8_0; AVX-512 VNNI: also Q4_K and Q6_K)."""
+    return [pytest.param(q, id=q.name, marks=pytest.mark.skipif(
+        not quant_gemm.available() or not quant_gemm.supports_int8_activations(int(q), 256),
+        reason=f"no int8-activation kernel for {q.name} on this CPU")) for q in qtypes]
+
+
+INT8_FORMATS = formats(T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K)
 
 
 def rounded_activations(x: torch.Tensor) -> torch.Tensor:
@@ -40,7 +50,7 @@ def int8_matrix(qtype, out_features, in_features, seed=0):
     return m, gguf_values(blocks, qtype, in_features)
 
 
-@pytest.mark.parametrize("qtype", INT8_FORMATS, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", INT8_FORMATS)
 @pytest.mark.parametrize("rows", [1, 3, 6, 70])
 def test_product_is_the_files_weights_times_the_rounded_activations(qtype, rows):
     in_features = 768 if qtype in (T.Q4_K, T.Q6_K) else 576   # 576: a last group of 64 values
@@ -56,7 +66,7 @@ def test_product_is_the_files_weights_times_the_rounded_activations(qtype, rows)
     assert (got.double() - exact).abs().max() > 1e-4 * exact.abs().max()
 
 
-@pytest.mark.parametrize("qtype", INT8_FORMATS, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", INT8_FORMATS)
 def test_extreme_quants_scales_and_activations_do_not_overflow(qtype):
     """Every quant byte and scale byte 0x00 or 0xff (Q4_K: u = 15 and 6-bit scales and mins 63;
     Q6_K: q = 31 or -32 and int8 scales -1 or 127...), activations at +-max of their group (|xq| =
@@ -85,7 +95,7 @@ def test_extreme_quants_scales_and_activations_do_not_overflow(qtype):
     torch.testing.assert_close(m.matmul(x).double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
-@pytest.mark.parametrize("qtype", INT8_FORMATS, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", INT8_FORMATS)
 def test_rows_bitwise_independent_of_row_count_and_threads(qtype):
     m, _ = int8_matrix(qtype, 70, 512)
     assert_rows_bitwise_independent(m, (1, 2, 3, 5, 6, 7, 13, 64, 65, 110))
@@ -110,7 +120,7 @@ def test_cuts_and_stacks_keep_the_setting_and_unknown_formats_fall_back():
 
 # ---- int8 activations in pieces: int8_activations = N (2-4) ----
 
-@pytest.mark.parametrize("qtype", INT8_FORMATS, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", INT8_FORMATS)
 @pytest.mark.parametrize("rows", [1, 3, 70])
 def test_three_pieces_give_the_float32_activation_product(qtype, rows):
     in_features = 768 if qtype in (T.Q4_K, T.Q6_K) else 576
@@ -124,7 +134,7 @@ def test_three_pieces_give_the_float32_activation_product(qtype, rows):
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", formats(T.Q4_K, T.Q6_K, T.Q8_0))
 def test_more_pieces_shrink_the_error_even_with_outlier_channels(qtype):
     """Each piece adds about 8 bits; with a 300x outlier in a group, 4 pieces are as close to the
     float64 product as the float32-activation kernel, within a few times its rounding (relative to
@@ -144,7 +154,7 @@ def test_more_pieces_shrink_the_error_even_with_outlier_channels(qtype):
     assert errors[3] <= 4 * float_error, (errors, float_error)
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q4_K, T.Q6_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", formats(T.Q4_1, T.Q5_0, T.Q4_K, T.Q6_K))
 def test_pieces_rows_bitwise_independent_of_row_count_and_threads(qtype):
     m, _ = int8_matrix(qtype, 70, 512)
     m.int8_activations = 3

@@ -25,16 +25,23 @@
 #endif
 
 /* The share of a matmul's n output blocks a thread takes at a time: its loops over output blocks
- * run schedule(dynamic, work_chunk(n)), about 16 chunks a thread. Why not a static split: on
- * shared VMs one core often runs slower than the other for minutes (measured 1.6x on the
- * development VM's AMX tiles, 2026-12-03), and a static split makes every step wait for the slow
- * core. Each block is computed whole, by the same operations, by whichever thread takes it, so
- * no result depends on the schedule. */
+ * run schedule(dynamic, work_chunk(n)), CHUNKS_PER_THREAD chunks a thread. Why not a static
+ * split: on shared VMs one core often runs slower than the other for minutes (measured 1.6x on an
+ * AMX VM), and a static split makes every step wait for the slow core. Why not smaller chunks
+ * everywhere: on an AVX2 VM whose two threads share a core, 16 chunks a thread streamed weights
+ * from memory 1.2x slower than 4 (Q4_1 rows, float32 and int8 activations alike: each thread's
+ * reads are less contiguous). Each block is computed whole, by the same operations, by whichever
+ * thread takes it, so no result depends on the schedule. */
+#if defined(__AVX512F__)
+#define CHUNKS_PER_THREAD 16
+#else
+#define CHUNKS_PER_THREAD 4
+#endif
 static inline int64_t work_chunk(int64_t n) {
 #ifdef _OPENMP
-    const int64_t chunk = n / (16 * (int64_t)omp_get_num_threads());
+    const int64_t chunk = n / (CHUNKS_PER_THREAD * (int64_t)omp_get_num_threads());
 #else
-    const int64_t chunk = n / 16;
+    const int64_t chunk = n / CHUNKS_PER_THREAD;
 #endif
     return chunk > 1 ? chunk : 1;
 }

@@ -1,9 +1,10 @@
-/* The int8-activation matmul over GGUF blocks (AVX-512 VNNI): an opt-in kernel for CPUs.
+/* The int8-activation matmul over GGUF blocks (AVX-512 VNNI; q8_act_avx2.h for AVX2): an opt-in kernel for CPUs.
  *
  * Included by quant_blocks.h (and quant_gemm.c); quant_gemm_team() calls q8_gemm_team() when the
  * caller sets Q8_ACT_FLAG in qtype (QuantizedMatrix.int8_activations) and this file knows the
- * format. Includes gemm_core.h (work_chunk, KEEP_IN_REGISTER, prefetch_l2) and ggml_blocks.h (the
- * formats, half_at, k4_scales_then_mins).
+ * format. Includes gemm_core.h (work_chunk, KEEP_IN_REGISTER, prefetch_l2), ggml_blocks.h (the
+ * formats, half_at, k4_scales_then_mins), q8_acts.h (the flags, the activations' arrays, the
+ * driver q8_gemm_run) and q8_act_avx2.h (the kernel for CPUs with AVX2 but not AVX-512 VNNI).
  *
  * Why: with float32 activations every weight costs a table look-up or a conversion plus one
  * FMA per row, so batch-1 decoding is bound by arithmetic (~10 Gweights/s a core), not by the
@@ -34,23 +35,19 @@
 
 #include "gemm_core.h"
 #include "ggml_blocks.h"
+#include "q8_acts.h"
+#include "q8_act_avx2.h"
 
-#define Q8_ACT_FLAG 256
-/* qtype | Q8_ACT_FLAG | ((P - 1) << Q8_PIECES_SHIFT): each activation row is multiplied as P
- * int8 rows ("pieces") whose sum is the row to about 8 P bits of each 256-value group's largest
- * value: piece 0 is the row rounded as above, piece p + 1 the same rounding of what pieces 0..p
- * left over, and the P results are summed per output (q8_gemm_team). P = 1 is llama.cpp's
- * rounding; P = 3 leaves less than 2^-24 of the group's largest value, float32's own precision
- * (docs/architecture.md, "Numerics"). */
-#define Q8_PIECES_SHIFT 10
-#define Q8_PIECES_MASK (3 << Q8_PIECES_SHIFT)
-#define Q8_MAX_PIECES 4
 /* Weight prefetch: into L2, the same position 16 rows (4 blocks of 4 outputs) ahead (at least
  * 1 KB). Short rows (the 1536-value rows of Qwen2.5-Coder-1.5B's
  * gate/up and LM head: 864 and 1260 bytes) are the case that needs it: prefetching within the
  * row only touched the rows being read; 16 rows ahead raised those matrices from ~14 to
  * ~20 GB/s streamed from memory (noisy machine; docs/benchmarks.md). */
 #define Q8_PF_ROWS 16
+
+#ifdef HAVE_Q8_ACT_AVX2   /* AVX2 without AVX-512 VNNI: q8_act_avx2.h's kernel */
+#define HAVE_Q8_ACT 1
+#endif
 
 /* F16C: ggml_blocks.h's half_at (every AVX-512 CPU has it) */
 #if defined(__F16C__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -62,23 +59,6 @@ static inline int q8_act_supported(int qtype, int64_t in) {
     case Q4_K: case Q6_K: return in % 256 == 0;
     default: return 0;
     }
-}
-
-/* ---- activations: rows x in values -> per row, scaled per group of 256 values (the last group
- * may be shorter) ---- */
-typedef struct {
-    const int8_t *xq;    /* [rows][in] the rounded values */
-    const float *xd;     /* [rows][ngroups] each group's dx */
-    const int32_t *xl;   /* [rows][in / 4] each vpdpbusd lane's xq sum (4 values) */
-    const float *xm;     /* [rows][ngroups][16] lanes 8-15 the xq sums of the group's 32-value blocks, 0-7 zero */
-    const int32_t *xs;   /* [rows][ngroups][16] the xq sums of the group's 16-value blocks */
-} q8_acts;
-
-static inline q8_acts q8_acts_row(const q8_acts *a, int64_t r, int64_t in) {   /* the same arrays from row r on */
-    const int64_t ngroups = (in + 255) / 256;
-    const q8_acts out = {a->xq + r * in, a->xd + r * ngroups, a->xl + r * (in / 4), a->xm + r * 16 * ngroups,
-                         a->xs + r * 16 * ngroups};
-    return out;
 }
 
 /* Q4_K's order of a 256-value group (q8k_tile): its 16 pieces of 16 values as a 4 x 4
@@ -417,8 +397,6 @@ static inline __attribute__((always_inline)) void q8k_tile_rows(const int qtype,
 }
 
 /* One copy of the tile loop per format, so the chunk unpacking is inlined without a switch. */
-typedef void (*q8_rows_fn)(const uint8_t *, int64_t, int64_t, const q8_acts *, const float *, float *, int64_t,
-                           int64_t, int);
 #define Q8_DEFINE_ROWS(name, qt, tiles)                                                                    \
     static void name(const uint8_t *w0, int64_t row_bytes, int64_t in, const q8_acts *x, const float *bias, \
                      float *out, int64_t ldo, int64_t rows, int J) {                                        \
@@ -441,74 +419,11 @@ static q8_rows_fn q8_rows_of(int qtype) {
     }
 }
 
-/* A thread's scratch: a row tile's quantized activations. */
-static __thread uint8_t *q8_scratch;
-static __thread int64_t q8_scratch_len;
-
-static uint8_t *q8_scratch_for(int64_t len) {
-    if (len > q8_scratch_len) {
-        free(q8_scratch);
-        q8_scratch = (uint8_t *)malloc((size_t)len);
-        q8_scratch_len = q8_scratch ? len : 0;
-    }
-    return q8_scratch;
-}
-
-#define Q8_ROW_TILE 64
-
-/* out = x @ w.T (+ bias) with int8 activations, called by every thread of a parallel region
- * (as quant_gemm_team). Every thread quantizes the row tile itself (rows x in values: small
- * against the matmul), so no thread waits for another. With pieces P > 1 every row becomes P
- * quantized rows (Q8_PIECES_SHIFT); the tiles multiply them like any rows, and each output is
- * the sum of its P results, smallest first, then the bias. Returns 0, or -3 without scratch
- * memory. */
+/* out = x @ w.T (+ bias) with int8 activations on AVX-512 VNNI (q8_gemm_run's driver). */
 static int q8_gemm_team(const float *x, int64_t ldx, int64_t rows, const uint8_t *w, int qtype,
                         int64_t out_features, int64_t in, const float *bias, float *out, int64_t ldo, int pieces) {
-    const int64_t row_bytes = in / qblock_elems(qtype) * qblock_bytes(qtype);
-    const int64_t blocks = (out_features + 3) / 4, tile = rows < Q8_ROW_TILE ? rows : Q8_ROW_TILE;
-    const q8_rows_fn run = q8_rows_of(qtype);
-    const int64_t ngroups = (in + 255) / 256, qrows = tile * pieces;
-    /* per quantized row: xq (in bytes), xl (in / 4 int32), xd (ngroups floats), xm and xs (16
-     * ngroups each); then one row of residuals (in floats) when pieces > 1 */
-    uint8_t *buf = q8_scratch_for(qrows * (2 * in + 33 * 4 * ngroups) + (pieces > 1 ? 4 * in : 0) + 64);
-    const int ok = buf != NULL;
-    int8_t *xq = (int8_t *)buf;
-    int32_t *xl = (int32_t *)(buf + qrows * in);
-    float *xd = (float *)(xl + qrows * (in / 4)), *xm = xd + qrows * ngroups;
-    int32_t *xs = (int32_t *)(xm + qrows * 16 * ngroups);
-    float *resid = (float *)(xs + qrows * 16 * ngroups);
-    const q8_acts acts = {xq, xd, xl, xm, xs};
-    for (int64_t row0 = 0; row0 < rows; row0 += Q8_ROW_TILE) {
-        const int64_t n = rows - row0 < Q8_ROW_TILE ? rows - row0 : Q8_ROW_TILE;
-        if (ok)
-            for (int64_t r = 0; r < n * pieces; r++) {
-                const int last = r % pieces == pieces - 1;
-                const float *src = r % pieces ? resid : x + (row0 + r / pieces) * ldx;
-                q8_quantize_row(src, in, xq + r * in, xd + r * ngroups, xl + r * (in / 4), xm + r * 16 * ngroups,
-                                xs + r * 16 * ngroups, qtype == Q4_K, last ? NULL : resid);
-            }
-#pragma omp for schedule(dynamic, work_chunk(blocks))
-        for (int64_t b = 0; b < blocks; b++) {
-            if (!ok) continue;
-            const int64_t j = b * 4;
-            const int nj = j + 4 <= out_features ? 4 : (int)(out_features - j);
-            if (pieces == 1) {
-                run(w + j * row_bytes, row_bytes, in, &acts, bias ? bias + j : NULL, out + row0 * ldo + j, ldo, n, nj);
-                continue;
-            }
-            float part[Q8_ROW_TILE * Q8_MAX_PIECES * 4];   /* [n * pieces][4] */
-            run(w + j * row_bytes, row_bytes, in, &acts, NULL, part, 4, n * pieces, nj);
-            for (int64_t r = 0; r < n; r++)
-                for (int jj = 0; jj < nj; jj++) {
-                    const float *p = part + r * pieces * 4 + jj;
-                    float v = p[4 * (pieces - 1)];
-                    for (int k = pieces - 2; k >= 0; k--) v += p[4 * k];
-                    if (bias) v += bias[j + jj];
-                    out[(row0 + r) * ldo + j + jj] = v;
-                }
-        }
-    }
-    return ok ? 0 : -3;
+    return q8_gemm_run(x, ldx, rows, w, qtype, out_features, in, bias, out, ldo, pieces, q8_quantize_row,
+                       q8_rows_of(qtype));
 }
 
 #endif /* AVX-512 VNNI */

@@ -1,0 +1,200 @@
+/* The int8-activation matmul over GGUF blocks on CPUs with AVX2 but not AVX-512 VNNI (many
+ * laptops): the 32-value block formats Q4_1, Q5_0 and Q8_0; other formats take the float32 path.
+ *
+ * Included by q8_act.h, whose AVX-512 kernel it stands in for (quant_blocks.h calls
+ * q8_act_supported and q8_gemm_team, defined by one of the two; HAVE_Q8_ACT says one was). Includes gemm_core.h,
+ * ggml_blocks.h (the formats, half_at) and q8_acts.h (the activations' arrays and the driver).
+ *
+ * Why: the float32 path spends a conversion, a multiply and an add per weight before each row's
+ * FMA, about 5 Gweights/s a core with AVX2; llama.cpp multiplies bytes instead. So does this file,
+ * as llama.cpp does without VNNI: per 32-value block, vpmaddubsw of the weight's unsigned bytes by
+ * the activation's int8 values (16-bit sums of two products), vpmaddwd by ones (8 int32 sums),
+ * one conversion and one FMA by the block's scale times the row's dx.
+ *
+ *   x row      -> as q8_act.h: per 256 values dx = max|x| / 127, xq = round-half-even(x / dx)
+ *                 (the same rounding, in scalar code), and each 32-value block's xq sum (xm)
+ *   Q4_1       -> u = the nibbles (0..15): value = d u + m; the min comes in as m dx (xq sum)
+ *   Q5_0       -> u = nibble + 16 fifth bit (0..31): value = d (u - 16); -16 d dx (xq sum)
+ *   Q8_0       -> q signed: vpmaddubsw(|q|, xq with q's sign), llama.cpp's way past the
+ *                 instruction's unsigned operand (|q| <= 128, |xq| <= 127: no 16-bit overflow)
+ *
+ * Row-invariant like every kernel here: out[r, j] is the same sequence of operations whatever the
+ * row count, the other rows and the thread count (each output's lanes accumulate over the blocks
+ * in order, then one fixed horizontal sum, its block terms, the bias). Its results are not the
+ * AVX-512 kernel's bits (other sums), as the float32 paths of the two differ.
+ */
+#ifndef SPECSERVE_Q8_ACT_AVX2_H
+#define SPECSERVE_Q8_ACT_AVX2_H
+
+#include "gemm_core.h"
+#include "ggml_blocks.h"
+#include "q8_acts.h"
+
+#if defined(__F16C__) && defined(__AVX2__) && defined(__FMA__) && \
+    !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__))
+#define HAVE_Q8_ACT_AVX2 1   /* q8_act.h then defines HAVE_Q8_ACT */
+
+static inline int q8_act_supported(int qtype, int64_t in) {
+    return (qtype == Q4_1 || qtype == Q5_0 || qtype == Q8_0) && in % 32 == 0;
+}
+
+/* One row (scalar: rows are few against the matmul): xq, xd and xm as q8_act.h lays them out
+ * (xm: lanes 8-15 of each group's 16 hold its blocks' xq sums). xl and xs are not read here. */
+static void q8a_quantize_row(const float *x, int64_t in, int8_t *xq, float *xd, int32_t *xl, float *xm, int32_t *xs,
+                             int k4_order, float *resid) {
+    (void)xl, (void)xs, (void)k4_order;
+    const int64_t ngroups = (in + 255) / 256;
+    for (int64_t g = 0; g < ngroups; g++) {
+        const int64_t v0 = 256 * g, v1 = v0 + 256 < in ? v0 + 256 : in;
+        float m = 0.0f;
+        for (int64_t v = v0; v < v1; v++) {
+            const float a = x[v] < 0.0f ? -x[v] : x[v];
+            m = a > m ? a : m;
+        }
+        const float d = m / 127.0f, id = m > 0.0f ? 127.0f / m : 0.0f;
+        float sums[16] = {0};
+        for (int64_t v = v0; v < v1; v += 32) {
+            int32_t s = 0;
+            for (int64_t k = v; k < v + 32; k++) {
+                const int32_t q = _mm_cvtss_si32(_mm_set_ss(x[k] * id));   /* round half to even, |q| <= 127 */
+                if (resid)   /* x - d q with one rounding */
+                    resid[k] = _mm_cvtss_f32(_mm_fnmadd_ss(_mm_set_ss((float)q), _mm_set_ss(d), _mm_set_ss(x[k])));
+                xq[k] = (int8_t)q;
+                s += q;
+            }
+            sums[8 + (v - v0) / 32] = (float)s;
+        }
+        xd[g] = d;
+        memcpy(xm + 16 * g, sums, sizeof sums);
+    }
+}
+
+/* Block b of a weight row: its 32 values' bytes (u; Q8_0: the signed quants) and d, m. */
+static inline __attribute__((always_inline)) __m256i q8a_block(const int qtype, const uint8_t *row, int64_t b,
+                                                               float *d, float *m) {
+    switch (qtype) {
+    case Q4_1: {
+        const uint8_t *blk = row + b * 20;
+        *d = half_at(blk), *m = half_at(blk + 2);
+        const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 4));
+        const __m256i both = _mm256_set_m128i(_mm_srli_epi16(qs, 4), qs);   /* values 16-31: high nibbles */
+        return _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
+    }
+    case Q5_0: {
+        const uint8_t *blk = row + b * 22;
+        uint32_t qh;
+        memcpy(&qh, blk + 2, 4);
+        *d = half_at(blk), *m = 0.0f;
+        const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 6));
+        const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), _mm256_set1_epi8(0x0f));
+        /* byte i gets qh's byte i / 8, then bit i % 8 of it: 0xff where value i's fifth bit is set */
+        const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh),
+                                                   _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                                    2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+        const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+        return _mm256_or_si256(nib, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+    }
+    default: { /* Q8_0 */
+        const uint8_t *blk = row + b * 34;
+        *d = half_at(blk), *m = 0.0f;
+        return _mm256_loadu_si256((const __m256i *)(blk + 2));
+    }
+    }
+}
+
+/* The 8 int32 sums of a block's 32 products u * xq (pairs, then pairs of pairs). */
+static inline __attribute__((always_inline)) __m256i q8a_dot(const int qtype, __m256i u, __m256i xv) {
+    const __m256i pairs = qtype == Q8_0 ? _mm256_maddubs_epi16(_mm256_sign_epi8(u, u), _mm256_sign_epi8(xv, u))
+                                        : _mm256_maddubs_epi16(u, xv);
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+
+static inline float q8a_lanes_sum(__m256 v) {   /* one fixed order: halves, then pairs, then the two */
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* R rows x J outputs. Per (row, output, block): one vpmaddubsw, one vpmaddwd, a conversion, an
+ * FMA by d dx; the block's min or offset term as a scalar (d or m) dx (xq sum). */
+static inline __attribute__((always_inline)) void q8a_tile(const int qtype, const uint8_t *w0, int64_t row_bytes,
+                                                           int64_t in, const q8_acts *x, const float *bias,
+                                                           float *out, int64_t ldo, const int R, const int J) {
+    const int64_t nb = in / 32, ngroups = (in + 255) / 256, ms = 16 * ngroups, bb = qblock_bytes(qtype);
+    /* prefetch into L1 the same place 16 rows (4 tiles of 4 outputs) ahead, at least 1 KB: short
+     * rows (576 values: 360 bytes of Q4_1) leave a within-row prefetch almost nothing to fetch */
+    const int64_t pf_ahead = 16 * row_bytes > 1024 ? 16 * row_bytes : 1024;
+    __m256 acc[2][4];
+    float terms[2][4];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < J; j++) acc[r][j] = _mm256_setzero_ps(), terms[r][j] = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t g = b / 8;
+        __m256i u[4];
+        float d[4], m[4];
+        for (int j = 0; j < J; j++) {
+            prefetch_l1(w0 + j * row_bytes + pf_ahead + b * bb);
+            u[j] = q8a_block(qtype, w0 + j * row_bytes, b, &d[j], &m[j]);
+        }
+        for (int r = 0; r < R; r++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(x->xq + r * in + 32 * b));
+            const float dx = x->xd[r * ngroups + g], xsum = x->xm[r * ms + 16 * g + 8 + b % 8];
+            for (int j = 0; j < J; j++) {
+                const float s = d[j] * dx;
+                acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q8a_dot(qtype, u[j], xv)), _mm256_set1_ps(s), acc[r][j]);
+                if (qtype == Q4_1) terms[r][j] += (m[j] * dx) * xsum;
+                else if (qtype == Q5_0) terms[r][j] += s * (-16.0f * xsum);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < J; j++) {
+            float v = q8a_lanes_sum(acc[r][j]) + terms[r][j];
+            if (bias) v += bias[j];
+            out[r * ldo + j] = v;
+        }
+}
+
+/* rows x J (<= 4) outputs in tiles of up to 2 rows (AVX2's 16 registers); a J < 4 tail one
+ * output at a time (each output's operations are the same either way). */
+static inline __attribute__((always_inline)) void q8a_tile_rows(const int qtype, const uint8_t *w0, int64_t row_bytes,
+                                                                int64_t in, const q8_acts *x, const float *bias,
+                                                                float *out, int64_t ldo, int64_t rows, int J) {
+    for (int64_t r = 0; r < rows;) {
+        const int R = rows - r >= 2 ? 2 : 1;
+        const q8_acts x_r = q8_acts_row(x, r, in);
+        float *out_r = out + r * ldo;
+        if (J == 4) {
+            if (R == 2) q8a_tile(qtype, w0, row_bytes, in, &x_r, bias, out_r, ldo, 2, 4);
+            else q8a_tile(qtype, w0, row_bytes, in, &x_r, bias, out_r, ldo, 1, 4);
+        } else {
+            for (int j = 0; j < J; j++) {
+                const float *bj = bias ? bias + j : NULL;
+                if (R == 2) q8a_tile(qtype, w0 + j * row_bytes, row_bytes, in, &x_r, bj, out_r + j, ldo, 2, 1);
+                else q8a_tile(qtype, w0 + j * row_bytes, row_bytes, in, &x_r, bj, out_r + j, ldo, 1, 1);
+            }
+        }
+        r += R;
+    }
+}
+
+#define Q8A_DEFINE_ROWS(name, qt)                                                                          \
+    static void name(const uint8_t *w0, int64_t row_bytes, int64_t in, const q8_acts *x, const float *bias, \
+                     float *out, int64_t ldo, int64_t rows, int J) {                                        \
+        q8a_tile_rows(qt, w0, row_bytes, in, x, bias, out, ldo, rows, J);                                   \
+    }
+Q8A_DEFINE_ROWS(q8a_rows_q4_1, Q4_1)
+Q8A_DEFINE_ROWS(q8a_rows_q5_0, Q5_0)
+Q8A_DEFINE_ROWS(q8a_rows_q8_0, Q8_0)
+
+/* out = x @ w.T (+ bias) with int8 activations on AVX2 (q8_gemm_run's driver). */
+static int q8_gemm_team(const float *x, int64_t ldx, int64_t rows, const uint8_t *w, int qtype,
+                        int64_t out_features, int64_t in, const float *bias, float *out, int64_t ldo, int pieces) {
+    const q8_rows_fn run = qtype == Q4_1 ? q8a_rows_q4_1 : qtype == Q5_0 ? q8a_rows_q5_0 : q8a_rows_q8_0;
+    return q8_gemm_run(x, ldx, rows, w, qtype, out_features, in, bias, out, ldo, pieces, q8a_quantize_row, run);
+}
+
+#endif /* AVX2 without AVX-512 VNNI */
+#endif /* SPECSERVE_Q8_ACT_AVX2_H */
