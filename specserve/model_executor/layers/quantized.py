@@ -16,7 +16,7 @@ exact products, or, with ``int8_activations=3``, each activation as three int8 p
 tiles (``amx_int8.h``; the segment's ``amx_int8``); cuts and stacks come before it.
 
 ``int8_activations`` (off by default): multiply with activations rounded to 8 bits
-per 256 values and VNNI byte products (``cpu_kernels/q8_act.h``), llama.cpp's way,
+per 256 values and byte products (``cpu_kernels/q8_act.h``; ``q8_act_avx2.h`` on AVX2), llama.cpp's way,
 where the CPU and the format allow; the weights stay the file's values. Cuts and
 stacks keep the setting. An integer N (2-4) in place of True: each activation row as N
 int8 pieces summed (``q8_act.h``): 3 pieces carry the row to about 2^-24 of each
