@@ -15,8 +15,9 @@
 #define Q8_ACT_FLAG 256
 /* qtype | Q8_ACT_FLAG | ((P - 1) << Q8_PIECES_SHIFT): each activation row is multiplied as P
  * int8 rows ("pieces") whose sum is the row to about 8 P bits of each 256-value group's largest
- * value: piece 0 is the row rounded as above, piece p + 1 the same rounding of what pieces 0..p
- * left over, and the P results are summed per output (q8_gemm_team). P = 1 is llama.cpp's
+ * value: piece 0 is the row rounded (per 256 values dx = max|x| / 127, xq = round(x / dx)),
+ * piece p + 1 the same rounding of what pieces 0..p left over, and the P results are summed per
+ * output (q8_gemm_run). P = 1 is llama.cpp's
  * rounding; P = 3 leaves less than 2^-24 of the group's largest value, float32's own precision
  * (docs/architecture.md, "Numerics"). */
 #define Q8_PIECES_SHIFT 10
