@@ -35,14 +35,16 @@
 #define HAVE_Q8_ACT_AVX2 1   /* q8_act.h then defines HAVE_Q8_ACT */
 
 static inline int q8_act_supported(int qtype, int64_t in) {
-    return (qtype == Q4_1 || qtype == Q5_0 || qtype == Q8_0) && in % 32 == 0;
+    return ((qtype == Q4_1 || qtype == Q5_0 || qtype == Q8_0) && in % 32 == 0) ||
+           ((qtype == Q4_K || qtype == Q6_K) && in % 256 == 0);
 }
 
-/* One row (scalar: rows are few against the matmul): xq, xd and xm as q8_act.h lays them out
- * (xm: lanes 8-15 of each group's 16 hold its blocks' xq sums). xl and xs are not read here. */
+/* One row (scalar: rows are few against the matmul): xq, xd, xm and xs as q8_act.h lays them out
+ * (xm: lanes 8-15 of each group's 16 hold its 32-value blocks' xq sums; xs its 16-value blocks'),
+ * always in the values' own order. xl is not read here. */
 static void q8a_quantize_row(const float *x, int64_t in, int8_t *xq, float *xd, int32_t *xl, float *xm, int32_t *xs,
                              int k4_order, float *resid) {
-    (void)xl, (void)xs, (void)k4_order;
+    (void)xl, (void)k4_order;
     const int64_t ngroups = (in + 255) / 256;
     for (int64_t g = 0; g < ngroups; g++) {
         const int64_t v0 = 256 * g, v1 = v0 + 256 < in ? v0 + 256 : in;
@@ -53,6 +55,7 @@ static void q8a_quantize_row(const float *x, int64_t in, int8_t *xq, float *xd, 
         }
         const float d = m / 127.0f, id = m > 0.0f ? 127.0f / m : 0.0f;
         float sums[16] = {0};
+        int32_t sums16[16] = {0};
         for (int64_t v = v0; v < v1; v += 32) {
             int32_t s = 0;
             for (int64_t k = v; k < v + 32; k++) {
@@ -61,11 +64,13 @@ static void q8a_quantize_row(const float *x, int64_t in, int8_t *xq, float *xd, 
                     resid[k] = _mm_cvtss_f32(_mm_fnmadd_ss(_mm_set_ss((float)q), _mm_set_ss(d), _mm_set_ss(x[k])));
                 xq[k] = (int8_t)q;
                 s += q;
+                sums16[(k - v0) / 16] += q;
             }
             sums[8 + (v - v0) / 32] = (float)s;
         }
         xd[g] = d;
         memcpy(xm + 16 * g, sums, sizeof sums);
+        memcpy(xs + 16 * g, sums16, sizeof sums16);
     }
 }
 
@@ -130,7 +135,78 @@ static inline __attribute__((always_inline)) void q8a_tile(const int qtype, cons
     float terms[2][4];
     for (int r = 0; r < R; r++)
         for (int j = 0; j < J; j++) acc[r][j] = _mm256_setzero_ps(), terms[r][j] = 0.0f;
-    for (int64_t b = 0; b < nb; b++) {
+    if (qtype == Q4_K) {   /* per 256-value super-block g: its 8 sub-blocks' integer sums, then d and dmin */
+        for (int64_t g = 0; g < ngroups; g++) {
+            const uint8_t *blk[4];
+            float sc[4][8], mn[4][8];
+            for (int j = 0; j < J; j++) {
+                blk[j] = w0 + j * row_bytes + g * 144;
+                prefetch_l1(blk[j] + pf_ahead);
+                prefetch_l1(blk[j] + pf_ahead + 64);
+                prefetch_l1(blk[j] + pf_ahead + 128);
+                for (int s = 0; s < 8; s++) scale_min_k4(s, blk[j] + 4, &sc[j][s], &mn[j][s]);
+            }
+            for (int r = 0; r < R; r++) {
+                const int8_t *xg = x->xq + r * in + 256 * g;
+                const float dx = x->xd[r * ngroups + g];
+                const float *xsum = x->xm + r * ms + 16 * g + 8;
+                for (int j = 0; j < J; j++) {
+                    __m256i isum = _mm256_setzero_si256();
+                    float mins = 0.0f;
+                    for (int s = 0; s < 8; s++) {   /* sub-block s: nibbles of qs[32 (s / 2), + 32), low or high */
+                        const __m256i bytes = _mm256_loadu_si256((const __m256i *)(blk[j] + 16 + 32 * (s / 2)));
+                        const __m256i u = _mm256_and_si256(s % 2 ? _mm256_srli_epi16(bytes, 4) : bytes,
+                                                           _mm256_set1_epi8(0x0f));
+                        const __m256i xv = _mm256_loadu_si256((const __m256i *)(xg + 32 * s));
+                        /* pairs |u xq + u xq| <= 3810, times the 6-bit scale: int32 sums stay exact */
+                        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv),
+                                                                        _mm256_set1_epi16((short)sc[j][s])));
+                        mins += mn[j][s] * xsum[s];
+                    }
+                    const float d = half_at(blk[j]) * dx, dmin = half_at(blk[j] + 2) * dx;
+                    acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d), acc[r][j]);
+                    terms[r][j] -= dmin * mins;
+                }
+            }
+        }
+    }
+    if (qtype == Q6_K) {   /* per 256-value super-block g: 16 sub-blocks of 16 values with int8 scales */
+        for (int64_t g = 0; g < ngroups; g++) {
+            const uint8_t *blk[4];
+            for (int j = 0; j < J; j++) {
+                blk[j] = w0 + j * row_bytes + g * 210;
+                for (int k = 0; k < 4; k++) prefetch_l1(blk[j] + pf_ahead + 64 * k);
+            }
+            for (int r = 0; r < R; r++) {
+                const int8_t *xg = x->xq + r * in + 256 * g;
+                const float dx = x->xd[r * ngroups + g];
+                const int32_t *xsum16 = x->xs + r * ms + 16 * g;
+                for (int j = 0; j < J; j++) {
+                    const int8_t *sc = (const int8_t *)(blk[j] + 192);
+                    __m256i isum = _mm256_setzero_si256();
+                    int32_t offset = 0;   /* sum over sub-blocks of scale * (xq sum): the quants' -32 */
+                    for (int n = 0; n < 2; n++)          /* ggml's halves of 128 values */
+                        for (int p = 0; p < 4; p++) {    /* values 128 n + 32 p + [0, 32): sub-blocks 8 n + 2 p, + 1 */
+                            const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk[j] + 64 * n + 32 * (p % 2)));
+                            const __m256i lo = _mm256_and_si256(p < 2 ? ql : _mm256_srli_epi16(ql, 4), _mm256_set1_epi8(0x0f));
+                            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk[j] + 128 + 32 * n));
+                            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * p), _mm256_set1_epi8(0x03));
+                            const __m256i u = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));   /* q + 32, 0..63 */
+                            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xg + 128 * n + 32 * p));
+                            const int a = 8 * n + 2 * p;
+                            /* pairs |u xq + u xq| <= 16002, times an int8 scale: int32 sums stay exact */
+                            const __m256i scales = _mm256_set_m128i(_mm_set1_epi16(sc[a + 1]), _mm_set1_epi16(sc[a]));
+                            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), scales));
+                            offset += sc[a] * xsum16[a] + sc[a + 1] * xsum16[a + 1];
+                        }
+                    isum = _mm256_sub_epi32(isum, _mm256_setr_epi32(32 * offset, 0, 0, 0, 0, 0, 0, 0));
+                    acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(half_at(blk[j] + 208) * dx),
+                                                acc[r][j]);
+                }
+            }
+        }
+    }
+    for (int64_t b = 0; qtype != Q4_K && qtype != Q6_K && b < nb; b++) {
         const int64_t g = b / 8;
         __m256i u[4];
         float d[4], m[4];
@@ -188,11 +264,14 @@ static inline __attribute__((always_inline)) void q8a_tile_rows(const int qtype,
 Q8A_DEFINE_ROWS(q8a_rows_q4_1, Q4_1)
 Q8A_DEFINE_ROWS(q8a_rows_q5_0, Q5_0)
 Q8A_DEFINE_ROWS(q8a_rows_q8_0, Q8_0)
+Q8A_DEFINE_ROWS(q8a_rows_q4_k, Q4_K)
+Q8A_DEFINE_ROWS(q8a_rows_q6_k, Q6_K)
 
 /* out = x @ w.T (+ bias) with int8 activations on AVX2 (q8_gemm_run's driver). */
 static int q8_gemm_team(const float *x, int64_t ldx, int64_t rows, const uint8_t *w, int qtype,
                         int64_t out_features, int64_t in, const float *bias, float *out, int64_t ldo, int pieces) {
-    const q8_rows_fn run = qtype == Q4_1 ? q8a_rows_q4_1 : qtype == Q5_0 ? q8a_rows_q5_0 : q8a_rows_q8_0;
+    const q8_rows_fn run = qtype == Q4_1 ? q8a_rows_q4_1 : qtype == Q5_0 ? q8a_rows_q5_0
+                           : qtype == Q4_K ? q8a_rows_q4_k : qtype == Q6_K ? q8a_rows_q6_k : q8a_rows_q8_0;
     return q8_gemm_run(x, ldx, rows, w, qtype, out_features, in, bias, out, ldo, pieces, q8a_quantize_row, run);
 }
 
