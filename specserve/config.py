@@ -290,8 +290,8 @@ class EngineConfig:
     target's hidden state at every position.
     int8_activations: with a GGUF model's blocks kept on a CPU (dtype "auto"),
     multiply them with activations rounded to 8 bits per 256 values (byte
-    products, as llama.cpp computes: AVX-512 VNNI, or AVX2 for Q4_1, Q5_0 and
-    Q8_0; faster, not the float32-activation numbers). Speculation stays lossless against plain decoding with the same
+    products, as llama.cpp computes, on AVX-512 VNNI or AVX2; faster, not the
+    float32-activation numbers). Speculation stays lossless against plain decoding with the same
     setting. Ignored where the CPU or a format has no such kernel. An integer
     2-4 instead of True multiplies each activation row as that many int8
     pieces summed: 3 pieces carry float32's precision (2^-24 of each 256-value

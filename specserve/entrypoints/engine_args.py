@@ -69,8 +69,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of earlier requests' identical prefixes (default: on; off with EAGLE)")
     p.add_argument("--int8-activations", action=argparse.BooleanOptionalAction, default=False,
-                   help="CPU, GGUF blocks: multiply with activations rounded to 8 bits (AVX-512 VNNI, or AVX2 for "
-                        "Q4_1, Q5_0, Q8_0; faster, "
+                   help="CPU, GGUF blocks: multiply with activations rounded to 8 bits (AVX-512 VNNI or AVX2; faster, "
                         "llama.cpp's numbers rather than float32 activations)")
     p.add_argument("--int8-activation-pieces", type=int, default=None, metavar="N",
                    help="CPU, GGUF blocks: int8 activations as N pieces summed (1-4; 3 = float32's precision, "

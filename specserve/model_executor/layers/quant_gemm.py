@@ -89,8 +89,8 @@ def int8_activation_flags(pieces: int) -> int:
 
 @functools.cache   # asked on every matmul of a matrix with the setting on; the answer never changes
 def supports_int8_activations(qtype: int, in_features: int) -> bool:
-    """True when this CPU and build multiply this format with int8 activations (AVX-512 VNNI: Q4_1,
-    Q5_0, Q8_0, Q4_K, Q6_K; AVX2: Q4_1, Q5_0, Q8_0)."""
+    """True when this CPU (AVX-512 VNNI or AVX2) and build multiply this format (Q4_1, Q5_0, Q8_0, Q4_K,
+    Q6_K) with int8 activations."""
     lib = _load()
     return lib is not None and bool(lib.specserve_quant_int8_supported(int(qtype), int(in_features)))
 

@@ -1,8 +1,8 @@
 """The int8-activation kernel (``cpu_kernels/q8_act.h``): each format's product equals the
 file's dequantized weights times the activations rounded as documented (8 bits per 256
 values), rows are bitwise independent of the row count and the thread count, and cuts and
-stacks keep the setting. Q4_1, Q5_0 and Q8_0 run on AVX2 too (``q8_act_avx2.h``); the K-quants
-need AVX-512 VNNI, and each case is skipped where its format has no kernel."""
+stacks keep the setting. Run on AVX-512 VNNI (``q8_act.h``) and on AVX2 (``q8_act_avx2.h``); each
+case is skipped where its format has no kernel."""
 from __future__ import annotations
 
 import numpy as np
@@ -21,8 +21,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def formats(*qtypes):
-    """Parameters for these formats, each skipped where this CPU's kernel lacks it (AVX2: Q4_1, Q5_0
-    and Q8_0; AVX-512 VNNI: also Q4_K and Q6_K)."""
+    """Parameters for these formats, each skipped where this CPU's kernel lacks it."""
     return [pytest.param(q, id=q.name, marks=pytest.mark.skipif(
         not quant_gemm.available() or not quant_gemm.supports_int8_activations(int(q), 256),
         reason=f"no int8-activation kernel for {q.name} on this CPU")) for q in qtypes]
