@@ -56,18 +56,14 @@ static void q8a_quantize_row(const float *x, int64_t in, int8_t *xq, float *xd, 
         const float d = m / 127.0f, id = m > 0.0f ? 127.0f / m : 0.0f;
         float sums[16] = {0};
         int32_t sums16[16] = {0};
-        for (int64_t v = v0; v < v1; v += 32) {
-            int32_t s = 0;
-            for (int64_t k = v; k < v + 32; k++) {
-                const int32_t q = _mm_cvtss_si32(_mm_set_ss(x[k] * id));   /* round half to even, |q| <= 127 */
-                if (resid)   /* x - d q with one rounding */
-                    resid[k] = _mm_cvtss_f32(_mm_fnmadd_ss(_mm_set_ss((float)q), _mm_set_ss(d), _mm_set_ss(x[k])));
-                xq[k] = (int8_t)q;
-                s += q;
-                sums16[(k - v0) / 16] += q;
-            }
-            sums[8 + (v - v0) / 32] = (float)s;
+        for (int64_t k = v0; k < v1; k++) {
+            const int32_t q = _mm_cvtss_si32(_mm_set_ss(x[k] * id));   /* round half to even, |q| <= 127 */
+            if (resid)   /* x - d q with one rounding */
+                resid[k] = _mm_cvtss_f32(_mm_fnmadd_ss(_mm_set_ss((float)q), _mm_set_ss(d), _mm_set_ss(x[k])));
+            xq[k] = (int8_t)q;
+            sums16[(k - v0) / 16] += q;
         }
+        for (int b = 0; b < 8; b++) sums[8 + b] = (float)(sums16[2 * b] + sums16[2 * b + 1]);
         xd[g] = d;
         memcpy(xm + 16 * g, sums, sizeof sums);
         memcpy(xs + 16 * g, sums16, sizeof sums16);
@@ -122,8 +118,56 @@ static inline float q8a_lanes_sum(__m256 v) {   /* one fixed order: halves, then
     return _mm_cvtss_f32(s);
 }
 
-/* R rows x J outputs. Per (row, output, block): one vpmaddubsw, one vpmaddwd, a conversion, an
- * FMA by d dx; the block's min or offset term as a scalar (d or m) dx (xq sum). */
+/* One Q4_K super-block of one output against one row's 256 activations xg: its 8 sub-blocks'
+ * products scaled by their 6-bit scales (sc) in int32, then one conversion and FMA by d dx into
+ * acc; the mins (mn) against the 32-value xq sums go into term. */
+static inline __attribute__((always_inline)) void q8a_q4_k(const uint8_t *blk, const float *sc, const float *mn,
+                                                           const int8_t *xg, const float *xsum, float dx,
+                                                           __m256 *acc, float *term) {
+    __m256i isum = _mm256_setzero_si256();
+    float mins = 0.0f;
+    for (int s = 0; s < 8; s++) {   /* sub-block s: nibbles of qs[32 (s / 2), + 32), low or high */
+        const __m256i bytes = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * (s / 2)));
+        const __m256i u = _mm256_and_si256(s % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, _mm256_set1_epi8(0x0f));
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)(xg + 32 * s));
+        /* pairs |u xq + u xq| <= 3810, times the 6-bit scale: int32 sums stay exact */
+        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), _mm256_set1_epi16((short)sc[s])));
+        mins += mn[s] * xsum[s];
+    }
+    const float d = half_at(blk) * dx, dmin = half_at(blk + 2) * dx;
+    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d), *acc);
+    *term -= dmin * mins;
+}
+
+/* One Q6_K super-block of one output against one row's 256 activations xg: 16 sub-blocks of 16
+ * values scaled by their int8 scales in int32, the quants' -32 against the 16-value xq sums, then
+ * one conversion and FMA by d dx into acc. */
+static inline __attribute__((always_inline)) void q8a_q6_k(const uint8_t *blk, const int8_t *xg,
+                                                           const int32_t *xsum16, float dx, __m256 *acc) {
+    const int8_t *sc = (const int8_t *)(blk + 192);
+    __m256i isum = _mm256_setzero_si256();
+    int32_t offset = 0;   /* sum over sub-blocks of scale * (xq sum): the quants' -32 */
+    for (int n = 0; n < 2; n++)          /* ggml's halves of 128 values */
+        for (int p = 0; p < 4; p++) {    /* values 128 n + 32 p + [0, 32): sub-blocks 8 n + 2 p, + 1 */
+            const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 64 * n + 32 * (p % 2)));
+            const __m256i lo = _mm256_and_si256(p < 2 ? ql : _mm256_srli_epi16(ql, 4), _mm256_set1_epi8(0x0f));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * n));
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * p), _mm256_set1_epi8(0x03));
+            const __m256i u = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));   /* q + 32, 0..63 */
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xg + 128 * n + 32 * p));
+            const int a = 8 * n + 2 * p;
+            /* pairs |u xq + u xq| <= 16002, times an int8 scale: int32 sums stay exact */
+            const __m256i scales = _mm256_set_m128i(_mm_set1_epi16(sc[a + 1]), _mm_set1_epi16(sc[a]));
+            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), scales));
+            offset += sc[a] * xsum16[a] + sc[a + 1] * xsum16[a + 1];
+        }
+    isum = _mm256_sub_epi32(isum, _mm256_setr_epi32(32 * offset, 0, 0, 0, 0, 0, 0, 0));
+    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(half_at(blk + 208) * dx), *acc);
+}
+
+/* R rows x J outputs. 32-value blocks (Q4_1, Q5_0, Q8_0), per (row, output, block): one
+ * vpmaddubsw, one vpmaddwd, a conversion, an FMA by d dx; the block's min or offset term as a
+ * scalar (d or m) dx (xq sum). K-quants, per (row, output, super-block): q8a_q4_k or q8a_q6_k. */
 static inline __attribute__((always_inline)) void q8a_tile(const int qtype, const uint8_t *w0, int64_t row_bytes,
                                                            int64_t in, const q8_acts *x, const float *bias,
                                                            float *out, int64_t ldo, const int R, const int J) {
@@ -135,93 +179,46 @@ static inline __attribute__((always_inline)) void q8a_tile(const int qtype, cons
     float terms[2][4];
     for (int r = 0; r < R; r++)
         for (int j = 0; j < J; j++) acc[r][j] = _mm256_setzero_ps(), terms[r][j] = 0.0f;
-    if (qtype == Q4_K) {   /* per 256-value super-block g: its 8 sub-blocks' integer sums, then d and dmin */
+    if (qtype == Q4_K || qtype == Q6_K) {   /* per 256-value super-block g */
         for (int64_t g = 0; g < ngroups; g++) {
             const uint8_t *blk[4];
-            float sc[4][8], mn[4][8];
+            float sc[4][8], mn[4][8];   /* Q4_K's scales and mins, unpacked once for the tile's rows */
             for (int j = 0; j < J; j++) {
-                blk[j] = w0 + j * row_bytes + g * 144;
-                prefetch_l1(blk[j] + pf_ahead);
-                prefetch_l1(blk[j] + pf_ahead + 64);
-                prefetch_l1(blk[j] + pf_ahead + 128);
-                for (int s = 0; s < 8; s++) scale_min_k4(s, blk[j] + 4, &sc[j][s], &mn[j][s]);
+                blk[j] = w0 + j * row_bytes + g * bb;
+                for (int64_t k = 0; k < bb; k += 64) prefetch_l1(blk[j] + pf_ahead + k);   /* each line of the block */
+                if (qtype == Q4_K)
+                    for (int s = 0; s < 8; s++) scale_min_k4(s, blk[j] + 4, &sc[j][s], &mn[j][s]);
             }
             for (int r = 0; r < R; r++) {
                 const int8_t *xg = x->xq + r * in + 256 * g;
                 const float dx = x->xd[r * ngroups + g];
-                const float *xsum = x->xm + r * ms + 16 * g + 8;
                 for (int j = 0; j < J; j++) {
-                    __m256i isum = _mm256_setzero_si256();
-                    float mins = 0.0f;
-                    for (int s = 0; s < 8; s++) {   /* sub-block s: nibbles of qs[32 (s / 2), + 32), low or high */
-                        const __m256i bytes = _mm256_loadu_si256((const __m256i *)(blk[j] + 16 + 32 * (s / 2)));
-                        const __m256i u = _mm256_and_si256(s % 2 ? _mm256_srli_epi16(bytes, 4) : bytes,
-                                                           _mm256_set1_epi8(0x0f));
-                        const __m256i xv = _mm256_loadu_si256((const __m256i *)(xg + 32 * s));
-                        /* pairs |u xq + u xq| <= 3810, times the 6-bit scale: int32 sums stay exact */
-                        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv),
-                                                                        _mm256_set1_epi16((short)sc[j][s])));
-                        mins += mn[j][s] * xsum[s];
-                    }
-                    const float d = half_at(blk[j]) * dx, dmin = half_at(blk[j] + 2) * dx;
-                    acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d), acc[r][j]);
-                    terms[r][j] -= dmin * mins;
+                    if (qtype == Q4_K)
+                        q8a_q4_k(blk[j], sc[j], mn[j], xg, x->xm + r * ms + 16 * g + 8, dx, &acc[r][j], &terms[r][j]);
+                    else
+                        q8a_q6_k(blk[j], xg, x->xs + r * ms + 16 * g, dx, &acc[r][j]);
                 }
             }
         }
-    }
-    if (qtype == Q6_K) {   /* per 256-value super-block g: 16 sub-blocks of 16 values with int8 scales */
-        for (int64_t g = 0; g < ngroups; g++) {
-            const uint8_t *blk[4];
+    } else {
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t g = b / 8;
+            __m256i u[4];
+            float d[4], m[4];
             for (int j = 0; j < J; j++) {
-                blk[j] = w0 + j * row_bytes + g * 210;
-                for (int k = 0; k < 4; k++) prefetch_l1(blk[j] + pf_ahead + 64 * k);
+                prefetch_l1(w0 + j * row_bytes + pf_ahead + b * bb);
+                u[j] = q8a_block(qtype, w0 + j * row_bytes, b, &d[j], &m[j]);
             }
             for (int r = 0; r < R; r++) {
-                const int8_t *xg = x->xq + r * in + 256 * g;
-                const float dx = x->xd[r * ngroups + g];
-                const int32_t *xsum16 = x->xs + r * ms + 16 * g;
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(x->xq + r * in + 32 * b));
+                const float dx = x->xd[r * ngroups + g], xsum = x->xm[r * ms + 16 * g + 8 + b % 8];
                 for (int j = 0; j < J; j++) {
-                    const int8_t *sc = (const int8_t *)(blk[j] + 192);
-                    __m256i isum = _mm256_setzero_si256();
-                    int32_t offset = 0;   /* sum over sub-blocks of scale * (xq sum): the quants' -32 */
-                    for (int n = 0; n < 2; n++)          /* ggml's halves of 128 values */
-                        for (int p = 0; p < 4; p++) {    /* values 128 n + 32 p + [0, 32): sub-blocks 8 n + 2 p, + 1 */
-                            const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk[j] + 64 * n + 32 * (p % 2)));
-                            const __m256i lo = _mm256_and_si256(p < 2 ? ql : _mm256_srli_epi16(ql, 4), _mm256_set1_epi8(0x0f));
-                            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk[j] + 128 + 32 * n));
-                            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * p), _mm256_set1_epi8(0x03));
-                            const __m256i u = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));   /* q + 32, 0..63 */
-                            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xg + 128 * n + 32 * p));
-                            const int a = 8 * n + 2 * p;
-                            /* pairs |u xq + u xq| <= 16002, times an int8 scale: int32 sums stay exact */
-                            const __m256i scales = _mm256_set_m128i(_mm_set1_epi16(sc[a + 1]), _mm_set1_epi16(sc[a]));
-                            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), scales));
-                            offset += sc[a] * xsum16[a] + sc[a + 1] * xsum16[a + 1];
-                        }
-                    isum = _mm256_sub_epi32(isum, _mm256_setr_epi32(32 * offset, 0, 0, 0, 0, 0, 0, 0));
-                    acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(half_at(blk[j] + 208) * dx),
+                    const float s = d[j] * dx;
+                    acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q8a_dot(qtype, u[j], xv)), _mm256_set1_ps(s),
                                                 acc[r][j]);
+                    if (qtype == Q4_1) terms[r][j] += (m[j] * dx) * xsum;
+                    else if (qtype == Q5_0) terms[r][j] += s * (-16.0f * xsum);
                 }
-            }
-        }
-    }
-    for (int64_t b = 0; qtype != Q4_K && qtype != Q6_K && b < nb; b++) {
-        const int64_t g = b / 8;
-        __m256i u[4];
-        float d[4], m[4];
-        for (int j = 0; j < J; j++) {
-            prefetch_l1(w0 + j * row_bytes + pf_ahead + b * bb);
-            u[j] = q8a_block(qtype, w0 + j * row_bytes, b, &d[j], &m[j]);
-        }
-        for (int r = 0; r < R; r++) {
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(x->xq + r * in + 32 * b));
-            const float dx = x->xd[r * ngroups + g], xsum = x->xm[r * ms + 16 * g + 8 + b % 8];
-            for (int j = 0; j < J; j++) {
-                const float s = d[j] * dx;
-                acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q8a_dot(qtype, u[j], xv)), _mm256_set1_ps(s), acc[r][j]);
-                if (qtype == Q4_1) terms[r][j] += (m[j] * dx) * xsum;
-                else if (qtype == Q5_0) terms[r][j] += s * (-16.0f * xsum);
             }
         }
     }
