@@ -57,12 +57,14 @@ def test_matmul_matches_float64_reference(qtype, rows):
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
 def test_rows_bitwise_independent_of_row_count_and_threads(qtype):
+    """Row counts on both sides of each switch of the fused path (AVX2: 2 outputs a pass up to 5
+    rows, 1 up to 11; AVX-512: 4 up to 6) and of the dequantized rows' tiles (48)."""
     out_features, in_features = 70, 512
     m = QuantizedMatrix.from_blocks(torch.from_numpy(random_blocks(qtype, out_features, in_features)), int(qtype),
                                     in_features)
-    assert_rows_bitwise_independent(m, (1, 2, 5, 6, 7, 13, 48, 49, 110))
+    assert_rows_bitwise_independent(m, (1, 2, 5, 6, 7, 11, 12, 13, 48, 49, 110))
 
 
 def assert_rows_bitwise_independent(m: QuantizedMatrix, row_counts) -> None:

@@ -32,60 +32,102 @@
 
 #if defined(__F16C__)
 
-/* R rows x 4 outputs, weights dequantized 32 values at a time into registers and used by all R
- * rows: for each (row, output) the sum runs over the VEC-lane vectors in order, one FMA each,
- * then lanes_sum4 and the bias, exactly as gemm_block does over a dequantized scratch row.
- * sc: scratch for the prepass, 8 * ceil16(in / 32) floats. */
+/* How many of a 4-output block's outputs one pass of the fused path computes, by row count R:
+ * its R x J accumulators, J weight vectors and one row's vector must fit the register file.
+ * AVX-512 (32 registers): J = 4 up to 6 rows. AVX2 (16): J = 2 up to 6 rows (12 + 2 + 1),
+ * J = 1 up to 11 rows (spills past those: R x J accumulators and the unpacking's 4 temporaries); the block then takes 4 / J passes, each unpacking only its own outputs'
+ * weights, so the unpacking work does not grow. Measured on a Zen 2 VM (docs/architecture.md,
+ * "AVX2"): with Qwen2.5-Coder-1.5B a forward of 4 rows took 2.32x one row's time through the
+ * dequantized scratch rows, 1.5x here. */
+#if R_MAX > 5
+#define FUSED_ROWS_MAX 6
+#define FUSED_J(R) 4
+#else
+#define FUSED_ROWS_MAX 11
+#define FUSED_J(R) ((R) <= 5 ? 2 : 1)
+#endif
+
+/* R rows x J outputs (J = 4, 2 or 1), weights dequantized 32 values at a time into registers
+ * and used by all R rows: for each (row, output) the sum runs over the VEC-lane vectors in order,
+ * one FMA each, then the fixed lane tree (lanes_sum4 or lanes_sum: the same additions) and the
+ * bias, exactly as gemm_block does over a dequantized scratch row. So an output's bits do not
+ * depend on R or J. sc: scratch for the prepass, 8 * ceil16(in / 32) floats. */
 #define DEFINE_FUSED(fmt)                                                                              \
     static inline __attribute__((always_inline)) void fused_##fmt(                                  \
         const float *x, int64_t ldx, const uint8_t *w0, int64_t row_bytes, int64_t in,                \
-        const float *bias, float *out, int64_t ldo, float *sc, const int R) {                         \
+        const float *bias, float *out, int64_t ldo, float *sc, const int R, const int J) {            \
         const int64_t nc = in / 32, stride = (nc + 15) / 16 * 16;                                      \
-        for (int j = 0; j < 4; j++)                                                                    \
+        for (int j = 0; j < J; j++)                                                                    \
             scales_##fmt(w0 + j * row_bytes, nc, sc + (2 * j) * stride, sc + (2 * j + 1) * stride);    \
-        vecf acc[R_MAX][4];                                                                            \
+        vecf acc[FUSED_ROWS_MAX][4];                                                                   \
         for (int r = 0; r < R; r++)                                                                    \
-            for (int j = 0; j < 4; j++) acc[r][j] = (vecf){0};                                         \
-        /* a later block's 4 rows (about 4 KB ahead, rows lie one after another) are fetched at     \
-         * the pace these are used, a few lines per chunk: they are in cache for its prepass */      \
+            for (int j = 0; j < J; j++) acc[r][j] = (vecf){0};                                         \
+        /* a later block's rows (about 4 KB ahead, rows lie one after another) are fetched at the   \
+         * pace these are used, a few lines per chunk: they are in cache for its prepass */          \
         const int64_t ahead = (4096 + 4 * row_bytes - 1) / (4 * row_bytes);                            \
         const uint8_t *next = w0 + ahead * 4 * row_bytes;                                              \
-        const int64_t pf_step = (4 * row_bytes + nc - 1) / nc;                                         \
+        const int64_t pf_step = (J * row_bytes + nc - 1) / nc;                                         \
         for (int64_t c = 0; c < nc; c++) {                                                             \
             vecf wv[4][NV];                                                                            \
             for (int64_t p = c * pf_step; p < (c + 1) * pf_step; p += 64)                              \
                 prefetch_l1(next + p);                                                                 \
-            for (int j = 0; j < 4; j++)                                                                \
+            for (int j = 0; j < J; j++)                                                                \
                 chunk_##fmt(w0 + j * row_bytes, c, sc[(2 * j) * stride + c], sc[(2 * j + 1) * stride + c], \
                             wv[j]);                                                                    \
-            for (int r = 0; r < R; r++)                                                                \
+            if (J == 4) { /* 32 registers: rows outside, the 4 outputs' vectors reread */              \
+                for (int r = 0; r < R; r++)                                                            \
+                    for (int v = 0; v < NV; v++) {                                                     \
+                        const vecf xv = in_register(load_f32(x + r * ldx + c * 32 + v * VEC));         \
+                        for (int j = 0; j < 4; j++) acc[r][j] = fma_vec(xv, wv[j][v], acc[r][j]);     \
+                    }                                                                                  \
+            } else { /* the J outputs' vectors held in registers while every row passes */             \
                 for (int v = 0; v < NV; v++) {                                                         \
-                    const vecf xv = in_register(load_f32(x + r * ldx + c * 32 + v * VEC));             \
-                    for (int j = 0; j < 4; j++) acc[r][j] = fma_vec(xv, wv[j][v], acc[r][j]);         \
+                    vecf wr[2];                                                                        \
+                    for (int j = 0; j < J; j++) wr[j] = in_register(wv[j][v]);                         \
+                    for (int r = 0; r < R; r++) {                                                      \
+                        const vecf xv = in_register(load_f32(x + r * ldx + c * 32 + v * VEC));         \
+                        for (int j = 0; j < J; j++) acc[r][j] = fma_vec(xv, wr[j], acc[r][j]);        \
+                    }                                                                                  \
                 }                                                                                      \
+            }                                                                                          \
         }                                                                                              \
-        for (int r = 0; r < R; r++) lanes_sum4(acc[r], out + r * ldo, bias);                           \
+        for (int r = 0; r < R; r++) {                                                                  \
+            if (J == 4) {                                                                              \
+                lanes_sum4(acc[r], out + r * ldo, bias);                                               \
+                continue;                                                                              \
+            }                                                                                          \
+            for (int j = 0; j < J; j++) {                                                              \
+                const float s = lanes_sum(acc[r][j]);                                                  \
+                out[r * ldo + j] = bias ? s + bias[j] : s;                                             \
+            }                                                                                          \
+        }                                                                                              \
     }                                                                                                  \
+    /* rows (1 .. FUSED_ROWS_MAX) x 4 outputs, in 4 / FUSED_J(rows) passes */                        \
     static void fused_rows_##fmt(const float *x, int64_t ldx, int64_t rows, const uint8_t *w0,       \
                                  int64_t row_bytes, int64_t in, const float *bias, float *out,         \
                                  int64_t ldo, float *sc) {                                             \
         switch (rows) {                                                                                \
-        case 1: fused_##fmt(x, ldx, w0, row_bytes, in, bias, out, ldo, sc, 1); break;                  \
-        case 2: fused_##fmt(x, ldx, w0, row_bytes, in, bias, out, ldo, sc, 2); break;                  \
-        case 3: fused_##fmt(x, ldx, w0, row_bytes, in, bias, out, ldo, sc, 3); break;                  \
-        FUSED_CASES_4_TO_6(fmt)                                                                        \
+        FUSED_CASES(fmt)                                                                               \
         default: break;                                                                                \
         }                                                                                              \
     }
 
-#if R_MAX > 5
-#define FUSED_CASES_4_TO_6(fmt)                                                                        \
-    case 4: fused_##fmt(x, ldx, w0, row_bytes, in, bias, out, ldo, sc, 4); break;                      \
-    case 5: fused_##fmt(x, ldx, w0, row_bytes, in, bias, out, ldo, sc, 5); break;                      \
-    case 6: fused_##fmt(x, ldx, w0, row_bytes, in, bias, out, ldo, sc, 6); break;
+/* One row count's passes (R and J constants, so each case compiles to its own loops). */
+#define FUSED_CASE(fmt, R)                                                                             \
+    case R:                                                                                            \
+        for (int h = 0; h < 4; h += FUSED_J(R))                                                        \
+            fused_##fmt(x, ldx, w0 + h * row_bytes, row_bytes, in, bias ? bias + h : NULL, out + h, ldo, sc, R, \
+                        FUSED_J(R));                                                                   \
+        break;
+#if FUSED_ROWS_MAX > 6
+#define FUSED_CASES_7_TO_11(fmt)                                                                       \
+    FUSED_CASE(fmt, 7) FUSED_CASE(fmt, 8) FUSED_CASE(fmt, 9) FUSED_CASE(fmt, 10) FUSED_CASE(fmt, 11)
 #else
-#define FUSED_CASES_4_TO_6(fmt)
+#define FUSED_CASES_7_TO_11(fmt)
 #endif
+#define FUSED_CASES(fmt)                                                                               \
+    FUSED_CASE(fmt, 1) FUSED_CASE(fmt, 2) FUSED_CASE(fmt, 3) FUSED_CASE(fmt, 4) FUSED_CASE(fmt, 5)     \
+    FUSED_CASE(fmt, 6) FUSED_CASES_7_TO_11(fmt)
 
 DEFINE_FUSED(q4_0)
 DEFINE_FUSED(q4_1)
@@ -180,7 +222,7 @@ static int quant_gemm_team(const float *x, int64_t ldx, int64_t rows, const uint
         if (!ok) continue;
         const int64_t j = b * 4;
         const int nj = j + 4 <= out_features ? 4 : (int)(out_features - j);
-        if (nj == 4 && rows <= R_MAX) {
+        if (nj == 4 && rows <= FUSED_ROWS_MAX) {
             fused(x, ldx, rows, w + j * row_bytes, row_bytes, in, bias ? bias + j : NULL, out + j, ldo, sc);
             continue;
         }
