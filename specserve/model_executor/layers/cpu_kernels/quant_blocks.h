@@ -33,17 +33,18 @@
 #if defined(__F16C__)
 
 /* How many of a 4-output block's outputs one pass of the fused path computes, by row count R:
- * its R x J accumulators, J weight vectors and one row's vector must fit the register file.
- * AVX-512 (32 registers): J = 4 up to 6 rows. AVX2 (16): J = 2 up to 6 rows (12 + 2 + 1),
- * J = 1 up to 11 rows (spills past those: R x J accumulators and the unpacking's 4 temporaries); the block then takes 4 / J passes, each unpacking only its own outputs'
- * weights, so the unpacking work does not grow. Measured on a Zen 2 VM (docs/architecture.md,
- * "AVX2"): with Qwen2.5-Coder-1.5B a forward of 4 rows took 2.32x one row's time through the
- * dequantized scratch rows, 1.5x here. */
+ * its R x J accumulators, the unpacking's temporaries (about 4 vectors) and a row's vector must
+ * fit the register file. AVX-512 (32 registers): J = 4 up to 6 rows. AVX2 (16): J = 2 up to 5
+ * rows, J = 1 for 6 and 7; the block then takes 4 / J passes, each unpacking only its own
+ * outputs' weights, so the unpacking work does not grow. More rows go through dequantized scratch
+ * rows (gemm_rows). Measured on a Zen 2 VM, Qwen2.5-Coder-1.5B, ms a forward by row count
+ * (1 row: 137): 4 rows 206 (318 through scratch rows), 6 rows 259 (277), 7 rows 296 (351),
+ * 8 rows 339 (322); J = 2 at 6 rows and J = 1 at 12 spilled registers (296 and 669 ms). */
 #if R_MAX > 5
 #define FUSED_ROWS_MAX 6
 #define FUSED_J(R) 4
 #else
-#define FUSED_ROWS_MAX 11
+#define FUSED_ROWS_MAX 7
 #define FUSED_J(R) ((R) <= 5 ? 2 : 1)
 #endif
 
@@ -120,14 +121,13 @@
                         FUSED_J(R));                                                                   \
         break;
 #if FUSED_ROWS_MAX > 6
-#define FUSED_CASES_7_TO_11(fmt)                                                                       \
-    FUSED_CASE(fmt, 7) FUSED_CASE(fmt, 8) FUSED_CASE(fmt, 9) FUSED_CASE(fmt, 10) FUSED_CASE(fmt, 11)
+#define FUSED_CASE_7(fmt) FUSED_CASE(fmt, 7)
 #else
-#define FUSED_CASES_7_TO_11(fmt)
+#define FUSED_CASE_7(fmt)
 #endif
 #define FUSED_CASES(fmt)                                                                               \
     FUSED_CASE(fmt, 1) FUSED_CASE(fmt, 2) FUSED_CASE(fmt, 3) FUSED_CASE(fmt, 4) FUSED_CASE(fmt, 5)     \
-    FUSED_CASE(fmt, 6) FUSED_CASES_7_TO_11(fmt)
+    FUSED_CASE(fmt, 6) FUSED_CASE_7(fmt)
 
 DEFINE_FUSED(q4_0)
 DEFINE_FUSED(q4_1)
@@ -171,7 +171,7 @@ static float *scratch_for(int64_t len) {
 /* out = x @ w.T (+ bias), called by every thread of an enclosing parallel region (an orphaned
  * omp for over 4-output blocks, with its barrier at the end). Rows are taken ROW_TILE at a time
  * so a tile's activations stay in cache while the four dequantized weight rows pass over every
- * tile; few rows (<= R_MAX) dequantize straight into registers instead. Each output is computed
+ * tile; few rows (<= FUSED_ROWS_MAX) dequantize straight into registers instead. Each output is computed
  * whole by one thread. Returns 0; -1 for an unknown qtype or an in that is not a whole number of
  * blocks; -3 when scratch memory could not be allocated (out is then incomplete). Every thread
  * returns the same status for the same arguments except -3, which the caller reduces. */
