@@ -1,5 +1,5 @@
 /* The int8-activation matmul over GGUF blocks on CPUs with AVX2 but not AVX-512 VNNI (many
- * laptops): the 32-value block formats Q4_1, Q5_0 and Q8_0; other formats take the float32 path.
+ * laptops): Q4_1, Q5_0, Q8_0, Q4_K and Q6_K; other formats take the float32 path.
  *
  * Included by q8_act.h, whose AVX-512 kernel it stands in for (quant_blocks.h calls
  * q8_act_supported and q8_gemm_team, defined by one of the two; HAVE_Q8_ACT says one was). Includes gemm_core.h,
@@ -17,6 +17,10 @@
  *   Q5_0       -> u = nibble + 16 fifth bit (0..31): value = d (u - 16); -16 d dx (xq sum)
  *   Q8_0       -> q signed: vpmaddubsw(|q|, xq with q's sign), llama.cpp's way past the
  *                 instruction's unsigned operand (|q| <= 128, |xq| <= 127: no 16-bit overflow)
+ *   Q4_K, Q6_K -> per sub-block vpmaddwd by its integer scale, int32 sums per super-block
+ *                 (q8a_q4_k, q8a_q6_k)
+ *
+ * A tile is up to 8 rows against one output: each weight vector is unpacked once for the rows.
  *
  * Row-invariant like every kernel here: out[r, j] is the same sequence of operations whatever the
  * row count, the other rows and the thread count (each output's lanes accumulate over the blocks
@@ -118,138 +122,157 @@ static inline float q8a_lanes_sum(__m256 v) {   /* one fixed order: halves, then
     return _mm_cvtss_f32(s);
 }
 
-/* One Q4_K super-block of one output against one row's 256 activations xg: its 8 sub-blocks'
- * products scaled by their 6-bit scales (sc) in int32, then one conversion and FMA by d dx into
- * acc; the mins (mn) against the 32-value xq sums go into term. */
-static inline __attribute__((always_inline)) void q8a_q4_k(const uint8_t *blk, const float *sc, const float *mn,
-                                                           const int8_t *xg, const float *xsum, float dx,
-                                                           __m256 *acc, float *term) {
-    __m256i isum = _mm256_setzero_si256();
-    float mins = 0.0f;
-    for (int s = 0; s < 8; s++) {   /* sub-block s: nibbles of qs[32 (s / 2), + 32), low or high */
+/* Rows a tile: R int32 sums, a weight vector, a row's vector and the constants fit AVX2's 16
+ * registers. A tile is one output: on a Zen 2 VM tiles of 4 outputs (each output's weight vector
+ * reused across them) ran slower at every row count than one output a tile, which reads one
+ * weight row at a time (Qwen2.5-Coder-1.5B, a forward of 1 row 77 -> 61 ms, of 4 rows 225 -> 124). */
+#define Q8A_ROWS_MAX 8
+
+/* One Q4_K super-block (blk) of one output against R rows: per sub-block (32 values, the low or
+ * high nibbles of qs[32 (s / 2), + 32)) the nibbles are unpacked once for all rows; per row
+ * vpmaddubsw by its xq and vpmaddwd by the sub-block's 6-bit scale, summed in int32; then one
+ * conversion and FMA by d dx into acc, and the mins against the row's 32-value xq sums into term. */
+static inline __attribute__((always_inline)) void q8a_q4_k(const uint8_t *blk, const q8_acts *x, int64_t in,
+                                                           int64_t g, __m256 *acc, float *term, const int R) {
+    const int64_t ngroups = (in + 255) / 256;
+    __m256i scale[8];   /* each sub-block's scale in every 16-bit lane */
+    float mn[8];
+    for (int s = 0; s < 8; s++) {
+        float sc;
+        scale_min_k4(s, blk + 4, &sc, &mn[s]);
+        scale[s] = _mm256_set1_epi16((short)sc);
+    }
+    const __m256 mins_v = _mm256_loadu_ps(mn);
+    __m256i isum[Q8A_ROWS_MAX];
+    for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
+    for (int s = 0; s < 8; s++) {
         const __m256i bytes = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * (s / 2)));
         const __m256i u = _mm256_and_si256(s % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, _mm256_set1_epi8(0x0f));
-        const __m256i xv = _mm256_loadu_si256((const __m256i *)(xg + 32 * s));
-        /* pairs |u xq + u xq| <= 3810, times the 6-bit scale: int32 sums stay exact */
-        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), _mm256_set1_epi16((short)sc[s])));
-        mins += mn[s] * xsum[s];
+        for (int r = 0; r < R; r++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(x->xq + r * in + 256 * g + 32 * s));
+            /* pairs |u xq + u xq| <= 3810, times the 6-bit scale: int32 sums stay exact */
+            isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), scale[s]));
+            KEEP_IN_REGISTER(isum[r]);   /* summed as it goes: GCC otherwise spills the products for a tree */
+        }
     }
-    const float d = half_at(blk) * dx, dmin = half_at(blk + 2) * dx;
-    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d), *acc);
-    *term -= dmin * mins;
+    const float d = half_at(blk), dmin = half_at(blk + 2);
+    for (int r = 0; r < R; r++) {
+        const float dx = x->xd[r * ngroups + g], *xsum = x->xm + (r * ngroups + g) * 16 + 8;
+        /* the mins against the 8 sub-blocks' xq sums, added in q8a_lanes_sum's fixed order */
+        const float mins = q8a_lanes_sum(_mm256_mul_ps(mins_v, _mm256_loadu_ps(xsum)));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(d * dx), acc[r]);
+        term[r] -= (dmin * dx) * mins;
+    }
 }
 
-/* One Q6_K super-block of one output against one row's 256 activations xg: 16 sub-blocks of 16
- * values scaled by their int8 scales in int32, the quants' -32 against the 16-value xq sums, then
- * one conversion and FMA by d dx into acc. */
-static inline __attribute__((always_inline)) void q8a_q6_k(const uint8_t *blk, const int8_t *xg,
-                                                           const int32_t *xsum16, float dx, __m256 *acc) {
+/* One Q6_K super-block of one output against R rows: 16 sub-blocks of 16 values, each 32 values'
+ * 6-bit quants (q + 32, 0..63) unpacked once for all rows; per row vpmaddubsw by its xq and
+ * vpmaddwd by the two sub-blocks' int8 scales, summed in int32, the quants' -32 against the row's
+ * 16-value xq sums; then one conversion and FMA by d dx into acc. */
+static inline __attribute__((always_inline)) void q8a_q6_k(const uint8_t *blk, const q8_acts *x, int64_t in,
+                                                           int64_t g, __m256 *acc, const int R) {
+    const int64_t ngroups = (in + 255) / 256;
     const int8_t *sc = (const int8_t *)(blk + 192);
-    __m256i isum = _mm256_setzero_si256();
-    int32_t offset = 0;   /* sum over sub-blocks of scale * (xq sum): the quants' -32 */
+    const __m256i sc_lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc)),
+                  sc_hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 8)));
+    __m256i isum[Q8A_ROWS_MAX];
+    for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
     for (int n = 0; n < 2; n++)          /* ggml's halves of 128 values */
         for (int p = 0; p < 4; p++) {    /* values 128 n + 32 p + [0, 32): sub-blocks 8 n + 2 p, + 1 */
+            const int a = 8 * n + 2 * p;
             const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 64 * n + 32 * (p % 2)));
             const __m256i lo = _mm256_and_si256(p < 2 ? ql : _mm256_srli_epi16(ql, 4), _mm256_set1_epi8(0x0f));
             const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * n));
             const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * p), _mm256_set1_epi8(0x03));
             const __m256i u = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));   /* q + 32, 0..63 */
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xg + 128 * n + 32 * p));
-            const int a = 8 * n + 2 * p;
-            /* pairs |u xq + u xq| <= 16002, times an int8 scale: int32 sums stay exact */
             const __m256i scales = _mm256_set_m128i(_mm_set1_epi16(sc[a + 1]), _mm_set1_epi16(sc[a]));
-            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), scales));
-            offset += sc[a] * xsum16[a] + sc[a + 1] * xsum16[a + 1];
+            for (int r = 0; r < R; r++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(x->xq + r * in + 256 * g + 128 * n + 32 * p));
+                /* pairs |u xq + u xq| <= 16002, times an int8 scale: int32 sums stay exact */
+                isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), scales));
+                KEEP_IN_REGISTER(isum[r]);
+            }
         }
-    isum = _mm256_sub_epi32(isum, _mm256_setr_epi32(32 * offset, 0, 0, 0, 0, 0, 0, 0));
-    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(half_at(blk + 208) * dx), *acc);
+    const float d = half_at(blk + 208);
+    for (int r = 0; r < R; r++) {
+        const int32_t *xsum16 = x->xs + (r * ngroups + g) * 16;
+        /* sum over sub-blocks of scale * (xq sum): the quants' -32 (int32, exact in any order) */
+        const __m256i prod = _mm256_add_epi32(_mm256_mullo_epi32(sc_lo, _mm256_loadu_si256((const __m256i *)xsum16)),
+                                              _mm256_mullo_epi32(sc_hi, _mm256_loadu_si256((const __m256i *)(xsum16 + 8))));
+        __m128i h = _mm_add_epi32(_mm256_castsi256_si128(prod), _mm256_extracti128_si256(prod, 1));
+        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+        const int32_t offset = _mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1)));
+        const __m256i v = _mm256_sub_epi32(isum[r], _mm256_setr_epi32(32 * offset, 0, 0, 0, 0, 0, 0, 0));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(d * x->xd[r * ngroups + g]), acc[r]);
+    }
 }
 
-/* R rows x J outputs. 32-value blocks (Q4_1, Q5_0, Q8_0), per (row, output, block): one
- * vpmaddubsw, one vpmaddwd, a conversion, an FMA by d dx; the block's min or offset term as a
- * scalar (d or m) dx (xq sum). K-quants, per (row, output, super-block): q8a_q4_k or q8a_q6_k. */
-static inline __attribute__((always_inline)) void q8a_tile(const int qtype, const uint8_t *w0, int64_t row_bytes,
+/* R rows x one output (the weight row w). 32-value blocks (Q4_1, Q5_0, Q8_0), per (row, block):
+ * one vpmaddubsw, one vpmaddwd, a conversion, an FMA by d dx; the block's min or offset term as
+ * a scalar (d or m) dx (xq sum). K-quants, per super-block: q8a_q4_k or q8a_q6_k. The weights
+ * are unpacked once for the tile's rows. */
+static inline __attribute__((always_inline)) void q8a_tile(const int qtype, const uint8_t *w, int64_t row_bytes,
                                                            int64_t in, const q8_acts *x, const float *bias,
-                                                           float *out, int64_t ldo, const int R, const int J) {
+                                                           float *out, int64_t ldo, const int R) {
     const int64_t nb = in / 32, ngroups = (in + 255) / 256, ms = 16 * ngroups, bb = qblock_bytes(qtype);
-    /* prefetch into L1 the same place 16 rows (4 tiles of 4 outputs) ahead, at least 1 KB: short
-     * rows (576 values: 360 bytes of Q4_1) leave a within-row prefetch almost nothing to fetch */
+    /* prefetch into L1 the same place 16 weight rows ahead, at least 1 KB: short rows (576
+     * values: 360 bytes of Q4_1) leave a within-row prefetch almost nothing to fetch */
     const int64_t pf_ahead = 16 * row_bytes > 1024 ? 16 * row_bytes : 1024;
-    __m256 acc[2][4];
-    float terms[2][4];
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < J; j++) acc[r][j] = _mm256_setzero_ps(), terms[r][j] = 0.0f;
+    __m256 acc[Q8A_ROWS_MAX];
+    float terms[Q8A_ROWS_MAX];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), terms[r] = 0.0f;
     if (qtype == Q4_K || qtype == Q6_K) {   /* per 256-value super-block g */
         for (int64_t g = 0; g < ngroups; g++) {
-            const uint8_t *blk[4];
-            float sc[4][8], mn[4][8];   /* Q4_K's scales and mins, unpacked once for the tile's rows */
-            for (int j = 0; j < J; j++) {
-                blk[j] = w0 + j * row_bytes + g * bb;
-                for (int64_t k = 0; k < bb; k += 64) prefetch_l1(blk[j] + pf_ahead + k);   /* each line of the block */
-                if (qtype == Q4_K)
-                    for (int s = 0; s < 8; s++) scale_min_k4(s, blk[j] + 4, &sc[j][s], &mn[j][s]);
-            }
-            for (int r = 0; r < R; r++) {
-                const int8_t *xg = x->xq + r * in + 256 * g;
-                const float dx = x->xd[r * ngroups + g];
-                for (int j = 0; j < J; j++) {
-                    if (qtype == Q4_K)
-                        q8a_q4_k(blk[j], sc[j], mn[j], xg, x->xm + r * ms + 16 * g + 8, dx, &acc[r][j], &terms[r][j]);
-                    else
-                        q8a_q6_k(blk[j], xg, x->xs + r * ms + 16 * g, dx, &acc[r][j]);
-                }
-            }
+            const uint8_t *blk = w + g * bb;
+            for (int64_t k = 0; k < bb; k += 64) prefetch_l1(blk + pf_ahead + k);   /* each line of the block */
+            if (qtype == Q4_K) q8a_q4_k(blk, x, in, g, acc, terms, R);
+            else q8a_q6_k(blk, x, in, g, acc, R);
         }
     } else {
         for (int64_t b = 0; b < nb; b++) {
             const int64_t g = b / 8;
-            __m256i u[4];
-            float d[4], m[4];
-            for (int j = 0; j < J; j++) {
-                prefetch_l1(w0 + j * row_bytes + pf_ahead + b * bb);
-                u[j] = q8a_block(qtype, w0 + j * row_bytes, b, &d[j], &m[j]);
-            }
+            float d, m;
+            prefetch_l1(w + pf_ahead + b * bb);
+            const __m256i u = q8a_block(qtype, w, b, &d, &m);
             for (int r = 0; r < R; r++) {
                 const __m256i xv = _mm256_loadu_si256((const __m256i *)(x->xq + r * in + 32 * b));
                 const float dx = x->xd[r * ngroups + g], xsum = x->xm[r * ms + 16 * g + 8 + b % 8];
-                for (int j = 0; j < J; j++) {
-                    const float s = d[j] * dx;
-                    acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q8a_dot(qtype, u[j], xv)), _mm256_set1_ps(s),
-                                                acc[r][j]);
-                    if (qtype == Q4_1) terms[r][j] += (m[j] * dx) * xsum;
-                    else if (qtype == Q5_0) terms[r][j] += s * (-16.0f * xsum);
-                }
+                const float s = d * dx;
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q8a_dot(qtype, u, xv)), _mm256_set1_ps(s), acc[r]);
+                if (qtype == Q4_1) terms[r] += (m * dx) * xsum;
+                else if (qtype == Q5_0) terms[r] += s * (-16.0f * xsum);
             }
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < J; j++) {
-            float v = q8a_lanes_sum(acc[r][j]) + terms[r][j];
-            if (bias) v += bias[j];
-            out[r * ldo + j] = v;
-        }
+    for (int r = 0; r < R; r++) {
+        float v = q8a_lanes_sum(acc[r]) + terms[r];
+        if (bias) v += *bias;
+        out[r * ldo] = v;
+    }
 }
 
-/* rows x J (<= 4) outputs in tiles of up to 2 rows (AVX2's 16 registers); a J < 4 tail one
- * output at a time (each output's operations are the same either way). */
+/* rows x J (<= 4) outputs: for each tile of up to Q8A_ROWS_MAX rows, each output in turn. */
 static inline __attribute__((always_inline)) void q8a_tile_rows(const int qtype, const uint8_t *w0, int64_t row_bytes,
                                                                 int64_t in, const q8_acts *x, const float *bias,
                                                                 float *out, int64_t ldo, int64_t rows, int J) {
-    for (int64_t r = 0; r < rows;) {
-        const int R = rows - r >= 2 ? 2 : 1;
+    for (int64_t r = 0; r < rows; r += Q8A_ROWS_MAX) {
+        const int R = rows - r >= Q8A_ROWS_MAX ? Q8A_ROWS_MAX : (int)(rows - r);
         const q8_acts x_r = q8_acts_row(x, r, in);
-        float *out_r = out + r * ldo;
-        if (J == 4) {
-            if (R == 2) q8a_tile(qtype, w0, row_bytes, in, &x_r, bias, out_r, ldo, 2, 4);
-            else q8a_tile(qtype, w0, row_bytes, in, &x_r, bias, out_r, ldo, 1, 4);
-        } else {
-            for (int j = 0; j < J; j++) {
-                const float *bj = bias ? bias + j : NULL;
-                if (R == 2) q8a_tile(qtype, w0 + j * row_bytes, row_bytes, in, &x_r, bj, out_r + j, ldo, 2, 1);
-                else q8a_tile(qtype, w0 + j * row_bytes, row_bytes, in, &x_r, bj, out_r + j, ldo, 1, 1);
+        for (int j = 0; j < J; j++) {
+            const uint8_t *w = w0 + j * row_bytes;
+            const float *bj = bias ? bias + j : NULL;
+            float *o = out + r * ldo + j;
+            switch (R) {   /* R a constant in each call: its loops unrolled, its sums in registers */
+            case 1: q8a_tile(qtype, w, row_bytes, in, &x_r, bj, o, ldo, 1); break;
+            case 2: q8a_tile(qtype, w, row_bytes, in, &x_r, bj, o, ldo, 2); break;
+            case 3: q8a_tile(qtype, w, row_bytes, in, &x_r, bj, o, ldo, 3); break;
+            case 4: q8a_tile(qtype, w, row_bytes, in, &x_r, bj, o, ldo, 4); break;
+            case 5: q8a_tile(qtype, w, row_bytes, in, &x_r, bj, o, ldo, 5); break;
+            case 6: q8a_tile(qtype, w, row_bytes, in, &x_r, bj, o, ldo, 6); break;
+            case 7: q8a_tile(qtype, w, row_bytes, in, &x_r, bj, o, ldo, 7); break;
+            default: q8a_tile(qtype, w, row_bytes, in, &x_r, bj, o, ldo, 8); break;
             }
         }
-        r += R;
     }
 }
 
