@@ -76,6 +76,23 @@ def test_forward_rows_suite(tiny_llama_dir, tmp_path):
         run_suite(["forward-rows", "--models", tiny_llama_dir, "--rows", "0"], str(tmp_path / "x"))
 
 
+def test_forward_rows_int8_suffix_builds_the_model_with_int8_activations(tiny_llama_dir, tmp_path, monkeypatch):
+    import specserve
+
+    seen = []
+    real_llm = specserve.LLM
+
+    def recording_llm(*args, **kwargs):
+        seen.append((kwargs["model"], kwargs["int8_activations"]))
+        return real_llm(*args, **kwargs)
+
+    monkeypatch.setattr(specserve, "LLM", recording_llm)
+    doc = run_suite(["forward-rows", "--models", f"{tiny_llama_dir},{tiny_llama_dir}+int8", "--rows", "1",
+                     "--rounds", "1", "--context", "20"], str(tmp_path))
+    assert seen == [(tiny_llama_dir, False), (tiny_llama_dir, True)]
+    assert [r[0] for r in doc["table"]["rows"]] == [tiny_llama_dir, f"{tiny_llama_dir}+int8"]
+
+
 def test_the_published_batch_scaling_run_is_the_preset():
     """`specserve bench batch-scaling` (the README's command) runs what the published file measured."""
     path = results_files(os.path.join(ROOT, "docs", "bench", "results"), "batch-scaling")[-1]

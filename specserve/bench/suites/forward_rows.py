@@ -29,8 +29,8 @@ BLOCK_SIZE = 16
 def add_arguments(p) -> None:
     p.add_argument("--models", default=DEFAULT_MODELS,
                    help="comma-separated models (anything `specserve generate --model` accepts; 'default' for "
-                        "SmolLM2-135M; shape:NAME[:eager] for random weights of a published shape: "
-                        "llama-3.1-8b, llama-3.2-1b, qwen2.5-1.5b, smollm2-135m)")
+                        "SmolLM2-135M; NAME+int8: with int8 activations; shape:NAME[:eager] for random weights "
+                        "of a published shape: llama-3.1-8b, llama-3.2-1b, qwen2.5-1.5b, smollm2-135m)")
     p.add_argument("--rows", default="1,2,4,5,6,8,13,16", help="comma-separated row counts per forward")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--context", type=int, default=64, help="tokens already in the KV cache before the timed rows")
@@ -89,7 +89,8 @@ def time_chain(runner, steps: int, context: int) -> float:
 
 def build_runner(model: str, args, max_len: int, rows: int):
     """A model's runner: ``shape:NAME[:eager]`` (random weights, ``bench/random_weights.py``) or
-    anything ``LLM(model=...)`` takes ('default': SmolLM2-135M)."""
+    anything ``LLM(model=...)`` takes ('default': SmolLM2-135M), with ``+int8``: its GGUF blocks
+    multiplied with int8 activations."""
     from specserve import LLM
     from specserve.bench import random_weights
     from specserve.engine.start_up import resolve_device
@@ -101,8 +102,9 @@ def build_runner(model: str, args, max_len: int, rows: int):
         return random_weights.random_runner(parts[1], resolve_dtype(args.dtype, device), device, max_len, 1 << 28,
                                             BLOCK_SIZE, enforce_eager="eager" in parts[2:], max_query_len=rows,
                                             max_chain_steps=args.chain_steps)
-    llm = LLM(model=None if model == "default" else model, dtype=args.dtype, device=args.device, max_model_len=max_len,
-              kv_cache_memory=1 << 28)
+    name, int8 = model.removesuffix("+int8"), model.endswith("+int8")
+    llm = LLM(model=None if name == "default" else name, dtype=args.dtype, device=args.device, max_model_len=max_len,
+              kv_cache_memory=1 << 28, int8_activations=int8)
     return llm.engine.runner
 
 
