@@ -155,3 +155,24 @@ def test_attention_suite_fails_when_a_kernel_is_wrong(tmp_path, monkeypatch):
     with pytest.raises(AssertionError, match="flex differs from sdpa"):
         run_suite(["attention", "--shape", "tiny", "--batches", "2", "--rows", "3", "--context", "40", "--rounds", "1",
                    "--calls", "1", "--device", "cpu", "--dtype", "float32", "--kernels", "sdpa,flex"], str(tmp_path))
+
+
+def test_real_pair_configurations_build_what_they_name(monkeypatch):
+    import argparse
+
+    import specserve
+    from specserve.bench.suites import real_pair
+
+    built = []
+    monkeypatch.setattr(specserve, "LLM", lambda **kw: built.append(kw))
+    args = argparse.Namespace(target="T", draft="D", draft_vocab_size=None)
+    real_pair.build("plain+int8", args)
+    real_pair.build("draft:4+int8+dynamic", args)
+    real_pair.build("ngram:3", args)
+    assert [b["int8_activations"] for b in built] == [True, True, False]
+    assert "speculative_config" not in built[0]
+    assert built[1]["speculative_config"]["model"] == "D" and built[1]["speculative_config"]["dynamic_k"] is True
+    assert built[1]["speculative_config"]["num_speculative_tokens"] == 4
+    assert "dynamic_k" not in built[2]["speculative_config"]   # the method's own default
+    with pytest.raises(ValueError, match="suffixes"):
+        real_pair.build("draft:3+fast", args)

@@ -32,7 +32,9 @@ ACTIVATIONS = ("int8", "p2", "p3", "p4")
 def add_arguments(p) -> None:
     p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
     p.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
-    p.add_argument("--configs", default="plain,draft:3,draft:4,ngram:4")
+    p.add_argument("--configs", default="plain,draft:3,draft:4,ngram:4",
+                   help="comma list: plain, draft:K, ngram:K, each with suffixes +int8 (the target's int8 "
+                        "activations), +dynamic (dynamic_k up to K), +f32draft, +p2..+p4, +q4_0..+q8_0")
     p.add_argument("--draft-vocab-size", type=int, default=None)
     p.add_argument("--prompts", default="coding", help="Spec-Bench-format JSONL ('coding': the project's 20)")
     p.add_argument("--categories", default=None)
@@ -52,10 +54,10 @@ def build(config: str, args):
     config, *variants = config.split("+")
     quantization = [v for v in variants if v in SpeculativeConfig.DRAFT_QUANTIZATIONS]
     pieces = [int(v[1:]) for v in variants if v in ("p2", "p3", "p4")]
-    unknown = set(variants) - {"int8", "f32draft", "p2", "p3", "p4", *quantization}
+    unknown = set(variants) - {"int8", "f32draft", "dynamic", "p2", "p3", "p4", *quantization}
     if unknown or len(quantization) > 1:
         raise ValueError(f"unknown configuration suffixes {sorted(unknown) or quantization} "
-                         "(+int8, +f32draft, +p2 ... +p4, one draft format +q4_0 ... +q8_0)")
+                         "(+int8, +f32draft, +dynamic, +p2 ... +p4, one draft format +q4_0 ... +q8_0)")
     kw = dict(model=args.target, max_model_len=2048, kv_cache_memory=1 << 28,
               int8_activations=pieces[0] if pieces else "int8" in variants)
     if config == "plain":
@@ -69,6 +71,8 @@ def build(config: str, args):
         spec = {"method": "ngram", "num_speculative_tokens": int(k)}
     else:
         raise ValueError(f"unknown configuration {config!r} (plain, draft:K, ngram:K)")
+    if "dynamic" in variants:   # k chosen each step from measured costs, up to K (dynamic_k)
+        spec["dynamic_k"] = True
     return LLM(**kw, speculative_config=spec)
 
 
