@@ -38,8 +38,9 @@
  * rows, J = 1 for 6 and 7; the block then takes 4 / J passes, each unpacking only its own
  * outputs' weights, so the unpacking work does not grow. More rows go through dequantized scratch
  * rows (gemm_rows). Measured on a Zen 2 VM, Qwen2.5-Coder-1.5B, ms a forward by row count
- * (1 row: 137): 4 rows 206 (318 through scratch rows), 6 rows 259 (277), 7 rows 296 (351),
- * 8 rows 339 (322); J = 2 at 6 rows and J = 1 at 12 spilled registers (296 and 669 ms). */
+ * (1 row: 137): fused 4 rows 206, 6 rows 259, 7 rows 296, 8 rows 339; through scratch rows of 2 a
+ * tile 6 rows 277, 7 rows 351, 8 rows 322 (of 3 a tile, 4 rows 318); J = 2 at 6 rows and J = 1 at
+ * 12 spilled registers (296 and 669 ms). */
 #if R_MAX > 5
 #define FUSED_ROWS_MAX 6
 #define FUSED_J(R) 4
