@@ -158,7 +158,8 @@ static inline __attribute__((always_inline)) void q8a_q4_k(const uint8_t *blk, c
     const float d = half_at(blk), dmin = half_at(blk + 2);
     for (int r = 0; r < R; r++) {
         const float dx = x->xd[r * ngroups + g], *xsum = x->xm + (r * ngroups + g) * 16 + 8;
-        /* the mins against the 8 sub-blocks' xq sums, added in q8a_lanes_sum's fixed order */
+        /* the mins against the 8 sub-blocks' xq sums: integers below 2^21 (6-bit mins times sums of
+         * 32 values of at most 127), so exact in float32 in any order */
         const float mins = q8a_lanes_sum(_mm256_mul_ps(mins_v, _mm256_loadu_ps(xsum)));
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(d * dx), acc[r]);
         term[r] -= (dmin * dx) * mins;
