@@ -135,14 +135,12 @@ static inline float q8a_lanes_sum(__m256 v) {   /* one fixed order: halves, then
 static inline __attribute__((always_inline)) void q8a_q4_k(const uint8_t *blk, const q8_acts *x, int64_t in,
                                                            int64_t g, __m256 *acc, float *term, const int R) {
     const int64_t ngroups = (in + 255) / 256;
+    const __m128i packed = k4_scales_then_mins(blk + 4);   /* bytes 0-7 the scales, 8-15 the mins */
+    uint8_t sc[16];
+    _mm_storeu_si128((__m128i *)sc, packed);
     __m256i scale[8];   /* each sub-block's scale in every 16-bit lane */
-    float mn[8];
-    for (int s = 0; s < 8; s++) {
-        float sc;
-        scale_min_k4(s, blk + 4, &sc, &mn[s]);
-        scale[s] = _mm256_set1_epi16((short)sc);
-    }
-    const __m256 mins_v = _mm256_loadu_ps(mn);
+    for (int s = 0; s < 8; s++) scale[s] = _mm256_set1_epi16(sc[s]);
+    const __m256 mins_v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8)));
     __m256i isum[Q8A_ROWS_MAX];
     for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
     for (int s = 0; s < 8; s++) {

@@ -82,12 +82,10 @@ static inline void scales_k4(const uint8_t *row, int64_t nc, int bytes, float *s
         _mm256_storeu_ps(s0 + sb * 8, _mm512_castps512_ps256(v));
         _mm256_storeu_ps(s1 + sb * 8, _mm512_extractf32x8_ps(v, 1));
 #else
-        for (int s = 0; s < 8; s++) {
-            float sc, mn;
-            scale_min_k4(s, b + 4, &sc, &mn);
-            s0[sb * 8 + s] = d * sc;
-            s1[sb * 8 + s] = dmin * mn;
-        }
+        const __m128i packed = k4_scales_then_mins(b + 4);
+        _mm256_storeu_ps(s0 + sb * 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(packed)), _mm256_set1_ps(d)));
+        _mm256_storeu_ps(s1 + sb * 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8))),
+                                                    _mm256_set1_ps(dmin)));
 #endif
     }
 }
@@ -101,17 +99,25 @@ static inline void scales_q6_k(const uint8_t *row, int64_t nc, float *s0, float 
         const uint8_t *b = row + sb * 210;
         const int8_t *sc = (const int8_t *)(b + 192);
         const float d = half_at(b + 208);
-        float t[16];
 #if VEC == 16
+        float t[16];
         _mm512_storeu_ps(t, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)sc))),
                                           _mm512_set1_ps(d)));
-#else
-        for (int i = 0; i < 16; i++) t[i] = d * (float)sc[i];
-#endif
         for (int s = 0; s < 8; s++) {
             s0[sb * 8 + s] = t[2 * s];
             s1[sb * 8 + s] = t[2 * s + 1];
         }
+#else
+        const __m128i q = _mm_loadu_si128((const __m128i *)sc);
+        const __m256 lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_set1_ps(d)),   /* t[0..8) */
+                     hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))),
+                                        _mm256_set1_ps(d));                                                 /* t[8..16) */
+        /* even and odd scales: per 128-bit lane [t0 t2 t8 t10 | t4 t6 t12 t14], then the 64-bit
+         * pairs reordered to t0, t2, ..., t14 (odd: t1, t3, ..., t15) */
+        const __m256 even = _mm256_shuffle_ps(lo, hi, _MM_SHUFFLE(2, 0, 2, 0)), odd = _mm256_shuffle_ps(lo, hi, _MM_SHUFFLE(3, 1, 3, 1));
+        _mm256_storeu_ps(s0 + sb * 8, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(even), _MM_SHUFFLE(3, 1, 2, 0))));
+        _mm256_storeu_ps(s1 + sb * 8, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(odd), _MM_SHUFFLE(3, 1, 2, 0))));
+#endif
     }
 }
 
