@@ -17,7 +17,7 @@ from test_quant_gemm import assert_rows_bitwise_independent, gguf_values, random
 
 pytestmark = pytest.mark.skipif(
     not quant_gemm.available() or not quant_gemm.supports_int8_activations(int(T.Q4_1), 256),
-    reason="no int8-activation kernel here (needs AVX-512 VNNI, or AVX2 for the 32-value block formats)")
+    reason="no int8-activation kernel here (needs AVX-512 VNNI or AVX2)")
 
 
 def formats(*qtypes):

@@ -122,14 +122,18 @@ static inline vecf fma_vec(vecf a, vecf b, vecf acc) { /* acc + a * b, one round
 }
 
 static inline float lanes_sum(vecf v) { /* the fixed tree every output uses (lanes_sum4: four at once) */
-    float t[8];
 #if VEC == 16
+    float t[8];
     for (int i = 0; i < 8; i++) t[i] = v[i] + v[i + 8];
-#else
-    for (int i = 0; i < 8; i++) t[i] = v[i];
-#endif
     const float s0 = t[0] + t[4], s1 = t[1] + t[5], s2 = t[2] + t[6], s3 = t[3] + t[7];
     return (s0 + s2) + (s1 + s3);
+#else /* the same additions in three vector instructions (the AVX2 int8 kernel sums Q4_K's mins with it) */
+    __m256 w;
+    memcpy(&w, &v, sizeof w);
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(w), _mm256_extractf128_ps(w, 1));   /* s0..s3 */
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));                                          /* s0 + s2, s1 + s3 */
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+#endif
 }
 
 /* lanes_sum of 4 accumulators at once, the same additions (a + b == b + a exactly) done
