@@ -10,7 +10,8 @@ proposals the policy keeps cutting to nothing is looked up only every ``LOOKUP_E
 steps (``LookupBackoff``), so such steps cost about what plain decoding costs; a lookup
 that pays again brings it back at once.
 A proposer that costs a forward per draft (draft model, EAGLE) is asked for the lengths the
-policy picks beforehand, from the acceptance of verified drafts and periodic probes.
+policy picks beforehand, from the acceptance of verified drafts and periodic probes; a probe
+runs only where it could pay for the catch-up it costs (``DraftLengthPolicy.probe_pays``).
 
 The engine owns the proposer and passes it in; a failing proposer only costs this step its
 drafts: every request still gets its exact next token from the target. After the target's
@@ -26,7 +27,7 @@ from weakref import WeakKeyDictionary
 from specserve.core.request import Request
 from specserve.core.scheduler import ScheduledRequest
 from specserve.outputs import SpecDecodeStats
-from specserve.spec_decode.k_policy import DraftLengthPolicy
+from specserve.spec_decode.k_policy import STEADY_CATCH_UP, DraftLengthPolicy
 from specserve.spec_decode.proposer import kept_hidden_states
 from specserve.spec_decode.shadow_drafts import ShadowDrafts
 from specserve.worker.model_runner import ForwardInput
@@ -75,8 +76,9 @@ class LookupBackoff:
 
 class Drafting:
     def __init__(self, disable_by_batch_size: int | None, k_policy: DraftLengthPolicy | None,
-                 engine_stats: SpecDecodeStats):
+                 engine_stats: SpecDecodeStats, max_model_len: int):
         self.disable_by_batch_size = disable_by_batch_size
+        self.max_model_len = max_model_len    # a request's tokens left: what a probe's catch-up can pay off over
         self.k_policy = k_policy
         self.engine_stats = engine_stats      # the engine-wide acceptance (the policy's prior)
         self.propose_seconds = 0.0            # this step's proposer time (dynamic_k's cost model)
@@ -111,11 +113,12 @@ class Drafting:
             decoding = [s for s in decoding if s.num_lookahead > 0]
             if not decoding:
                 return
+        catch_up = sum(max(_catch_up_rows(s.request) - STEADY_CATCH_UP, 0) for s in decoding)
         started = time.perf_counter()
         proposal = proposer.propose(decoding)
         if self.k_policy is not None:
             self.propose_seconds = time.perf_counter() - started
-            self.k_policy.record_draft(max(s.num_lookahead for s in decoding), self.propose_seconds)
+            self.k_policy.record_draft(max(s.num_lookahead for s in decoding), self.propose_seconds, catch_up)
         self._set_drafts(proposer, decoding, proposal)
 
     @staticmethod
@@ -196,13 +199,31 @@ class Drafting:
         """Lower each request's lookahead to the draft length the policy picks (its slots stay
         reserved, unused); a seeded request's tokens do not depend on it (``sample.verify``)."""
         policy = self.k_policy
-        prior = self.engine_stats.acceptance_by_position
+        prior = policy.prior(self.engine_stats.accepted_per_position, self.engine_stats.drafted_per_position)
         rates = [policy.acceptance(s.request.spec_stats.accepted_per_position,
                                    s.request.spec_stats.drafted_per_position, prior) for s in decoding]
         probe = [s.request.takes_draft_probes and policy.is_probe_step(s.request.spec_stats.num_steps)
+                 and policy.probe_pays(s.request.spec_stats.accepted_per_position,
+                                       s.request.spec_stats.drafted_per_position, prior, self._tokens_left(s.request),
+                                       max(_catch_up_rows(s.request) - STEADY_CATCH_UP, 0))
                  for s in decoding]
         for s, k in zip(decoding, policy.choose(rates, [s.num_lookahead for s in decoding], probe)):
             s.num_lookahead = k
+
+
+    def _tokens_left(self, request: Request) -> int:
+        return min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens)
+
+
+def _catch_up_rows(request: Request) -> int:
+    """Tokens a proposer with its own KV (draft model, EAGLE) feeds before it drafts: all it has
+    not seen, the prompt too when it has not run for this request yet."""
+    return request.num_tokens - request.proposer_num_computed_tokens
+
+
+# Rows a calibrating draft forward catches up beyond the steady ones, to price a probe's
+# catch-up per row (a prompt's is longer: the cost per row is carried over linearly).
+CATCH_UP_CALIBRATION_ROWS = 16
 
 
 def calibration_rows(k: int) -> list[int]:
@@ -219,7 +240,11 @@ def calibrate_k_policy(policy: DraftLengthPolicy, runner, draft_runner, k: int, 
     costs. ``blocks_for(n)``: the number of KV blocks n tokens take (``KVCacheManager.blocks_for``).
 
     Its cost, a warm-up and two target forwards per row count, is in docs/speculative_decoding.md
-    (about 0.15-0.35 s on the default model, 2-3.7 s on Qwen2.5-Coder-1.5B with float32 activations)."""
+    (about 0.15-0.35 s on the default model, 2-3.7 s on Qwen2.5-Coder-1.5B with float32 activations).
+
+    The draft model's forwards are timed the way a proposal runs them: a steady proposal of k
+    drafts is one forward over the ``STEADY_CATCH_UP`` tokens caught up, then k - 1 one-row
+    forwards; a probe catches up ``CATCH_UP_CALIBRATION_ROWS`` more rows in its first forward."""
     start = max(0, min(64, max_model_len - k - 2))        # a short context, as early decoding has
     block_table = list(range(blocks_for(start + k + 1)))
     runner.execute([ForwardInput([0] * (k + 1), start, block_table, k + 1)])   # warm-up, not timed
@@ -234,8 +259,16 @@ def calibrate_k_policy(policy: DraftLengthPolicy, runner, draft_runner, k: int, 
     for rows, seconds in timings.items():
         policy.calibrate_forward(rows, min(seconds))
     if draft_runner is not None:
-        draft_runner.execute([ForwardInput([0], start, block_table, 1)])
+        steady = min(STEADY_CATCH_UP, max_model_len)
+        long = min(steady + CATCH_UP_CALIBRATION_ROWS, max_model_len)
+        draft_start = max(0, min(64, max_model_len - long))
+        draft_table = list(range(blocks_for(draft_start + long)))
+        draft_runner.execute([ForwardInput([0], draft_start, draft_table, 1)])   # warm-up, not timed
+        draft_timings: dict[int, list[float]] = {rows: [] for rows in (1, steady, long)}
         for _ in range(2):
-            started = time.perf_counter()
-            draft_runner.execute([ForwardInput([0], start, block_table, 1)]).logits[-1, 0].item()
-            policy.record_draft(1, time.perf_counter() - started)
+            for rows in draft_timings:
+                started = time.perf_counter()
+                draft_runner.execute([ForwardInput([0] * rows, draft_start, draft_table, 1)]).logits[-1, 0].item()
+                draft_timings[rows].append(time.perf_counter() - started)
+        one, first, caught_up = (min(draft_timings[rows]) for rows in (1, steady, long))
+        policy.draft.calibrate(first, one, max(caught_up - first, 0.0) / max(long - steady, 1))

@@ -97,7 +97,7 @@ class LLMEngine:
         self.beams = BeamGroups(self.kv_cache, self.scheduler, self.runner, self.proposer, self.tokenizer,
                                 self.spec_stats)      # beam search requests
         self.drafting = Drafting(spec_config.disable_by_batch_size if spec_config else None, self.k_policy,
-                                 self.spec_stats)
+                                 self.spec_stats, self.max_model_len)
         self.request_errors: dict[str, BaseException] = {}   # finish_reason "error" -> why
         self._ids = itertools.count()
         self._seed_rng = torch.Generator().manual_seed(config.seed)

@@ -5,21 +5,29 @@ Two things are measured online, every step, from the engine's own timings:
 - **cost**: the target forward's time by the number of rows it verifies
   (``RowCost``: its shape over 1..K+1 rows timed at start-up, scaled by every
   verification step's timing; larger row counts measured as they occur),
-  and the proposer's time per draft position (a draft model runs one forward per
-  position; n-gram lookup costs ~0);
+  and the proposer's time for k drafts (``DraftCost``: a draft model runs one forward per
+  position, the first over the tokens it catches up; n-gram lookup costs ~0);
 - **acceptance**: for each request, the chance that its i-th draft token is
   accepted, ``r_i`` (accepted / drafted at position i: a chain accepts position
   i only if 1..i-1 were accepted too, so this is the chance of emitting it),
   from its own steps blended with the proposer's engine-wide figures as a prior.
 
 A step with k_j drafts for request j emits ``sum_j (1 + r_j1 + ... + r_jk_j)``
-tokens on average and costs ``forward(sum_j (k_j + 1)) + draft * max_j k_j + overhead``
+tokens on average and costs ``forward(sum_j (k_j + 1)) + draft(max_j k_j) + overhead``
 (overhead: the rest of a decode step, scheduling, sampling and output, also measured).
 ``choose`` tries every cap c in 0..K for the whole step, keeps the best ratio,
 then trims each request's last drafts while that raises the step's expected
 tokens per second. k = 0 (plain decoding) is one of the choices, so under load
 or with poor acceptance speculation switches itself off; a request's decode steps
-16, 32, 64, ... draft the full K anyway, so its acceptance keeps being measured.
+16, 32, 64, ... may draft the full K anyway (probes), so its acceptance keeps being measured.
+
+A probe is not free where the draft keeps its own KV (draft model, EAGLE): a draft that
+sat steps out first catches up on every token since it last ran, the prompt too on a
+request's first probe. ``probe_pays`` lets a probe run only where it could pay for that:
+had the probe accepted every draft, drafting would then pay, and the tokens the request
+may still emit, each made that much cheaper, repay the probe's catch-up and drafts.
+(On Qwen2.5-Coder-1.5B with int8 activations on an AVX2 CPU a 70-token catch-up of the
+0.5B draft costs 0.5 s, 10 decode steps: docs/speculative_decoding.md.)
 
 Nothing here touches tensors or the engine: the engine feeds timings and reads
 choices (``LLMEngine._propose``), so the logic is tested with made-up costs.
@@ -28,6 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import zip_longest
 
 
 @dataclass
@@ -113,6 +122,52 @@ def _interpolate(points: dict[int, float], rows: int) -> float:
 # batch 32 0.74-0.78, batch 64 0.79 for four rows; docs/benchmarks.md, dynamic_k at batch 8/32/64).
 EXTRAPOLATED_ROW_SHARE = 0.75
 
+# Tokens a proposer with its own KV catches up in a step of steady drafting: the last step's
+# bonus (or recovered) token, and its last draft when every draft was accepted.
+STEADY_CATCH_UP = 2
+
+
+@dataclass
+class DraftCost:
+    """Seconds of a proposal of k drafts: a first forward over the tokens caught up, then k - 1
+    forwards of one token each, plus ``per_catch_up_row`` for each token caught up beyond
+    ``STEADY_CATCH_UP`` a request.
+
+    A draft model's forwards are timed at start-up (``calibrate``; a proposer without a runner
+    of its own, EAGLE, starts from its first steady proposal, all positions alike). A steady
+    proposal's timing moves one ``scale`` for ``first`` and ``later`` (on Qwen2.5-Coder-0.5B with
+    int8 activations on an AVX2 CPU, a 1-draft proposal costs 31 ms and a 4-draft one 25 ms a
+    draft: one figure per position could not tell them apart); a proposal that caught up more
+    moves ``per_catch_up_row`` with what it took beyond its steady cost."""
+
+    first: float = 0.0
+    later: float = 0.0
+    per_catch_up_row: float = 0.0
+    scale: float = 1.0
+    weight: float = 0.1          # of a new timing in the moving averages
+
+    def calibrate(self, first: float, later: float, per_catch_up_row: float) -> None:
+        self.first, self.later, self.per_catch_up_row, self.scale = first, later, per_catch_up_row, 1.0
+
+    def __call__(self, positions: int, catch_up_rows: int = 0) -> float:
+        if positions <= 0:
+            return 0.0
+        return self.scale * (self.first + self.later * (positions - 1)) + self.per_catch_up_row * catch_up_rows
+
+    def record(self, positions: int, seconds: float, catch_up_rows: int = 0) -> None:
+        if positions <= 0:
+            return
+        steady = self(positions)
+        if catch_up_rows > 0:
+            if steady:
+                per_row = max(seconds - steady, 0.0) / catch_up_rows
+                w = self.weight if self.per_catch_up_row else 1.0
+                self.per_catch_up_row += w * (per_row - self.per_catch_up_row)
+        elif not steady:
+            self.first = self.later = seconds / positions
+        else:
+            self.scale += self.weight * (self.scale * seconds / steady - self.scale)
+
 
 @dataclass
 class DraftLengthPolicy:
@@ -122,7 +177,7 @@ class DraftLengthPolicy:
     prior_weight: float = 4.0        # the engine-wide acceptance counts as this many of a request's steps
     probe_every: int = 16            # a request's decode steps 16, 32, 64, 128, ... draft their limit
     forward: RowCost = field(default_factory=RowCost)
-    draft_seconds_per_position: float = 0.0
+    draft: DraftCost = field(default_factory=DraftCost)
     overhead_seconds: float = 0.0    # the rest of a decode step: scheduling, sampling, output (moving average)
     steps_by_k: list[int] = field(default_factory=list)   # how often each k was chosen (index = k)
 
@@ -136,22 +191,54 @@ class DraftLengthPolicy:
     def calibrate_forward(self, rows: int, seconds: float) -> None:
         self.forward.calibrate(rows, seconds)
 
-    def record_draft(self, positions: int, seconds: float) -> None:
-        if positions > 0:
-            per = seconds / positions
-            a = 0.9 if self.draft_seconds_per_position else 0.0
-            self.draft_seconds_per_position = a * self.draft_seconds_per_position + (1 - a) * per
+    def record_draft(self, positions: int, seconds: float, catch_up_rows: int = 0) -> None:
+        """A proposal of ``positions`` drafts that took ``seconds``, having caught up
+        ``catch_up_rows`` tokens beyond the steady ones (``DraftCost``)."""
+        self.draft.record(positions, seconds, catch_up_rows)
 
     def is_probe_step(self, step: int) -> bool:
         """Probes back off (steps 16, 32, 64, ...): a request whose drafts do not pay loses
         little to them, and one that starts paying is found again."""
         return step >= self.probe_every and step % self.probe_every == 0 and (step & (step - 1)) == 0
 
+    def probe_pays(self, accepted: Sequence[int], drafted: Sequence[int], prior: Sequence[float],
+                   remaining_tokens: int, catch_up_rows: int) -> bool:
+        """Whether a request's probe step could pay for itself (batch-1 costs).
+
+        Optimistically, the probe accepts all its drafts (one more accepted draft at each
+        position of the request's counts). With that acceptance the best chain costs ``best``
+        a token against plain decoding's ``plain``; the probe pays only if the
+        ``remaining_tokens`` the request may still emit, each ``plain - best`` cheaper, repay
+        what the probe adds to a plain step: its ``catch_up_rows`` beyond the steady ones, its
+        drafts and its K more verified rows. Before the engine has measured any acceptance
+        (an empty ``prior``) the optimism is perfect acceptance; before it has measured the
+        forward's cost every probe runs."""
+        if not self.forward.known():
+            return True
+        ones = [1] * self.max_k
+        prior = prior or [1.0] * self.max_k
+        optimistic = self.acceptance([a + b for a, b in zip_longest(accepted, ones, fillvalue=0)],
+                                     [d + b for d, b in zip_longest(drafted, ones, fillvalue=0)], prior)
+        plain = self.forward(1) + self.overhead_seconds
+        emitted = [1.0 + t for t in _cumsum(optimistic)]          # emitted[k - 1]: tokens a k-draft step emits
+        best = min((self.forward(k + 1) + self.draft(k) + self.overhead_seconds) / emitted[k - 1]
+                   for k in range(1, self.max_k + 1))
+        if best >= plain:
+            return False
+        added = self.draft(self.max_k, catch_up_rows) + self.forward(self.max_k + 1) - self.forward(1)
+        return remaining_tokens * (plain - best) > added
+
     def record_overhead(self, seconds: float) -> None:
         a = 0.9 if self.overhead_seconds else 0.0
         self.overhead_seconds = a * self.overhead_seconds + (1 - a) * max(seconds, 0.0)
 
     # ----------------------------------------------------------------- choosing
+    @staticmethod
+    def prior(accepted: Sequence[int], drafted: Sequence[int]) -> list[float]:
+        """The engine-wide acceptance by position from its counts, (a + 1) / (d + 2): the few
+        drafts of one probe are not read as certain (1 of 1 accepted reads 0.67, not 1.0)."""
+        return [(a + 1) / (d + 2) for a, d in zip(accepted, drafted)]
+
     def acceptance(self, accepted: Sequence[int], drafted: Sequence[int],
                    prior: Sequence[float]) -> list[float]:
         """r_1..r_max_k for one request: its own counts blended with ``prior``,
@@ -178,11 +265,10 @@ class DraftLengthPolicy:
         drafts its limit."""
         if not self.forward.known() or not rates:
             return list(limits)
-        draft = self.draft_seconds_per_position
         prefix = [[0.0] + list(_cumsum(r[:lim])) for r, lim in zip(rates, limits)]
 
         def throughput(tokens: float, rows: int, longest: int) -> float:
-            return tokens / (self.forward(rows) + draft * longest + self.overhead_seconds)
+            return tokens / (self.forward(rows) + self.draft(longest) + self.overhead_seconds)
 
         best, best_ratio = 0, -1.0
         for cap in range(max(limits) + 1):

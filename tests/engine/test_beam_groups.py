@@ -174,6 +174,7 @@ def test_beams_take_no_dynamic_k_probes(target_dir):
     llm = make(target_dir, {"model": target_dir, "num_speculative_tokens": 3, "dynamic_k": True})
     policy = llm.engine.drafting.k_policy
     policy.is_probe_step = lambda step: True
+    policy.probe_pays = lambda *args: True
     policy.choose = lambda rates, limits, probe: [k if p else 0 for k, p in zip(limits, probe)]
     llm.generate(prompts(1, seed=2), SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     drafted = llm.get_spec_decode_stats().num_draft_tokens

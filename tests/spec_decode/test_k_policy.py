@@ -9,7 +9,7 @@ import pytest
 from specserve import LLM, SamplingParams
 from specserve.config import SpeculativeConfig
 from specserve.engine.drafting import calibration_rows
-from specserve.spec_decode.k_policy import EXTRAPOLATED_ROW_SHARE, DraftLengthPolicy, RowCost
+from specserve.spec_decode.k_policy import EXTRAPOLATED_ROW_SHARE, DraftCost, DraftLengthPolicy, RowCost
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -18,7 +18,7 @@ def policy_with_costs(fixed: float, per_row: float, k: int = 6, draft: float = 0
     p = DraftLengthPolicy(k)
     for rows in (1, 2, 4, 8, 16):
         p.record_forward(rows, fixed + per_row * rows)
-    p.draft_seconds_per_position = draft
+    p.draft.first = p.draft.later = draft
     return p
 
 
@@ -135,6 +135,69 @@ def test_acceptance_blends_the_request_with_the_prior_and_never_rises_with_depth
     assert rates[0] == pytest.approx((10 + 2) / 14) and rates[1] == pytest.approx((2 + 2) / 14)
     assert rates[2] <= rates[1] and rates[3] <= rates[2]       # never drafted: extrapolated downwards
     assert p.acceptance([], [], [])[0] == 0.5                   # nothing known yet
+
+
+def test_a_proposals_cost_is_its_first_forward_then_one_per_later_draft():
+    cost = DraftCost(weight=0.5)
+    cost.calibrate(first=0.030, later=0.020, per_catch_up_row=0.008)
+    assert [cost(k) for k in (0, 1, 4)] == pytest.approx([0.0, 0.030, 0.090])
+    assert cost(4, catch_up_rows=50) == pytest.approx(0.090 + 50 * 0.008)
+    cost.record(4, 0.135)                       # steady, 1.5x the figure: one scale moves both
+    assert cost.scale == pytest.approx(1.25) and cost(1) == pytest.approx(0.0375)
+    cost.record(4, cost(4) + 60 * 0.010, catch_up_rows=60)   # a probe's catch-up: 10 ms a row
+    assert cost.scale == pytest.approx(1.25) and cost.per_catch_up_row == pytest.approx(0.009)
+
+
+def test_a_proposer_timed_only_online_starts_from_its_first_steady_proposal():
+    cost = DraftCost()
+    cost.record(3, 0.5, catch_up_rows=40)       # nothing to tell the catch-up from the drafts yet
+    assert cost(3) == 0.0
+    cost.record(3, 0.030)
+    assert cost(3) == pytest.approx(0.030) and cost(1) == pytest.approx(0.010)
+
+
+def test_the_engine_wide_prior_does_not_read_a_few_drafts_as_certain():
+    assert DraftLengthPolicy.prior([1, 0], [1, 1]) == pytest.approx([2 / 3, 1 / 3])
+    assert DraftLengthPolicy.prior([900], [1000]) == pytest.approx([901 / 1002])
+
+
+def costly_catch_up_policy() -> DraftLengthPolicy:
+    """A step of 55 ms; drafts pay a little at high acceptance (a CPU with int8 activations):
+    at perfect acceptance a 4-draft step emits 5 tokens for 55 + 90 + 100 ms, 49 ms a token.
+    Catching up costs 8 ms a row."""
+    p = DraftLengthPolicy(4)
+    for rows, ms in {1: 55, 2: 76, 3: 96, 4: 120, 5: 145}.items():
+        p.calibrate_forward(rows, ms / 1000)
+    p.draft.calibrate(first=0.030, later=0.023, per_catch_up_row=0.008)
+    return p
+
+
+def test_a_probe_runs_only_where_the_tokens_left_can_repay_its_catch_up():
+    p, prior = costly_catch_up_policy(), [0.95, 0.9, 0.85, 0.8]
+    # 70 rows to catch up (0.56 s) and 0.19 s of drafts and rows: 48 tokens at <= 6 ms saved do not repay it
+    assert not p.probe_pays([], [], prior, remaining_tokens=48, catch_up_rows=70)
+    assert p.probe_pays([], [], prior, remaining_tokens=1000, catch_up_rows=70)
+    assert p.probe_pays([], [], prior, remaining_tokens=200, catch_up_rows=2)
+    assert not p.probe_pays([], [], prior, remaining_tokens=200, catch_up_rows=200)
+
+
+def test_no_probe_where_even_accepting_all_its_drafts_would_not_make_drafting_pay():
+    p = costly_catch_up_policy()
+    # the request's own acceptance, 20 of 40 at each position: one more all-accepted probe leaves it poor
+    poor = dict(accepted=[20, 10, 5, 2], drafted=[40, 20, 10, 5], prior=[0.5, 0.5, 0.5, 0.5])
+    assert not p.probe_pays(**poor, remaining_tokens=10**6, catch_up_rows=0)
+    good = dict(accepted=[38, 35, 30, 25], drafted=[40, 38, 35, 30], prior=[0.9, 0.9, 0.85, 0.8])
+    assert p.probe_pays(**good, remaining_tokens=10**6, catch_up_rows=0)
+    # rows so dear that no acceptance pays: never a probe
+    dear = policy_with_costs(fixed=0.010, per_row=0.010, k=4, draft=0.010)
+    assert not dear.probe_pays([], [], [], remaining_tokens=10**6, catch_up_rows=0)
+
+
+def test_before_any_acceptance_is_measured_a_probe_is_judged_at_perfect_acceptance():
+    p = costly_catch_up_policy()
+    assert p.probe_pays([], [], [], remaining_tokens=1000, catch_up_rows=70)
+    assert not p.probe_pays([], [], [], remaining_tokens=48, catch_up_rows=70)
+    assert DraftLengthPolicy(4).probe_pays([], [], [], remaining_tokens=1, catch_up_rows=10**6)   # no costs yet
 
 
 def test_probes_back_off():
