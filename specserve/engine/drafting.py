@@ -109,11 +109,12 @@ class Drafting:
             self._propose_then_trim(proposer, decoding)
             return
         if self.k_policy is not None:
-            self._choose_draft_lengths(decoding)
+            self._choose_draft_lengths(proposer, decoding)
             decoding = [s for s in decoding if s.num_lookahead > 0]
             if not decoding:
                 return
-        catch_up = sum(max(_catch_up_rows(s.request) - STEADY_CATCH_UP, 0) for s in decoding)
+        catch_up = sum(self.k_policy.extra_catch_up(proposer.catch_up_tokens(s.request)) for s in decoding) \
+            if self.k_policy is not None else 0
         started = time.perf_counter()
         proposal = proposer.propose(decoding)
         if self.k_policy is not None:
@@ -195,7 +196,7 @@ class Drafting:
         except Exception:  # noqa: BLE001 - stale proposer state only costs acceptance
             logger.exception("the proposer failed to observe the target's hidden states")
 
-    def _choose_draft_lengths(self, decoding: list[ScheduledRequest]) -> None:
+    def _choose_draft_lengths(self, proposer, decoding: list[ScheduledRequest]) -> None:
         """Lower each request's lookahead to the draft length the policy picks (its slots stay
         reserved, unused); a seeded request's tokens do not depend on it (``sample.verify``)."""
         policy = self.k_policy
@@ -205,20 +206,13 @@ class Drafting:
         probe = [s.request.takes_draft_probes and policy.is_probe_step(s.request.spec_stats.num_steps)
                  and policy.probe_pays(s.request.spec_stats.accepted_per_position,
                                        s.request.spec_stats.drafted_per_position, prior, self._tokens_left(s.request),
-                                       max(_catch_up_rows(s.request) - STEADY_CATCH_UP, 0))
+                                       policy.extra_catch_up(proposer.catch_up_tokens(s.request)))
                  for s in decoding]
         for s, k in zip(decoding, policy.choose(rates, [s.num_lookahead for s in decoding], probe)):
             s.num_lookahead = k
 
-
     def _tokens_left(self, request: Request) -> int:
         return min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens)
-
-
-def _catch_up_rows(request: Request) -> int:
-    """Tokens a proposer with its own KV (draft model, EAGLE) feeds before it drafts: all it has
-    not seen, the prompt too when it has not run for this request yet."""
-    return request.num_tokens - request.proposer_num_computed_tokens
 
 
 # Rows a calibrating draft forward catches up beyond the steady ones, to price a probe's
@@ -244,7 +238,8 @@ def calibrate_k_policy(policy: DraftLengthPolicy, runner, draft_runner, k: int, 
 
     The draft model's forwards are timed the way a proposal runs them: a steady proposal of k
     drafts is one forward over the ``STEADY_CATCH_UP`` tokens caught up, then k - 1 one-row
-    forwards; a probe catches up ``CATCH_UP_CALIBRATION_ROWS`` more rows in its first forward."""
+    forwards; a probe catches up more rows in its first forward (timed on
+    ``CATCH_UP_CALIBRATION_ROWS`` more)."""
     start = max(0, min(64, max_model_len - k - 2))        # a short context, as early decoding has
     block_table = list(range(blocks_for(start + k + 1)))
     runner.execute([ForwardInput([0] * (k + 1), start, block_table, k + 1)])   # warm-up, not timed

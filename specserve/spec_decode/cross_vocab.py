@@ -141,6 +141,13 @@ class CrossVocabProposer(Proposer):
         slot.last_used = self._step
         return slot
 
+    def catch_up_tokens(self, request: Request) -> int:
+        """The request's target tokens its draft reading has not synced yet (all of them before
+        its first proposal): an estimate of the draft tokens it will read, as the two tokenizers
+        cut text about alike."""
+        slot = self._slots.get(request)
+        return request.num_tokens - (len(slot.seq.target_ends) if slot is not None else 0)
+
     def fork(self, parent: Request, child: Request, path: list[int], last: int) -> None:
         """The child's draft reading starts as its parent's: the text the parent had when it last
         drafted (the child's tokens continue it), its draft tokens and their K/V (full blocks by

@@ -27,7 +27,7 @@ request's first probe. ``probe_pays`` lets a probe run only where it could pay f
 had the probe accepted every draft, drafting would then pay, and the tokens the request
 may still emit, each made that much cheaper, repay the probe's catch-up and drafts.
 (On Qwen2.5-Coder-1.5B with int8 activations on an AVX2 CPU a 70-token catch-up of the
-0.5B draft costs 0.5 s, 10 decode steps: docs/speculative_decoding.md.)
+0.5B draft costs 0.6 s, about ten decode steps: docs/speculative_decoding.md.)
 
 Nothing here touches tensors or the engine: the engine feeds timings and reads
 choices (``LLMEngine._propose``), so the logic is tested with made-up costs.
@@ -122,16 +122,17 @@ def _interpolate(points: dict[int, float], rows: int) -> float:
 # batch 32 0.74-0.78, batch 64 0.79 for four rows; docs/benchmarks.md, dynamic_k at batch 8/32/64).
 EXTRAPOLATED_ROW_SHARE = 0.75
 
-# Tokens a proposer with its own KV catches up in a step of steady drafting: the last step's
-# bonus (or recovered) token, and its last draft when every draft was accepted.
+# Tokens a draft model catches up in a step of steady drafting: the last step's bonus (or
+# recovered) token, and its last draft when every draft was accepted. (An EAGLE head recomputes
+# the accepted positions too, up to K + 1: a step's catch-up counts as longer only past K + 1.)
 STEADY_CATCH_UP = 2
 
 
 @dataclass
 class DraftCost:
     """Seconds of a proposal of k drafts: a first forward over the tokens caught up, then k - 1
-    forwards of one token each, plus ``per_catch_up_row`` for each token caught up beyond
-    ``STEADY_CATCH_UP`` a request.
+    forwards of one token each, plus ``per_catch_up_row`` for each token a request catches up
+    beyond what one verification emits (``DraftLengthPolicy.extra_catch_up``).
 
     A draft model's forwards are timed at start-up (``calibrate``; a proposer without a runner
     of its own, EAGLE, starts from its first steady proposal, all positions alike). A steady
@@ -193,8 +194,13 @@ class DraftLengthPolicy:
 
     def record_draft(self, positions: int, seconds: float, catch_up_rows: int = 0) -> None:
         """A proposal of ``positions`` drafts that took ``seconds``, having caught up
-        ``catch_up_rows`` tokens beyond the steady ones (``DraftCost``)."""
+        ``catch_up_rows`` tokens beyond the steady ones (``extra_catch_up``, summed over requests)."""
         self.draft.record(positions, seconds, catch_up_rows)
+
+    def extra_catch_up(self, tokens: int) -> int:
+        """Of the ``tokens`` a proposer catches up for a request, those beyond what one verification
+        emits (K + 1): what a request's idle steps (k = 0) left it to read."""
+        return max(tokens - (self.max_k + 1), 0)
 
     def is_probe_step(self, step: int) -> bool:
         """Probes back off (steps 16, 32, 64, ...): a request whose drafts do not pay loses
@@ -209,7 +215,7 @@ class DraftLengthPolicy:
         position of the request's counts). With that acceptance the best chain costs ``best``
         a token against plain decoding's ``plain``; the probe pays only if the
         ``remaining_tokens`` the request may still emit, each ``plain - best`` cheaper, repay
-        what the probe adds to a plain step: its ``catch_up_rows`` beyond the steady ones, its
+        what the probe adds to a plain step: its ``catch_up_rows`` (``extra_catch_up``), its
         drafts and its K more verified rows. Before the engine has measured any acceptance
         (an empty ``prior``) the optimism is perfect acceptance; before it has measured the
         forward's cost every probe runs."""

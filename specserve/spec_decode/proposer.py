@@ -82,6 +82,13 @@ class Proposer(ABC):
     @abstractmethod
     def propose(self, scheduled: list[ScheduledRequest]) -> Proposal: ...
 
+    def catch_up_tokens(self, request: Request) -> int:
+        """Tokens this proposer feeds its model before it drafts for ``request``: all it has not
+        seen, the prompt too when it has not run for the request yet (``dynamic_k`` prices a
+        probe's catch-up with it). This is the convention of proposers that keep a KV cache (above);
+        one that keeps it otherwise says so. Free proposers (n-gram, suffix) are never asked."""
+        return request.num_tokens - request.proposer_num_computed_tokens
+
     def observe(self, states: list[TargetHidden]) -> None:  # noqa: B027 - optional hook
         """The target's hidden states after a step (only if ``needs_target_hidden``)."""
 

@@ -28,8 +28,9 @@ def pinned_engine(tiny_llama_dir: str, tiny_draft_dir: str) -> LLM:
 @pytest.mark.parametrize("max_tokens, probes", [(40, False), (200, True)])
 def test_a_request_probes_only_where_its_tokens_left_repay_the_catch_up(tiny_llama_dir, tiny_draft_dir,
                                                                         max_tokens, probes):
-    """At step 16 the draft catches up ~26 tokens (0.2 s) and drafts 4 (0.1 s) with 4 more rows
-    verified (0.09 s); saving at most 6 ms a token, 24 tokens left cannot repay that, 184 can.
+    """At step 16 the draft catches up the prompt and 16 tokens, ~20 past what one verification
+    emits (0.16 s), and drafts 4 (0.1 s) with 4 more rows verified (0.09 s); saving at most 6 ms
+    a token, 24 tokens left cannot repay that, 184 can.
     Without a probe nothing is drafted (no acceptance measured: the guess 0.5 does not pay);
     the answers are plain decoding's either way."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -39,3 +40,15 @@ def test_a_request_probes_only_where_its_tokens_left_repay_the_catch_up(tiny_lla
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:1], params, use_tqdm=False)] == want
     drafted = llm.get_spec_decode_stats().num_draft_tokens
     assert (drafted > 0) == probes, drafted
+
+
+def test_catch_up_tokens_are_what_the_draft_has_not_read(tiny_llama_dir, tiny_draft_dir, monkeypatch):
+    """The whole prompt before the first proposal, then the bonus token and maybe the last draft."""
+    llm = LLM(model=tiny_llama_dir, **KW, speculative_config={"model": tiny_draft_dir, "num_speculative_tokens": 3})
+    proposer, seen = llm.engine.proposer, []
+    real = proposer.propose
+    monkeypatch.setattr(proposer, "propose", lambda scheduled: seen.append(
+        (scheduled[0].request.num_tokens, proposer.catch_up_tokens(scheduled[0].request))) or real(scheduled))
+    llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    (tokens, first), *later = seen
+    assert first == tokens and later and all(1 <= n <= 2 for _, n in later), seen

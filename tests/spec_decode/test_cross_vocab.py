@@ -172,6 +172,19 @@ def test_preemption_and_a_small_draft_pool(tiny_llama_dir, plain, mimic_draft, p
 
 
 # ------------------------------------------------------------------ the sampled distribution (slow)
+def test_catch_up_tokens_are_what_the_draft_has_not_read(tiny_llama_dir, mimic_draft, monkeypatch):
+    """dynamic_k prices a probe by ``catch_up_tokens``: the whole prompt before the first
+    proposal, then at most what one verification emits (k + 1), as the draft reads each step."""
+    llm = speculative(tiny_llama_dir, mimic_draft, "tli", k=3)
+    proposer, seen = llm.engine.proposer, []
+    real = proposer.propose
+    monkeypatch.setattr(proposer, "propose", lambda scheduled: seen.append(
+        (scheduled[0].request.num_tokens, proposer.catch_up_tokens(scheduled[0].request))) or real(scheduled))
+    generate(llm, ["one two three four five six"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    (tokens, first), *later = seen
+    assert first == tokens and later and all(1 <= n <= 4 for _, n in later), seen
+
+
 @pytest.fixture(scope="module")
 def peaked_pair(tmp_path_factory, default_model_tokenizer):
     """A target whose next token is peaked enough for a chi-square test, and its mimic draft."""

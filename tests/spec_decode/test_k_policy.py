@@ -172,6 +172,11 @@ def costly_catch_up_policy() -> DraftLengthPolicy:
     return p
 
 
+def test_a_catch_up_counts_as_longer_only_past_what_one_verification_emits():
+    p = DraftLengthPolicy(4)
+    assert [p.extra_catch_up(n) for n in (1, 2, 5, 6, 75)] == [0, 0, 0, 1, 70]
+
+
 def test_a_probe_runs_only_where_the_tokens_left_can_repay_its_catch_up():
     p, prior = costly_catch_up_policy(), [0.95, 0.9, 0.85, 0.8]
     # 70 rows to catch up (0.56 s) and 0.19 s of drafts and rows: 48 tokens at <= 6 ms saved do not repay it
