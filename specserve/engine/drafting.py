@@ -119,7 +119,10 @@ class Drafting:
         proposal = proposer.propose(decoding)
         if self.k_policy is not None:
             self.propose_seconds = time.perf_counter() - started
-            self.k_policy.record_draft(max(s.num_lookahead for s in decoding), self.propose_seconds, catch_up)
+            # by the drafts made: a proposer may make fewer than asked, or none (an EAGLE head
+            # without the target's features for a request yet returns at once)
+            drafted = max((len(tokens) for tokens in proposal.token_ids), default=0)
+            self.k_policy.record_draft(drafted, self.propose_seconds, catch_up)
         self._set_drafts(proposer, decoding, proposal)
 
     @staticmethod

@@ -3,9 +3,12 @@ up on every token it has not seen, so it runs only where the tokens a request ma
 could repay that (``DraftLengthPolicy.probe_pays``)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from specserve import LLM, SamplingParams
+from specserve.spec_decode.proposer import Proposal
 
 from dynamic_k_setup import REPEATING_PROMPTS as PROMPTS
 from dynamic_k_setup import TINY_ENGINE_KW as KW
@@ -52,3 +55,17 @@ def test_catch_up_tokens_are_what_the_draft_has_not_read(tiny_llama_dir, tiny_dr
     llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     (tokens, first), *later = seen
     assert first == tokens and later and all(1 <= n <= 2 for _, n in later), seen
+
+
+def test_a_proposal_that_drafts_nothing_is_not_timed_as_drafting(tiny_llama_dir, tiny_draft_dir, monkeypatch):
+    """An EAGLE head without the target's features for a request returns at once with no drafts:
+    read as a draft's cost, that would make drafts look free."""
+    llm = LLM(model=tiny_llama_dir, **KW, speculative_config={
+        "model": tiny_draft_dir, "num_speculative_tokens": 3, "dynamic_k": True})
+    policy, proposer = llm.engine.k_policy, llm.engine.proposer
+    calibrated = dataclasses.astuple(policy.draft)
+    monkeypatch.setattr(policy, "choose", lambda rates, limits, probe: list(limits))
+    monkeypatch.setattr(proposer, "propose", lambda scheduled: Proposal(token_ids=[[] for _ in scheduled],
+                                                                        probs=[None] * len(scheduled)))
+    llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert dataclasses.astuple(policy.draft) == calibrated
