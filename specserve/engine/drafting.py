@@ -27,7 +27,7 @@ from weakref import WeakKeyDictionary
 from specserve.core.request import Request
 from specserve.core.scheduler import ScheduledRequest
 from specserve.outputs import SpecDecodeStats
-from specserve.spec_decode.k_policy import STEADY_CATCH_UP, DraftLengthPolicy
+from specserve.spec_decode.k_policy import DraftLengthPolicy
 from specserve.spec_decode.proposer import kept_hidden_states
 from specserve.spec_decode.shadow_drafts import ShadowDrafts
 from specserve.worker.model_runner import ForwardInput
@@ -218,6 +218,12 @@ class Drafting:
         return min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens)
 
 
+# Tokens a draft model catches up in a step of steady drafting, what its calibrated first
+# forward reads: the last step's bonus (or recovered) token, and its last draft when every draft
+# was accepted. (An EAGLE head recomputes the accepted positions too, up to K + 1: so a step's
+# catch-up counts as longer only past K + 1, ``DraftLengthPolicy.extra_catch_up``.)
+STEADY_CATCH_UP = 2
+
 # Rows a calibrating draft forward catches up beyond the steady ones, to price a probe's
 # catch-up per row (a prompt's is longer: the cost per row is carried over linearly).
 CATCH_UP_CALIBRATION_ROWS = 16
@@ -243,30 +249,32 @@ def calibrate_k_policy(policy: DraftLengthPolicy, runner, draft_runner, k: int, 
     drafts is one forward over the ``STEADY_CATCH_UP`` tokens caught up, then k - 1 one-row
     forwards; a probe catches up more rows in its first forward (timed on
     ``CATCH_UP_CALIBRATION_ROWS`` more)."""
-    start = max(0, min(64, max_model_len - k - 2))        # a short context, as early decoding has
-    block_table = list(range(blocks_for(start + k + 1)))
-    runner.execute([ForwardInput([0] * (k + 1), start, block_table, k + 1)])   # warm-up, not timed
-    timings: dict[int, list[float]] = {rows: [] for rows in calibration_rows(k)}
-    # Each timed forward ends by reading one logit: on a GPU the forward runs asynchronously (a
-    # replayed CUDA graph returns at once), and only the read waits for it to finish.
-    for _ in range(2):                     # the faster of two per row count: one spike is ignored
-        for rows in timings:
-            started = time.perf_counter()
-            runner.execute([ForwardInput([0] * rows, start, block_table, rows)]).logits[-1, 0].item()
-            timings[rows].append(time.perf_counter() - started)
-    for rows, seconds in timings.items():
-        policy.calibrate_forward(rows, min(seconds))
+    for rows, seconds in _fastest_forwards(runner, calibration_rows(k), k + 1, max_model_len, blocks_for,
+                                           logits_of_every_row=True).items():
+        policy.calibrate_forward(rows, seconds)
     if draft_runner is not None:
         steady = min(STEADY_CATCH_UP, max_model_len)
         long = min(steady + CATCH_UP_CALIBRATION_ROWS, max_model_len)
-        draft_start = max(0, min(64, max_model_len - long))
-        draft_table = list(range(blocks_for(draft_start + long)))
-        draft_runner.execute([ForwardInput([0], draft_start, draft_table, 1)])   # warm-up, not timed
-        draft_timings: dict[int, list[float]] = {rows: [] for rows in (1, steady, long)}
-        for _ in range(2):
-            for rows in draft_timings:
-                started = time.perf_counter()
-                draft_runner.execute([ForwardInput([0] * rows, draft_start, draft_table, 1)]).logits[-1, 0].item()
-                draft_timings[rows].append(time.perf_counter() - started)
-        one, first, caught_up = (min(draft_timings[rows]) for rows in (1, steady, long))
-        policy.draft.calibrate(first, one, max(caught_up - first, 0.0) / max(long - steady, 1))
+        times = _fastest_forwards(draft_runner, [1, steady, long], long, max_model_len, blocks_for,
+                                  logits_of_every_row=False)
+        policy.draft.calibrate(times[steady], times[1], max(times[long] - times[steady], 0.0) / max(long - steady, 1))
+
+
+def _fastest_forwards(runner, row_counts: list[int], most_rows: int, max_model_len: int, blocks_for,
+                      logits_of_every_row: bool) -> dict[int, float]:
+    """The faster of two timed forwards per row count (one spike is ignored), after an untimed
+    warm-up, on scratch KV slots at a short context, as early decoding has. Logits for every row
+    (a verification) or the last only (a draft's catch-up)."""
+    start = max(0, min(64, max_model_len - most_rows - 1))
+    block_table = list(range(blocks_for(start + most_rows)))
+    runner.execute([ForwardInput([0] * most_rows, start, block_table, most_rows if logits_of_every_row else 1)])
+    timings: dict[int, list[float]] = {rows: [] for rows in row_counts}
+    # Each timed forward ends by reading one logit: on a GPU the forward runs asynchronously (a
+    # replayed CUDA graph returns at once), and only the read waits for it to finish.
+    for _ in range(2):
+        for rows in timings:
+            started = time.perf_counter()
+            runner.execute([ForwardInput([0] * rows, start, block_table, rows if logits_of_every_row else 1)]
+                           ).logits[-1, 0].item()
+            timings[rows].append(time.perf_counter() - started)
+    return {rows: min(seconds) for rows, seconds in timings.items()}

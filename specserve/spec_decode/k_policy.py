@@ -122,12 +122,6 @@ def _interpolate(points: dict[int, float], rows: int) -> float:
 # batch 32 0.74-0.78, batch 64 0.79 for four rows; docs/benchmarks.md, dynamic_k at batch 8/32/64).
 EXTRAPOLATED_ROW_SHARE = 0.75
 
-# Tokens a draft model catches up in a step of steady drafting: the last step's bonus (or
-# recovered) token, and its last draft when every draft was accepted. (An EAGLE head recomputes
-# the accepted positions too, up to K + 1: a step's catch-up counts as longer only past K + 1.)
-STEADY_CATCH_UP = 2
-
-
 @dataclass
 class DraftCost:
     """Seconds of a proposal of k drafts: a first forward over the tokens caught up, then k - 1

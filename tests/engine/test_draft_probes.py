@@ -12,7 +12,7 @@ from specserve.spec_decode.proposer import Proposal
 
 from dynamic_k_setup import REPEATING_PROMPTS as PROMPTS
 from dynamic_k_setup import TINY_ENGINE_KW as KW
-from dynamic_k_setup import pin_forward_costs
+from dynamic_k_setup import catch_up_counts, pin_forward_costs
 
 # A 55 ms step; at perfect acceptance 4 drafts make a token 49 ms; catching up costs 8 ms a row.
 FORWARD = {1: 0.055, 2: 0.076, 3: 0.096, 4: 0.120, 5: 0.145}
@@ -48,12 +48,7 @@ def test_a_request_probes_only_where_its_tokens_left_repay_the_catch_up(tiny_lla
 def test_catch_up_tokens_are_what_the_draft_has_not_read(tiny_llama_dir, tiny_draft_dir, monkeypatch):
     """The whole prompt before the first proposal, then the bonus token and maybe the last draft."""
     llm = LLM(model=tiny_llama_dir, **KW, speculative_config={"model": tiny_draft_dir, "num_speculative_tokens": 3})
-    proposer, seen = llm.engine.proposer, []
-    real = proposer.propose
-    monkeypatch.setattr(proposer, "propose", lambda scheduled: seen.append(
-        (scheduled[0].request.num_tokens, proposer.catch_up_tokens(scheduled[0].request))) or real(scheduled))
-    llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
-    (tokens, first), *later = seen
+    (tokens, first), *later = seen = catch_up_counts(llm, monkeypatch, PROMPTS[0], max_tokens=12)
     assert first == tokens and later and all(1 <= n <= 2 for _, n in later), seen
 
 

@@ -34,6 +34,7 @@ from specserve.worker.model_runner import ForwardInput
 
 from chi_square import chi_square_p
 from cross_vocab_models import sentencepiece_style, write_mimic_draft
+from dynamic_k_setup import catch_up_counts
 from model_cache import share_folder
 from tiny_models import write_tiny_llama
 
@@ -176,12 +177,7 @@ def test_catch_up_tokens_are_what_the_draft_has_not_read(tiny_llama_dir, mimic_d
     """dynamic_k prices a probe by ``catch_up_tokens``: the whole prompt before the first
     proposal, then at most what one verification emits (k + 1), as the draft reads each step."""
     llm = speculative(tiny_llama_dir, mimic_draft, "tli", k=3)
-    proposer, seen = llm.engine.proposer, []
-    real = proposer.propose
-    monkeypatch.setattr(proposer, "propose", lambda scheduled: seen.append(
-        (scheduled[0].request.num_tokens, proposer.catch_up_tokens(scheduled[0].request))) or real(scheduled))
-    generate(llm, ["one two three four five six"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-    (tokens, first), *later = seen
+    (tokens, first), *later = seen = catch_up_counts(llm, monkeypatch, "one two three four five six", max_tokens=12)
     assert first == tokens and later and all(1 <= n <= 4 for _, n in later), seen
 
 
