@@ -11,7 +11,7 @@ import torch
 from scipy import stats
 
 from specserve.sample.sampler import (CHOICE, REJECTION, SamplingTensors, choose_tokens, keyed_generator,
-                                      processed_probs, sample_from_probs)
+                                      processed_probs, sample_from_probs, top_k_top_p)
 from specserve.sampling_params import SamplingParams
 
 V = 40
@@ -125,6 +125,61 @@ def test_rows_with_different_params_each_get_their_own():
     # Same logits in every row, different params: the rows really differ.
     same = run_processed(logits[:1].expand(len(PARAMS), V).contiguous(), PARAMS)
     assert len({tuple((row > 0).tolist()) for row in same}) > 5
+
+
+def _ranked_logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    """Rows from nearly flat (a nucleus of most of the vocabulary) to peaked (a few tokens), some
+    with tokens banned (-inf, as logit bias and grammars leave them)."""
+    gen = torch.Generator().manual_seed(seed)
+    scale = torch.logspace(-1, 1.3, rows)[:, None]                       # 0.1 .. 20
+    logits = torch.randn(rows, vocab, generator=gen) * scale
+    logits[::3, : vocab // 2] = float("-inf")
+    return logits
+
+
+MIXED = [SamplingParams(), SamplingParams(top_p=0.9), SamplingParams(top_k=5), SamplingParams(top_k=12, top_p=0.7),
+         SamplingParams(top_p=0.3, min_p=0.1), SamplingParams(top_k=3)]
+
+
+@pytest.mark.parametrize("head", [1, 8, 30])
+def test_ranking_a_head_gives_what_ranking_the_whole_row_gives(head):
+    """Rows of every kind in one batch: the head's answer (falling back to the full ranking where a
+    nucleus reaches past it) is the full sort's, kept tokens exactly, probabilities to rounding."""
+    logits = _ranked_logits(24, V, seed=head)
+    params = [MIXED[i % len(MIXED)] for i in range(24)]
+    st = SamplingTensors.build(params, V, logits.device)
+    got, want = top_k_top_p(logits, st, head=head), top_k_top_p(logits, st, head=V)
+    assert torch.equal(got == float("-inf"), want == float("-inf"))
+    finite = want > float("-inf")
+    assert torch.equal(got[finite], want[finite])          # kept tokens keep their logits
+    for i, p in enumerate(params):
+        assert_close(processed_probs(logits[i:i + 1], SamplingTensors.build([p], V, logits.device))[0],
+                     reference_probs(logits[i], p), atol=1e-5, rtol=1e-4)
+
+
+def test_a_nucleus_inside_the_head_sorts_nothing(monkeypatch):
+    """Peaked rows of a large vocabulary with top-k or top-p: torch.topk ranks their heads, no row is
+    sorted in full; one nearly flat top-p row makes the whole batch sorted, with the same answer."""
+    vocab = 4 * 1024
+    sorts = []
+    real_sort = torch.Tensor.sort
+    monkeypatch.setattr(torch.Tensor, "sort", lambda self, *a, **kw: sorts.append(self.shape) or real_sort(self, *a, **kw))
+    peaked = torch.randn(4, vocab, generator=torch.Generator().manual_seed(5)) * 8
+    peaked[2, ::2] = float("-inf")
+    params = [SamplingParams(top_p=0.95), SamplingParams(top_k=40), SamplingParams(top_k=50, top_p=0.9),
+              SamplingParams()]
+    st = SamplingTensors.build(params, vocab, peaked.device)
+    fast = top_k_top_p(peaked, st)
+    assert sorts == []
+    assert torch.equal(fast == float("-inf"), top_k_top_p(peaked, st, head=vocab) == float("-inf"))
+    assert (fast[3] == peaked[3]).all()                                  # no top-k, no top-p: untouched
+    flat = torch.cat([peaked, torch.randn(1, vocab) * 0.01])
+    st = SamplingTensors.build(params + [SamplingParams(top_p=0.9)], vocab, flat.device)
+    sorts.clear()
+    both = top_k_top_p(flat, st)
+    assert sorts == [(5, vocab)]
+    assert torch.equal(both[:4] == float("-inf"), fast == float("-inf"))
+    assert 0.85 * vocab < (both[4] > float("-inf")).sum() < 0.95 * vocab
 
 
 # ---------------------------------------------------------------------------- sampling
