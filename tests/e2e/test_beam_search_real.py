@@ -16,8 +16,6 @@ hold for all four beams at once: docs/speculative_decoding.md, "Beam search").
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -25,6 +23,7 @@ from specserve import LLM
 from specserve.beam_search_params import BeamSearchParams
 
 from catalog_files import installed_file
+from transformers_gguf import causal_lm_from_gguf
 
 NAME = "smollm2-135m-instruct"
 
@@ -51,13 +50,12 @@ def prompts(plain32) -> list[list[int]]:
 
 def test_the_beams_and_cumulative_logprobs_of_transformers(plain32, prompts):
     pytest.importorskip("accelerate", reason="transformers needs accelerate to read a GGUF file")
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import GenerationConfig
 
-    folder, filename = os.path.split(installed_file(NAME))
     eos = plain32.get_tokenizer().eos_token_id
     ours = {s: plain32.beam_search(prompts, BeamSearchParams(beam_width=4, max_tokens=MAX_TOKENS, length_penalty=s[0],
                                                              early_stopping=s[1])) for s in SETTINGS}
-    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype=torch.float32).eval()
+    hf = causal_lm_from_gguf(installed_file(NAME))
     worst = 0.0
     for (length_penalty, early_stopping), outputs in ours.items():
         config = GenerationConfig(num_beams=4, num_return_sequences=4, max_new_tokens=MAX_TOKENS, do_sample=False,
@@ -78,11 +76,17 @@ def test_the_beams_and_cumulative_logprobs_of_transformers(plain32, prompts):
     print(f"largest |cumulative log-probability difference|: {worst:.2e}")
 
 
-@pytest.mark.parametrize("spec", ["ngram", "draft_model", "eagle"])
-def test_speculation_gives_plain_beams_bit_for_bit_in_the_default_dtype(prompts, spec):
-    params = BeamSearchParams(beam_width=4, max_tokens=MAX_TOKENS)
+@pytest.fixture(scope="module")
+def plain_beams(prompts):
+    """Plain beam search in the default dtype."""
     plain = LLM(model=None, max_model_len=1024, kv_cache_memory=1 << 27)
-    expected = plain.beam_search(prompts, params)
+    return plain.beam_search(prompts, BeamSearchParams(beam_width=4, max_tokens=MAX_TOKENS))
+
+
+@pytest.mark.parametrize("spec", ["ngram", "draft_model", "eagle"])
+def test_speculation_gives_plain_beams_bit_for_bit_in_the_default_dtype(prompts, plain_beams, spec):
+    params = BeamSearchParams(beam_width=4, max_tokens=MAX_TOKENS)
+    expected = plain_beams
     config = {"method": spec, "num_speculative_tokens": 4}   # draft_model, eagle: the drafts the default model ships with
     fast = LLM(model=None, max_model_len=1024, kv_cache_memory=1 << 27, speculative_config=config)
     got = fast.beam_search(prompts, params)

@@ -16,6 +16,7 @@ import torch
 from specserve import LLM, SamplingParams
 
 from catalog_files import installed_file
+from transformers_gguf import causal_lm_from_gguf
 
 NAME = "gemma-3-270m"
 
@@ -41,10 +42,8 @@ def test_greedy_tokens_equal_transformers_on_the_same_file_past_the_window(long_
     float32): up to 24 greedy tokens (transformers stops at end-of-sequence) after prompts longer
     than the 512-token window."""
     pytest.importorskip("accelerate", reason="transformers needs accelerate to read a GGUF file")
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import GenerationConfig
 
-    path = installed_file(NAME)
-    folder, filename = os.path.split(path)
     llm = LLM(model=NAME, dtype="float32", max_model_len=2048, kv_cache_memory=1 << 27)
     tok = llm.engine.tokenizer
     prompts = [tok.encode(p, add_special_tokens=True) for p in long_prompts]
@@ -52,7 +51,7 @@ def test_greedy_tokens_equal_transformers_on_the_same_file_past_the_window(long_
     ours = [o.outputs[0].token_ids
             for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))]
     del llm
-    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype=torch.float32).eval()
+    hf = causal_lm_from_gguf(installed_file(NAME))
     with torch.no_grad():
         for ids, got in zip(prompts, ours):
             ref = hf.generate(torch.tensor([ids]), generation_config=GenerationConfig(

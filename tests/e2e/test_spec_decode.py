@@ -33,6 +33,7 @@ from specserve import LLM, SamplingParams
 from specserve.model_executor import loader
 from specserve.model_executor.layers import cpu_attention, quant_gemm
 from specserve.outputs import SpecDecodeStats
+from specserve.sampling_params import MAX_N
 
 from model_cache import cached_model_loads
 
@@ -408,11 +409,17 @@ def test_mixed_batch_and_seeded_determinism(engines, prompts, ref, draft):
 
 def _second_tokens(llm: LLM, prompt: list[int], n: int, max_tokens: int,
                    first_seed: int | None = 0) -> tuple[list[int], list[int]]:
-    """n requests seeded first_seed, first_seed + 1, ... (None: unseeded) -> (first tokens, second tokens)."""
-    seeds = [None] * n if first_seed is None else range(first_seed, first_seed + n)
-    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=max_tokens, ignore_eos=True) for s in seeds]
-    outs = llm.generate([prompt] * n, params, use_tqdm=False)
-    return [o.outputs[0].token_ids[0] for o in outs], [o.outputs[0].token_ids[1] for o in outs]
+    """n samples seeded first_seed, first_seed + 1, ... (None: unseeded) -> (first tokens, second tokens).
+
+    They go as requests of up to MAX_N samples each (sample i of a request seeded s uses seed s + i,
+    as a lone request seeded s + i would), so the prompt is computed once a request, not once a sample."""
+    params = []
+    for start in range(0, n, MAX_N):
+        seed = None if first_seed is None else first_seed + start
+        params.append(SamplingParams(n=min(MAX_N, n - start), temperature=1.0, seed=seed, max_tokens=max_tokens,
+                                     ignore_eos=True))
+    samples = [s for o in llm.generate([prompt] * len(params), params, use_tqdm=False) for s in o.outputs]
+    return [s.token_ids[0] for s in samples], [s.token_ids[1] for s in samples]
 
 
 def test_second_token_distribution_matches_plain(engines, plain, truncated_draft_dir):
