@@ -128,7 +128,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
-    print(f"| TP | threads/rank | start-up (s) | weights per rank (MiB) | peak RSS per rank (MiB) | "
+    print("| TP | threads/rank | start-up (s) | weights per rank (MiB) | peak RSS per rank (MiB) | "
           + " | ".join(f"batch {b} tok/s" for b in args.batch_sizes) + " |")
     print("|---" * (5 + len(args.batch_sizes)) + "|")
     for r in runs:

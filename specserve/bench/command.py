@@ -27,7 +27,6 @@ its group's last first token.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import shlex
 import sys

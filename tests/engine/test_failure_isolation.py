@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
 
 import specserve.sample.verify as verify_module
 from specserve import LLM, SamplingParams
@@ -121,7 +120,8 @@ def test_a_failed_forward_fails_only_the_requests_of_that_step(tiny_llama_dir, m
         return real_execute(inputs, **kw)
 
     monkeypatch.setattr(engine.runner, "execute", execute)
-    ids = [engine.add_request(p, params_for(i, True), request_id=f"r{i}") for i, p in enumerate(PROMPTS)]
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(p, params_for(i, True), request_id=f"r{i}")
     engine.step()
     with pytest.raises(StepFailedError) as info:
         engine.step()

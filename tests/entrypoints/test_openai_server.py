@@ -8,7 +8,6 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import openai
 import pytest
 import uvicorn
