@@ -78,10 +78,12 @@ def _read_gguf_table(path: str, size: int, mtime_ns: int) -> GGUFTable:
             raise bad(f"GGUF version {version} (specserve reads versions 2 and 3)")
         pos = 24
 
+        truncated = f"it ends at byte {size} inside its header (truncated?)"
+
         def take(n: int) -> int:
             nonlocal pos
             if pos + n > size:
-                raise bad(f"it ends at byte {size} inside its header (truncated?)")
+                raise bad(truncated)
             start, pos = pos, pos + n
             return start
 
@@ -96,6 +98,13 @@ def _read_gguf_table(path: str, size: int, mtime_ns: int) -> GGUFTable:
                 item_kind, count = struct.unpack_from("<IQ", data, take(12))
                 if item_kind in _GGUF_SCALAR_SIZES:
                     take(_GGUF_SCALAR_SIZES[item_kind] * count)
+                elif item_kind == _GGUF_STRING:     # a vocabulary: each string's length, then its bytes
+                    end, length_at = pos, struct.Struct("<Q").unpack_from
+                    for _ in range(count):
+                        if end + 8 > size:
+                            raise bad(truncated)
+                        end += 8 + length_at(data, end)[0]
+                    take(end - pos)
                 else:
                     for _ in range(count):
                         skip_value(item_kind)

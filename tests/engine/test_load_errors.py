@@ -48,6 +48,7 @@ def test_an_intact_table_with_stretched_data_passes(tmp_path):
 @pytest.mark.parametrize("variant,match", [
     (dict(keep=0, size=0), "shorter than a GGUF header"),
     (dict(keep=1000, size=1000), "inside its header"),
+    (dict(keep=300_000, size=300_000), "inside its header"),     # within the vocabulary (bytes 1,062-960,150)
     (dict(size=HEADER_BYTES), "truncated"),
     (dict(size="minus-one"), "truncated"),
     (dict(patch=lambda b: b.__setitem__(slice(0, 4), b"GGUX")), "GGUF magic"),
@@ -57,7 +58,7 @@ def test_an_intact_table_with_stretched_data_passes(tmp_path):
                                               36 + struct.unpack_from("<Q", b, 24)[0]), struct.pack("<I", 77))),
      "unknown metadata value type 77"),
     (dict(patch=lambda b: b.__setitem__(slice(16, 24), struct.pack("<Q", 2**40))), "inside its header"),
-], ids=["empty", "cut-in-header", "cut-in-data", "one-byte-short", "bad-magic", "bad-version", "bad-value-type",
+], ids=["empty", "cut-in-header", "cut-in-vocabulary", "cut-in-data", "one-byte-short", "bad-magic", "bad-version", "bad-value-type",
         "absurd-kv-count"])
 def test_broken_gguf_files_get_one_clear_sentence_naming_the_file(tmp_path, variant, match):
     if variant.get("size") == "minus-one":
