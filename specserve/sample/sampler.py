@@ -108,8 +108,10 @@ def top_k_top_p(logits: torch.Tensor, st: SamplingTensors, head: int = TOP_P_HEA
     uses_top_p = st.top_p < 1.0
     drop = (mass_through - ranked_probs >= st.top_p[:, None]) & (ranks[None, :] > 0) & uses_top_p[:, None]
     if ranked.shape[-1] < vocab and st.top_p_alone:
-        unranked_dropped = (mass_through[:, -1] >= st.top_p) | (st.top_k <= ranked.shape[-1])
-        if not bool(unranked_dropped.all()):            # some nucleus reaches past the head
+        # a row's unranked tokens are all dropped when its top-k is ranked, when its ranked mass
+        # covers its top_p, or kept whole (by ``base`` below) when it has neither
+        decided = (st.top_k <= ranked.shape[-1]) | (mass_through[:, -1] >= st.top_p) | ~uses_top_p
+        if not bool(decided.all()):                     # some nucleus reaches past the head
             return top_k_top_p(logits, st, head=vocab)
     ranked = ranked.masked_fill(drop, float("-inf"))
     # Rows with top-k or top-p keep only what was ranked and kept; the others keep every token.

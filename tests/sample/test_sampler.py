@@ -159,13 +159,15 @@ def test_ranking_a_head_gives_what_ranking_the_whole_row_gives(head):
 
 def test_a_nucleus_inside_the_head_sorts_nothing(monkeypatch):
     """Peaked rows of a large vocabulary with top-k or top-p: torch.topk ranks their heads, no row is
-    sorted in full; one nearly flat top-p row makes the whole batch sorted, with the same answer."""
+    sorted in full (a row with neither, however flat, asks for no ranks); one nearly flat top-p row
+    makes the whole batch sorted, with the same answer."""
     vocab = 4 * 1024
     sorts = []
     real_sort = torch.Tensor.sort
     monkeypatch.setattr(torch.Tensor, "sort", lambda self, *a, **kw: sorts.append(self.shape) or real_sort(self, *a, **kw))
     peaked = torch.randn(4, vocab, generator=torch.Generator().manual_seed(5)) * 8
     peaked[2, ::2] = float("-inf")
+    peaked[3] *= 0.001                                                   # flat, and neither top-k nor top-p
     params = [SamplingParams(top_p=0.95), SamplingParams(top_k=40), SamplingParams(top_k=50, top_p=0.9),
               SamplingParams()]
     st = SamplingTensors.build(params, vocab, peaked.device)
