@@ -13,6 +13,7 @@ import contextlib
 import os
 
 import gguf
+import pytest
 import torch
 
 
@@ -28,11 +29,9 @@ def one_parse_per_file():
             readers[key] = real(path, mode)
         return readers[key]
 
-    gguf.GGUFReader = reader
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", reader)
         yield
-    finally:
-        gguf.GGUFReader = real
 
 
 def causal_lm_from_gguf(path: str):

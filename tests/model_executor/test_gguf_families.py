@@ -231,7 +231,7 @@ def test_f32_file_matches_transformers(case):
 @pytest.fixture(scope="module")
 def q8_reference(case) -> torch.Tensor:
     """transformers' logits on the case's model after the same Q8_0 round trip (shared by both loads)."""
-    name, hf, _, _ = case
+    _, hf, _, _ = case
     tokens = prompt(DEFAULT_VOCAB, PROMPT_LEN, seed=3)
     ref = hf_logits(dequantized_copy(hf, Q8_0), tokens)
     assert (ref - hf_logits(hf, tokens)).abs().max() > 100 * ATOL   # the rounding does show
