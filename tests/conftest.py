@@ -109,6 +109,12 @@ def tiny_draft_dir(tmp_path_factory, default_model_tokenizer) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_eagle_dir(tmp_path_factory, tiny_llama_dir) -> str:
+    """An EAGLE head made from ``tiny_llama_dir``'s last layer (tiny_models.write_tiny_eagle)."""
+    return share_folder(write_tiny_eagle(str(tmp_path_factory.mktemp("tiny-eagle")), tiny_llama_dir))
+
+
+@pytest.fixture(scope="session")
 def peaked_llama_dir(tmp_path_factory, default_model_tokenizer) -> str:
     """The tiny Llama with its logits scaled up (``embedding_scale`` 8): it repeats itself often
     enough for n-gram and suffix lookups to hit, and still samples."""

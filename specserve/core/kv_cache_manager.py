@@ -18,6 +18,16 @@ counted; a released block whose count drops to 0 stays registered in the free
 pool, where it waits in least-recently-used order: allocation takes unregistered
 blocks and the least recently released registered ones first, and forgets a
 registered block's hash when it reuses it.
+
+**The proposer's K/V in cached blocks** (``with_proposer_kv``, EAGLE). A proposer
+whose K/V follows the target's block tables writes it in the same slots, so a
+shared block can carry it too, when it is final there: a block is then
+registered only once the proposer has also computed all of its positions
+(``cache_full_blocks``'s ``num_proposer_tokens``), and a hit starts the
+proposer after the cached prefix. EAGLE's K/V at a position reads the token
+after it, which lies past the matched blocks for the last one, so a hit gives
+its last matched block back: that block is computed again, in a block of the
+request's own, and every position the hit keeps has its next token matched.
 """
 from __future__ import annotations
 
@@ -26,12 +36,14 @@ from collections.abc import Sequence
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 with_proposer_kv: bool = False):
         if num_blocks < 1:
             raise ValueError("the KV cache has no room for a single block; raise kv_cache_memory")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.with_proposer_kv = with_proposer_kv     # cached blocks carry the proposer's K/V (module docstring)
         # Free blocks, the next one to reuse first (unregistered ones, then registered ones LRU).
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self._refs = [0] * num_blocks
@@ -111,27 +123,36 @@ class KVCacheManager:
     def acquire_cached_prefix(self, request_id: str, token_ids: Sequence[int]) -> int:
         """Give a request without blocks the longest registered prefix of ``token_ids``;
         -> the number of tokens it covers (a multiple of the block size). At least
-        one token is always left to compute: the step needs its logits."""
+        one token is always left to compute: the step needs its logits. With ``with_proposer_kv``
+        the last matched block is left out (module docstring)."""
         if not self.enable_prefix_caching or self._tables.get(request_id):
             return 0
         bs = self.block_size
         max_blocks = (len(token_ids) - 1) // bs
-        chain, table, parent = [], [], None
+        matched = list(self._matched_blocks(token_ids, max_blocks))
+        if self.with_proposer_kv:
+            matched = matched[:-1]
+        table = [block for _, block in matched]
+        for block in table:
+            if self._refs[block] == 0:
+                del self._free[block]
+            self._refs[block] += 1
+        if table:
+            self._tables[request_id] = table
+            self._chain[request_id] = [hash(key) for key, _ in matched]
+        return len(table) * bs
+
+    def _matched_blocks(self, token_ids: Sequence[int], max_blocks: int):
+        """-> (key, block) of the registered blocks that match ``token_ids`` from its start, at most
+        ``max_blocks``."""
+        bs, parent = self.block_size, None
         for i in range(max_blocks):
             key = (parent, tuple(token_ids[i * bs : (i + 1) * bs]))
             block = self._block_of_key.get(key)
             if block is None:
-                break
-            if self._refs[block] == 0:
-                del self._free[block]
-            self._refs[block] += 1
-            table.append(block)
+                return
+            yield key, block
             parent = hash(key)
-            chain.append(parent)
-        if table:
-            self._tables[request_id] = table
-            self._chain[request_id] = chain
-        return len(table) * bs
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted request's lookup (a request that could not be admitted
@@ -140,15 +161,23 @@ class KVCacheManager:
             self.num_queried_tokens += num_tokens
             self.num_hit_tokens += num_hit_tokens
 
-    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_verified_tokens: int) -> None:
+    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_verified_tokens: int,
+                          num_proposer_tokens: int | None = None) -> None:
         """Register the request's full blocks below ``num_verified_tokens`` (tokens
-        whose KV is final; never a draft token awaiting verification)."""
+        whose KV is final; never a draft token awaiting verification), and with
+        ``with_proposer_kv`` below ``num_proposer_tokens`` too (the positions where the
+        proposer's K/V is final: ``Request.proposer_num_computed_tokens``)."""
         if not self.enable_prefix_caching:
             return
         table = self._tables.get(request_id, [])
         chain = self._chain.setdefault(request_id, [])
         bs = self.block_size
-        for i in range(len(chain), min(num_verified_tokens // bs, len(table))):
+        final = num_verified_tokens
+        if self.with_proposer_kv:
+            if num_proposer_tokens is None:
+                raise ValueError("blocks that carry the proposer's K/V need its count of computed tokens")
+            final = min(final, num_proposer_tokens)
+        for i in range(len(chain), min(final // bs, len(table))):
             key = (chain[-1] if chain else None, tuple(token_ids[i * bs : (i + 1) * bs]))
             chain.append(hash(key))
             block = table[i]

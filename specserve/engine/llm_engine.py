@@ -29,7 +29,7 @@ from specserve.engine.drafting import Drafting, calibrate_k_policy
 from specserve.engine.errors import StepFailedError
 from specserve.engine.output_processor import OutputProcessor
 from specserve.engine.sample_group import SampleGroup, SampleGroups, child_id, child_params
-from specserve.engine.start_up import (kv_cache_blocks, max_model_len_for, prefix_caching_allowed, proposer_context,
+from specserve.engine.start_up import (kv_cache_blocks, max_model_len_for, prefix_caching_mode, proposer_context,
                                        resolve_device)
 from specserve.engine.step_inputs import drafts_per_depth, forward_input, tree_branch_moves
 from specserve.model_executor.layers.attention import cache_slot
@@ -76,8 +76,9 @@ class LLMEngine:
         # CUDA graphs for decode and verification steps (k + 1 rows; a tree's nodes + 1) on GPUs
         self.uses_graphs = allocate_kv_cache(self.runner, num_blocks, not config.enforce_eager, config.max_num_seqs,
                                              max_query_len=k + 1, max_tree_span=k + 1 if spec_config else 0)
-        prefix_caching = prefix_caching_allowed(config, spec_config, proposer)
-        self.kv_cache = KVCacheManager(num_blocks, config.block_size, enable_prefix_caching=prefix_caching)
+        prefix_caching, with_proposer_kv = prefix_caching_mode(config, spec_config, proposer)
+        self.kv_cache = KVCacheManager(num_blocks, config.block_size, enable_prefix_caching=prefix_caching,
+                                       with_proposer_kv=with_proposer_kv)
         if proposer is None and spec_config is not None:
             ctx = proposer_context(config, self.runner, self.dtype, self.hf_config, self.max_model_len, self.kv_cache,
                                    self.tokenizer)
@@ -141,7 +142,8 @@ class LLMEngine:
             return request_id
         children = [self._new_request(child_id(request_id, i), text, token_ids, child_params(params, i))
                     for i in range(params.n)]
-        group = SampleGroup(request_id, children, hold_siblings=self.kv_cache.enable_prefix_caching)
+        hold = 0 if not self.kv_cache.enable_prefix_caching else 2 if self.kv_cache.with_proposer_kv else 1
+        group = SampleGroup(request_id, children, hold_siblings=hold)
         self.groups.add(group)
         for c in children:
             if c not in group.held:
@@ -258,7 +260,8 @@ class LLMEngine:
         req = s.request
         if not s.will_sample:   # a prefill chunk short of the prompt's end
             req.commit_step(s.num_new_tokens, None)
-            self.kv_cache.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
+            self.kv_cache.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens,
+                                           req.proposer_num_computed_tokens)
             return None
         verified = emitted[req.request_id]
         if isinstance(verified, BaseException):
@@ -272,7 +275,8 @@ class LLMEngine:
         status = self.constraints.after_append(req, verified.token_ids[:appended], status)
         # Every token below num_computed_tokens is now verified and appended (a stop may
         # have cut the accepted drafts short): their full blocks may be shared.
-        self.kv_cache.cache_full_blocks(req.request_id, req.all_token_ids, min(req.num_computed_tokens, req.num_tokens))
+        self.kv_cache.cache_full_blocks(req.request_id, req.all_token_ids, min(req.num_computed_tokens, req.num_tokens),
+                                       req.proposer_num_computed_tokens)
         if s.num_new_tokens == 1:  # a decoding (verification) step, drafts or not
             req.spec_stats.record(num_drafts, verified.num_accepted, appended, per_depth)
             self.spec_stats.record(num_drafts, verified.num_accepted, appended, per_depth)

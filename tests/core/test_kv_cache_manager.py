@@ -227,6 +227,26 @@ def test_shared_blocks_are_reference_counted():
     assert kv.num_used_blocks() == 0
 
 
+def test_blocks_with_the_proposers_kv_wait_for_it_and_a_hit_gives_its_last_block_back():
+    """``with_proposer_kv`` (EAGLE's head K/V in the same blocks): a block is registered once the
+    proposer has computed it too, and a hit leaves its last matched block to compute again."""
+    kv = KVCacheManager(8, 4, enable_prefix_caching=True, with_proposer_kv=True)
+    tokens = list(range(14))                               # 3 full blocks and a partial one
+    assert kv.acquire_cached_prefix("a", tokens) == 0 and kv.allocate_slots("a", 14)
+    kv.cache_full_blocks("a", tokens, 14, num_proposer_tokens=0)
+    assert [kv.cached_block_key(b) is not None for b in kv.block_table("a")] == [False] * 4
+    kv.cache_full_blocks("a", tokens, 14, num_proposer_tokens=9)
+    assert [kv.cached_block_key(b) is not None for b in kv.block_table("a")] == [True, True, False, False]
+    kv.cache_full_blocks("a", tokens, 14, num_proposer_tokens=13)
+    assert [kv.cached_block_key(b) is not None for b in kv.block_table("a")] == [True, True, True, False]
+    with pytest.raises(ValueError, match="proposer"):
+        kv.cache_full_blocks("a", tokens, 14)
+    # 3 blocks match; the last one is computed again, in a block of b's own.
+    assert kv.acquire_cached_prefix("b", tokens[:12] + [99, 98]) == 8
+    assert kv.block_table("b") == kv.block_table("a")[:2]
+    assert kv.acquire_cached_prefix("c", tokens[:5]) == 0      # one block matched: none kept
+
+
 def test_off_means_no_lookups():
     kv = KVCacheManager(8, 4)
     run_request(kv, "a", list(range(9)))

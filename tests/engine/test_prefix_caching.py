@@ -1,7 +1,8 @@
 """Automatic prefix caching in the engine: the same greedy tokens and the
-same seeded samples as without it (batch 1 and 8, plain, n-gram and a draft model,
-under preemption), hit counts, and no block registered while it holds a draft
-token awaiting verification. Tiny random model: seconds."""
+same seeded samples as without it (batch 1 and 8, plain, n-gram, a draft model
+and EAGLE, under preemption), hit counts, and no block registered while it holds
+a draft token awaiting verification, or, with EAGLE, before its head has
+computed it. Tiny random model: seconds."""
 from __future__ import annotations
 
 import pytest
@@ -19,19 +20,22 @@ SPECS = {
     "plain": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 3},
     "draft": "draft",   # another tiny random model: a draft KV cache, and rejections
+    "eagle": "eagle",   # a head whose K/V the cached blocks carry too
 }
-DRAFT_DIR: list[str] = []
+DRAFT_DIR: dict[str, str] = {}
 
 
 @pytest.fixture(autouse=True)
-def _draft_dir(tiny_draft_dir):
-    DRAFT_DIR[:] = [tiny_draft_dir]
+def _draft_dir(tiny_draft_dir, tiny_eagle_dir):
+    DRAFT_DIR.update(draft=tiny_draft_dir, eagle=tiny_eagle_dir)
 
 
 def make_llm(model_dir, spec: str, caching: bool, **kw) -> LLM:
     config = SPECS[spec]
     if config == "draft":
-        config = {"method": "draft_model", "model": DRAFT_DIR[0], "num_speculative_tokens": 3}
+        config = {"method": "draft_model", "model": DRAFT_DIR["draft"], "num_speculative_tokens": 3}
+    elif config == "eagle":
+        config = {"method": "eagle", "model": DRAFT_DIR["eagle"], "num_speculative_tokens": 3}
     extra = {"speculative_config": config} if config else {}
     kw.setdefault("kv_cache_memory", 8 << 20)
     return LLM(model=model_dir, dtype="float32", max_model_len=256, enable_prefix_caching=caching, **extra, **kw)
@@ -57,7 +61,9 @@ def test_the_same_tokens_with_and_without_prefix_caching(tiny_llama_dir, spec):
     # Batch 1, one after another: the second and later prompts find the system prompt cached.
     assert [tokens(on.generate(p, params_for(1)[0], use_tqdm=False))[0] for p in prompts[:3]] == want_one
     after_sequential = on.engine.get_prefix_cache_stats()["hits"]
-    assert after_sequential >= 2 * 16 * (len(on.get_tokenizer().encode(SYSTEM)) // 16)
+    # (EAGLE computes the last matched block again: its head's K/V there reads the next token)
+    shared_blocks = len(on.get_tokenizer().encode(SYSTEM)) // 16 - (spec == "eagle")
+    assert after_sequential >= 2 * 16 * shared_blocks
     # Batch 8 (its prompts are now cached too), then the same batch again.
     assert tokens(on.generate(prompts, params_for(8), use_tqdm=False)) == want_batch
     assert tokens(on.generate(prompts, params_for(8), use_tqdm=False)) == want_batch
@@ -92,26 +98,34 @@ def test_an_identical_prompt_reuses_every_full_block_but_the_last_token(tiny_lla
     assert tokens(first) == tokens(second)
 
 
-@pytest.mark.parametrize("spec", ["ngram", "draft"])
+@pytest.mark.parametrize("spec", ["ngram", "draft", "eagle"])
 def test_no_block_is_registered_while_it_holds_an_unverified_draft_token(tiny_llama_dir, spec, monkeypatch):
     """Every call that registers blocks passes only tokens whose KV is final: at most
     num_tokens - 1 (the newest token is not computed yet), never a draft position, and
-    registered blocks carry the request's own tokens."""
+    registered blocks carry the request's own tokens. With EAGLE a registered block also
+    lies below the head's own count (its K/V there is computed from the target's features)."""
     llm = make_llm(tiny_llama_dir, spec, caching=True)
     engine = llm.engine
+    assert engine.kv_cache.with_proposer_kv == (spec == "eagle")
     real = KVCacheManager.cache_full_blocks
     calls = []
 
-    def checked(kv, request_id, token_ids, num_verified_tokens):
+    def checked(kv, request_id, token_ids, num_verified_tokens, num_proposer_tokens):
         req = engine.requests[request_id]
         limit = req.num_computed_tokens if req.num_output_tokens == 0 else req.num_tokens - 1
         assert num_verified_tokens <= limit, (req, num_verified_tokens)
         assert token_ids is req.all_token_ids
-        real(kv, request_id, token_ids, num_verified_tokens)
-        for i, block in enumerate(kv.block_table(request_id)):
+        assert num_proposer_tokens == req.proposer_num_computed_tokens
+        table = kv.block_table(request_id)
+        before = [kv.cached_block_key(b) for b in table]
+        real(kv, request_id, token_ids, num_verified_tokens, num_proposer_tokens)
+        final = min(num_verified_tokens, num_proposer_tokens) if spec == "eagle" else num_verified_tokens
+        for i, block in enumerate(table):
             key = kv.cached_block_key(block)
             if key is not None and i < num_verified_tokens // kv.block_size:
                 assert list(key[1]) == req.all_token_ids[i * kv.block_size : (i + 1) * kv.block_size]
+            if key is not None and before[i] is None:   # registered by this call
+                assert (i + 1) * kv.block_size <= final, (req, i, num_verified_tokens, num_proposer_tokens)
         calls.append(drafts_in_step.get(request_id, 0))
 
     # the drafts of the step that is registering blocks (cleared by commit_step before it does)

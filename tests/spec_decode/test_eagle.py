@@ -21,6 +21,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from specserve import LLM, SamplingParams
 from specserve.config import DEFAULT_SPECULATIVE_TOKENS, SpeculativeConfig
 from specserve.drafts import SHIPPED, shipped_draft
+from specserve.model_executor.layers.attention import cache_slot
 from specserve.model_executor.loader import load_model
 from specserve.model_executor.models.eagle import EagleConfig, load_eagle_head
 from specserve.spec_decode.factory import resolve_speculative_config
@@ -167,6 +168,56 @@ def test_eagle_trees_are_lossless_with_preemption(tiny, children):
     proposer.keep_tree_branch(req, [1, 4], last=5)
     proposer.observe([TargetHidden(req, 5, tree_rows[:0], tree_rows)])
     assert torch.equal(proposer.features[req].get(5, 8), tree_rows[[0, 2, 5]])
+
+def _head_kv_at_first_drafts(llm: LLM) -> dict[tuple, tuple[torch.Tensor, int]]:
+    """Wraps the engine's EAGLE proposer: per prompt, the head's K/V [2, Hk, n, hd] at positions
+    0..n-1 just after its first catch-up (n = the tokens the target has computed then), and the
+    prompt tokens the request found cached."""
+    proposer, seen = llm.engine.proposer, {}
+    real = proposer._catch_up
+
+    def catch_up(reqs, budgets):
+        out = real(reqs, budgets)
+        for r in reqs:
+            key = tuple(r.prompt_token_ids)
+            if key not in seen and r.proposer_num_computed_tokens:
+                table = proposer.kv_cache.block_table(r.request_id)
+                slots = torch.tensor([cache_slot(table, p, proposer.block_size)
+                                      for p in range(r.proposer_num_computed_tokens)])
+                kv = proposer.kv
+                seen[key] = (kv.view(2, kv.shape[1], -1, kv.shape[4]).index_select(2, slots).clone(),
+                             r.num_cached_tokens)
+        return out
+
+    proposer._catch_up = catch_up
+    return seen
+
+
+def test_a_cached_prefix_brings_the_heads_kv_as_computed_without_caching(tiny):
+    """Prefix caching shares the head's K/V along with the target's blocks (core/kv_cache_manager.py).
+    One after another: A (prompt P) stops after its prompt, so its head never ran and its blocks are
+    not shared; B (prompt P again) drafts; C shares B's first 4 blocks and differs from it at the
+    5th block's first token, which B's head K/V at position 63 has read, so C computes that block
+    again. At each one's first drafts the head's K/V at every position equals an uncached engine's."""
+    target, eagle_dir = tiny
+    spec = {"method": "eagle", "model": eagle_dir, "num_speculative_tokens": 3}
+    gen = torch.Generator().manual_seed(3)
+    shared = torch.randint(100, 40000, (64,), generator=gen).tolist()
+    prompt_b = shared + torch.randint(100, 40000, (9,), generator=gen).tolist()
+    prompt_c = shared + [prompt_b[64] + 1] + prompt_b[65:]
+    kv_of = {}
+    for caching in (True, False):
+        llm = LLM(model=target, dtype="float32", device="cpu", kv_cache_memory=16 << 20, speculative_config=spec,
+                  enable_prefix_caching=caching)
+        assert llm.engine.kv_cache.with_proposer_kv == caching
+        kv_of[caching] = _head_kv_at_first_drafts(llm)
+        for prompt, max_tokens in ((prompt_b, 1), (prompt_b, 6), (prompt_c, 6)):
+            llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                         use_tqdm=False)
+    assert [kv_of[True][tuple(p)][1] for p in (prompt_b, prompt_c)] == [0, 48]   # B: nothing; C: 3 blocks
+    for prompt in (prompt_b, prompt_c):
+        torch.testing.assert_close(kv_of[True][tuple(prompt)][0], kv_of[False][tuple(prompt)][0], rtol=1e-4, atol=1e-5)
+
 
 # ---------------------------------------------------------------------------- default model
 PROMPTS = [
