@@ -34,7 +34,7 @@ class SpecserveEngine:
             speculative_config=config.speculative_config,
             max_num_seqs=max(64, max(opts.batch_sizes)),
             # Off for every configuration: cycled prompts and warm-ups would otherwise
-            # skip prefill for some configurations (EAGLE turns it off) and not others.
+            # skip prefill in the runs after the first, so the order of runs would count.
             enable_prefix_caching=False,
         )
         spec = self.llm.engine.spec_config if hasattr(self.llm.engine, "spec_config") else None

@@ -25,9 +25,12 @@ shared block can carry it too, when it is final there: a block is then
 registered only once the proposer has also computed all of its positions
 (``cache_full_blocks``'s ``num_proposer_tokens``), and a hit starts the
 proposer after the cached prefix. EAGLE's K/V at a position reads the token
-after it, which lies past the matched blocks for the last one, so a hit gives
-its last matched block back: that block is computed again, in a block of the
-request's own, and every position the hit keeps has its next token matched.
+after it, which lies past the matched blocks for the last one, so a hit copies
+its last matched block into a block of the request's own, all but that last
+position (``take_pending_copies``: the engine copies the slots in every cache
+before the step's forward), and the request computes that position again: a hit
+of n blocks covers n * block_size - 1 tokens. Where no block is free for the
+copy, the hit ends a block earlier.
 """
 from __future__ import annotations
 
@@ -51,6 +54,9 @@ class KVCacheManager:
         self._block_of_key: dict[tuple, int] = {}    # (parent hash, tokens) -> block
         self._key_of_block: dict[int, tuple] = {}
         self._chain: dict[str, list[int]] = {}     # per request: hashes of its first blocks, registered or found
+        # with_proposer_kv: per request, the copy its last hit block needs (source slots, destination
+        # slots, the source block, referenced until the copy is taken)
+        self._pending: dict[str, tuple[list[int], list[int], int]] = {}
         # Prefix cache counters (tokens), as vLLM counts them.
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
@@ -83,11 +89,14 @@ class KVCacheManager:
                 del self._tables[request_id]
             return False
         for _ in range(max(missing, 0)):
-            block, _ = self._free.popitem(last=False)
-            self._forget(block)
-            self._refs[block] = 1
-            table.append(block)
+            table.append(self._take_free_block())
         return True
+
+    def _take_free_block(self) -> int:
+        block, _ = self._free.popitem(last=False)
+        self._forget(block)
+        self._refs[block] = 1
+        return block
 
     def fork(self, parent_id: str, child_id: str, num_tokens: int) -> int:
         """Give ``child_id`` (holding no blocks) the parent's full blocks below ``num_tokens`` by
@@ -108,13 +117,19 @@ class KVCacheManager:
     def free(self, request_id: str) -> None:
         """Release a request's blocks; registered ones stay findable until reused."""
         self._chain.pop(request_id, None)
+        pending = self._pending.pop(request_id, None)
+        if pending is not None:      # never copied: the destination goes back with the table
+            self._release(pending[2])
         # The tail first: a request's last blocks are the least likely to be shared.
         for block in reversed(self._tables.pop(request_id, [])):
-            self._refs[block] -= 1
-            if self._refs[block] == 0:
-                self._free[block] = None
-                if block not in self._key_of_block:
-                    self._free.move_to_end(block, last=False)   # nothing to keep: reuse it first
+            self._release(block)
+
+    def _release(self, block: int) -> None:
+        self._refs[block] -= 1
+        if self._refs[block] == 0:
+            self._free[block] = None
+            if block not in self._key_of_block:
+                self._free.move_to_end(block, last=False)   # nothing to keep: reuse it first
 
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
@@ -122,25 +137,48 @@ class KVCacheManager:
     # ------------------------------------------------------------ prefix caching
     def acquire_cached_prefix(self, request_id: str, token_ids: Sequence[int]) -> int:
         """Give a request without blocks the longest registered prefix of ``token_ids``;
-        -> the number of tokens it covers (a multiple of the block size). At least
-        one token is always left to compute: the step needs its logits. With ``with_proposer_kv``
-        the last matched block is left out (module docstring)."""
+        -> the number of tokens it covers (a multiple of the block size; with
+        ``with_proposer_kv`` one less, see the module docstring). At least one token is
+        always left to compute: the step needs its logits."""
         if not self.enable_prefix_caching or self._tables.get(request_id):
             return 0
         bs = self.block_size
         max_blocks = (len(token_ids) - 1) // bs
         matched = list(self._matched_blocks(token_ids, max_blocks))
-        if self.with_proposer_kv:
-            matched = matched[:-1]
         table = [block for _, block in matched]
         for block in table:
             if self._refs[block] == 0:
                 del self._free[block]
             self._refs[block] += 1
+        hit = len(table) * bs
+        if self.with_proposer_kv and table:
+            if self._free:   # the last block: a copy of the request's own, its last position computed again
+                source = table[-1]
+                table[-1] = self._take_free_block()
+                self._pending[request_id] = ([source * bs + j for j in range(bs - 1)],
+                                             [table[-1] * bs + j for j in range(bs - 1)], source)
+                hit -= 1
+            else:            # no block for the copy: the hit ends a block earlier
+                self._release(table.pop())
+                matched.pop()
+                hit -= bs
         if table:
             self._tables[request_id] = table
             self._chain[request_id] = [hash(key) for key, _ in matched]
-        return len(table) * bs
+        return hit
+
+    def take_pending_copies(self) -> tuple[list[int], list[int]]:
+        """-> (source slots, destination slots) that requests admitted since the last call need
+        copied, in every cache that follows these block tables, before any of them is computed
+        (``with_proposer_kv``: the last hit block's copy). The sources may be reused after this."""
+        src: list[int] = []
+        dst: list[int] = []
+        for s, d, source in self._pending.values():
+            src += s
+            dst += d
+            self._release(source)
+        self._pending.clear()
+        return src, dst
 
     def _matched_blocks(self, token_ids: Sequence[int], max_blocks: int):
         """-> (key, block) of the registered blocks that match ``token_ids`` from its start, at most

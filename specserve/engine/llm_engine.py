@@ -142,8 +142,7 @@ class LLMEngine:
             return request_id
         children = [self._new_request(child_id(request_id, i), text, token_ids, child_params(params, i))
                     for i in range(params.n)]
-        hold = 0 if not self.kv_cache.enable_prefix_caching else 2 if self.kv_cache.with_proposer_kv else 1
-        group = SampleGroup(request_id, children, hold_siblings=hold)
+        group = SampleGroup(request_id, children, hold_siblings=self.kv_cache.enable_prefix_caching)
         self.groups.add(group)
         for c in children:
             if c not in group.held:
@@ -208,6 +207,7 @@ class LLMEngine:
         for req in self.groups.take_released():
             self.scheduler.add_request(req)
         plan = self.scheduler.schedule()
+        self._copy_cached_blocks()
         if not plan.scheduled:
             return []
         reserved = [s.num_lookahead for s in plan.scheduled]   # room for the grammar's forced drafts
@@ -252,7 +252,22 @@ class LLMEngine:
         self.drafting.record_step_costs(plan.scheduled, inputs, step_started, started, verified_at)
         if want_hidden:
             self.drafting.show_hidden_states(self.proposer, plan.scheduled, inputs, starts, result.all_hidden)
+            if self.kv_cache.with_proposer_kv:   # the head has computed a prefill's positions: share its blocks now
+                for s in plan.scheduled:
+                    req = s.request
+                    if req.request_id in self.requests and req.status is RequestStatus.RUNNING:
+                        self.kv_cache.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens,
+                                                        req.proposer_num_computed_tokens)
         return outputs
+
+    def _copy_cached_blocks(self) -> None:
+        """The slots prefix cache hits need copied (EAGLE's last hit block, core/kv_cache_manager.py),
+        in the target's cache and the proposer's, before the step computes anything."""
+        src, dst = self.kv_cache.take_pending_copies()
+        if src:
+            self.runner.copy_kv_slots(src, dst)
+            if self.proposer is not None:
+                self.proposer.copy_kv_slots(src, dst)
 
     def _update(self, s: ScheduledRequest, emitted: dict, stream_outputs: bool = True) -> RequestOutput | None:
         """Advance one scheduled request by its emitted tokens (stop checks one by one) -> its

@@ -5,10 +5,8 @@ seeded request, seed + i, so sample i is the same whether it is drawn alone or
 with its siblings. The first child prefills the prompt; the others are held back
 until it has (``ready_to_release``) and then find the prompt's full blocks in
 the prefix cache, so the prompt is computed once (all but its last partial
-block, which each child computes itself). Where the cached blocks carry EAGLE's
-K/V too, they are registered one step later (once its head has computed them,
-``core/kv_cache_manager.py``), so the siblings wait for the first child's second
-token. Without prefix caching all n start at once. The engine reports the group as ONE ``RequestOutput`` whose ``outputs``
+block, which each child computes itself). Without prefix caching all n start at
+once. The engine reports the group as ONE ``RequestOutput`` whose ``outputs``
 are the children's latest completions, ``index`` i, finished when all are.
 """
 from __future__ import annotations
@@ -30,20 +28,18 @@ def child_id(request_id: str, index: int) -> str:
 
 
 class SampleGroup:
-    def __init__(self, request_id: str, children: list[Request], hold_siblings: int):
-        """``hold_siblings``: the tokens the first child emits before its siblings start (0: they start at once)."""
+    def __init__(self, request_id: str, children: list[Request], hold_siblings: bool):
         self.request_id = request_id
         self.children = children
         self.held: list[Request] = list(children[1:]) if hold_siblings else []
-        self.hold_for_tokens = hold_siblings
         self.latest: list[CompletionOutput] = [CompletionOutput(index=i, text="", token_ids=[])
                                                for i in range(len(children))]
         self.last_output: RequestOutput | None = None
 
     def ready_to_release(self) -> bool:
-        """The first child's prompt blocks are cached (it emitted its ``hold_for_tokens`` tokens) or it has ended."""
+        """The first child has computed the prompt (it emitted a token) or has ended."""
         first = self.children[0]
-        return bool(self.held) and (first.num_output_tokens >= self.hold_for_tokens or first.is_finished())
+        return bool(self.held) and (first.num_output_tokens > 0 or first.is_finished())
 
     def index_of(self, request_id: str) -> int:
         return next(i for i, c in enumerate(self.children) if c.request_id == request_id)

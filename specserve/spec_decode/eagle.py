@@ -165,6 +165,7 @@ class EagleProposer(Proposer):
                 self.features[req] = _Features(st.start_position, st.hidden)
             else:
                 feats.add(st.start_position, st.hidden)
+        self._catch_up_prefills(states)
 
     def keep_tree_branch(self, request: Request, path: list[int], last: int) -> None:
         self.branches[request] = list(path)   # observe() picks these rows of the tree's hidden states
@@ -349,11 +350,29 @@ class EagleProposer(Proposer):
     def _catch_up(self, reqs: list[Request], budgets: list[int]) -> tuple[list[int], torch.Tensor | None]:
         """One head forward over positions [proposer_num_computed_tokens, num_computed_tokens) with
         the target's real features -> (requests drafting, their last position's output [n, H])."""
+        wanted = [i for i, r in enumerate(reqs) if budgets[i] > 0]
+        active, hidden = self._head_over_features([reqs[i] for i in wanted], [reqs[i].num_computed_tokens for i in wanted])
+        return [wanted[j] for j in active], hidden
+
+    def _catch_up_prefills(self, states: list[TargetHidden]) -> None:
+        """After a step that computed prompt positions (a prefill, or a preempted request's
+        recomputation): the head computes them too, all but the last (the next drafting's
+        catch-up computes that one and drafts from it). Its K/V in the prompt's blocks is then
+        final, so prefix caching can share them (``core/kv_cache_manager.py``) whether or not
+        the request drafts later."""
+        reqs = [st.request for st in states if st.start_position < st.request.num_prompt_tokens
+                and st.hidden.shape[0] > 0 and not st.request.is_finished()]
+        self._head_over_features(reqs, [r.num_computed_tokens - 1 for r in reqs])
+
+    def _head_over_features(self, reqs: list[Request], ends: list[int]) -> tuple[list[int], torch.Tensor | None]:
+        """One head forward over positions [proposer_num_computed_tokens, ends[i]) of each request,
+        from the target's real features and the token after each position -> (the requests it ran
+        for, their last position's output [n, H])."""
         active, feats, token_ids, positions, q_lens, ctx_lens, tables = [], [], [], [], [], [], []
-        for i, r in enumerate(reqs):
-            start, end = r.proposer_num_computed_tokens, r.num_computed_tokens
-            if end <= start or budgets[i] == 0:
-                continue  # nothing computed by the target yet (a one-token prompt's first step)
+        for i, (r, end) in enumerate(zip(reqs, ends)):
+            start = r.proposer_num_computed_tokens
+            if end <= start:
+                continue  # nothing new computed by the target (a one-token prompt's first step)
             stored = self.features.get(r)
             rows = stored.get(start, end) if stored is not None else None
             if rows is None:  # should not happen: every kept position is observed
@@ -375,8 +394,8 @@ class EagleProposer(Proposer):
         hidden = hidden[last.to(self.device)]                                         # [len(active), H]
         for i in active:
             r = reqs[i]
-            r.proposer_num_computed_tokens = r.num_computed_tokens
-            self.features[r].drop_before(r.num_computed_tokens)
+            r.proposer_num_computed_tokens = ends[i]
+            self.features[r].drop_before(ends[i])
         return active, hidden
 
 

@@ -227,9 +227,10 @@ def test_shared_blocks_are_reference_counted():
     assert kv.num_used_blocks() == 0
 
 
-def test_blocks_with_the_proposers_kv_wait_for_it_and_a_hit_gives_its_last_block_back():
+def test_blocks_with_the_proposers_kv_wait_for_it_and_a_hit_copies_its_last_block():
     """``with_proposer_kv`` (EAGLE's head K/V in the same blocks): a block is registered once the
-    proposer has computed it too, and a hit leaves its last matched block to compute again."""
+    proposer has computed it too, and a hit copies its last matched block into one of its own but
+    for the last position, which it computes again."""
     kv = KVCacheManager(8, 4, enable_prefix_caching=True, with_proposer_kv=True)
     tokens = list(range(14))                               # 3 full blocks and a partial one
     assert kv.acquire_cached_prefix("a", tokens) == 0 and kv.allocate_slots("a", 14)
@@ -241,10 +242,34 @@ def test_blocks_with_the_proposers_kv_wait_for_it_and_a_hit_gives_its_last_block
     assert [kv.cached_block_key(b) is not None for b in kv.block_table("a")] == [True, True, True, False]
     with pytest.raises(ValueError, match="proposer"):
         kv.cache_full_blocks("a", tokens, 14)
-    # 3 blocks match; the last one is computed again, in a block of b's own.
-    assert kv.acquire_cached_prefix("b", tokens[:12] + [99, 98]) == 8
-    assert kv.block_table("b") == kv.block_table("a")[:2]
-    assert kv.acquire_cached_prefix("c", tokens[:5]) == 0      # one block matched: none kept
+    a = kv.block_table("a")
+    kv.free("a")
+    # 3 blocks match: 2 shared, the third copied but for its last slot, which b computes again.
+    assert kv.acquire_cached_prefix("b", tokens[:12] + [99, 98]) == 11
+    b = kv.block_table("b")
+    assert b[:2] == a[:2] and b[2] != a[2]
+    assert a[2] not in kv._free                            # the copy's source is kept until copied
+    assert kv.take_pending_copies() == ([a[2] * 4 + j for j in range(3)], [b[2] * 4 + j for j in range(3)])
+    assert a[2] in kv._free and kv.take_pending_copies() == ([], [])
+    assert kv.cached_block_key(a[2]) is not None           # still registered, for the next request
+    # A request freed before its copy is taken leaves nothing to copy and holds nothing.
+    assert kv.acquire_cached_prefix("c", tokens[:5]) == 3
+    kv.free("c")
+    assert kv.take_pending_copies() == ([], []) and kv.num_used_blocks() == 3   # b's
+
+
+def test_with_no_block_free_for_the_copy_a_hit_ends_a_block_earlier():
+    kv = KVCacheManager(3, 4, enable_prefix_caching=True, with_proposer_kv=True)
+    tokens = list(range(12))
+    kv.acquire_cached_prefix("a", tokens)
+    kv.allocate_slots("a", 12)
+    kv.cache_full_blocks("a", tokens, 12, num_proposer_tokens=12)
+    a = kv.block_table("a")
+    assert kv.acquire_cached_prefix("b", tokens) == 4       # 2 blocks match; no free block for a copy
+    assert kv.block_table("b") == a[:1] and kv.take_pending_copies() == ([], [])
+    kv.free("a")
+    kv.free("b")
+    assert kv.num_used_blocks() == 0
 
 
 def test_off_means_no_lookups():
