@@ -25,12 +25,14 @@ shared block can carry it too, when it is final there: a block is then
 registered only once the proposer has also computed all of its positions
 (``cache_full_blocks``'s ``num_proposer_tokens``), and a hit starts the
 proposer after the cached prefix. EAGLE's K/V at a position reads the token
-after it, which lies past the matched blocks for the last one, so a hit copies
-its last matched block into a block of the request's own, all but that last
-position (``take_pending_copies``: the engine copies the slots in every cache
-before the step's forward), and the request computes that position again: a hit
-of n blocks covers n * block_size - 1 tokens. Where no block is free for the
-copy, the hit ends a block earlier.
+after it, so a registered block also records the token that followed it (the
+next block's first, which its last position read). A hit ends at the first
+matched block whose recorded token differs from the request's own: that block
+is copied into a block of the request's own, all but its last position
+(``take_pending_copies``: the engine copies the slots in every cache before the
+step's forward), and the request computes that position again, so the hit
+covers one token less. Where no block is free for the copy, the hit ends a
+block earlier.
 """
 from __future__ import annotations
 
@@ -53,6 +55,7 @@ class KVCacheManager:
         self._tables: dict[str, list[int]] = {}
         self._block_of_key: dict[tuple, int] = {}    # (parent hash, tokens) -> block
         self._key_of_block: dict[int, tuple] = {}
+        self._next_token: dict[int, int] = {}        # with_proposer_kv: registered block -> the token after it
         self._chain: dict[str, list[int]] = {}     # per request: hashes of its first blocks, registered or found
         # with_proposer_kv: per request, the copy its last hit block needs (source slots, destination
         # slots, the source block, referenced until the copy is taken)
@@ -145,13 +148,19 @@ class KVCacheManager:
         bs = self.block_size
         max_blocks = (len(token_ids) - 1) // bs
         matched = list(self._matched_blocks(token_ids, max_blocks))
+        copy_last = False
+        if self.with_proposer_kv:   # the proposer's K/V at a block's last position read the token after it
+            for i, (_, block) in enumerate(matched):
+                if self._next_token[block] != token_ids[(i + 1) * bs]:
+                    matched, copy_last = matched[: i + 1], True
+                    break
         table = [block for _, block in matched]
         for block in table:
             if self._refs[block] == 0:
                 del self._free[block]
             self._refs[block] += 1
         hit = len(table) * bs
-        if self.with_proposer_kv and table:
+        if copy_last:
             if self._free:   # the last block: a copy of the request's own, its last position computed again
                 source = table[-1]
                 table[-1] = self._take_free_block()
@@ -210,18 +219,20 @@ class KVCacheManager:
         table = self._tables.get(request_id, [])
         chain = self._chain.setdefault(request_id, [])
         bs = self.block_size
-        final = num_verified_tokens
-        if self.with_proposer_kv:
+        full = num_verified_tokens // bs
+        if self.with_proposer_kv:   # (and the token after the block is known: its record)
             if num_proposer_tokens is None:
                 raise ValueError("blocks that carry the proposer's K/V need its count of computed tokens")
-            final = min(final, num_proposer_tokens)
-        for i in range(len(chain), min(final // bs, len(table))):
+            full = min(full, num_proposer_tokens // bs, (len(token_ids) - 1) // bs)
+        for i in range(len(chain), min(full, len(table))):
             key = (chain[-1] if chain else None, tuple(token_ids[i * bs : (i + 1) * bs]))
             chain.append(hash(key))
             block = table[i]
             if key not in self._block_of_key and block not in self._key_of_block:
                 self._block_of_key[key] = block
                 self._key_of_block[block] = key
+                if self.with_proposer_kv:
+                    self._next_token[block] = token_ids[(i + 1) * bs]
 
     def cached_block_key(self, block: int) -> tuple | None:
         """(parent's hash, the block's tokens) a block is registered under; None if it is not."""
@@ -231,9 +242,11 @@ class KVCacheManager:
         """Forget every registered block (their KV stays until overwritten)."""
         self._block_of_key.clear()
         self._key_of_block.clear()
+        self._next_token.clear()
         self._chain.clear()
 
     def _forget(self, block: int) -> None:
         key = self._key_of_block.pop(block, None)
+        self._next_token.pop(block, None)
         if key is not None:
             del self._block_of_key[key]

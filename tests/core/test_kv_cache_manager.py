@@ -229,8 +229,9 @@ def test_shared_blocks_are_reference_counted():
 
 def test_blocks_with_the_proposers_kv_wait_for_it_and_a_hit_copies_its_last_block():
     """``with_proposer_kv`` (EAGLE's head K/V in the same blocks): a block is registered once the
-    proposer has computed it too, and a hit copies its last matched block into one of its own but
-    for the last position, which it computes again."""
+    proposer has computed it too, with the token after it; a hit ends at the first block whose
+    next token differs from the request's, and copies it into one of its own but for the last
+    position, which it computes again."""
     kv = KVCacheManager(8, 4, enable_prefix_caching=True, with_proposer_kv=True)
     tokens = list(range(14))                               # 3 full blocks and a partial one
     assert kv.acquire_cached_prefix("a", tokens) == 0 and kv.allocate_slots("a", 14)
@@ -252,10 +253,13 @@ def test_blocks_with_the_proposers_kv_wait_for_it_and_a_hit_copies_its_last_bloc
     assert kv.take_pending_copies() == ([a[2] * 4 + j for j in range(3)], [b[2] * 4 + j for j in range(3)])
     assert a[2] in kv._free and kv.take_pending_copies() == ([], [])
     assert kv.cached_block_key(a[2]) is not None           # still registered, for the next request
+    # The same next tokens all along: every matched block is shared as it is.
+    assert kv.acquire_cached_prefix("d", tokens[:13]) == 12
+    assert kv.block_table("d") == a[:3] and kv.take_pending_copies() == ([], [])
     # A request freed before its copy is taken leaves nothing to copy and holds nothing.
-    assert kv.acquire_cached_prefix("c", tokens[:5]) == 3
+    assert kv.acquire_cached_prefix("c", tokens[:4] + [77]) == 3
     kv.free("c")
-    assert kv.take_pending_copies() == ([], []) and kv.num_used_blocks() == 3   # b's
+    assert kv.take_pending_copies() == ([], []) and kv.num_used_blocks() == 4   # b's 3 and d's 3, 2 shared
 
 
 def test_with_no_block_free_for_the_copy_a_hit_ends_a_block_earlier():
@@ -265,7 +269,8 @@ def test_with_no_block_free_for_the_copy_a_hit_ends_a_block_earlier():
     kv.allocate_slots("a", 12)
     kv.cache_full_blocks("a", tokens, 12, num_proposer_tokens=12)
     a = kv.block_table("a")
-    assert kv.acquire_cached_prefix("b", tokens) == 4       # 2 blocks match; no free block for a copy
+    assert [kv.cached_block_key(b) is not None for b in a] == [True, True, False]   # block 3: no next token yet
+    assert kv.acquire_cached_prefix("b", tokens[:8] + [50, 51]) == 4   # no free block to copy the 2nd into
     assert kv.block_table("b") == a[:1] and kv.take_pending_copies() == ([], [])
     kv.free("a")
     kv.free("b")
@@ -279,16 +284,28 @@ def test_off_means_no_lookups():
     assert kv.num_queried_tokens == 0
 
 
-def test_random_requests_with_prefix_caching_read_back_their_own_tokens():
+@pytest.mark.parametrize("with_proposer_kv", [False, True])
+def test_random_requests_with_prefix_caching_read_back_their_own_tokens(with_proposer_kv):
     """A simulated KV cache (slot -> token written there) under prefix caching, drafts,
     rejections, aborts and preemption: every position a request has computed reads back
-    that request's own token, whether it wrote it or found it cached."""
+    that request's own token, whether it wrote it or found it cached. ``with_proposer_kv``: a
+    simulated EAGLE head writes (token, next token) in the same slots, computed when it catches
+    up (every other step) and guessed at draft positions; every position the head has computed
+    reads back the request's own pair, through the hits' copies too."""
     rng = random.Random(99)
     block_size, max_model_len, k = 4, 48, 3
-    kv = KVCacheManager(14, block_size, enable_prefix_caching=True)   # 13 fit one request
+    kv = KVCacheManager(14, block_size, enable_prefix_caching=True, with_proposer_kv=with_proposer_kv)   # 13 fit one
     sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=40, max_model_len=max_model_len, num_lookahead_slots=k)
     bases = [[rng.randrange(VOCAB) for _ in range(20)] for _ in range(3)]
     slots: dict[tuple[int, int], int] = {}
+    head: dict[tuple[int, int], tuple] = {}     # the head's K/V: (token, the token after it)
+
+    def copy_pending() -> None:
+        src, dst = kv.take_pending_copies()
+        for cache in (slots, head):
+            values = [cache.get(divmod(s, block_size)) for s in src]
+            for d, v in zip(dst, values):
+                cache[divmod(d, block_size)] = v
 
     def check_registered(req: Request) -> None:
         """A registered block holds exactly the tokens it is registered under: no draft token."""
@@ -296,11 +313,23 @@ def test_random_requests_with_prefix_caching_read_back_their_own_tokens():
             key = kv.cached_block_key(b)
             if key is not None:
                 assert [slots.get((b, j)) for j in range(block_size)] == list(key[1]), (req, b)
+                if with_proposer_kv:   # and the head's K/V there, each with a real next token
+                    assert [head.get((b, j), (None,))[0] for j in range(block_size)] == list(key[1]), (req, b)
 
     def write(req: Request, start: int, tokens: list[int]) -> None:
         table = kv.block_table(req.request_id)
         for pos, tok in enumerate(tokens, start):
             slots[(table[pos // block_size], pos % block_size)] = tok
+
+    def head_catch_up(req: Request) -> None:
+        """Half the time (a step that drafts, or a prefill): the head computes every position
+        whose next token is known and the target has computed."""
+        end = min(req.num_computed_tokens, req.num_tokens - 1)
+        if with_proposer_kv and rng.random() < 0.5 and end > req.proposer_num_computed_tokens:
+            table = kv.block_table(req.request_id)
+            for pos in range(req.proposer_num_computed_tokens, end):
+                head[(table[pos // block_size], pos % block_size)] = tuple(req.all_token_ids[pos : pos + 2])
+            req.proposer_num_computed_tokens = end
 
     pending = []
     for i in range(300):
@@ -322,12 +351,17 @@ def test_random_requests_with_prefix_caching_read_back_their_own_tokens():
         if live and rng.random() < 0.05:
             victim = live.pop(rng.randrange(len(live)))
             sched.finish(victim, RequestStatus.FINISHED_ABORTED)
-        for s in sched.schedule().scheduled:
+        scheduled = sched.schedule().scheduled
+        copy_pending()
+        for s in scheduled:
             req = s.request
             table = kv.block_table(req.request_id)
             start = req.num_computed_tokens
             for pos in range(start):   # cached or computed earlier: must be this request's tokens
                 assert slots.get((table[pos // block_size], pos % block_size)) == req.all_token_ids[pos], (req, pos)
+            for pos in range(req.proposer_num_computed_tokens if with_proposer_kv else 0):
+                want = tuple(req.all_token_ids[pos : pos + 2])
+                assert head.get((table[pos // block_size], pos % block_size)) == want, (req, pos)
             new = req.all_token_ids[start : start + s.num_new_tokens]
             n_acc = rng.randint(0, s.num_lookahead)
             right = list(req.all_token_ids)
@@ -336,9 +370,13 @@ def test_random_requests_with_prefix_caching_read_back_their_own_tokens():
             drafts = right[req.num_tokens : req.num_tokens + n_acc]
             drafts += [(t + 1) % VOCAB for t in right[req.num_tokens + n_acc : req.num_tokens + s.num_lookahead]]
             write(req, start, new + drafts)
+            for pos in range(req.num_tokens, req.num_tokens + s.num_lookahead):   # the head's guesses
+                head[(table[pos // block_size], pos % block_size)] = ("guessed",)
             req.num_computed_tokens += s.num_new_tokens + s.num_lookahead
             if not s.will_sample:
-                kv.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
+                head_catch_up(req)
+                kv.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens,
+                                     req.proposer_num_computed_tokens)
                 check_registered(req)
                 continue
             req.num_computed_tokens -= s.num_lookahead - n_acc
@@ -348,7 +386,9 @@ def test_random_requests_with_prefix_caching_read_back_their_own_tokens():
                 if req.num_output_tokens >= req.max_tokens or req.num_tokens >= max_model_len:
                     finished = True
                     break
-            kv.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
+            head_catch_up(req)
+            kv.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens,
+                                 req.proposer_num_computed_tokens)
             check_registered(req)
             if finished:
                 sched.finish(req, RequestStatus.FINISHED_LENGTH)
