@@ -67,7 +67,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "for the target; tli: its distribution on the tokens both vocabularies share); default: "
                         "tli when the tokenizers differ; naming one forces it on any draft")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse the KV blocks of earlier requests' identical prefixes (default: on; off with EAGLE)")
+                   help="reuse the KV blocks of earlier requests' identical prefixes (default: on)")
     p.add_argument("--int8-activations", action=argparse.BooleanOptionalAction, default=False,
                    help="CPU, GGUF blocks: multiply with activations rounded to 8 bits (AVX-512 VNNI or AVX2; faster, "
                         "llama.cpp's numbers rather than float32 activations)")

@@ -12,7 +12,10 @@ target has positions 0..n-1; token n is the one just sampled):
 
 1. catch up: one head forward over positions ``proposer_num_computed_tokens``
    .. n-1 with the target's real features (from ``observe``) and tokens
-   x_{p+1}; the last position's output gives draft 1;
+   x_{p+1}; the last position's output gives draft 1. (A prefill's positions
+   but its last are computed in ``observe``, right after the target's step,
+   so prefix caching can share their blocks whether or not the request drafts:
+   the cached blocks carry the head's K/V, ``core/kv_cache_manager.py``.);
 2. drafts 2..k: single-position forwards at n, n+1, ... that feed the head's
    own output back in as the feature (no target feature exists there yet).
 
