@@ -151,11 +151,13 @@ class Scheduler:
         else:
             self.waiting.append(req)
 
-    def finish(self, req: Request, status: RequestStatus) -> None:
-        """Mark a request finished (stop, length or abort) and free its blocks."""
+    def finish(self, req: Request, status: RequestStatus, free_blocks: bool = True) -> None:
+        """Mark a request finished (stop, length or abort) and free its blocks (``free_blocks``
+        False: the caller frees them later, ``KVCacheManager.free``)."""
         req.status = status
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.kv_cache.free(req.request_id)
+        if free_blocks:
+            self.kv_cache.free(req.request_id)

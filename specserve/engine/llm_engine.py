@@ -100,6 +100,7 @@ class LLMEngine:
         self.drafting = Drafting(spec_config.disable_by_batch_size if spec_config else None, self.k_policy,
                                  self.spec_stats, self.max_model_len)
         self.request_errors: dict[str, BaseException] = {}   # finish_reason "error" -> why
+        self._blocks_held: list[Request] = []    # finished this step; blocks freed at its end (_finish)
         self._ids = itertools.count()
         self._seed_rng = torch.Generator().manual_seed(config.seed)
         self.eos_token_id = self.tokenizer.eos_token_id
@@ -204,6 +205,7 @@ class LLMEngine:
         (``LLM.generate`` reads no other), saving every other request's detokenization and
         RequestOutput (1.6 ms a step at batch 64 on a CPU); streams keep the default."""
         step_started = time.perf_counter()
+        self._free_held_blocks()     # (none: a step that ended early, by an exception, may leave some)
         for req in self.groups.take_released():
             self.scheduler.add_request(req)
         plan = self.scheduler.schedule()
@@ -252,13 +254,26 @@ class LLMEngine:
         self.drafting.record_step_costs(plan.scheduled, inputs, step_started, started, verified_at)
         if want_hidden:
             self.drafting.show_hidden_states(self.proposer, plan.scheduled, inputs, starts, result.all_hidden)
-            if self.kv_cache.with_proposer_kv:   # the head has computed a prefill's positions: share its blocks now
-                for s in plan.scheduled:
-                    req = s.request
-                    if req.request_id in self.requests and req.status is RequestStatus.RUNNING:
-                        self.kv_cache.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens,
-                                                        req.proposer_num_computed_tokens)
+        if self.kv_cache.with_proposer_kv:
+            self._share_blocks_the_head_completed(plan.scheduled)
         return outputs
+
+    def _share_blocks_the_head_completed(self, scheduled: list[ScheduledRequest]) -> None:
+        """EAGLE (``with_proposer_kv``): in ``observe`` its head computed the positions of this
+        step's prefills and of the requests that finished in it; their full blocks are registered
+        now, then the finished requests' blocks (held for this, ``_finish``) are freed."""
+        for s in scheduled:
+            req = s.request
+            if (req.status is RequestStatus.RUNNING and req.request_id in self.requests) or req in self._blocks_held:
+                self.kv_cache.cache_full_blocks(req.request_id, req.all_token_ids,
+                                                min(req.num_computed_tokens, req.num_tokens),
+                                                req.proposer_num_computed_tokens)
+        self._free_held_blocks()
+
+    def _free_held_blocks(self) -> None:
+        for req in self._blocks_held:
+            self.kv_cache.free(req.request_id)
+        self._blocks_held.clear()
 
     def _copy_cached_blocks(self) -> None:
         """The slots prefix cache hits need copied (EAGLE's last hit block, core/kv_cache_manager.py),
@@ -296,7 +311,7 @@ class LLMEngine:
             req.spec_stats.record(num_drafts, verified.num_accepted, appended, per_depth)
             self.spec_stats.record(num_drafts, verified.num_accepted, appended, per_depth)
         if status is not None:
-            self._finish(req, status)
+            self._finish(req, status, hold_blocks=self.kv_cache.with_proposer_kv)
         if not (stream_outputs or req.is_finished()):
             return None
         return self.output_processor.make_output(req)
@@ -316,9 +331,13 @@ class LLMEngine:
         """The exception that finished a request with finish_reason "error" (once)."""
         return self.request_errors.pop(request_id, None)
 
-    def _finish(self, req: Request, status: RequestStatus) -> None:
+    def _finish(self, req: Request, status: RequestStatus, hold_blocks: bool = False) -> None:
+        """``hold_blocks``: its blocks are freed at the end of the step (EAGLE's head computes its
+        last positions first, so they can be shared: ``_share_blocks_the_head_completed``)."""
         req.finish_time = time.monotonic()
-        self.scheduler.finish(req, status)
+        self.scheduler.finish(req, status, free_blocks=not hold_blocks)
+        if hold_blocks:
+            self._blocks_held.append(req)
         self.requests.pop(req.request_id, None)
 
     def _keep_tree_branch(self, req: Request, path: list[int], last: int) -> None:

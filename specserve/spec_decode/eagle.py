@@ -12,10 +12,11 @@ target has positions 0..n-1; token n is the one just sampled):
 
 1. catch up: one head forward over positions ``proposer_num_computed_tokens``
    .. n-1 with the target's real features (from ``observe``) and tokens
-   x_{p+1}; the last position's output gives draft 1. (A prefill's positions
-   but its last are computed in ``observe``, right after the target's step,
-   so prefix caching can share their blocks whether or not the request drafts:
-   the cached blocks carry the head's K/V, ``core/kv_cache_manager.py``.);
+   x_{p+1}; the last position's output gives draft 1. (With prefix caching, a
+   prefill's positions but its last, and a finished request's positions, are
+   computed in ``observe``, right after the target's step, so their blocks can
+   be shared whether or not the request drafts: the cached blocks carry the
+   head's K/V, ``core/kv_cache_manager.py``.);
 2. drafts 2..k: single-position forwards at n, n+1, ... that feed the head's
    own output back in as the feature (no target feature exists there yet).
 
@@ -161,14 +162,14 @@ class EagleProposer(Proposer):
                 kept = max(req.num_computed_tokens - st.start_position, 0)
                 rows = _path_rows(1, self.branches.pop(req, []), kept)
                 st = TargetHidden(req, st.start_position, st.tree_rows[rows.to(st.tree_rows.device)])
-            if req.is_finished() or st.hidden.shape[0] == 0:
+            if st.hidden.shape[0] == 0 or (req.is_finished() and not self.kv_cache.with_proposer_kv):
                 continue
             feats = self.features.get(req)
             if feats is None:
                 self.features[req] = _Features(st.start_position, st.hidden)
             else:
                 feats.add(st.start_position, st.hidden)
-        self._catch_up_prefills(states)
+        self._catch_up_for_cache(states)
 
     def keep_tree_branch(self, request: Request, path: list[int], last: int) -> None:
         self.branches[request] = list(path)   # observe() picks these rows of the tree's hidden states
@@ -357,15 +358,30 @@ class EagleProposer(Proposer):
         active, hidden = self._head_over_features([reqs[i] for i in wanted], [reqs[i].num_computed_tokens for i in wanted])
         return [wanted[j] for j in active], hidden
 
-    def _catch_up_prefills(self, states: list[TargetHidden]) -> None:
-        """After a step that computed prompt positions (a prefill, or a preempted request's
-        recomputation): the head computes them too, all but the last (the next drafting's
-        catch-up computes that one and drafts from it). Its K/V in the prompt's blocks is then
-        final, so prefix caching can share them (``core/kv_cache_manager.py``) whether or not
-        the request drafts later."""
-        reqs = [st.request for st in states if st.start_position < st.request.num_prompt_tokens
-                and st.hidden.shape[0] > 0 and not st.request.is_finished()]
-        self._head_over_features(reqs, [r.num_computed_tokens - 1 for r in reqs])
+    def _catch_up_for_cache(self, states: list[TargetHidden]) -> None:
+        """With prefix caching, after a step: the head computes the positions of a prefill (or a
+        preempted request's recomputation), all but the last (the next drafting's catch-up
+        computes that one and drafts from it), and every position of a request that finished in
+        the step (its blocks are held until the step's end). Its K/V in their blocks is then
+        final, so prefix caching can share them (``core/kv_cache_manager.py``) whether or not the
+        request drafted."""
+        if not self.kv_cache.with_proposer_kv:   # no prefix caching: the first draft's catch-up does it
+            return
+        reqs, ends = [], []
+        for st in states:
+            r = st.request
+            if r.is_finished():      # every token is known: all it computed, if its blocks are still held
+                end = min(r.num_computed_tokens, r.num_tokens - 1)
+                if self.kv_cache.blocks_for(end) > len(self.kv_cache.block_table(r.request_id)):
+                    continue
+            elif st.start_position < r.num_prompt_tokens:
+                end = r.num_computed_tokens - 1
+            else:
+                continue
+            if r in self.features:
+                reqs.append(r)
+                ends.append(end)
+        self._head_over_features(reqs, ends)
 
     def _head_over_features(self, reqs: list[Request], ends: list[int]) -> tuple[list[int], torch.Tensor | None]:
         """One head forward over positions [proposer_num_computed_tokens, ends[i]) of each request,

@@ -41,14 +41,28 @@ def test_prefix_cache_suite(tiny_llama_dir, tmp_path):
                      "--workloads", "system-prompt,long-chat", "--turns", "2", "--max-model-len", "1024"],
                     str(tmp_path))
     rows = doc["table"]["rows"]
-    assert [r[0] for r in rows] == ["shared system prompt", "long chat: turns 2-2"]
-    assert rows[0][1] == "2"   # 3 requests, the first (filling the cache) left out
+    assert [r[:2] for r in rows] == [["shared system prompt", "`plain`"], ["long chat: turns 2-2", "`plain`"]]
+    assert rows[0][2] == "2"   # 3 requests, the first (filling the cache) left out
     for row, w in zip(rows, ("system-prompt", "long-chat")):   # the ratio is the samples' mean TTFTs'
         times = doc["samples"][w]["times"]
-        off, on = (sum(times[e].values(), []) for e in ("no-caching", "caching"))
-        assert row[5] == f"{(sum(off) / len(off)) / (sum(on) / len(on)):.2f}x" and row[1] == str(len(on))
+        off, on = (sum(times[e].values(), []) for e in ("plain/no-caching", "plain/caching"))
+        assert row[6] == f"{(sum(off) / len(off)) / (sum(on) / len(on)):.2f}x" and row[2] == str(len(on))
     with pytest.raises(ValueError, match="unknown workloads"):
         run_suite(["prefix-cache", "--model", tiny_llama_dir, "--workloads", "bogus"], str(tmp_path / "x"))
+
+
+def test_prefix_cache_suite_with_eagle(tiny_llama_dir, tiny_eagle_dir, tmp_path):
+    """Plain and EAGLE side by side; EAGLE's caching engine finds the system prompt cached, its
+    head's K/V included."""
+    eagle = f"eagle:3:model={tiny_eagle_dir}"
+    doc = run_suite(["prefix-cache", "--model", tiny_llama_dir, "--limit", "3", "--workloads", "system-prompt",
+                     "--max-model-len", "1024", "--configs", f"plain,{eagle}"], str(tmp_path))
+    assert [r[1] for r in doc["table"]["rows"]] == ["`plain`", f"`{eagle}`"]
+    stats = doc["samples"]["prefix_cache_stats"]
+    assert "'hits': 0," in stats[f"{eagle}/no-caching"] and "'hits': 0," not in stats[f"{eagle}/caching"]
+    doc = run_suite(["prefix-cache", "--model", tiny_llama_dir, "--limit", "2", "--workloads", "system-prompt",
+                     "--max-model-len", "1024", "--configs", eagle], str(tmp_path / "eagle-only"))
+    assert [r[1] for r in doc["table"]["rows"]] == [f"`{eagle}`"]
 
 
 def test_kernels_suite(tmp_path):

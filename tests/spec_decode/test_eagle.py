@@ -195,11 +195,11 @@ def _head_kv_at_first_drafts(llm: LLM) -> dict[tuple, tuple[torch.Tensor, int]]:
 
 def test_a_cached_prefix_brings_the_heads_kv_as_computed_without_caching(tiny):
     """Prefix caching shares the head's K/V along with the target's blocks (core/kv_cache_manager.py).
-    One after another: A (prompt P) stops after its prompt, so its head never ran and its blocks are
-    not shared; B (prompt P again) drafts; C shares B's first 4 blocks and differs from it at the
-    5th block's first token, which B's head K/V at position 63 has read, so C copies the 4th block
-    but for position 63 and computes that one again. At each one's first drafts the head's K/V at
-    every position equals an uncached engine's."""
+    One after another: A (prompt P) stops after its first token, never drafting: its head computes
+    its positions as it finishes, so its blocks are shared; B (prompt P again) finds them all; C
+    shares them and differs from P at the 5th block's first token, which the head K/V at position
+    63 has read, so C copies the 4th block but for position 63 and computes that one again. At B's
+    and C's first drafts the head's K/V at every position equals an uncached engine's."""
     target, eagle_dir = tiny
     spec = {"method": "eagle", "model": eagle_dir, "num_speculative_tokens": 3}
     gen = torch.Generator().manual_seed(3)
@@ -215,7 +215,7 @@ def test_a_cached_prefix_brings_the_heads_kv_as_computed_without_caching(tiny):
         for prompt, max_tokens in ((prompt_b, 1), (prompt_b, 6), (prompt_c, 6)):
             llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
                          use_tqdm=False)
-    assert [kv_of[True][tuple(p)][1] for p in (prompt_b, prompt_c)] == [0, 63]   # B: nothing; C: 4 blocks but 1 token
+    assert [kv_of[True][tuple(p)][1] for p in (prompt_b, prompt_c)] == [64, 63]   # B: 4 blocks; C: 4 blocks but 1 token
     for prompt in (prompt_b, prompt_c):
         torch.testing.assert_close(kv_of[True][tuple(prompt)][0], kv_of[False][tuple(prompt)][0], rtol=1e-4, atol=1e-5)
 

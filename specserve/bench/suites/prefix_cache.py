@@ -1,7 +1,9 @@
 """Time to first token with and without automatic prefix caching, side by side.
 
-Two workloads, both replayed on two engines of the same model (``enable_prefix_caching``
-on and off) in alternating order, request by request:
+Three workloads, each replayed on two engines of the same model (``enable_prefix_caching``
+on and off) per configuration (``--configs``: plain, or speculation as in ``specserve bench
+--configs``; with EAGLE the cached blocks carry its head's K/V too), in alternating order,
+request by request:
 
 - ``multi-turn``: Spec-Bench's two-turn questions (``--prompts``; the 80 with two
   turns) as conversations. Turn 1 is answered (greedy, ``--answer-tokens``), then turn 2
@@ -19,9 +21,10 @@ token out (prefill plus one sample), on one thread of the engine.
     specserve bench prefix-cache --limit 16 --answer-tokens 64
     specserve bench prefix-cache --workloads long-chat --limit 6 --turns 5
     specserve bench prefix-cache --model qwen2.5-coder-1.5b-instruct --limit 8
+    specserve bench prefix-cache --configs plain,eagle:4
 
-Reported per workload: mean TTFT on each engine and the ratio; the raw times (per category or turn)
-are the results file's samples.
+Reported per workload and configuration: mean TTFT with and without caching and the ratio; the
+raw times (per category or turn) are the results file's samples.
 """
 from __future__ import annotations
 
@@ -44,6 +47,9 @@ def add_arguments(p) -> None:
     p.add_argument("--workloads", default="multi-turn,system-prompt", help="any of " + ", ".join(WORKLOADS))
     p.add_argument("--turns", type=int, default=5, help="user turns per long-chat conversation")
     p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--configs", default="plain",
+                   help="what the engines run, as `specserve bench --configs` takes (plain, ngram:4, eagle:4, ...): "
+                        "two engines each, caching on and off")
 
 
 SYSTEM_PROMPT = " ".join([
@@ -143,14 +149,19 @@ def system_prompt(engines: dict, args) -> dict:
 
 def run(args, doc: dict) -> None:
     from specserve import LLM
+    from specserve.bench.options import parse_configs
 
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     if set(workloads) - set(WORKLOADS):
         raise ValueError(f"unknown workloads {sorted(set(workloads) - set(WORKLOADS))}: any of {', '.join(WORKLOADS)}")
     doc["params"] = {k: getattr(args, k) for k in ("model", "prompts", "limit", "answer_tokens", "workloads", "turns",
-                                                    "max_model_len")}
+                                                    "max_model_len", "configs")}
+    configs = parse_configs(args.configs)
+    if "plain" not in [c.strip() for c in args.configs.split(",")]:
+        configs = [c for c in configs if c.name != "plain"]      # (parse_configs adds it)
     kw = dict(model=args.model, max_model_len=args.max_model_len, kv_cache_memory=1 << 28)
-    engines = {"no-caching": LLM(**kw, enable_prefix_caching=False), "caching": LLM(**kw, enable_prefix_caching=True)}
+    engines = {f"{c.name}/{mode}": LLM(**kw, speculative_config=c.speculative_config, enable_prefix_caching=on)
+               for c in configs for mode, on in (("no-caching", False), ("caching", True))}
     runs = {"multi-turn": ("multi-turn chat: turn 2", multi_turn),
             "long-chat": (f"long chat: turns 2-{args.turns}", long_chat),
             "system-prompt": ("shared system prompt", system_prompt)}
@@ -159,14 +170,16 @@ def run(args, doc: dict) -> None:
         title, fn = runs[w]
         result = fn(engines, args)
         samples[w] = result
-        off = sum(result["times"]["no-caching"].values(), [])
-        on = sum(result["times"]["caching"].values(), [])
-        m_off, m_on = statistics.mean(off) * 1e3, statistics.mean(on) * 1e3
-        rows.append([title, str(len(on)), fmt(result["prompt_tokens"], 0), fmt(m_off, 0), fmt(m_on, 0),
-                     fmt(m_off / m_on, 2, "x")])   # requests: those averaged
+        for c in configs:
+            off = sum(result["times"][f"{c.name}/no-caching"].values(), [])
+            on = sum(result["times"][f"{c.name}/caching"].values(), [])
+            m_off, m_on = statistics.mean(off) * 1e3, statistics.mean(on) * 1e3
+            rows.append([title, f"`{c.name}`", str(len(on)), fmt(result["prompt_tokens"], 0), fmt(m_off, 0),
+                         fmt(m_on, 0), fmt(m_off / m_on, 2, "x")])   # requests: those averaged
     samples["prefix_cache_stats"] = {n: str(llm.engine.get_prefix_cache_stats()) for n, llm in engines.items()}
-    doc["table"] = {"columns": ["workload", "requests", "mean prompt tokens", "TTFT without caching (ms)",
-                                "TTFT with caching (ms)", "ratio"], "rows": rows}
-    doc["notes"] = [f"Model {engines['caching'].engine.model_name}; the two engines alternate request by request; "
+    doc["table"] = {"columns": ["workload", "configuration", "requests", "mean prompt tokens",
+                                "TTFT without caching (ms)", "TTFT with caching (ms)", "ratio"], "rows": rows}
+    model_name = next(iter(engines.values())).engine.model_name
+    doc["notes"] = [f"Model {model_name}; the engines alternate request by request; "
                     "shared system prompt: the first request (filling the cache) is left out."]
     doc["samples"] = samples
