@@ -140,9 +140,9 @@ class KVCacheManager:
     # ------------------------------------------------------------ prefix caching
     def acquire_cached_prefix(self, request_id: str, token_ids: Sequence[int]) -> int:
         """Give a request without blocks the longest registered prefix of ``token_ids``;
-        -> the number of tokens it covers (a multiple of the block size; with
-        ``with_proposer_kv`` one less, see the module docstring). At least one token is
-        always left to compute: the step needs its logits."""
+        -> the number of tokens it covers (a multiple of the block size, or one less where
+        ``with_proposer_kv`` copies the last block, see the module docstring). At least one
+        token is always left to compute: the step needs its logits."""
         if not self.enable_prefix_caching or self._tables.get(request_id):
             return 0
         bs = self.block_size

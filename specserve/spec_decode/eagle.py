@@ -355,7 +355,8 @@ class EagleProposer(Proposer):
         """One head forward over positions [proposer_num_computed_tokens, num_computed_tokens) with
         the target's real features -> (requests drafting, their last position's output [n, H])."""
         wanted = [i for i, r in enumerate(reqs) if budgets[i] > 0]
-        active, hidden = self._head_over_features([reqs[i] for i in wanted], [reqs[i].num_computed_tokens for i in wanted])
+        drafting = [reqs[i] for i in wanted]
+        active, hidden = self._head_over_features(drafting, [r.num_computed_tokens for r in drafting])
         return [wanted[j] for j in active], hidden
 
     def _catch_up_for_cache(self, states: list[TargetHidden]) -> None:
