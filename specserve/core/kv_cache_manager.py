@@ -19,20 +19,26 @@ pool, where it waits in least-recently-used order: allocation takes unregistered
 blocks and the least recently released registered ones first, and forgets a
 registered block's hash when it reuses it.
 
-**The proposer's K/V in cached blocks** (``with_proposer_kv``, EAGLE). A proposer
-whose K/V follows the target's block tables writes it in the same slots, so a
-shared block can carry it too, when it is final there: a block is then
-registered only once the proposer has also computed all of its positions
-(``cache_full_blocks``'s ``num_proposer_tokens``), and a hit starts the
-proposer after the cached prefix. EAGLE's K/V at a position reads the token
-after it, so a registered block also records the token that followed it (the
-next block's first, which its last position read). A hit ends at the first
-matched block whose recorded token differs from the request's own: that block
-is copied into a block of the request's own, all but its last position
-(``take_pending_copies``: the engine copies the slots in every cache before the
-step's forward), and the request computes that position again, so the hit
-covers one token less. Where no block is free for the copy, the hit ends a
-block earlier.
+**The proposer's K/V in cached blocks** (``proposer_kv``). A proposer whose K/V
+follows the target's block tables (a draft model, an EAGLE head) writes it in
+the same slots, so a shared block can carry it too. Registration does not wait
+for it; instead a registered block is marked once the proposer's K/V in it is
+final (``cache_full_blocks``'s ``num_proposer_tokens``), and a hit tells how far
+the proposer may start (``proposer_tokens_in_hit``):
+
+- ``"from_tokens"`` (a draft model: its K/V at a position reads the tokens up to
+  it): a hit takes every matched block; the proposer starts after the leading
+  marked ones and computes its own K/V over the rest from the tokens.
+- ``"from_features"`` (an EAGLE head: its K/V at a position reads the target's
+  hidden state there, which a hit does not compute, and the token after it): a
+  mark also records the token that followed the block, which its last position
+  read. A hit ends before the first matched block that is not marked, or at the
+  first whose recorded token differs from the request's own: that block is
+  copied into a block of the request's own, all but its last position
+  (``take_pending_copies``: the engine copies the slots in every cache before
+  the step's forward), and the request computes that position again, so the hit
+  covers one token less (where no block is free for the copy, it ends a block
+  earlier). The head starts at the hit.
 """
 from __future__ import annotations
 
@@ -40,29 +46,47 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 
+PROPOSER_KV_FROM_TOKENS = "from_tokens"         # a draft model's
+PROPOSER_KV_FROM_FEATURES = "from_features"     # an EAGLE head's
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 with_proposer_kv: bool = False):
+                 proposer_kv: str | None = None):
         if num_blocks < 1:
             raise ValueError("the KV cache has no room for a single block; raise kv_cache_memory")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.with_proposer_kv = with_proposer_kv     # cached blocks carry the proposer's K/V (module docstring)
+        self.proposer_kv: str | None = None   # cached blocks carry the proposer's K/V (module docstring)
         # Free blocks, the next one to reuse first (unregistered ones, then registered ones LRU).
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self._refs = [0] * num_blocks
         self._tables: dict[str, list[int]] = {}
         self._block_of_key: dict[tuple, int] = {}    # (parent hash, tokens) -> block
         self._key_of_block: dict[int, tuple] = {}
-        self._next_token: dict[int, int] = {}        # with_proposer_kv: registered block -> the token after it
         self._chain: dict[str, list[int]] = {}     # per request: hashes of its first blocks, registered or found
-        # with_proposer_kv: per request, the copy its last hit block needs (source slots, destination
+        # proposer_kv: registered blocks whose proposer K/V is final -> the token after the block
+        # (from_features) or None; per request, its table's blocks looked at for marks so far; the
+        # proposer's share of its hit
+        self._proposer_marks: dict[int, int | None] = {}
+        self._marked: dict[str, int] = {}
+        self._proposer_hit: dict[str, int] = {}
+        # from_features: per request, the copy its last hit block needs (source slots, destination
         # slots, the source block, referenced until the copy is taken)
         self._pending: dict[str, tuple[list[int], list[int], int]] = {}
         # Prefix cache counters (tokens), as vLLM counts them.
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
+        self.set_proposer_kv(proposer_kv)
+
+    def set_proposer_kv(self, proposer_kv: str | None) -> None:
+        """How cached blocks carry the proposer's K/V (``Proposer.cached_kv``): set before any request."""
+        if proposer_kv not in (None, PROPOSER_KV_FROM_TOKENS, PROPOSER_KV_FROM_FEATURES):
+            raise ValueError(f"unknown proposer_kv {proposer_kv!r}")
+        if self._tables:
+            raise RuntimeError("the proposer's K/V mode is set before any request holds blocks")
+        self.proposer_kv = proposer_kv if self.enable_prefix_caching else None
 
     def prefix_cache_stats(self) -> dict:
         """Prefix cache lookups since start-up, in tokens (vLLM's queries and hits)."""
@@ -120,6 +144,8 @@ class KVCacheManager:
     def free(self, request_id: str) -> None:
         """Release a request's blocks; registered ones stay findable until reused."""
         self._chain.pop(request_id, None)
+        self._marked.pop(request_id, None)
+        self._proposer_hit.pop(request_id, None)
         pending = self._pending.pop(request_id, None)
         if pending is not None:      # never copied: the destination goes back with the table
             self._release(pending[2])
@@ -141,17 +167,21 @@ class KVCacheManager:
     def acquire_cached_prefix(self, request_id: str, token_ids: Sequence[int]) -> int:
         """Give a request without blocks the longest registered prefix of ``token_ids``;
         -> the number of tokens it covers (a multiple of the block size, or one less where
-        ``with_proposer_kv`` copies the last block, see the module docstring). At least one
-        token is always left to compute: the step needs its logits."""
+        an EAGLE head's last block is copied; see the module docstring for ``proposer_kv``).
+        At least one token is always left to compute: the step needs its logits."""
         if not self.enable_prefix_caching or self._tables.get(request_id):
             return 0
         bs = self.block_size
         max_blocks = (len(token_ids) - 1) // bs
         matched = list(self._matched_blocks(token_ids, max_blocks))
+        marked = 0     # leading matched blocks whose proposer K/V is final
+        while marked < len(matched) and matched[marked][1] in self._proposer_marks:
+            marked += 1
         copy_last = False
-        if self.with_proposer_kv:   # the proposer's K/V at a block's last position read the token after it
-            for i, (_, block) in enumerate(matched):
-                if self._next_token[block] != token_ids[(i + 1) * bs]:
+        if self.proposer_kv == PROPOSER_KV_FROM_FEATURES:   # its head cannot compute a cached position again
+            matched = matched[:marked]
+            for i, (_, block) in enumerate(matched):   # a block's last position read the token after it
+                if self._proposer_marks[block] != token_ids[(i + 1) * bs]:
                     matched, copy_last = matched[: i + 1], True
                     break
         table = [block for _, block in matched]
@@ -174,12 +204,19 @@ class KVCacheManager:
         if table:
             self._tables[request_id] = table
             self._chain[request_id] = [hash(key) for key, _ in matched]
+        if self.proposer_kv is not None:
+            self._proposer_hit[request_id] = hit if self.proposer_kv == PROPOSER_KV_FROM_FEATURES else marked * bs
         return hit
+
+    def proposer_tokens_in_hit(self, request_id: str) -> int:
+        """Of the request's last ``acquire_cached_prefix`` hit, the tokens whose proposer K/V came
+        with it: where its proposer starts (0 without ``proposer_kv``)."""
+        return self._proposer_hit.get(request_id, 0)
 
     def take_pending_copies(self) -> tuple[list[int], list[int]]:
         """-> (source slots, destination slots) that requests admitted since the last call need
         copied, in every cache that follows these block tables, before any of them is computed
-        (``with_proposer_kv``: the last hit block's copy). The sources may be reused after this."""
+        (an EAGLE head's last hit block). The sources may be reused after this."""
         src: list[int] = []
         dst: list[int] = []
         for s, d, source in self._pending.values():
@@ -211,28 +248,39 @@ class KVCacheManager:
     def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_verified_tokens: int,
                           num_proposer_tokens: int | None = None) -> None:
         """Register the request's full blocks below ``num_verified_tokens`` (tokens
-        whose KV is final; never a draft token awaiting verification), and with
-        ``with_proposer_kv`` below ``num_proposer_tokens`` too (the positions where the
+        whose KV is final; never a draft token awaiting verification). With ``proposer_kv``,
+        mark its registered blocks below ``num_proposer_tokens`` too (the positions where the
         proposer's K/V is final: ``Request.proposer_num_computed_tokens``)."""
         if not self.enable_prefix_caching:
             return
         table = self._tables.get(request_id, [])
         chain = self._chain.setdefault(request_id, [])
         bs = self.block_size
-        full = num_verified_tokens // bs
-        if self.with_proposer_kv:   # (and the token after the block is known: its record)
-            if num_proposer_tokens is None:
-                raise ValueError("blocks that carry the proposer's K/V need its count of computed tokens")
-            full = min(full, num_proposer_tokens // bs, (len(token_ids) - 1) // bs)
-        for i in range(len(chain), min(full, len(table))):
+        for i in range(len(chain), min(num_verified_tokens // bs, len(table))):
             key = (chain[-1] if chain else None, tuple(token_ids[i * bs : (i + 1) * bs]))
             chain.append(hash(key))
             block = table[i]
             if key not in self._block_of_key and block not in self._key_of_block:
                 self._block_of_key[key] = block
                 self._key_of_block[block] = key
-                if self.with_proposer_kv:
-                    self._next_token[block] = token_ids[(i + 1) * bs]
+        if self.proposer_kv is not None:
+            if num_proposer_tokens is None:
+                raise ValueError("blocks that carry the proposer's K/V need its count of computed tokens")
+            self._mark_proposer_kv(request_id, token_ids, min(num_verified_tokens, num_proposer_tokens) // bs)
+
+    def _mark_proposer_kv(self, request_id: str, token_ids: Sequence[int], full: int) -> None:
+        """Mark the request's registered blocks among its first ``full`` (an EAGLE head's: those
+        whose next token is known, recorded with it)."""
+        bs, table = self.block_size, self._tables.get(request_id, [])
+        from_features = self.proposer_kv == PROPOSER_KV_FROM_FEATURES
+        if from_features:
+            full = min(full, (len(token_ids) - 1) // bs)
+        start = self._marked.get(request_id, 0)
+        for i in range(start, min(full, len(self._chain.get(request_id, [])), len(table))):
+            block = table[i]
+            if block in self._key_of_block and block not in self._proposer_marks:
+                self._proposer_marks[block] = token_ids[(i + 1) * bs] if from_features else None
+        self._marked[request_id] = max(start, min(full, len(table)))
 
     def cached_block_key(self, block: int) -> tuple | None:
         """(parent's hash, the block's tokens) a block is registered under; None if it is not."""
@@ -242,11 +290,12 @@ class KVCacheManager:
         """Forget every registered block (their KV stays until overwritten)."""
         self._block_of_key.clear()
         self._key_of_block.clear()
-        self._next_token.clear()
+        self._proposer_marks.clear()
         self._chain.clear()
+        self._marked.clear()
 
     def _forget(self, block: int) -> None:
         key = self._key_of_block.pop(block, None)
-        self._next_token.pop(block, None)
+        self._proposer_marks.pop(block, None)
         if key is not None:
             del self._block_of_key[key]

@@ -18,7 +18,7 @@ import torch
 
 from specserve.beam_search_params import BeamSearchParams
 from specserve.config import EngineConfig, SpeculativeConfig
-from specserve.core.kv_cache_manager import KVCacheManager
+from specserve.core.kv_cache_manager import PROPOSER_KV_FROM_FEATURES, KVCacheManager
 from specserve.core.request import Request, RequestStatus, request_seed
 from specserve.core.scheduler import ScheduledRequest, Scheduler
 from specserve.distributed.launcher import WorkerError
@@ -29,7 +29,7 @@ from specserve.engine.drafting import Drafting, calibrate_k_policy
 from specserve.engine.errors import StepFailedError
 from specserve.engine.output_processor import OutputProcessor
 from specserve.engine.sample_group import SampleGroup, SampleGroups, child_id, child_params
-from specserve.engine.start_up import (kv_cache_blocks, max_model_len_for, prefix_caching_mode, proposer_context,
+from specserve.engine.start_up import (kv_cache_blocks, max_model_len_for, prefix_caching_allowed, proposer_context,
                                        resolve_device)
 from specserve.engine.step_inputs import drafts_per_depth, forward_input, tree_branch_moves
 from specserve.model_executor.layers.attention import cache_slot
@@ -76,14 +76,15 @@ class LLMEngine:
         # CUDA graphs for decode and verification steps (k + 1 rows; a tree's nodes + 1) on GPUs
         self.uses_graphs = allocate_kv_cache(self.runner, num_blocks, not config.enforce_eager, config.max_num_seqs,
                                              max_query_len=k + 1, max_tree_span=k + 1 if spec_config else 0)
-        prefix_caching, with_proposer_kv = prefix_caching_mode(config, spec_config, proposer)
-        self.kv_cache = KVCacheManager(num_blocks, config.block_size, enable_prefix_caching=prefix_caching,
-                                       with_proposer_kv=with_proposer_kv)
+        self.kv_cache = KVCacheManager(num_blocks, config.block_size,
+                                       enable_prefix_caching=prefix_caching_allowed(config, proposer))
         if proposer is None and spec_config is not None:
             ctx = proposer_context(config, self.runner, self.dtype, self.hf_config, self.max_model_len, self.kv_cache,
                                    self.tokenizer)
             proposer = build_proposer(spec_config, ctx)
         self.proposer = proposer
+        if proposer is not None:   # its K/V in the target's blocks rides along with them
+            self.kv_cache.set_proposer_kv(proposer.cached_kv)
         self.k_policy = DraftLengthPolicy(k) if spec_config is not None and spec_config.dynamic_k else None
         if self.k_policy is not None:
             calibrate_k_policy(self.k_policy, self.runner, getattr(self.proposer, "runner", None), k,
@@ -254,12 +255,12 @@ class LLMEngine:
         self.drafting.record_step_costs(plan.scheduled, inputs, step_started, started, verified_at)
         if want_hidden:
             self.drafting.show_hidden_states(self.proposer, plan.scheduled, inputs, starts, result.all_hidden)
-        if self.kv_cache.with_proposer_kv:
+        if self.kv_cache.proposer_kv == PROPOSER_KV_FROM_FEATURES:
             self._share_blocks_the_head_completed(plan.scheduled)
         return outputs
 
     def _share_blocks_the_head_completed(self, scheduled: list[ScheduledRequest]) -> None:
-        """EAGLE (``with_proposer_kv``): in ``observe`` its head computed the positions of this
+        """EAGLE (its K/V "from_features"): in ``observe`` its head computed the positions of this
         step's prefills and of the requests that finished in it; their full blocks are registered
         now, then the finished requests' blocks (held for this, ``_finish``) are freed."""
         for s in scheduled:
@@ -311,7 +312,7 @@ class LLMEngine:
             req.spec_stats.record(num_drafts, verified.num_accepted, appended, per_depth)
             self.spec_stats.record(num_drafts, verified.num_accepted, appended, per_depth)
         if status is not None:
-            self._finish(req, status, hold_blocks=self.kv_cache.with_proposer_kv)
+            self._finish(req, status, hold_blocks=self.kv_cache.proposer_kv == PROPOSER_KV_FROM_FEATURES)
         if not (stream_outputs or req.is_finished()):
             return None
         return self.output_processor.make_output(req)

@@ -42,19 +42,15 @@ def kv_cache_blocks(config: EngineConfig, bytes_per_block: int, max_model_len: i
     return num_blocks
 
 
-def prefix_caching_mode(config: EngineConfig, spec_config, proposer) -> tuple[bool, bool]:
-    """-> (prefix caching on, its blocks carry the proposer's K/V): as asked, and with EAGLE the
-    cached blocks carry the head's K/V too (``core/kv_cache_manager.py``). Off with a given
-    proposer that needs the target's hidden state at every position (training's recorder): a
-    cached prefix has none."""
-    if not config.enable_prefix_caching:
-        return False, False
-    if spec_config is not None and spec_config.method == "eagle":
-        return True, True
-    if proposer is not None and proposer.needs_target_hidden:
+def prefix_caching_allowed(config: EngineConfig, proposer) -> bool:
+    """Prefix caching as asked, except with a given proposer that needs the target's hidden state
+    at every position and keeps no K/V in the cached blocks (training's recorder): a cached prefix
+    has none. (A proposer's K/V rides in the cached blocks as its ``cached_kv`` says.)"""
+    if config.enable_prefix_caching and proposer is not None and proposer.needs_target_hidden \
+            and proposer.cached_kv is None:
         logger.info("prefix caching is off: the proposer needs the target's hidden state at every position")
-        return False, False
-    return True, False
+        return False
+    return config.enable_prefix_caching
 
 
 def proposer_context(config: EngineConfig, runner, dtype: torch.dtype, hf_config, max_model_len: int,

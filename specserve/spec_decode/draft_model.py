@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from specserve.config import TreeConfig
-from specserve.core.kv_cache_manager import KVCacheManager
+from specserve.core.kv_cache_manager import PROPOSER_KV_FROM_TOKENS, KVCacheManager
 from specserve.core.request import Request
 from specserve.core.scheduler import ScheduledRequest
 from specserve.model_executor.layers.attention import cache_slot
@@ -32,6 +32,7 @@ from specserve.worker.model_runner import ForwardInput, ModelRunner
 
 class DraftModelProposer(Proposer):
     runs_beams = True     # its K/V follows the target's block tables
+    cached_kv = PROPOSER_KV_FROM_TOKENS
 
     def __init__(self, runner: ModelRunner, kv_cache: KVCacheManager, vocab_size: int,
                  tree: TreeConfig | None = None, depth: int = 0):

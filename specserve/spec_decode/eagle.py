@@ -40,7 +40,7 @@ import weakref
 import torch
 
 from specserve.config import TreeConfig
-from specserve.core.kv_cache_manager import KVCacheManager
+from specserve.core.kv_cache_manager import PROPOSER_KV_FROM_FEATURES, KVCacheManager
 from specserve.core.request import Request
 from specserve.core.scheduler import ScheduledRequest
 from specserve.model_executor.layers.attention import (AttentionMetadata, copy_cache_slots, kv_cache_dtype_for,
@@ -93,6 +93,7 @@ class EagleProposer(Proposer):
     needs_target_hidden = True
     takes_tree_hidden = True
     runs_beams = True     # its K/V follows the target's block tables; a forked beam gets its features (fork)
+    cached_kv = PROPOSER_KV_FROM_FEATURES
 
     def __init__(
         self,
@@ -162,7 +163,7 @@ class EagleProposer(Proposer):
                 kept = max(req.num_computed_tokens - st.start_position, 0)
                 rows = _path_rows(1, self.branches.pop(req, []), kept)
                 st = TargetHidden(req, st.start_position, st.tree_rows[rows.to(st.tree_rows.device)])
-            if st.hidden.shape[0] == 0 or (req.is_finished() and not self.kv_cache.with_proposer_kv):
+            if st.hidden.shape[0] == 0 or (req.is_finished() and self.kv_cache.proposer_kv is None):
                 continue
             feats = self.features.get(req)
             if feats is None:
@@ -366,7 +367,7 @@ class EagleProposer(Proposer):
         the step (its blocks are held until the step's end). Its K/V in their blocks is then
         final, so prefix caching can share them (``core/kv_cache_manager.py``) whether or not the
         request drafted."""
-        if not self.kv_cache.with_proposer_kv:   # no prefix caching: the first draft's catch-up does it
+        if self.kv_cache.proposer_kv is None:   # no prefix caching: the first draft's catch-up does it
             return
         reqs, ends = [], []
         for st in states:

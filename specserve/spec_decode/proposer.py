@@ -79,6 +79,12 @@ class Proposer(ABC):
     #: model, EAGLE), or treats a forked beam as a new request (a draft with another tokenizer).
     runs_beams: bool = False
 
+    #: How prefix-cached blocks carry this proposer's K/V, where it keeps it in the target's block
+    #: tables (``core/kv_cache_manager.py``): "from_tokens" (a draft model: a hit skips its K/V
+    #: where an earlier request computed it), "from_features" (EAGLE: computed from the target's
+    #: hidden states), None (no K/V there: the cache holds the target's alone).
+    cached_kv: str | None = None
+
     @abstractmethod
     def propose(self, scheduled: list[ScheduledRequest]) -> Proposal: ...
 

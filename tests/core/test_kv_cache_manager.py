@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from specserve.core.kv_cache_manager import KVCacheManager
+from specserve.core.kv_cache_manager import PROPOSER_KV_FROM_FEATURES, PROPOSER_KV_FROM_TOKENS, KVCacheManager
 from specserve.core.request import Request, RequestStatus
 from specserve.core.scheduler import Scheduler
 from specserve.sampling_params import SamplingParams
@@ -227,26 +227,30 @@ def test_shared_blocks_are_reference_counted():
     assert kv.num_used_blocks() == 0
 
 
-def test_blocks_with_the_proposers_kv_wait_for_it_and_a_hit_copies_its_last_block():
-    """``with_proposer_kv`` (EAGLE's head K/V in the same blocks): a block is registered once the
-    proposer has computed it too, with the token after it; a hit ends at the first block whose
-    next token differs from the request's, and copies it into one of its own but for the last
-    position, which it computes again."""
-    kv = KVCacheManager(8, 4, enable_prefix_caching=True, with_proposer_kv=True)
+def test_an_eagle_heads_kv_is_marked_when_final_and_a_hit_copies_the_block_whose_next_token_differs():
+    """proposer_kv "from_features" (EAGLE's head K/V in the same blocks): registration does not
+    wait for the head, but a block is marked once the head has computed it, with the token after
+    it; a hit ends before the first unmarked block or at the first whose next token differs from
+    the request's, copying that one but its last position, which the request computes again."""
+    kv = KVCacheManager(8, 4, enable_prefix_caching=True, proposer_kv=PROPOSER_KV_FROM_FEATURES)
     tokens = list(range(14))                               # 3 full blocks and a partial one
     assert kv.acquire_cached_prefix("a", tokens) == 0 and kv.allocate_slots("a", 14)
     kv.cache_full_blocks("a", tokens, 14, num_proposer_tokens=0)
-    assert [kv.cached_block_key(b) is not None for b in kv.block_table("a")] == [False] * 4
+    a = kv.block_table("a")
+    assert [kv.cached_block_key(b) is not None for b in a] == [True, True, True, False]
+    assert kv.acquire_cached_prefix("x", tokens) == 0                  # nothing marked: no hit
+    kv.free("x")
     kv.cache_full_blocks("a", tokens, 14, num_proposer_tokens=9)
-    assert [kv.cached_block_key(b) is not None for b in kv.block_table("a")] == [True, True, False, False]
+    assert kv._proposer_marks == {a[0]: 4, a[1]: 8}
+    assert kv.acquire_cached_prefix("y", tokens) == 8 and kv.proposer_tokens_in_hit("y") == 8
+    kv.free("y")
     kv.cache_full_blocks("a", tokens, 14, num_proposer_tokens=13)
-    assert [kv.cached_block_key(b) is not None for b in kv.block_table("a")] == [True, True, True, False]
+    assert kv._proposer_marks == {a[0]: 4, a[1]: 8, a[2]: 12}
     with pytest.raises(ValueError, match="proposer"):
         kv.cache_full_blocks("a", tokens, 14)
-    a = kv.block_table("a")
     kv.free("a")
-    # 3 blocks match: 2 shared, the third copied but for its last slot, which b computes again.
-    assert kv.acquire_cached_prefix("b", tokens[:12] + [99, 98]) == 11
+    # 3 blocks match; the third's next token differs: copied but for its last slot, computed again.
+    assert kv.acquire_cached_prefix("b", tokens[:12] + [99, 98]) == 11 and kv.proposer_tokens_in_hit("b") == 11
     b = kv.block_table("b")
     assert b[:2] == a[:2] and b[2] != a[2]
     assert a[2] not in kv._free                            # the copy's source is kept until copied
@@ -263,18 +267,37 @@ def test_blocks_with_the_proposers_kv_wait_for_it_and_a_hit_copies_its_last_bloc
 
 
 def test_with_no_block_free_for_the_copy_a_hit_ends_a_block_earlier():
-    kv = KVCacheManager(3, 4, enable_prefix_caching=True, with_proposer_kv=True)
+    kv = KVCacheManager(3, 4, enable_prefix_caching=True, proposer_kv=PROPOSER_KV_FROM_FEATURES)
     tokens = list(range(12))
     kv.acquire_cached_prefix("a", tokens)
     kv.allocate_slots("a", 12)
     kv.cache_full_blocks("a", tokens, 12, num_proposer_tokens=12)
     a = kv.block_table("a")
-    assert [kv.cached_block_key(b) is not None for b in a] == [True, True, False]   # block 3: no next token yet
+    assert len(kv._proposer_marks) == 2                    # block 3: its next token is not known yet
     assert kv.acquire_cached_prefix("b", tokens[:8] + [50, 51]) == 4   # no free block to copy the 2nd into
     assert kv.block_table("b") == a[:1] and kv.take_pending_copies() == ([], [])
     kv.free("a")
     kv.free("b")
     assert kv.num_used_blocks() == 0
+
+
+def test_a_draft_models_kv_is_skipped_where_marked_and_computed_again_after():
+    """proposer_kv "from_tokens" (a draft model): a hit takes every matched block; the draft
+    starts after the leading blocks where an earlier request's draft computed its K/V."""
+    kv = KVCacheManager(8, 4, enable_prefix_caching=True, proposer_kv=PROPOSER_KV_FROM_TOKENS)
+    tokens = list(range(14))
+    kv.acquire_cached_prefix("a", tokens)
+    kv.allocate_slots("a", 14)
+    kv.cache_full_blocks("a", tokens, 14, num_proposer_tokens=6)
+    a = kv.block_table("a")
+    assert kv._proposer_marks == {a[0]: None}
+    assert kv.acquire_cached_prefix("b", tokens) == 12 and kv.proposer_tokens_in_hit("b") == 4
+    assert kv.take_pending_copies() == ([], [])
+    kv.cache_full_blocks("b", tokens, 13, num_proposer_tokens=13)   # b's draft computed the rest
+    assert kv.acquire_cached_prefix("c", tokens) == 12 and kv.proposer_tokens_in_hit("c") == 12
+    with pytest.raises(ValueError, match="unknown proposer_kv"):
+        KVCacheManager(8, 4, proposer_kv="sometimes")
+    assert KVCacheManager(8, 4, proposer_kv=PROPOSER_KV_FROM_TOKENS).proposer_kv is None   # caching off
 
 
 def test_off_means_no_lookups():
@@ -284,21 +307,23 @@ def test_off_means_no_lookups():
     assert kv.num_queried_tokens == 0
 
 
-@pytest.mark.parametrize("with_proposer_kv", [False, True])
-def test_random_requests_with_prefix_caching_read_back_their_own_tokens(with_proposer_kv):
+@pytest.mark.parametrize("proposer_kv", [None, PROPOSER_KV_FROM_TOKENS, PROPOSER_KV_FROM_FEATURES])
+def test_random_requests_with_prefix_caching_read_back_their_own_tokens(proposer_kv):
     """A simulated KV cache (slot -> token written there) under prefix caching, drafts,
     rejections, aborts and preemption: every position a request has computed reads back
-    that request's own token, whether it wrote it or found it cached. ``with_proposer_kv``: a
-    simulated EAGLE head writes (token, next token) in the same slots, computed when it catches
-    up (every other step) and guessed at draft positions; every position the head has computed
-    reads back the request's own pair, through the hits' copies too."""
+    that request's own token, whether it wrote it or found it cached. With ``proposer_kv`` a
+    simulated proposer writes its own K/V in the same slots, (token,) for a draft model and
+    (token, next token) for an EAGLE head, computed when it catches up (every other step) and
+    guessed at draft positions; every position it has computed reads back the request's own
+    value, whether it wrote it or found it cached, through the hits' copies too."""
     rng = random.Random(99)
     block_size, max_model_len, k = 4, 48, 3
-    kv = KVCacheManager(14, block_size, enable_prefix_caching=True, with_proposer_kv=with_proposer_kv)   # 13 fit one
+    kv = KVCacheManager(14, block_size, enable_prefix_caching=True, proposer_kv=proposer_kv)   # 13 fit one
+    width = 2 if proposer_kv == PROPOSER_KV_FROM_FEATURES else 1   # what the proposer's K/V at a position reads
     sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=40, max_model_len=max_model_len, num_lookahead_slots=k)
     bases = [[rng.randrange(VOCAB) for _ in range(20)] for _ in range(3)]
     slots: dict[tuple[int, int], int] = {}
-    head: dict[tuple[int, int], tuple] = {}     # the head's K/V: (token, the token after it)
+    head: dict[tuple[int, int], tuple] = {}     # the proposer's K/V: (token,) or (token, the token after it)
 
     def copy_pending() -> None:
         src, dst = kv.take_pending_copies()
@@ -313,8 +338,10 @@ def test_random_requests_with_prefix_caching_read_back_their_own_tokens(with_pro
             key = kv.cached_block_key(b)
             if key is not None:
                 assert [slots.get((b, j)) for j in range(block_size)] == list(key[1]), (req, b)
-                if with_proposer_kv:   # and the head's K/V there, each with a real next token
-                    assert [head.get((b, j), (None,))[0] for j in range(block_size)] == list(key[1]), (req, b)
+            if b in kv._proposer_marks:   # the proposer's K/V there is the block's own (and its next token's)
+                assert [head.get((b, j), (None,))[0] for j in range(block_size)] == list(key[1]), (req, b)
+                if width == 2:
+                    assert head[(b, block_size - 1)][1] == kv._proposer_marks[b]
 
     def write(req: Request, start: int, tokens: list[int]) -> None:
         table = kv.block_table(req.request_id)
@@ -325,10 +352,10 @@ def test_random_requests_with_prefix_caching_read_back_their_own_tokens(with_pro
         """Half the time (a step that drafts, or a prefill): the head computes every position
         whose next token is known and the target has computed."""
         end = min(req.num_computed_tokens, req.num_tokens - 1)
-        if with_proposer_kv and rng.random() < 0.5 and end > req.proposer_num_computed_tokens:
+        if proposer_kv and rng.random() < 0.5 and end > req.proposer_num_computed_tokens:
             table = kv.block_table(req.request_id)
             for pos in range(req.proposer_num_computed_tokens, end):
-                head[(table[pos // block_size], pos % block_size)] = tuple(req.all_token_ids[pos : pos + 2])
+                head[(table[pos // block_size], pos % block_size)] = tuple(req.all_token_ids[pos : pos + width])
             req.proposer_num_computed_tokens = end
 
     pending = []
@@ -359,8 +386,8 @@ def test_random_requests_with_prefix_caching_read_back_their_own_tokens(with_pro
             start = req.num_computed_tokens
             for pos in range(start):   # cached or computed earlier: must be this request's tokens
                 assert slots.get((table[pos // block_size], pos % block_size)) == req.all_token_ids[pos], (req, pos)
-            for pos in range(req.proposer_num_computed_tokens if with_proposer_kv else 0):
-                want = tuple(req.all_token_ids[pos : pos + 2])
+            for pos in range(req.proposer_num_computed_tokens if proposer_kv else 0):
+                want = tuple(req.all_token_ids[pos : pos + width])
                 assert head.get((table[pos // block_size], pos % block_size)) == want, (req, pos)
             new = req.all_token_ids[start : start + s.num_new_tokens]
             n_acc = rng.randint(0, s.num_lookahead)

@@ -6,10 +6,12 @@ computed it. Tiny random model: seconds."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from specserve import LLM, SamplingParams
 from specserve.core.kv_cache_manager import KVCacheManager
 from specserve.core.request import Request
+from specserve.model_executor.layers.attention import cache_slot
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -102,15 +104,18 @@ def test_an_identical_prompt_reuses_every_full_block_but_the_last_token(tiny_lla
 def test_no_block_is_registered_while_it_holds_an_unverified_draft_token(tiny_llama_dir, spec, monkeypatch):
     """Every call that registers blocks passes only tokens whose KV is final: at most
     num_tokens - 1 (the newest token is not computed yet), never a draft position, and
-    registered blocks carry the request's own tokens. With EAGLE a registered block also
-    lies below the head's own count (its K/V there is computed from the target's features)."""
+    registered blocks carry the request's own tokens. With a draft model or EAGLE, a block
+    marked as holding the proposer's final K/V lies below the proposer's own count too."""
     llm = make_llm(tiny_llama_dir, spec, caching=True)
     engine = llm.engine
-    assert engine.kv_cache.with_proposer_kv == (spec == "eagle")
+    assert engine.kv_cache.proposer_kv == {"draft": "from_tokens", "eagle": "from_features"}.get(spec)
     real = KVCacheManager.cache_full_blocks
     calls = []
 
+    marks = []
+
     def checked(kv, request_id, token_ids, num_verified_tokens, num_proposer_tokens):
+        n = 0
         # (with EAGLE, a request that finished this step registers its last blocks at the step's end)
         req = engine.requests.get(request_id) or next(r for r in engine._blocks_held if r.request_id == request_id)
         limit = req.num_computed_tokens if req.num_output_tokens == 0 else req.num_tokens - 1
@@ -118,15 +123,18 @@ def test_no_block_is_registered_while_it_holds_an_unverified_draft_token(tiny_ll
         assert token_ids is req.all_token_ids
         assert num_proposer_tokens == req.proposer_num_computed_tokens
         table = kv.block_table(request_id)
-        before = [kv.cached_block_key(b) for b in table]
+        marked_before = [b in kv._proposer_marks for b in table]
         real(kv, request_id, token_ids, num_verified_tokens, num_proposer_tokens)
-        final = min(num_verified_tokens, num_proposer_tokens) if spec == "eagle" else num_verified_tokens
+        final = min(num_verified_tokens, num_proposer_tokens)
         for i, block in enumerate(table):
             key = kv.cached_block_key(block)
             if key is not None and i < num_verified_tokens // kv.block_size:
                 assert list(key[1]) == req.all_token_ids[i * kv.block_size : (i + 1) * kv.block_size]
-            if key is not None and before[i] is None:   # registered by this call
-                assert (i + 1) * kv.block_size <= final, (req, i, num_verified_tokens, num_proposer_tokens)
+            if block in kv._proposer_marks and not marked_before[i]:   # marked by this call
+                assert key is not None and (i + 1) * kv.block_size <= final, (req, i, num_verified_tokens,
+                                                                              num_proposer_tokens)
+                n += 1
+        marks.append(n)
         calls.append(drafts_in_step.get(request_id, 0))
 
     # the drafts of the step that is registering blocks (cleared by commit_step before it does)
@@ -144,6 +152,7 @@ def test_no_block_is_registered_while_it_holds_an_unverified_draft_token(tiny_ll
               for i, t in enumerate([0.0, 1.0] * 4)]   # sampled rows: rejections happen
     llm.generate(prompts, params, use_tqdm=False)
     assert any(calls)                                # called in steps that verified drafts
+    assert (sum(marks) > 0) == (spec != "ngram")     # the proposer's K/V was marked where it keeps one
     stats = engine.get_spec_decode_stats()
     assert stats.num_accepted_tokens > 0
     if spec == "draft":   # (the tiny model's n-gram drafts are all accepted)
@@ -156,3 +165,45 @@ def test_prefix_caching_can_be_turned_off(tiny_llama_dir):
     for _ in range(2):
         llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
     assert llm.engine.get_prefix_cache_stats() == {"enabled": False, "queries": 0, "hits": 0, "hit_rate": 0.0}
+
+
+def test_a_hit_skips_the_draft_models_kv_only_where_an_earlier_draft_computed_it(tiny_llama_dir):
+    """The draft model's K/V rides in the cached blocks ("from_tokens", core/kv_cache_manager.py).
+    One after another: A (prompt P) stops after its first token, before its draft ever runs; B
+    (P again) finds the target's blocks but no draft K/V in them, so its draft starts at 0; C
+    shares B's first 4 blocks, where B's draft has computed its K/V, and its draft starts after
+    them. At B's and C's first drafts the draft's K/V at every position equals an uncached
+    engine's."""
+    gen = torch.Generator().manual_seed(3)
+    shared = torch.randint(100, 40000, (64,), generator=gen).tolist()
+    prompt_b = shared + torch.randint(100, 40000, (9,), generator=gen).tolist()
+    prompt_c = shared + [prompt_b[64] + 1] + prompt_b[65:]
+    seen = {}
+    for caching in (True, False):
+        llm = make_llm(tiny_llama_dir, "draft", caching=caching)
+        proposer = llm.engine.proposer
+        assert llm.engine.kv_cache.proposer_kv == ("from_tokens" if caching else None)
+        real = proposer.propose
+
+        def propose(scheduled, proposer=proposer, real=real, caching=caching):
+            starts = {s.request.request_id: s.request.proposer_num_computed_tokens for s in scheduled}
+            out = real(scheduled)
+            for s in scheduled:
+                r = s.request
+                if (caching, tuple(r.prompt_token_ids)) not in seen:
+                    table = proposer.kv_cache.block_table(r.request_id)
+                    bs = proposer.kv_cache.block_size
+                    slots = torch.tensor([cache_slot(table, p, bs) for p in range(r.num_computed_tokens)])
+                    kv = [c.view(2, c.shape[1], -1, c.shape[4]).index_select(2, slots).clone()
+                          for c in proposer.runner.kv_caches]
+                    seen[caching, tuple(r.prompt_token_ids)] = (starts[r.request_id], kv)
+            return out
+
+        proposer.propose = propose
+        for prompt, max_tokens in ((prompt_b, 1), (prompt_b, 6), (prompt_c, 6)):
+            llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                         use_tqdm=False)
+    assert [seen[True, tuple(p)][0] for p in (prompt_b, prompt_c)] == [0, 64]
+    for prompt in (prompt_b, prompt_c):
+        for got, want in zip(seen[True, tuple(prompt)][1], seen[False, tuple(prompt)][1]):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

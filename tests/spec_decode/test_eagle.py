@@ -210,7 +210,7 @@ def test_a_cached_prefix_brings_the_heads_kv_as_computed_without_caching(tiny):
     for caching in (True, False):
         llm = LLM(model=target, dtype="float32", device="cpu", kv_cache_memory=16 << 20, speculative_config=spec,
                   enable_prefix_caching=caching)
-        assert llm.engine.kv_cache.with_proposer_kv == caching
+        assert llm.engine.kv_cache.proposer_kv == ("from_features" if caching else None)
         kv_of[caching] = _head_kv_at_first_drafts(llm)
         for prompt, max_tokens in ((prompt_b, 1), (prompt_b, 6), (prompt_c, 6)):
             llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
