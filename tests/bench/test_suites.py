@@ -51,18 +51,22 @@ def test_prefix_cache_suite(tiny_llama_dir, tmp_path):
         run_suite(["prefix-cache", "--model", tiny_llama_dir, "--workloads", "bogus"], str(tmp_path / "x"))
 
 
-def test_prefix_cache_suite_with_eagle(tiny_llama_dir, tiny_eagle_dir, tmp_path):
-    """Plain and EAGLE side by side; EAGLE's caching engine finds the system prompt cached, its
-    head's K/V included."""
-    eagle = f"eagle:3:model={tiny_eagle_dir}"
+def test_prefix_cache_suite_with_proposers(tiny_llama_dir, tiny_draft_dir, tiny_eagle_dir, tmp_path):
+    """Plain, a draft model and EAGLE side by side, timing 3 tokens; the speculating engines with
+    caching find the system prompt cached, their proposer's K/V included."""
+    draft, eagle = f"draft:3:model={tiny_draft_dir}", f"eagle:3:model={tiny_eagle_dir}"
     doc = run_suite(["prefix-cache", "--model", tiny_llama_dir, "--limit", "3", "--workloads", "system-prompt",
-                     "--max-model-len", "1024", "--configs", f"plain,{eagle}"], str(tmp_path))
-    assert [r[1] for r in doc["table"]["rows"]] == ["`plain`", f"`{eagle}`"]
+                     "--max-model-len", "1024", "--configs", f"plain,{draft},{eagle}", "--tokens", "3"],
+                    str(tmp_path))
+    assert [r[1] for r in doc["table"]["rows"]] == ["`plain`", f"`{draft}`", f"`{eagle}`"]
+    assert doc["table"]["columns"][4] == "time to 3 tokens without caching (ms)"
     stats = doc["samples"]["prefix_cache_stats"]
-    assert "'hits': 0," in stats[f"{eagle}/no-caching"] and "'hits': 0," not in stats[f"{eagle}/caching"]
+    for config in (draft, eagle):
+        assert "'hits': 0," in stats[f"{config}/no-caching"] and "'hits': 0," not in stats[f"{config}/caching"]
     doc = run_suite(["prefix-cache", "--model", tiny_llama_dir, "--limit", "2", "--workloads", "system-prompt",
                      "--max-model-len", "1024", "--configs", eagle], str(tmp_path / "eagle-only"))
     assert [r[1] for r in doc["table"]["rows"]] == [f"`{eagle}`"]
+    assert doc["table"]["columns"][4] == "TTFT without caching (ms)"
 
 
 def test_kernels_suite(tmp_path):
