@@ -37,7 +37,7 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
           "specserve bench llama-server"),
     Suite("real-pair", "real_pair", "A real target and draft: specserve against llama.cpp's speculative decoding",
           "specserve bench real-pair"),
-    Suite("prefix-cache", "prefix_cache", "Prefix caching: time to first token of a resent conversation",
+    Suite("prefix-cache", "prefix_cache", "Prefix caching: time to the first tokens of a resent conversation",
           "specserve bench prefix-cache"),
     Suite("suffix", "suffix", "Suffix decoding on repeated agentic tasks",
           "specserve bench suffix"),
