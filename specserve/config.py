@@ -286,8 +286,8 @@ class EngineConfig:
     sized to the same number of blocks). max_num_batched_tokens is the per-step
     token budget shared by prefill chunks and decode/verification tokens.
     enable_prefix_caching: reuse the KV blocks of earlier requests' identical
-    prefixes (``core.kv_cache_manager``); with EAGLE the blocks carry its
-    head's K/V too.
+    prefixes (``core.kv_cache_manager``); the blocks carry a draft model's or
+    EAGLE head's K/V too.
     int8_activations: with a GGUF model's blocks kept on a CPU (dtype "auto"),
     multiply them with activations rounded to 8 bits per 256 values (byte
     products, as llama.cpp computes, on AVX-512 VNNI or AVX2; faster, not the

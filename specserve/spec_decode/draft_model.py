@@ -2,7 +2,9 @@
 
 It has its own ModelRunner and KV cache tensors but shares the target's block
 tables (same block ids, its own cache), so the scheduler's lookahead slots and
-preemption cover it too. Each step it first catches up on every token it has
+preemption cover it too, and prefix caching shares its K/V along with the
+target's (``cached_kv``: a hit skips the blocks where an earlier request's draft
+computed its K/V). Each step it first catches up on every token it has
 not seen (the prompt, and recovered / bonus tokens from the last verification)
 and samples draft 1, then runs single-token steps for drafts 2..k, all without
 going back to the scheduler. With ``draft_vocab_size`` its LM head covers only
