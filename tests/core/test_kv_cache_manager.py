@@ -158,12 +158,14 @@ def cached(num_blocks: int = 8, block_size: int = 4) -> KVCacheManager:
     return KVCacheManager(num_blocks, block_size, enable_prefix_caching=True)
 
 
-def run_request(kv: KVCacheManager, rid: str, tokens: list[int], verified: int | None = None) -> list[int]:
-    """Admit a request (cached prefix first), allocate the rest, register its verified blocks."""
+def run_request(kv: KVCacheManager, rid: str, tokens: list[int], verified: int | None = None,
+                proposer: int | None = None) -> int:
+    """Admit a request (cached prefix first), allocate the rest, register its verified blocks
+    (and mark those where the proposer's K/V is final, below ``proposer``)."""
     hit = kv.acquire_cached_prefix(rid, tokens)
     assert kv.allocate_slots(rid, len(tokens))
     kv.record_lookup(len(tokens), hit)
-    kv.cache_full_blocks(rid, tokens, len(tokens) if verified is None else verified)
+    kv.cache_full_blocks(rid, tokens, len(tokens) if verified is None else verified, proposer)
     return hit
 
 
@@ -269,9 +271,7 @@ def test_an_eagle_heads_kv_is_marked_when_final_and_a_hit_copies_the_block_whose
 def test_with_no_block_free_for_the_copy_a_hit_ends_a_block_earlier():
     kv = KVCacheManager(3, 4, enable_prefix_caching=True, proposer_kv=PROPOSER_KV_FROM_FEATURES)
     tokens = list(range(12))
-    kv.acquire_cached_prefix("a", tokens)
-    kv.allocate_slots("a", 12)
-    kv.cache_full_blocks("a", tokens, 12, num_proposer_tokens=12)
+    run_request(kv, "a", tokens, proposer=12)
     a = kv.block_table("a")
     assert len(kv._proposer_marks) == 2                    # block 3: its next token is not known yet
     assert kv.acquire_cached_prefix("b", tokens[:8] + [50, 51]) == 4   # no free block to copy the 2nd into
@@ -286,9 +286,7 @@ def test_a_draft_models_kv_is_skipped_where_marked_and_computed_again_after():
     starts after the leading blocks where an earlier request's draft computed its K/V."""
     kv = KVCacheManager(8, 4, enable_prefix_caching=True, proposer_kv=PROPOSER_KV_FROM_TOKENS)
     tokens = list(range(14))
-    kv.acquire_cached_prefix("a", tokens)
-    kv.allocate_slots("a", 14)
-    kv.cache_full_blocks("a", tokens, 14, num_proposer_tokens=6)
+    run_request(kv, "a", tokens, proposer=6)
     a = kv.block_table("a")
     assert kv._proposer_marks == {a[0]: None}
     assert kv.acquire_cached_prefix("b", tokens) == 12 and kv.proposer_tokens_in_hit("b") == 4
