@@ -24,7 +24,9 @@ follows the target's block tables (a draft model, an EAGLE head) writes it in
 the same slots, so a shared block can carry it too. Registration does not wait
 for it; instead a registered block is marked once the proposer's K/V in it is
 final (``cache_full_blocks``'s ``num_proposer_tokens``), and a hit tells how far
-the proposer may start (``proposer_tokens_in_hit``):
+the proposer may start (``proposer_tokens_in_hit``). A registered block that
+never got a mark (its request's proposer never ran there) gives its key up to a
+block of the same tokens, computed by a later request, once that one is marked.
 
 - ``"from_tokens"`` (a draft model: its K/V at a position reads the tokens up to
   it): a hit takes every matched block; the proposer starts after the leading
@@ -270,15 +272,26 @@ class KVCacheManager:
 
     def _mark_proposer_kv(self, request_id: str, token_ids: Sequence[int], full: int) -> None:
         """Mark the request's registered blocks among its first ``full`` (an EAGLE head's: those
-        whose next token is known, recorded with it)."""
+        whose next token is known, recorded with it). Where another block is registered under
+        one's key without a mark (its request never ran the proposer there, so an EAGLE hit stops
+        before it), this block takes the key over."""
         bs, table = self.block_size, self._tables.get(request_id, [])
+        chain = self._chain.get(request_id, [])
         from_features = self.proposer_kv == PROPOSER_KV_FROM_FEATURES
         if from_features:
             full = min(full, (len(token_ids) - 1) // bs)
         start = self._marked.get(request_id, 0)
-        for i in range(start, min(full, len(self._chain.get(request_id, [])), len(table))):
+        for i in range(start, min(full, len(chain), len(table))):
             block = table[i]
-            if block in self._key_of_block and block not in self._proposer_marks:
+            if block not in self._key_of_block:
+                key = (chain[i - 1] if i else None, tuple(token_ids[i * bs : (i + 1) * bs]))
+                other = self._block_of_key.get(key)
+                if other is None or other in self._proposer_marks:
+                    continue
+                self._forget(other)
+                self._block_of_key[key] = block
+                self._key_of_block[block] = key
+            if block not in self._proposer_marks:
                 self._proposer_marks[block] = token_ids[(i + 1) * bs] if from_features else None
         self._marked[request_id] = max(start, min(full, len(table)))
 

@@ -268,6 +268,21 @@ def test_an_eagle_heads_kv_is_marked_when_final_and_a_hit_copies_the_block_whose
     assert kv.take_pending_copies() == ([], []) and kv.num_used_blocks() == 4   # b's 3 and d's 3, 2 shared
 
 
+def test_a_block_with_the_proposers_kv_takes_over_the_key_of_one_without():
+    """A request whose head never ran (aborted, say) leaves blocks registered but unmarked; an EAGLE
+    hit stops before them, so a later request computes its own, which take the keys over once
+    marked, and the next request finds them."""
+    kv = KVCacheManager(12, 4, enable_prefix_caching=True, proposer_kv=PROPOSER_KV_FROM_FEATURES)
+    tokens = list(range(10))
+    run_request(kv, "a", tokens, proposer=0)
+    a = kv.block_table("a")
+    kv.free("a")
+    assert run_request(kv, "b", tokens, proposer=10) == 0
+    b = kv.block_table("b")
+    assert [kv.cached_block_key(x) is not None for x in a[:2] + b[:2]] == [False, False, True, True]
+    assert run_request(kv, "c", tokens, proposer=0) == 8 and kv.block_table("c")[:2] == b[:2]
+
+
 def test_with_no_block_free_for_the_copy_a_hit_ends_a_block_earlier():
     kv = KVCacheManager(3, 4, enable_prefix_caching=True, proposer_kv=PROPOSER_KV_FROM_FEATURES)
     tokens = list(range(12))
