@@ -210,6 +210,16 @@ class KVCacheManager:
             self._proposer_hit[request_id] = hit if self.proposer_kv == PROPOSER_KV_FROM_FEATURES else marked * bs
         return hit
 
+    def marked_tokens(self, request_id: str) -> int:
+        """Tokens in the leading blocks of the request's table that are marked: blocks whose
+        proposer K/V some request has computed since (a sibling sample's draft, say)."""
+        n = 0
+        for block in self._tables.get(request_id, []):
+            if block not in self._proposer_marks:
+                break
+            n += 1
+        return n * self.block_size
+
     def proposer_tokens_in_hit(self, request_id: str) -> int:
         """Of the request's last ``acquire_cached_prefix`` hit, the tokens whose proposer K/V came
         with it: where its proposer starts (0 without ``proposer_kv``)."""

@@ -56,7 +56,7 @@ class DraftModelProposer(Proposer):
         # Step 1: catch up on unseen tokens; the last one's logits give draft 1.
         inputs = []
         for r in reqs:
-            start = r.proposer_num_computed_tokens
+            start = self._catch_up_start(r)
             inputs.append(ForwardInput(r.all_token_ids[start:], start, self.kv_cache.block_table(r.request_id), 1))
         active = list(range(len(reqs)))
         for step in range(max(budgets)):
@@ -109,13 +109,24 @@ class DraftModelProposer(Proposer):
             reqs[i].proposer_num_computed_tokens += n   # it fed drafts 1..n (the last one drafted is not fed)
         return True
 
+    def _catch_up_start(self, r: Request) -> int:
+        """Where the catch-up starts: after the positions the draft has computed for ``r``, or after
+        the leading blocks of its table that hold the draft's K/V already, where a prefix cache
+        hit shared blocks whose K/V another request's draft has computed since (a sibling sample's,
+        say: ``KVCacheManager.marked_tokens``). Looked up only before a long catch-up."""
+        start = r.proposer_num_computed_tokens
+        if r.num_computed_tokens - start > self.kv_cache.block_size:
+            start = max(start, min(self.kv_cache.marked_tokens(r.request_id), r.num_computed_tokens))
+            r.proposer_num_computed_tokens = start
+        return start
+
     def _propose_trees(self, scheduled: list[ScheduledRequest]) -> Proposal:
         """Catch up (the last token's logits are the root's), then grow each request's tree."""
         reqs = [s.request for s in scheduled]
         tables = [self.kv_cache.block_table(r.request_id) for r in reqs]
         inputs = []
         for r, table in zip(reqs, tables):
-            start = r.proposer_num_computed_tokens
+            start = self._catch_up_start(r)
             inputs.append(ForwardInput(r.all_token_ids[start:], start, table, 1))
         root_logits = self.runner.execute(inputs).logits                                # [B, V or Vd]
         for r, inp in zip(reqs, inputs):

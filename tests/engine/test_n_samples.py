@@ -1,6 +1,7 @@
 """n samples of one prompt (``SamplingParams(n=...)``): one output with n
 completions, sample i equal to a lone request seeded seed + i, greedy samples equal,
-the prompt computed once (its full blocks shared through the prefix cache), and an
+the prompt computed once (its full blocks shared through the prefix cache, a draft
+model's K/V in them too), and an
 abort that ends every sample. Tiny random model: seconds."""
 from __future__ import annotations
 
@@ -55,6 +56,29 @@ def test_the_prompt_is_computed_once(tiny_llama_dir):
     llm.generate(PROMPT, SamplingParams(n=5, temperature=1.0, seed=0, max_tokens=4), use_tqdm=False)
     stats = llm.engine.get_prefix_cache_stats()
     assert stats["hits"] == 4 * 48                     # samples 2..5 reuse the prompt's 3 full blocks
+
+
+def test_a_draft_model_reads_the_prompt_once_too(tiny_llama_dir, tiny_draft_dir):
+    """The siblings start from the first sample's cached blocks before its draft has run; their
+    drafts then start after the blocks its draft has computed since (``marked_tokens``), not at
+    0, and the samples still equal lone requests."""
+    llm = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=256, kv_cache_memory=8 << 20,
+              speculative_config={"method": "draft_model", "model": tiny_draft_dir, "num_speculative_tokens": 3})
+    proposer, starts = llm.engine.proposer, {}
+    real = proposer._catch_up_start
+
+    def catch_up_start(r):
+        start = real(r)
+        starts.setdefault(r.request_id, start)
+        return start
+
+    proposer._catch_up_start = catch_up_start
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=10)
+    [out] = llm.generate(PROMPT, params, use_tqdm=False)
+    assert starts["0[0]"] == 0 and starts["0[1]"] == starts["0[2]"] == 48
+    alone = [llm.generate(PROMPT, dataclasses.replace(params, n=1, seed=7 + i), use_tqdm=False)[0].outputs[0].token_ids
+             for i in range(3)]
+    assert completions(out) == alone
 
 
 def test_samples_with_a_batch_of_other_requests(tiny_llama_dir):
