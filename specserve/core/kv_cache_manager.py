@@ -69,11 +69,9 @@ class KVCacheManager:
         self._key_of_block: dict[int, tuple] = {}
         self._chain: dict[str, list[int]] = {}     # per request: hashes of its first blocks, registered or found
         # proposer_kv: registered blocks whose proposer K/V is final -> the token after the block
-        # (from_features) or None; per request, its table's blocks looked at for marks so far; the
-        # proposer's share of its hit
+        # (from_features) or None; per request, its table's blocks looked at for marks so far
         self._proposer_marks: dict[int, int | None] = {}
         self._marked: dict[str, int] = {}
-        self._proposer_hit: dict[str, int] = {}
         # from_features: per request, the copy its last hit block needs (source slots, destination
         # slots, the source block, referenced until the copy is taken)
         self._pending: dict[str, tuple[list[int], list[int], int]] = {}
@@ -147,7 +145,6 @@ class KVCacheManager:
         """Release a request's blocks; registered ones stay findable until reused."""
         self._chain.pop(request_id, None)
         self._marked.pop(request_id, None)
-        self._proposer_hit.pop(request_id, None)
         pending = self._pending.pop(request_id, None)
         if pending is not None:      # never copied: the destination goes back with the table
             self._release(pending[2])
@@ -176,12 +173,9 @@ class KVCacheManager:
         bs = self.block_size
         max_blocks = (len(token_ids) - 1) // bs
         matched = list(self._matched_blocks(token_ids, max_blocks))
-        marked = 0     # leading matched blocks whose proposer K/V is final
-        while marked < len(matched) and matched[marked][1] in self._proposer_marks:
-            marked += 1
         copy_last = False
         if self.proposer_kv == PROPOSER_KV_FROM_FEATURES:   # its head cannot compute a cached position again
-            matched = matched[:marked]
+            matched = matched[: self._leading_marked([block for _, block in matched])]
             for i, (_, block) in enumerate(matched):   # a block's last position read the token after it
                 if self._proposer_marks[block] != token_ids[(i + 1) * bs]:
                     matched, copy_last = matched[: i + 1], True
@@ -206,24 +200,27 @@ class KVCacheManager:
         if table:
             self._tables[request_id] = table
             self._chain[request_id] = [hash(key) for key, _ in matched]
-        if self.proposer_kv is not None:
-            self._proposer_hit[request_id] = hit if self.proposer_kv == PROPOSER_KV_FROM_FEATURES else marked * bs
         return hit
+
+    def _leading_marked(self, blocks: Sequence[int]) -> int:
+        """How many of ``blocks``, from the first, are marked (hold the proposer's final K/V)."""
+        n = 0
+        while n < len(blocks) and blocks[n] in self._proposer_marks:
+            n += 1
+        return n
 
     def marked_tokens(self, request_id: str) -> int:
         """Tokens in the leading blocks of the request's table that are marked: blocks whose
-        proposer K/V some request has computed since (a sibling sample's draft, say)."""
-        n = 0
-        for block in self._tables.get(request_id, []):
-            if block not in self._proposer_marks:
-                break
-            n += 1
-        return n * self.block_size
+        proposer K/V some request has computed (at its hit, or since: a sibling sample's draft)."""
+        return self._leading_marked(self._tables.get(request_id, [])) * self.block_size
 
-    def proposer_tokens_in_hit(self, request_id: str) -> int:
-        """Of the request's last ``acquire_cached_prefix`` hit, the tokens whose proposer K/V came
-        with it: where its proposer starts (0 without ``proposer_kv``)."""
-        return self._proposer_hit.get(request_id, 0)
+    def proposer_tokens_in_hit(self, request_id: str, hit: int) -> int:
+        """Of the ``hit`` tokens ``acquire_cached_prefix`` just gave the request, those whose
+        proposer K/V came with them: where its proposer starts (0 without ``proposer_kv``). An
+        EAGLE head's hit ends where its K/V does."""
+        if self.proposer_kv == PROPOSER_KV_FROM_FEATURES:
+            return hit
+        return min(self.marked_tokens(request_id), hit)
 
     def take_pending_copies(self) -> tuple[list[int], list[int]]:
         """-> (source slots, destination slots) that requests admitted since the last call need

@@ -114,7 +114,8 @@ class Scheduler:
                 req.num_computed_tokens = self.kv_cache.acquire_cached_prefix(req.request_id, req.all_token_ids)
                 req.num_cached_tokens = req.num_computed_tokens
                 # the proposer's K/V that came with the blocks (core/kv_cache_manager.py's proposer_kv)
-                req.proposer_num_computed_tokens = self.kv_cache.proposer_tokens_in_hit(req.request_id)
+                req.proposer_num_computed_tokens = self.kv_cache.proposer_tokens_in_hit(req.request_id,
+                                                                                         req.num_computed_tokens)
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             lookahead = self._lookahead_for(req, num_new, budget - num_new)
             if not self.kv_cache.allocate_slots(req.request_id, req.num_computed_tokens + num_new + lookahead):

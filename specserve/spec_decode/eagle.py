@@ -355,7 +355,7 @@ class EagleProposer(Proposer):
     def _catch_up(self, reqs: list[Request], budgets: list[int]) -> tuple[list[int], torch.Tensor | None]:
         """One head forward over positions [proposer_num_computed_tokens, num_computed_tokens) with
         the target's real features -> (requests drafting, their last position's output [n, H])."""
-        wanted = [i for i, r in enumerate(reqs) if budgets[i] > 0]
+        wanted = [i for i in range(len(reqs)) if budgets[i] > 0]
         drafting = [reqs[i] for i in wanted]
         active, hidden = self._head_over_features(drafting, [r.num_computed_tokens for r in drafting])
         return [wanted[j] for j in active], hidden

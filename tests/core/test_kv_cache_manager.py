@@ -244,7 +244,7 @@ def test_an_eagle_heads_kv_is_marked_when_final_and_a_hit_copies_the_block_whose
     kv.free("x")
     kv.cache_full_blocks("a", tokens, 14, num_proposer_tokens=9)
     assert kv._proposer_marks == {a[0]: 4, a[1]: 8}
-    assert kv.acquire_cached_prefix("y", tokens) == 8 and kv.proposer_tokens_in_hit("y") == 8
+    assert kv.acquire_cached_prefix("y", tokens) == 8 and kv.proposer_tokens_in_hit("y", 8) == 8
     kv.free("y")
     kv.cache_full_blocks("a", tokens, 14, num_proposer_tokens=13)
     assert kv._proposer_marks == {a[0]: 4, a[1]: 8, a[2]: 12}
@@ -252,7 +252,7 @@ def test_an_eagle_heads_kv_is_marked_when_final_and_a_hit_copies_the_block_whose
         kv.cache_full_blocks("a", tokens, 14)
     kv.free("a")
     # 3 blocks match; the third's next token differs: copied but for its last slot, computed again.
-    assert kv.acquire_cached_prefix("b", tokens[:12] + [99, 98]) == 11 and kv.proposer_tokens_in_hit("b") == 11
+    assert kv.acquire_cached_prefix("b", tokens[:12] + [99, 98]) == 11 and kv.proposer_tokens_in_hit("b", 11) == 11
     b = kv.block_table("b")
     assert b[:2] == a[:2] and b[2] != a[2]
     assert a[2] not in kv._free                            # the copy's source is kept until copied
@@ -304,10 +304,10 @@ def test_a_draft_models_kv_is_skipped_where_marked_and_computed_again_after():
     run_request(kv, "a", tokens, proposer=6)
     a = kv.block_table("a")
     assert kv._proposer_marks == {a[0]: None}
-    assert kv.acquire_cached_prefix("b", tokens) == 12 and kv.proposer_tokens_in_hit("b") == 4
+    assert kv.acquire_cached_prefix("b", tokens) == 12 and kv.proposer_tokens_in_hit("b", 12) == 4
     assert kv.take_pending_copies() == ([], [])
     kv.cache_full_blocks("b", tokens, 13, num_proposer_tokens=13)   # b's draft computed the rest
-    assert kv.acquire_cached_prefix("c", tokens) == 12 and kv.proposer_tokens_in_hit("c") == 12
+    assert kv.acquire_cached_prefix("c", tokens) == 12 and kv.proposer_tokens_in_hit("c", 12) == 12
     with pytest.raises(ValueError, match="unknown proposer_kv"):
         KVCacheManager(8, 4, proposer_kv="sometimes")
     assert KVCacheManager(8, 4, proposer_kv=PROPOSER_KV_FROM_TOKENS).proposer_kv is None   # caching off
