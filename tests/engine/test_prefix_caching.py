@@ -11,7 +11,8 @@ import torch
 from specserve import LLM, SamplingParams
 from specserve.core.kv_cache_manager import KVCacheManager
 from specserve.core.request import Request
-from specserve.model_executor.layers.attention import cache_slot
+
+from cached_prefix_kv import kv_at_positions, prompts_parting_after_four_blocks
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -174,10 +175,7 @@ def test_a_hit_skips_the_draft_models_kv_only_where_an_earlier_draft_computed_it
     shares B's first 4 blocks, where B's draft has computed its K/V, and its draft starts after
     them. At B's and C's first drafts the draft's K/V at every position equals an uncached
     engine's."""
-    gen = torch.Generator().manual_seed(3)
-    shared = torch.randint(100, 40000, (64,), generator=gen).tolist()
-    prompt_b = shared + torch.randint(100, 40000, (9,), generator=gen).tolist()
-    prompt_c = shared + [prompt_b[64] + 1] + prompt_b[65:]
+    prompt_b, prompt_c = prompts_parting_after_four_blocks()
     seen = {}
     for caching in (True, False):
         llm = make_llm(tiny_llama_dir, "draft", caching=caching)
@@ -192,9 +190,7 @@ def test_a_hit_skips_the_draft_models_kv_only_where_an_earlier_draft_computed_it
                 r = s.request
                 if (caching, tuple(r.prompt_token_ids)) not in seen:
                     table = proposer.kv_cache.block_table(r.request_id)
-                    bs = proposer.kv_cache.block_size
-                    slots = torch.tensor([cache_slot(table, p, bs) for p in range(r.num_computed_tokens)])
-                    kv = [c.view(2, c.shape[1], -1, c.shape[4]).index_select(2, slots).clone()
+                    kv = [kv_at_positions(c, table, r.num_computed_tokens, proposer.kv_cache.block_size)
                           for c in proposer.runner.kv_caches]
                     seen[caching, tuple(r.prompt_token_ids)] = (starts[r.request_id], kv)
             return out

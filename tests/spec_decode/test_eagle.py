@@ -21,7 +21,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from specserve import LLM, SamplingParams
 from specserve.config import DEFAULT_SPECULATIVE_TOKENS, SpeculativeConfig
 from specserve.drafts import SHIPPED, shipped_draft
-from specserve.model_executor.layers.attention import cache_slot
 from specserve.model_executor.loader import load_model
 from specserve.model_executor.models.eagle import EagleConfig, load_eagle_head
 from specserve.spec_decode.factory import resolve_speculative_config
@@ -30,6 +29,7 @@ from specserve.spec_decode.proposer import Proposer, TargetHidden
 from specserve.training.data import FeatureRecorder
 from specserve.training.train_eagle import EagleTask
 
+from cached_prefix_kv import kv_at_positions, prompts_parting_after_four_blocks
 from model_cache import share_folder
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -182,10 +182,7 @@ def _head_kv_at_first_drafts(llm: LLM) -> dict[tuple, tuple[torch.Tensor, int]]:
             key = tuple(r.prompt_token_ids)
             if key not in seen and r.proposer_num_computed_tokens:
                 table = proposer.kv_cache.block_table(r.request_id)
-                slots = torch.tensor([cache_slot(table, p, proposer.block_size)
-                                      for p in range(r.proposer_num_computed_tokens)])
-                kv = proposer.kv
-                seen[key] = (kv.view(2, kv.shape[1], -1, kv.shape[4]).index_select(2, slots).clone(),
+                seen[key] = (kv_at_positions(proposer.kv, table, r.proposer_num_computed_tokens, proposer.block_size),
                              r.num_cached_tokens)
         return out
 
@@ -204,10 +201,7 @@ def test_a_cached_prefix_brings_the_heads_kv_as_computed_without_caching(tiny, c
     prefilled whole or in chunks (the head follows each chunk)."""
     target, eagle_dir = tiny
     spec = {"method": "eagle", "model": eagle_dir, "num_speculative_tokens": 3}
-    gen = torch.Generator().manual_seed(3)
-    shared = torch.randint(100, 40000, (64,), generator=gen).tolist()
-    prompt_b = shared + torch.randint(100, 40000, (9,), generator=gen).tolist()
-    prompt_c = shared + [prompt_b[64] + 1] + prompt_b[65:]
+    prompt_b, prompt_c = prompts_parting_after_four_blocks()
     kv_of = {}
     for caching in (True, False):
         chunked = {"max_num_batched_tokens": chunk} if chunk else {}
