@@ -108,8 +108,10 @@ METHODS = {"ngram": "ngram", "draft": "draft_model", "draft_model": "draft_model
 KEYWORDS = {"dynamic": ("dynamic_k", "true"), "fixed": ("dynamic_k", "false"), "tree": ("prompt_lookup_tree", "true")}
 
 
-def parse_configs(text: str, draft_model: str | None = None, eagle_model: str | None = None) -> list[Config]:
-    """``plain,ngram:4,draft:3,eagle:4`` -> configurations; ``plain`` is added first when missing.
+def parse_configs(text: str, draft_model: str | None = None, eagle_model: str | None = None,
+                  add_plain: bool = True) -> list[Config]:
+    """``plain,ngram:4,draft:3,eagle:4`` -> configurations; ``plain`` is added first when missing
+    (unless ``add_plain`` is False: a suite that compares each configuration with itself).
 
     ``METHOD:K`` speculates K tokens per step (``METHOD`` alone: specserve's default k);
     more ``:OPTION`` parts may follow: ``dynamic`` chooses each step's draft length up
@@ -158,7 +160,7 @@ def parse_configs(text: str, draft_model: str | None = None, eagle_model: str | 
         if any(c.name == cfg.name for c in configs):
             raise ValueError(f"configuration {item!r} given twice")
         configs.append(cfg)
-    if not any(c.name == "plain" for c in configs):
+    if add_plain and not any(c.name == "plain" for c in configs):
         configs.insert(0, Config("plain", "specserve"))
     return configs
 

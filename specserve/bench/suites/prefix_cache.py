@@ -163,9 +163,7 @@ def run(args, doc: dict) -> None:
         raise ValueError(f"unknown workloads {sorted(set(workloads) - set(WORKLOADS))}: any of {', '.join(WORKLOADS)}")
     doc["params"] = {k: getattr(args, k) for k in ("model", "prompts", "limit", "answer_tokens", "workloads", "turns",
                                                     "max_model_len", "configs", "tokens")}
-    configs = parse_configs(args.configs)
-    if "plain" not in [c.strip() for c in args.configs.split(",")]:
-        configs = [c for c in configs if c.name != "plain"]      # (parse_configs adds it)
+    configs = parse_configs(args.configs, add_plain=False)   # each is compared with itself, caching off
     kw = dict(model=args.model, max_model_len=args.max_model_len, kv_cache_memory=1 << 28)
     engines = {f"{c.name}/{mode}": LLM(**kw, speculative_config=c.speculative_config, enable_prefix_caching=on)
                for c in configs for mode, on in (("no-caching", False), ("caching", True))}
