@@ -53,6 +53,24 @@ def alone(llm, greedy: bool) -> list[list[int]]:
     return [llm.generate(p, params_for(i, greedy))[0].outputs[0].token_ids for i, p in enumerate(PROMPTS)]
 
 
+def stream_all_greedy(async_engine: AsyncLLMEngine) -> list:
+    """Every prompt at once through the async engine, greedy; then shut it down.
+    Per prompt: its tokens, or the exception its stream raised."""
+    async def one(i):
+        out = None
+        async for out in async_engine.generate(PROMPTS[i], params_for(i, True)):
+            pass
+        return out.outputs[0].token_ids
+
+    async def run():
+        return await asyncio.gather(*(one(i) for i in range(len(PROMPTS))), return_exceptions=True)
+
+    try:
+        return asyncio.run(asyncio.wait_for(run(), timeout=120))
+    finally:
+        async_engine.shutdown()
+
+
 @pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "seeded"])
 def test_a_request_failing_in_its_output_handling_does_not_hurt_the_others(llm, monkeypatch, greedy):
     expected = alone(llm, greedy)
@@ -160,19 +178,7 @@ def test_async_engine_delivers_the_failure_to_its_request_only(llm, monkeypatch)
 
     monkeypatch.setattr(engine.output_processor, "append", append)
 
-    async def one(i):
-        out = None
-        async for out in async_engine.generate(PROMPTS[i], params_for(i, True)):
-            pass
-        return out.outputs[0].token_ids
-
-    async def run():
-        return await asyncio.gather(*(one(i) for i in range(len(PROMPTS))), return_exceptions=True)
-
-    try:
-        results = asyncio.run(asyncio.wait_for(run(), timeout=120))
-    finally:
-        async_engine.shutdown()
+    results = stream_all_greedy(async_engine)
     assert isinstance(results[1], RequestFailedError) and "injected detokenizer fault" in str(results[1])
     assert results[0] == expected[0] and results[2] == expected[2]
     assert idle(llm)
@@ -192,19 +198,7 @@ def test_async_engine_failed_forward_spares_requests_outside_the_step(tiny_llama
     monkeypatch.setattr(engine.runner, "execute", execute)
     async_engine = AsyncLLMEngine(engine)
 
-    async def one(i):
-        out = None
-        async for out in async_engine.generate(PROMPTS[i], params_for(i, True)):
-            pass
-        return out.outputs[0].token_ids
-
-    async def run():
-        return await asyncio.gather(*(one(i) for i in range(len(PROMPTS))), return_exceptions=True)
-
-    try:
-        results = asyncio.run(asyncio.wait_for(run(), timeout=120))
-    finally:
-        async_engine.shutdown()
+    results = stream_all_greedy(async_engine)
     assert isinstance(results[0], EngineStepError) and "injected device fault" in str(results[0])
     assert results[1:] == expected[1:]
     assert idle(llm)

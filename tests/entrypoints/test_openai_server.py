@@ -3,36 +3,22 @@ the real ``openai`` client, one float32 engine (greedy outputs compare exactly).
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-import uvicorn
 from fastapi.testclient import TestClient
 
 from specserve import LLM, SamplingParams
 from specserve.engine.async_engine import AsyncLLMEngine, EngineStepError
 from specserve.entrypoints.openai.api_server import build_app, hold_back
-from specserve.entrypoints.openai.connection import uvicorn_config
 
-from server_util import local_http
+from server_util import local_http, running_server, wait_until
 
 pytestmark = pytest.mark.slow
 
 MODEL = "smollm2-test"
 MAX_MODEL_LEN = 256
-
-
-def _wait_until(predicate, timeout: float = 60.0, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
 
 
 @pytest.fixture(scope="module")
@@ -44,19 +30,8 @@ def llm():
 def server(llm):
     """(base_url, app): uvicorn in a background thread on a free loopback port."""
     app = build_app(llm, MODEL)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    config = uvicorn_config(app, log_level="warning", lifespan="off")
-    srv = uvicorn.Server(config)
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    assert _wait_until(lambda: srv.started, timeout=30), "uvicorn did not start"
-    yield f"http://127.0.0.1:{port}", app
-    srv.should_exit = True
-    thread.join(timeout=10)
-    sock.close()
+    with running_server(app) as url:
+        yield url, app
 
 
 @pytest.fixture(scope="module")
@@ -213,7 +188,7 @@ def test_concurrent_greedy_requests_match_sequential(client, server, llm):
     assert concurrent == sequential
     # Continuous batching: far fewer engine steps than 16 requests x 8 tokens one by one.
     assert async_engine.num_steps - steps_before < len(CONCURRENT_PROMPTS) * 8 // 2
-    assert _wait_until(lambda: _idle(llm), timeout=10)
+    assert wait_until(lambda: _idle(llm), timeout=10)
 
 
 def test_client_disconnect_aborts_and_frees_kv_blocks(base_url, llm):
@@ -230,7 +205,7 @@ def test_client_disconnect_aborts_and_frees_kv_blocks(base_url, llm):
                         assert llm.engine.has_unfinished_requests()
                         break
     assert got == 2
-    assert _wait_until(lambda: _idle(llm), timeout=30), (
+    assert wait_until(lambda: _idle(llm), timeout=30), (
         f"unfinished={llm.engine.has_unfinished_requests()} free={llm.engine.kv_cache.num_free_blocks}/{llm.engine.kv_cache.num_blocks}"
     )
 
@@ -284,7 +259,7 @@ def test_openai_client_sees_bad_request_and_server_carries_on(client, llm):
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt=TOO_LONG, max_tokens=4)
     assert _greedy(client, "Still alive?", max_tokens=2).choices[0].text
-    assert _wait_until(lambda: _idle(llm), timeout=10)
+    assert wait_until(lambda: _idle(llm), timeout=10)
 
 
 def test_unknown_route_is_404_in_openai_shape(base_url):
@@ -312,7 +287,7 @@ def test_engine_error_surfaces_and_server_carries_on(server, llm, client):
         assert "simulated device failure" in r.json()["error"]["message"]
     finally:
         del engine.step
-    assert _wait_until(lambda: _idle(llm), timeout=10)
+    assert wait_until(lambda: _idle(llm), timeout=10)
     assert _greedy(client, "Hello", max_tokens=2).choices[0].text
 
 
@@ -415,7 +390,7 @@ def test_async_engine_generate_and_abort(llm, server):
 
     text = asyncio.run(run())
     assert text
-    assert _wait_until(lambda: _idle(llm), timeout=10)
+    assert wait_until(lambda: _idle(llm), timeout=10)
 
 
 def test_async_engine_step_error_reaches_every_waiting_request(llm):
@@ -438,4 +413,4 @@ def test_async_engine_step_error_reaches_every_waiting_request(llm):
     finally:
         del engine.step
     assert all(isinstance(r, EngineStepError) and "boom" in str(r) for r in results), results
-    assert _wait_until(lambda: _idle(llm), timeout=10)
+    assert wait_until(lambda: _idle(llm), timeout=10)

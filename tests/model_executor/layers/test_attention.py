@@ -534,6 +534,21 @@ def test_window_and_softcap_must_be_positive():
         paged_attention(q, kv, kv, kv_cache, meta, 0.3, logit_softcap=0.0)
 
 
+def _assert_rows_are_the_reference(out, q, shapes, masks_per_req, keys, values, scale, window, softcap):
+    """Each request's rows of a step's attention output (shapes: (cached, new) per request; masks:
+    a tree's, or None for a chain) equal the positional reference over its own keys and values."""
+    row = 0
+    for i, ((cached, new), masks) in enumerate(zip(shapes, masks_per_req)):
+        if masks is None:
+            q_pos, k_pos, seen = torch.arange(cached, cached + new), torch.arange(cached + new), None
+        else:
+            q_pos, k_pos, seen = _tree_positions(cached, masks)
+        expected = positional_reference(q[row:row + new], keys[i], values[i], q_pos, k_pos, scale, window, softcap,
+                                        seen)
+        torch.testing.assert_close(out[row:row + new], expected, rtol=1e-5, atol=1e-5, msg=lambda m: f"req {i}: {m}")
+        row += new
+
+
 def _tree_positions(cached, masks):
     """Absolute positions of a tree request's keys (cached, then its nodes at first new slot +
     depth) and the [new, ctx] ancestry its rows may see."""
@@ -569,16 +584,7 @@ def test_tree_with_a_window_matches_the_positional_reference(monkeypatch, path, 
     out = paged_attention(q, torch.cat([k[c:] for k, (c, _) in zip(keys, shapes)]),
                           torch.cat([v[c:] for v, (c, _) in zip(values, shapes)]), kv_cache, meta, scale=0.3,
                           sliding_window=window, logit_softcap=softcap)
-    row = 0
-    for i, ((cached, new), masks) in enumerate(zip(shapes, masks_per_req)):
-        if masks is None:
-            q_pos, k_pos, seen = torch.arange(cached, cached + new), torch.arange(cached + new), None
-        else:
-            q_pos, k_pos, seen = _tree_positions(cached, masks)
-        expected = positional_reference(q[row:row + new], keys[i], values[i], q_pos, k_pos, 0.3, window, softcap,
-                                        seen)
-        torch.testing.assert_close(out[row:row + new], expected, rtol=1e-5, atol=1e-5, msg=lambda m: f"req {i}: {m}")
-        row += new
+    _assert_rows_are_the_reference(out, q, shapes, masks_per_req, keys, values, 0.3, window, softcap)
 
 
 @pytest.mark.skipif(not KERNEL_BUILDS, reason="the CPU attention kernel did not build here (no C compiler?)")
@@ -628,12 +634,4 @@ def test_kernel_never_uses_keys_before_the_windows(cache_dtype):
                           torch.cat([v[c:] for v, (c, _) in zip(values, shapes)]), kv_cache, meta, scale=0.3,
                           sliding_window=window)
     assert torch.isfinite(out).all()
-    row = 0
-    for i, ((cached, new), masks) in enumerate(zip(shapes, masks_per_req)):
-        if masks is None:
-            q_pos, k_pos, seen = torch.arange(cached, cached + new), torch.arange(cached + new), None
-        else:
-            q_pos, k_pos, seen = _tree_positions(cached, masks)
-        expected = positional_reference(q[row:row + new], keys[i], values[i], q_pos, k_pos, 0.3, window, None, seen)
-        torch.testing.assert_close(out[row:row + new], expected, rtol=1e-5, atol=1e-5)
-        row += new
+    _assert_rows_are_the_reference(out, q, shapes, masks_per_req, keys, values, 0.3, window, None)
