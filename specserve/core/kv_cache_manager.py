@@ -87,6 +87,8 @@ class KVCacheManager:
         if self._tables:
             raise RuntimeError("the proposer's K/V mode is set before any request holds blocks")
         self.proposer_kv = proposer_kv if self.enable_prefix_caching else None
+        # With or without caching, forks keep a block whose last slot reads the next token to one beam.
+        self.proposer_kv_reads_next_token = proposer_kv == PROPOSER_KV_FROM_FEATURES
 
     def prefix_cache_stats(self) -> dict:
         """Prefix cache lookups since start-up, in tokens (vLLM's queries and hits)."""
@@ -126,14 +128,20 @@ class KVCacheManager:
         return block
 
     def fork(self, parent_id: str, child_id: str, num_tokens: int) -> int:
-        """Give ``child_id`` (holding no blocks) the parent's full blocks below ``num_tokens`` by
-        reference (beam search: beams share their common prefix); -> the tokens shared, a multiple
-        of the block size. Their K/V is final, so neither writes to them again; the caller allocates
-        the child's other blocks and copies what it needs of the parent's partial block (copy on
-        write, done at the fork). Freeing either drops one reference."""
+        """Give ``child_id`` (holding no blocks) the parent's full blocks below ``num_tokens`` (the
+        first position where their tokens part) by reference (beam search: beams share their common
+        prefix); -> the tokens shared, a multiple of the block size. Their K/V is final, so neither
+        writes to them again; the caller allocates the child's other blocks and copies what it needs
+        of the rest of the parent's (copy on write, done at the fork). Freeing either drops one
+        reference.
+
+        For a proposer whose K/V comes ``PROPOSER_KV_FROM_FEATURES`` (with or without prefix
+        caching) a shared block must also end before ``num_tokens - 1``: the head's K/V at that
+        position reads the token at ``num_tokens``, which differs by beam."""
         if self._tables.get(child_id):
             raise ValueError(f"request {child_id!r} already holds KV blocks")
-        shared = self._tables.get(parent_id, [])[: num_tokens // self.block_size]
+        final = num_tokens - 1 if self.proposer_kv_reads_next_token else num_tokens
+        shared = self._tables.get(parent_id, [])[: max(final, 0) // self.block_size]
         for block in shared:
             self._refs[block] += 1
         if shared:

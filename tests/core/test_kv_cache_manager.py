@@ -437,3 +437,20 @@ def test_random_requests_with_prefix_caching_read_back_their_own_tokens(proposer
         assert len(held) == kv.num_used_blocks()
     assert kv.num_used_blocks() == 0
     assert kv.num_hit_tokens > 1000        # the shared prefixes were found
+
+
+@pytest.mark.parametrize("caching", [True, False])
+@pytest.mark.parametrize("proposer_kv,shared_tokens", [(None, 8), (PROPOSER_KV_FROM_TOKENS, 8),
+                                                       (PROPOSER_KV_FROM_FEATURES, 4)])
+def test_a_fork_shares_the_full_blocks_whose_kv_is_the_same_for_both(proposer_kv, shared_tokens, caching):
+    """Beams parting at position 8 (block size 4): the target's and a draft model's K/V below 8 is
+    the same for both, so both full blocks are shared; an EAGLE head's K/V at position 7 reads
+    token 8, so the second block is the parent's alone."""
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=caching)
+    kv.set_proposer_kv(proposer_kv)
+    assert kv.allocate_slots("parent", 10)
+    assert kv.fork("parent", "child", 8) == shared_tokens
+    assert kv.block_table("child") == kv.block_table("parent")[: shared_tokens // 4]
+    kv.free("parent")
+    kv.free("child")
+    assert kv.num_free_blocks == 8

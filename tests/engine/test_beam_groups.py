@@ -15,6 +15,7 @@ early. About half a minute on a shared 2-core machine.
 """
 from __future__ import annotations
 
+import collections
 import json
 import os
 import random
@@ -261,6 +262,34 @@ def test_a_forked_beam_gets_its_parents_eagle_state(target_dir, spec, request):
             checked += start > 0
     assert checked >= 3 and not proposer._warned
     assert llm.get_spec_decode_stats().num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("caching", [True, False], ids=["prefix-caching", "no-prefix-caching"])
+@pytest.mark.parametrize("spec", ["eagle", "eagle-tree"])
+def test_beams_share_a_block_only_where_the_heads_kv_in_it_is_the_same(target_dir, spec, caching, request):
+    """An EAGLE head's K/V at position t reads token t + 1, so the last slot of a block that ends
+    where beams part differs by beam: a fork must not share that block. After every step, beams
+    that hold the same block hold it at the same place and agree on every token up to the one
+    after it. Fails if forks share every full block below the point where the beams part (block
+    size 4 and a 12-token prompt put the first fork at a block's end)."""
+    llm = make(target_dir, spec_config(spec, request), block_size=4, enable_prefix_caching=caching)
+    engine, kv = llm.engine, llm.engine.kv_cache
+    bs = kv.block_size
+    engine.add_beam_search(prompts(1, seed=4)[0], BeamSearchParams(beam_width=4, max_tokens=24, ignore_eos=True))
+    checked = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        holders = collections.defaultdict(list)              # block -> [(beam, index in its table)]
+        for r in engine.scheduler.running:
+            for i, block in enumerate(kv.block_table(r.request_id)):
+                holders[block].append((r, i))
+        for block, held in holders.items():
+            for (a, i), (b, j) in zip(held, held[1:]):
+                assert i == j
+                end = (i + 1) * bs + 1                        # the block's tokens and the one after it
+                assert a.all_token_ids[:end] == b.all_token_ids[:end], (a.request_id, b.request_id, i)
+                checked += 1
+    assert checked > 0
 
 
 def test_searches_that_hold_each_others_blocks_take_turns(target_dir):
