@@ -19,7 +19,7 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_TOP_K = 2**31 - 1         # top_k above the vocabulary size keeps every token
 MAX_TOKEN_ID = 2**31 - 1
 MAX_SEED = 2**64 - 1          # torch.Generator.manual_seed's range, [0, 2^64)
-MAX_N = 64                    # samples of one prompt per request
+MAX_N = 128                   # samples of one prompt per request (the OpenAI API's limit)
 MAX_LOGIT_BIAS_ENTRIES = 2048
 MAX_CHOICES = 1024            # StructuredOutput.choice entries
 

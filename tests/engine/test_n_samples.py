@@ -11,6 +11,7 @@ import dataclasses
 import pytest
 
 from specserve import LLM, SamplingParams
+from specserve.sampling_params import MAX_N
 from specserve.engine.async_engine import AsyncLLMEngine
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -125,3 +126,17 @@ def test_an_async_stream_carries_every_sample(tiny_llama_dir):
                          use_tqdm=False)[0].outputs[0].token_ids for i in range(2)]
     assert completions(last) == want
 
+
+
+def test_the_largest_n_the_api_allows_runs_every_sample(tiny_llama_dir):
+    """n = 128 (the OpenAI API's limit, ``MAX_N``): every sample is a lone request seeded seed + i,
+    in a KV cache too small for all of them at once (so some wait or are preempted)."""
+    llm = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=256, kv_cache_memory=1 << 19)
+    assert llm.engine.kv_cache.num_blocks < MAX_N     # a block of its own per sample does not fit
+    params = SamplingParams(n=MAX_N, temperature=1.0, seed=3, max_tokens=3)
+    [out] = llm.generate(PROMPT, params, use_tqdm=False)
+    assert [c.index for c in out.outputs] == list(range(MAX_N))
+    for i in (0, 77, MAX_N - 1):
+        alone = llm.generate(PROMPT, dataclasses.replace(params, n=1, seed=3 + i), use_tqdm=False)[0]
+        assert out.outputs[i].token_ids == alone.outputs[0].token_ids
+    assert llm.engine.kv_cache.num_used_blocks() == 0

@@ -229,7 +229,7 @@ CASES = [
     ("chat_logprobs_int", CHAT, chat(logprobs=3), 400, "logprobs", ANY),
     ("chat_top_logprobs_21", CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs", ANY),
     ("chat_top_logprobs_alone", CHAT, chat(top_logprobs=2), 400, ANY, ANY),
-    ("n_too_many", C, comp(n=65), 400, "n", ANY),
+    ("n_too_many", C, comp(n=129), 400, "n", ANY),
     ("n_zero", C, comp(n=0), 400, "n", ANY),
     ("n_bool", C, comp(n=True), 400, "n", ANY),
     ("best_of", C, comp(best_of=2), 400, "best_of", ANY),

@@ -25,7 +25,7 @@ BAD = [
     dict(stop_token_ids=["a"]), dict(stop_token_ids=[True]), dict(stop_token_ids=[-1]), dict(stop_token_ids=[2**40]),
     dict(stop_token_ids=[1.0]), dict(stop_token_ids=7),
     dict(logprobs=True), dict(logprobs=1.5), dict(logprobs=21), dict(logprobs=-1),
-    dict(n=0), dict(n=65), dict(n=True), dict(n=2.0), dict(max_tokens=True), dict(max_tokens=0), dict(max_tokens=2.0),
+    dict(n=0), dict(n=129), dict(n=True), dict(n=2.0), dict(max_tokens=True), dict(max_tokens=0), dict(max_tokens=2.0),
     dict(stop=[""]), dict(stop=[1]), dict(stop=5), dict(ignore_eos="yes"), dict(skip_special_tokens=None),
     dict(presence_penalty=2.5), dict(presence_penalty=math.nan), dict(frequency_penalty=-2.01),
     dict(frequency_penalty="1"), dict(repetition_penalty=0.0), dict(repetition_penalty=-1.0),
