@@ -97,7 +97,7 @@ def test_penalties_and_logit_bias_reach_the_engine(base_url, ref_llm):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("n", 0), ("n", 65), ("n", 1.5), ("presence_penalty", 2.5), ("frequency_penalty", -3),
+    ("n", 0), ("n", 129), ("n", 1.5), ("presence_penalty", 2.5), ("frequency_penalty", -3),
     ("repetition_penalty", 0), ("repetition_penalty", "1.1"), ("logit_bias", {"abc": 1}),
     ("logit_bias", {"-1": 1}), ("logit_bias", {"5": 101}), ("logit_bias", {"999999999": 1}),
     ("logit_bias", [1, 2]),
