@@ -130,10 +130,10 @@ class KVCacheManager:
     def fork(self, parent_id: str, child_id: str, num_tokens: int) -> int:
         """Give ``child_id`` (holding no blocks) the parent's full blocks below ``num_tokens`` (the
         positions whose target K/V the two share; their tokens may differ from there on) by
-        reference (beam search: beams share their common prefix); -> the tokens shared, a multiple of the block size. Their K/V is final, so neither
-        writes to them again; the caller allocates the child's other blocks and copies what it needs
-        of the rest of the parent's (copy on write, done at the fork). Freeing either drops one
-        reference.
+        reference (beam search: beams share their common prefix); -> the tokens shared, a multiple
+        of the block size. Their K/V is final, so neither writes to them again; the caller
+        allocates the child's other blocks and copies what it needs of the rest of the parent's
+        (copy on write, done at the fork). Freeing either drops one reference.
 
         For a proposer whose K/V comes ``PROPOSER_KV_FROM_FEATURES`` (with or without prefix
         caching) a shared block must also end before ``num_tokens - 1``: the head's K/V at that

@@ -127,7 +127,6 @@ def test_an_async_stream_carries_every_sample(tiny_llama_dir):
     assert completions(last) == want
 
 
-
 def test_the_largest_n_the_api_allows_runs_every_sample(tiny_llama_dir):
     """n = 128 (the OpenAI API's limit, ``MAX_N``): every sample is a lone request seeded seed + i,
     in a KV cache too small for all of them at once (so some wait or are preempted)."""
