@@ -142,6 +142,8 @@ class RequestOutput:
     finished: bool
     spec_decode_stats: SpecDecodeStats | None = None
     metrics: dict = field(default_factory=dict)   # arrival/first-token/finish times (seconds)
+    # SamplingParams.prompt_logprobs: per prompt token, None for the first, else its entry (chosen + top n)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 def logprob_entries(tokenizer, chosen: int, chosen_logprob: float, top_ids: list[int], top_lps: list[float]) -> dict[int, Logprob]:

@@ -112,6 +112,9 @@ class SamplingParams:
     filters. ``seed`` makes a request's random choices reproducible alone or in
     any batch. ``logprobs=n`` returns the chosen token's log-probability and
     the top n alternatives (0 = chosen only), of the model's raw distribution.
+    ``prompt_logprobs=n`` does the same for every prompt token after the first, each under the
+    tokens before it (``RequestOutput.prompt_logprobs``; what perplexity and log-likelihood
+    evaluations read). Such a request computes its whole prompt: it takes no prefix cache hit.
 
     ``n`` samples of one prompt come back as ``n`` outputs of one request; they
     share the prompt's prefill (its KV blocks). With a seed, sample i uses seed + i.
@@ -141,6 +144,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -187,6 +191,10 @@ class SamplingParams:
             raise bad(f"seed must be an integer in [0, 2^64), got {self.seed!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not (0 <= self.logprobs <= _MAX_LOGPROBS)):
             raise bad(f"logprobs must be an integer in [0, {_MAX_LOGPROBS}] (or None), got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not (0 <= self.prompt_logprobs <= _MAX_LOGPROBS)):
+            raise bad(f"prompt_logprobs must be an integer in [0, {_MAX_LOGPROBS}] (or None), "
+                      f"got {self.prompt_logprobs!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad(f"stop must be non-empty strings, got {self.stop!r}")
         if any(not _is_int(t) or not (0 <= t <= MAX_TOKEN_ID) for t in self.stop_token_ids):

@@ -80,6 +80,10 @@ class Request:
         self.detok_read_offset = 0             # from these (engine.output_processor)
         self.token_sources: list[str] = []     # how each output token came (outputs.TOKEN_SOURCE_*)
         self.logprobs: list[dict[int, Logprob]] | None = [] if sampling_params.logprobs is not None else None
+        # prompt_logprobs: one entry per prompt token, None for the first (nothing comes before it);
+        # filled as the prompt's positions are computed (engine/prompt_logprobs.py).
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+            [None] if sampling_params.prompt_logprobs is not None else None)
         self.stop_reason: str | int | None = None
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
@@ -92,6 +96,11 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """prompt_logprobs were asked for and some prompt token has none yet."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def num_output_tokens(self) -> int:

@@ -19,6 +19,11 @@ from specserve.core.kv_cache_manager import KVCacheManager
 from specserve.core.request import Request, RequestStatus
 
 
+# Prefill tokens a step computes for a request collecting prompt logprobs: each brings a
+# [vocabulary] row of logits (engine/prompt_logprobs.py), 512 x 151,936 float32 = 311 MB at most.
+MAX_PROMPT_LOGPROB_CHUNK = 512
+
+
 @dataclass
 class ScheduledRequest:
     request: Request
@@ -87,7 +92,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget, self._chunk_cap(req))
             # Drafts never take the token a later running request needs for its own step: a beam
             # search runs only in a step that holds all its beams, so a budget spent on the first
             # beams' drafts would hold the search back for good.
@@ -110,13 +115,15 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             req = self.waiting[0]
             looked_up = req.num_computed_tokens == 0
-            if looked_up:   # new or preempted: start after its longest cached prefix
+            # new or preempted: start after its longest cached prefix, unless every prompt position
+            # must be computed for its prompt logprobs
+            if looked_up and not req.needs_prompt_logprobs:
                 req.num_computed_tokens = self.kv_cache.acquire_cached_prefix(req.request_id, req.all_token_ids)
                 req.num_cached_tokens = req.num_computed_tokens
                 # the proposer's K/V that came with the blocks (core/kv_cache_manager.py's proposer_kv)
                 req.proposer_num_computed_tokens = self.kv_cache.proposer_tokens_in_hit(req.request_id,
                                                                                          req.num_computed_tokens)
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget, self._chunk_cap(req))
             lookahead = self._lookahead_for(req, num_new, budget - num_new)
             if not self.kv_cache.allocate_slots(req.request_id, req.num_computed_tokens + num_new + lookahead):
                 self.kv_cache.free(req.request_id)   # the cached prefix too: taken again next time
@@ -130,6 +137,12 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, num_new, lookahead))
             budget -= num_new + lookahead
         return out
+
+    @staticmethod
+    def _chunk_cap(req: Request) -> int:
+        """The most tokens a step computes for ``req``: MAX_PROMPT_LOGPROB_CHUNK while it collects
+        prompt logprobs (each such token brings a row of logits), else no limit of its own."""
+        return MAX_PROMPT_LOGPROB_CHUNK if req.needs_prompt_logprobs else req.num_tokens
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.requeue(req, front=True)

@@ -28,6 +28,7 @@ from specserve.engine.constraints import Constraints
 from specserve.engine.drafting import Drafting, calibrate_k_policy
 from specserve.engine.errors import StepFailedError
 from specserve.engine.output_processor import OutputProcessor
+from specserve.engine.prompt_logprobs import add_prompt_logprobs, prompt_rows
 from specserve.engine.sample_group import SampleGroup, SampleGroups, child_id, child_params
 from specserve.engine.start_up import (kv_cache_blocks, max_model_len_for, prefix_caching_allowed, proposer_context,
                                        resolve_device)
@@ -232,7 +233,8 @@ class LLMEngine:
         finally:
             self.constraints.wait_masks()   # the grammar's rows, computed while the forward ran
         sampling = [s for s in plan.scheduled if s.will_sample]
-        logits, beam_rows = result.logits, {}
+        logits, prompt_logits = self._split_prompt_rows(plan.scheduled, inputs, starts, result.logits)
+        beam_rows = {}
         if self.beams:    # beam search requests' rows go to their search, not to the verifier
             sampling, logits, beam_rows = self.beams.split(sampling, [len(s.request.draft_token_ids) + 1
                                                                       for s in sampling], logits)
@@ -243,7 +245,7 @@ class LLMEngine:
             if s.request.request_id in beam_rows:
                 continue
             try:
-                out = self._update(s, emitted, stream_outputs)
+                out = self._update(s, emitted, prompt_logits, stream_outputs)
             except Exception as e:  # noqa: BLE001 - this request's failure, not the batch's
                 out = self._fail_request(s.request, e)
             if out is not None:
@@ -258,6 +260,23 @@ class LLMEngine:
         if self.kv_cache.proposer_kv == PROPOSER_KV_FROM_FEATURES:
             self._share_blocks_the_head_completed(plan.scheduled)
         return outputs
+
+    @staticmethod
+    def _split_prompt_rows(scheduled: list[ScheduledRequest], inputs: list, starts: list[int],
+                           logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The step's logits [sum num_logits, V] -> (the sampling rows, in request order, and
+        {request id: [count, V] prompt rows} of the requests collecting prompt logprobs)."""
+        prompt_logits, keep, row, leads = {}, [], 0, False
+        for s, inp, start in zip(scheduled, inputs, starts):
+            lead, count = prompt_rows(s.request, start, s.num_new_tokens, s.will_sample)
+            if count:
+                prompt_logits[s.request.request_id] = logits[row : row + count]
+            leads = leads or lead > 0
+            keep.extend(range(row + lead, row + inp.num_logits))
+            row += inp.num_logits
+        if not leads:
+            return logits, prompt_logits
+        return logits[torch.tensor(keep, dtype=torch.long, device=logits.device)], prompt_logits
 
     def _share_blocks_the_head_completed(self, scheduled: list[ScheduledRequest]) -> None:
         """EAGLE (its K/V "from_features"): in ``observe`` its head computed the positions of this
@@ -285,10 +304,14 @@ class LLMEngine:
             if self.proposer is not None:
                 self.proposer.copy_kv_slots(src, dst)
 
-    def _update(self, s: ScheduledRequest, emitted: dict, stream_outputs: bool = True) -> RequestOutput | None:
-        """Advance one scheduled request by its emitted tokens (stop checks one by one) -> its
-        output; without ``stream_outputs`` only a finished request's (``step``)."""
+    def _update(self, s: ScheduledRequest, emitted: dict, prompt_logits: dict,
+                stream_outputs: bool = True) -> RequestOutput | None:
+        """Advance one scheduled request by its prompt logprobs (``prompt_logits``) and emitted
+        tokens (stop checks one by one) -> its output; without ``stream_outputs`` only a finished
+        request's (``step``)."""
         req = s.request
+        if req.request_id in prompt_logits:
+            add_prompt_logprobs(req, prompt_logits[req.request_id], self.tokenizer)
         if not s.will_sample:   # a prefill chunk short of the prompt's end
             req.commit_step(s.num_new_tokens, None)
             self.kv_cache.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens,

@@ -105,4 +105,5 @@ class OutputProcessor:
                 "finish_time": req.finish_time,
                 "num_preemptions": req.num_preemptions,
             },
+            prompt_logprobs=req.prompt_logprobs,
         )

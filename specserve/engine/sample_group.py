@@ -4,7 +4,8 @@ Each child is an ordinary request (``{id}[i]``) with ``n = 1`` and, for a
 seeded request, seed + i, so sample i is the same whether it is drawn alone or
 with its siblings. The first child prefills the prompt; the others are held back
 until it has (``ready_to_release``) and then find the prompt's full blocks in
-the prefix cache, so the prompt is computed once (all but its last partial
+the prefix cache, so the prompt is computed once (and its ``prompt_logprobs``, when asked for,
+collected by the first child alone) (all but its last partial
 block, which each child computes itself). Without prefix caching all n start at
 once. The engine reports the group as ONE ``RequestOutput`` whose ``outputs``
 are the children's latest completions, ``index`` i, finished when all are.
@@ -19,8 +20,11 @@ from specserve.sampling_params import MAX_SEED, SamplingParams
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sample ``index``'s params: n = 1, seed + index; the prompt's logprobs are the first
+    child's to collect (the group reports them once), so the others keep their prefix cache hits."""
     seed = None if params.seed is None else (params.seed + index) % (MAX_SEED + 1)
-    return dataclasses.replace(params, n=1, seed=seed)
+    prompt_logprobs = params.prompt_logprobs if index == 0 else None
+    return dataclasses.replace(params, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
 
 
 def child_id(request_id: str, index: int) -> str:
@@ -63,6 +67,7 @@ class SampleGroup:
             metrics=dict(child_output.metrics, arrival_time=first.arrival_time,
                          first_token_time=min((c.first_token_time for c in self.children
                                                if c.first_token_time is not None), default=None)),
+            prompt_logprobs=first.prompt_logprobs,
         )
         return self.last_output
 

@@ -2,17 +2,20 @@
 from __future__ import annotations
 
 from specserve.core.scheduler import ScheduledRequest
+from specserve.engine.prompt_logprobs import prompt_rows
 from specserve.model_executor.layers.attention import tree_layout
 from specserve.worker.model_runner import ForwardInput
 
 
 def forward_input(s: ScheduledRequest, block_table: list[int]) -> ForwardInput:
     """[prefill chunk] or [last token, drafts...]; logits for the last token and every draft
-    when the request will sample this step."""
+    when the request will sample this step, after those of the prompt positions it collects
+    prompt logprobs for (``prompt_logprobs.prompt_rows``)."""
     req = s.request
     start = req.num_computed_tokens
     n = s.num_new_tokens
     tokens = req.all_token_ids[start : start + n] + req.draft_token_ids
+    lead, _ = prompt_rows(req, start, n, s.will_sample)
     tree_parents = None
     if req.draft_parents is not None:  # new tokens in a chain, then drafts under the last one
         tree_parents = list(range(-1, n - 1)) + [p + n if p >= 0 else n - 1 for p in req.draft_parents]
@@ -20,7 +23,7 @@ def forward_input(s: ScheduledRequest, block_table: list[int]) -> ForwardInput:
         token_ids=tokens,
         start_position=start,
         block_table=block_table,
-        num_logits=len(req.draft_token_ids) + 1 if s.will_sample else 0,
+        num_logits=lead + (len(req.draft_token_ids) + 1 if s.will_sample else 0),
         tree_parents=tree_parents,
     )
 

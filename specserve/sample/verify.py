@@ -32,7 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.outputs import logprob_entries, step_token_sources
+from specserve.outputs import step_token_sources
+from specserve.sample.logprobs import logprob_rows
 from specserve.sample.penalties import adjust_logits, draft_histories
 from specserve.sample.rejection_sampler import rejection_sample
 from specserve.sample.sampler import (CHOICE, REJECTION, SamplingTensors, keyed_generator, processed_probs,
@@ -259,13 +260,7 @@ class Verifier:
             if n_top is not None:
                 emitted = token_ids[b][: len(rows_of_emitted[b])]
                 rows = torch.tensor([row + i for i in rows_of_emitted[b]], device=logits.device)
-                lps = torch.log_softmax(logits.index_select(0, rows), dim=-1)
-                chosen = lps.gather(1, torch.tensor(emitted, device=lps.device).unsqueeze(1)).squeeze(1).tolist()
-                top_lps, top_ids = lps.topk(max(n_top, 1), dim=-1) if n_top else (lps[:, :0], lps[:, :0].long())
-                out[b] = [
-                    logprob_entries(self.tokenizer, tok, chosen[i], top_ids[i].tolist(), top_lps[i].tolist())
-                    for i, tok in enumerate(emitted)
-                ]
+                out[b] = logprob_rows(self.tokenizer, logits.index_select(0, rows), emitted, n_top)
             row += rows_per_req[b]
         return out
 
