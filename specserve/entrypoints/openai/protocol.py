@@ -5,7 +5,7 @@ default (``"max_tokens": "8"`` is an error). Every number is bounded by what
 the tensor it becomes can hold (``SamplingParams``' limits: finite floats,
 ``top_k`` up to 2^31 - 1, seeds in [0, 2^64), token ids >= 0), so no value
 that passes here can fail an engine step. OpenAI fields specserve cannot
-honour (echo, suffix; best_of > 1 without use_beam_search) are accepted only at their neutral value.
+honour (suffix; best_of > 1 without use_beam_search) are accepted only at their neutral value.
 """
 from __future__ import annotations
 
@@ -115,6 +115,8 @@ class _SamplingFields(StrictModel):
     logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
                           Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
     user: str | None = None
+    # vLLM's extension: each prompt token's log-probability and the top n (choices[i].prompt_logprobs)
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     specserve: SpecserveOptions | None = None
     # Structured output (docs/serving.md, "Structured output and tools"): OpenAI's response_format,
     # vLLM's structured_outputs, and vLLM's older guided_* names; at most one of them.
@@ -140,6 +142,7 @@ class _SamplingFields(StrictModel):
                    "min_p": (0.0,), "presence_penalty": (0.0,), "frequency_penalty": (0.0,),
                    "repetition_penalty": (1.0,), "response_format": (), "structured_outputs": (), "guided_json": (),
                    "guided_regex": (), "guided_choice": (), "guided_grammar": (), "specserve": (),
+                   "prompt_logprobs": (),
                    **self._beam_neutral_fields()}
         bad = [name for name, allowed in neutral.items() if getattr(self, name) not in (None, *allowed)]
         if bad:
@@ -155,6 +158,14 @@ class _SamplingFields(StrictModel):
     def _positive_max_tokens(cls, v):
         if v is not None and v <= 0:
             raise ValueError("must be at least 1")
+        return v
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs_not_streamed(cls, v, info: ValidationInfo):
+        """As in vLLM: prompt logprobs come in whole responses only."""
+        if v is not None and info.data.get("stream"):
+            raise ValueError("prompt_logprobs are not available with stream: true")
         return v
 
     @field_validator("temperature")
@@ -214,7 +225,8 @@ class _SamplingFields(StrictModel):
                                 temperature=0.0 if self.temperature is None else float(self.temperature),
                                 length_penalty=float(self.length_penalty), early_stopping=self.early_stopping)
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             max_tokens=max_tokens,
@@ -233,11 +245,16 @@ class _SamplingFields(StrictModel):
             frequency_penalty=float(self.frequency_penalty or 0.0),
             repetition_penalty=1.0 if self.repetition_penalty is None else float(self.repetition_penalty),
             logit_bias=self.logit_bias,
+            prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
         )
 
 
 class CompletionRequest(_SamplingFields):
-    """POST /v1/completions. ``prompt``: a string, token ids, or a batch of either."""
+    """POST /v1/completions. ``prompt``: a string, token ids, or a batch of either.
+
+    ``echo``: each choice's text starts with the prompt, and with ``logprobs`` its logprobs
+    start with the prompt tokens' (the first one's null), as OpenAI's legacy API gives them
+    (log-likelihood evaluations read these); ``max_tokens`` 0 then answers the prompt alone."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16          # OpenAI's default for completions
@@ -253,12 +270,18 @@ class CompletionRequest(_SamplingFields):
             raise ValueError(f"must be in [0, {MAX_LOGPROBS}]")
         return v
 
-    @field_validator("echo")
+    @field_validator("max_tokens")
     @classmethod
-    def _echo(cls, v):
-        if v:
-            raise ValueError("echo is not supported")
+    def _positive_max_tokens(cls, v):
+        """0 is allowed here for echo alone (``to_sampling_params`` checks the pair)."""
+        if v is not None and v < 0:
+            raise ValueError("must be at least 1 (or 0 with echo: the prompt alone)")
         return v
+
+    @property
+    def prompt_only(self) -> bool:
+        """echo with max_tokens 0: the answer is the prompt, no token generated."""
+        return bool(self.echo) and self.max_tokens == 0
 
     @field_validator("suffix")
     @classmethod
@@ -279,7 +302,7 @@ class CompletionRequest(_SamplingFields):
         return v
 
     def _beam_neutral_fields(self) -> dict:
-        return {"logprobs": ()}
+        return {"logprobs": (), "echo": (False,)}
 
     def to_beam_search_params(self, default_max_tokens: int) -> BeamSearchParams:
         """use_beam_search: best_of beams (default n), the n best returned."""
@@ -312,7 +335,14 @@ class CompletionRequest(_SamplingFields):
         return list(p)
 
     def to_sampling_params(self, default_max_tokens: int | None = None) -> SamplingParams:
-        return self._sampling_params(self.max_tokens if self.max_tokens is not None else default_max_tokens, self.logprobs)
+        """With echo and logprobs, the prompt's logprobs too (prompt_logprobs, when not given,
+        takes logprobs' n). echo with max_tokens 0 samples one token, which the answer leaves
+        out (``serving.py``)."""
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be at least 1 (0 only with echo: the prompt alone)")
+        max_tokens = 1 if self.prompt_only else self.max_tokens if self.max_tokens is not None else default_max_tokens
+        prompt_logprobs = self.logprobs if self.echo and self.prompt_logprobs is None else None
+        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs)
 
 
 class ContentPart(StrictModel):

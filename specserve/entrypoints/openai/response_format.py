@@ -8,6 +8,7 @@ cleans up after itself.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -16,6 +17,16 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 
 from specserve.outputs import RequestOutput
+
+
+def without_tokens(out: RequestOutput) -> RequestOutput:
+    """``out`` with its completion emptied (echo with max_tokens 0 answers the prompt alone; the
+    engine sampled one token, which is dropped): finish_reason "length" once finished."""
+    c = out.outputs[0]
+    empty = dataclasses.replace(c, text="", token_ids=[], logprobs=None if c.logprobs is None else [],
+                                token_sources=[], finish_reason="length" if c.finish_reason in ("stop", "length") else c.finish_reason,
+                                stop_reason=None)
+    return dataclasses.replace(out, outputs=[empty])
 
 MIN_LOGPROB = -9999.0   # JSON has no -Infinity
 
@@ -40,8 +51,10 @@ def hold_back(text: str, stops: list[str]) -> str:
 class ChoiceState:
     """Streaming state of one choice: what was sent, timings for the metrics."""
 
-    def __init__(self, index: int, stops: list[str], arrival: float, counts_prompt: bool = True):
+    def __init__(self, index: int, stops: list[str], arrival: float, counts_prompt: bool = True,
+                 prompt_only: bool = False):
         self.index = index
+        self.prompt_only = prompt_only      # echo with max_tokens 0: the sampled token is left out
         self.counts_prompt = counts_prompt   # the first sample of its prompt (usage counts a prompt once)
         self.stops = stops
         self.arrival = arrival
@@ -51,7 +64,7 @@ class ChoiceState:
         self.output: RequestOutput | None = None
 
     def update(self, out: RequestOutput) -> None:
-        self.output = out
+        self.output = without_tokens(out) if self.prompt_only else out
         if self.first_token_time is None and out.outputs[0].token_ids:
             self.first_token_time = time.monotonic()
 
@@ -75,15 +88,23 @@ def completion_logprobs(tokenizer, completion, start: int, end: int, num_top: in
     (``num_top`` None), even if the output carries them (a beam's own log-probabilities)."""
     if num_top is None or completion.logprobs is None:
         return None
+    return completion_shape(tokenizer, zip(completion.token_ids[start:end], completion.logprobs[start:end]), num_top,
+                            text_offset)
+
+
+def completion_shape(tokenizer, entries, num_top: int, text_offset: int) -> dict:
+    """(token id, {token id: Logprob} or None) pairs -> /v1/completions' logprobs: tokens,
+    token_logprobs, top_logprobs (the top ``num_top``; null for 0) and text_offset (from
+    ``text_offset``). A None entry (a prompt's first token) gives null logprobs."""
     tokens, token_lps, tops, offsets = [], [], [], []
-    for tid, entry in zip(completion.token_ids[start:end], completion.logprobs[start:end]):
-        chosen = entry[tid]
-        tok = chosen.decoded_token if chosen.decoded_token is not None else tokenizer.decode([tid])
+    for tid, entry in entries:
+        chosen = None if entry is None else entry[tid]
+        tok = chosen.decoded_token if chosen is not None and chosen.decoded_token is not None else tokenizer.decode([tid])
         tokens.append(tok)
-        token_lps.append(clean_logprob(chosen.logprob))
+        token_lps.append(None if chosen is None else clean_logprob(chosen.logprob))
         offsets.append(text_offset)
         text_offset += len(tok)
-        if num_top:
+        if num_top and entry is not None:
             ranked = sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= num_top), key=lambda lp: lp.rank)
             tops.append({lp.decoded_token: clean_logprob(lp.logprob) for lp in ranked})
         else:

@@ -19,6 +19,7 @@ from specserve.beam_search_params import BeamSearchParams
 from specserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineStepError, RequestFailedError
 from specserve.engine.beam_groups import beam_capable_proposer
 from specserve.entrypoints.openai import structured, tool_calls
+from specserve.entrypoints.openai.echo import echo_logprobs, joined, prompt_logprobs_json, prompt_text
 from specserve.entrypoints.openai.tool_call_stream import ToolCallStream
 from specserve.entrypoints.openai.errors import engine_error, error_body, sampling_error
 from specserve.entrypoints.openai.limits import APIError, ServerLimits
@@ -157,7 +158,9 @@ class OpenAIServing:
         m, ln = self.metrics, self.model_name
         m.requests.labels(ln, "chat" if chat else "completions").inc()
         n = params.n
-        choices = [ChoiceState(i, list(params.stop), arrival, counts_prompt=i % n == 0) for i in range(len(streams) * n)]
+        prompt_only = getattr(request, "prompt_only", False)
+        choices = [ChoiceState(i, list(params.stop), arrival, counts_prompt=i % n == 0, prompt_only=prompt_only)
+                   for i in range(len(streams) * n)]
         if request.stream:
             def abort_unfinished():
                 for s in streams:
@@ -198,25 +201,36 @@ class OpenAIServing:
                     "stop_reason": completion.stop_reason,
                 }
             else:
+                text, logprobs = completion.text, completion_logprobs(self.tokenizer, completion, 0, n, num_top, 0)
+                if request.echo:
+                    echoed = prompt_text(self.tokenizer, c.output)
+                    text = echoed + text
+                    logprobs = joined(echo_logprobs(self.tokenizer, c.output, num_top),
+                                      completion_logprobs(self.tokenizer, completion, 0, n, num_top, len(echoed)))
                 choice = {
                     "index": c.index,
-                    "text": completion.text,
-                    "logprobs": completion_logprobs(self.tokenizer, completion, 0, n, num_top, 0),
+                    "text": text,
+                    "logprobs": logprobs,
                     "finish_reason": completion.finish_reason,
                     "stop_reason": completion.stop_reason,
                 }
+                if request.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = prompt_logprobs_json(c.output)
             if request.wants_provenance:
                 tokens = token_entries(self.tokenizer, completion, 0, n, params.skip_special_tokens)
                 choice["specserve"] = choice_extension(tokens, completion)
             body_choices.append(choice)
-        return JSONResponse({
+        body = {
             "id": rid,
             "object": "chat.completion" if chat else "text_completion",
             "created": created,
             "model": self.model_name,
             "choices": body_choices,
             "usage": usage(choices),
-        })
+        }
+        if chat and request.prompt_logprobs is not None:   # vLLM's place for them in chat: the response's
+            body["prompt_logprobs"] = prompt_logprobs_json(choices[0].output)
+        return JSONResponse(body)
 
     async def _stream(self, request, streams, choices: list[ChoiceState], params, chat: bool, n: int = 1) -> AsyncIterator[str]:
         m, ln = self.metrics, self.model_name
@@ -226,6 +240,7 @@ class OpenAIServing:
         num_top = params.logprobs      # None: not asked for (a beam's output carries them anyway)
         provenance = request.wants_provenance
         offsets = [0] * len(choices)
+        echoed = [False] * len(choices)
         counted_prompt = [False] * len(choices)
         # Chat with tools: each choice's text split into content and completed calls as it streams.
         parsers = ([ToolCallStream(tool_names(request)) for _ in choices]
@@ -252,7 +267,7 @@ class OpenAIServing:
                 if step is None:
                     continue
                 delta, start, end = step
-                completion = out.outputs[0]
+                completion = c.output.outputs[0]   # (echo with max_tokens 0: without the sampled token)
                 finish = completion.finish_reason if out.finished else None
                 tokens = (token_entries(self.tokenizer, completion, start, end, params.skip_special_tokens)
                           if provenance else None)
@@ -283,8 +298,16 @@ class OpenAIServing:
                             choice["specserve"] = choice_extension(tokens, completion)
                         yield chunk([choice])
                 else:
+                    prefix = ""
+                    if request.echo and not echoed[i]:   # the choice's first chunk: the prompt before its text
+                        echoed[i] = True
+                        prefix = prompt_text(self.tokenizer, out)
+                        offsets[i] = len(prefix)
                     lp = completion_logprobs(self.tokenizer, completion, start, end, num_top, offsets[i])
+                    if prefix:
+                        lp = joined(echo_logprobs(self.tokenizer, out, num_top), lp)
                     offsets[i] += len(delta)
+                    delta = prefix + delta
                     choice = {"index": c.index, "text": delta, "logprobs": lp, "finish_reason": finish}
                     if finish is not None:
                         choice["stop_reason"] = completion.stop_reason
