@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 
@@ -63,6 +64,7 @@ def cmd_generate(args) -> int:
         seed=args.seed,
         stop=args.stop,
         logprobs=args.logprobs,
+        prompt_logprobs=args.prompt_logprobs,
         n=args.n,
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
@@ -92,6 +94,9 @@ def cmd_generate(args) -> int:
                 doc["logprobs"] = [
                     {str(tid): lp.logprob for tid, lp in entry.items()} for entry in completion.logprobs
                 ]
+            if out.prompt_logprobs is not None:
+                doc["prompt_logprobs"] = [None if entry is None else {str(tid): lp.logprob for tid, lp in entry.items()}
+                                          for entry in out.prompt_logprobs]
             if args.stats:
                 doc["spec_decode_stats"] = stats.as_dict()
             print(json.dumps(doc, ensure_ascii=False))
@@ -105,13 +110,25 @@ def cmd_generate(args) -> int:
                           plain_tok_s=plain_tok_s)
         if args.stats:
             print_stats(stats, file=sys.stderr)
+        if out.prompt_logprobs is not None:
+            print(prompt_summary(out), file=sys.stderr)
     return 0
+
+
+def prompt_summary(out) -> str:
+    """--prompt-logprobs' line: the prompt's perplexity under the model (each token after the
+    first given the tokens before it)."""
+    lps = [entry[tid].logprob for entry, tid in zip(out.prompt_logprobs, out.prompt_token_ids) if entry is not None]
+    if not lps:
+        return "[prompt] 1 token: nothing to score"
+    mean = sum(lps) / len(lps)
+    return f"[prompt] {len(lps)} tokens scored: perplexity {math.exp(-mean):.3f} (mean log-probability {mean:.4f})"
 
 
 # generate's flags beam search has no use for (it is deterministic and ranks whole beams:
 # docs/speculative_decoding.md, "Beam search"); refused where they differ from their defaults.
-NOT_FOR_BEAMS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "logprobs", "n", "presence_penalty",
-                 "frequency_penalty", "repetition_penalty", "json_schema", "json_object", "regex", "grammar", "choice")
+NOT_FOR_BEAMS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "logprobs", "prompt_logprobs", "n",
+                 "presence_penalty", "frequency_penalty", "repetition_penalty", "json_schema", "json_object", "regex", "grammar", "choice")
 
 
 def cmd_beam_search(args) -> int:
@@ -236,6 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen.add_argument("--logprobs", type=int, default=None, help="return the top-n log-probabilities per token")
+    gen.add_argument("--prompt-logprobs", type=int, default=None, metavar="N",
+                     help="score the prompt: each prompt token's log-probability and the top N (--json), and its "
+                          "perplexity (a line on stderr)")
     gen.add_argument("--n", type=int, default=1, help="samples of the prompt (they share its prefill)")
     gen.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]: once per token already in the output")
     gen.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]: per occurrence in the output")

@@ -3,6 +3,7 @@ switch, on the tiny random model."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -127,3 +128,16 @@ def test_how_beams_compare_with_plain_beam_search():
     assert _same_beams(plain, out(([1, 2], -1.0), ([1, 3], -2.0))) == "beams identical to plain beam search's"
     assert "scores within 1.0e-06" in _same_beams(plain, out(([1, 2], -1.000001), ([1, 3], -2.0)))
     assert "DIFFERENT" in _same_beams(plain, out(([1, 3], -2.0), ([1, 2], -1.0)))
+
+
+def test_prompt_logprobs_print_the_prompts_perplexity_and_its_entries_in_json(tiny_llama_dir, capsys):
+    args = ["generate", "one two three four five", "--model", tiny_llama_dir, "--dtype", "float32", "--max-tokens", "2",
+            "--prompt-logprobs", "1", "--kv-cache-memory", str(8 << 20)]
+    assert main(args) == 0
+    [line] = [x for x in capsys.readouterr().err.splitlines() if x.startswith("[prompt]")]
+    assert main(args + ["--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    entries = doc["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(doc["prompt_token_ids"])
+    lps = [entry[str(t)] for entry, t in zip(entries[1:], doc["prompt_token_ids"][1:])]
+    assert f"{len(lps)} tokens scored: perplexity {math.exp(-sum(lps) / len(lps)):.3f}" in line
