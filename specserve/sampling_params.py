@@ -131,10 +131,15 @@ class SamplingParams:
     ``structured_output`` (a ``StructuredOutput``, or a dict of its fields) constrains the
     output to a JSON schema, a regex, a choice of strings or a grammar; a request whose
     constraint cannot finish within ``max_tokens`` ends with finish_reason "length".
+
+    ``min_tokens`` (vLLM's): until the output holds that many tokens, the end-of-sequence token
+    and ``stop_token_ids`` get probability 0 and stop strings are not looked for; under
+    speculation each verified position counts the drafts before it, as the penalties do.
     """
 
     n: int = 1
     max_tokens: int | None = 16
+    min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -179,6 +184,12 @@ class SamplingParams:
             raise bad(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise bad(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})")
+        if self.min_tokens and self.structured_output is not None:
+            raise bad("min_tokens cannot go with structured output: the constraint decides where the output may end")
         if not _is_real(self.temperature) or self.temperature < 0:
             raise bad(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
@@ -223,6 +234,6 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether penalties or biases change the model's logits before sampling."""
+        """Whether penalties, biases or min_tokens change the model's logits before sampling."""
         return bool(self.logit_bias) or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 \
-            or self.repetition_penalty != 1.0
+            or self.repetition_penalty != 1.0 or self.min_tokens > 0

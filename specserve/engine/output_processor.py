@@ -26,7 +26,7 @@ class OutputProcessor:
         if token_id in params.stop_token_ids:
             req.stop_reason = token_id
             return RequestStatus.FINISHED_STOPPED
-        if params.stop:
+        if params.stop and req.num_output_tokens >= params.min_tokens:   # (vLLM's: none before min_tokens)
             status = self._check_stop_strings(req)
             if status is not None:
                 return status

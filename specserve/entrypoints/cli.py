@@ -57,6 +57,7 @@ def cmd_generate(args) -> int:
     params = SamplingParams(
         structured_output=structured_output_from_args(args),
         max_tokens=args.max_tokens,
+        min_tokens=args.min_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
@@ -127,8 +128,9 @@ def prompt_summary(out) -> str:
 
 # generate's flags beam search has no use for (it is deterministic and ranks whole beams:
 # docs/speculative_decoding.md, "Beam search"); refused where they differ from their defaults.
-NOT_FOR_BEAMS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "logprobs", "prompt_logprobs", "n",
-                 "presence_penalty", "frequency_penalty", "repetition_penalty", "json_schema", "json_object", "regex", "grammar", "choice")
+NOT_FOR_BEAMS = ("temperature", "top_p", "top_k", "min_p", "min_tokens", "seed", "stop", "logprobs", "prompt_logprobs",
+                 "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "json_schema", "json_object", "regex",
+                 "grammar", "choice")
 
 
 def cmd_beam_search(args) -> int:
@@ -252,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--min-p", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    gen.add_argument("--min-tokens", type=int, default=0,
+                     help="no end of sequence, stop token or stop string before this many tokens")
     gen.add_argument("--logprobs", type=int, default=None, help="return the top-n log-probabilities per token")
     gen.add_argument("--prompt-logprobs", type=int, default=None, metavar="N",
                      help="score the prompt: each prompt token's log-probability and the top N (--json), and its "

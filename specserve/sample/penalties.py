@@ -9,6 +9,9 @@ from the request's last token to that row (``draft_histories``). Getting this
 wrong keeps the output plausible but changes its distribution, which is why
 the end-to-end test compares sampled distributions, not single outputs.
 
+``min_tokens`` bans the end-of-sequence token and ``stop_token_ids`` from every row whose
+output index (the output so far plus that row's drafts) is below it.
+
 The order and formulas are vLLM's (and, for repetition, transformers'):
 bias first, then repetition (prompt and output tokens: positive logits are
 divided by the penalty, negative ones multiplied), then frequency (times the
@@ -46,11 +49,15 @@ def adjust_logits(
     prompt_token_ids: Sequence[int],
     output_token_ids: Sequence[int],
     extra_token_ids: Sequence[Sequence[int]],  # [R] tokens after the output, before each row
+    eos_token_id: int | None = None,
 ) -> torch.Tensor:
-    """-> [R, V] float32 logits with the request's bias and penalties applied."""
+    """-> [R, V] float32 logits with the request's bias and penalties applied, and the ends
+    (``eos_token_id``, ``stop_token_ids``) banned from rows whose output index is below
+    ``min_tokens``."""
     rows, vocab = logits.shape
     device = logits.device
     out = logits.float().clone()
+    _ban_ends_before_min_tokens(out, params, len(output_token_ids), extra_token_ids, eos_token_id)
     if params.logit_bias:
         ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=device)
         bias = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32, device=device)
@@ -71,6 +78,19 @@ def adjust_logits(
     if params.presence_penalty != 0.0:
         out -= params.presence_penalty * (counts > 0).float()
     return out
+
+
+def _ban_ends_before_min_tokens(out: torch.Tensor, params: SamplingParams, num_output: int,
+                                extra_token_ids: Sequence[Sequence[int]], eos_token_id: int | None) -> None:
+    """Row r samples output index num_output + len(extra r): below min_tokens, -inf for the tokens
+    that would end the output (in place). A bias applied later cannot lift them (-inf + b)."""
+    if params.min_tokens <= num_output:
+        return
+    ends = [t for t in [eos_token_id, *params.stop_token_ids] if t is not None and t < out.shape[1]]
+    early = [r for r, extra in enumerate(extra_token_ids) if num_output + len(extra) < params.min_tokens]
+    if ends and early:
+        out[torch.tensor(early, device=out.device)[:, None], torch.tensor(ends, device=out.device)[None, :]] = \
+            float("-inf")
 
 
 def _row_counts(output_token_ids, extra_token_ids, rows: int, vocab: int, device) -> torch.Tensor:
@@ -95,6 +115,7 @@ def adjust_each_row(
     params: Sequence[SamplingParams],           # [R]
     prompts: Sequence[Sequence[int]],           # [R] each row's prompt
     outputs: Sequence[Sequence[int]],           # [R] each row's output, drafts so far included
+    eos_token_ids: Sequence[int | None] | None = None,   # [R] each row's end-of-sequence token
 ) -> torch.Tensor:
     """``adjust_logits`` for rows of different requests; the same tensor when none adjusts."""
     todo = [r for r, p in enumerate(params) if p.adjusts_logits]
@@ -102,5 +123,6 @@ def adjust_each_row(
         return logits
     out = logits.float().clone()
     for r in todo:
-        out[r : r + 1] = adjust_logits(logits[r : r + 1], params[r], prompts[r], outputs[r], [[]])
+        eos = None if eos_token_ids is None else eos_token_ids[r]
+        out[r : r + 1] = adjust_logits(logits[r : r + 1], params[r], prompts[r], outputs[r], [[]], eos)
     return out

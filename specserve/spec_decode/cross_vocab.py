@@ -264,7 +264,8 @@ class CrossVocabProposer(Proposer):
         rows = self.target_logits(logits)                                      # [len(active), V_target]
         params = [reqs[i].sampling_params for i in active]
         rows = adjust_each_row(rows, params, [reqs[i].prompt_token_ids for i in active],
-                               [reqs[i].output_token_ids + drafts[i] for i in active])
+                               [reqs[i].output_token_ids + drafts[i] for i in active],
+                               [reqs[i].eos_token_id for i in active])
         rows = mask_draft_rows(rows, [reqs[i] for i in active], [drafts[i] for i in active])   # grammars
         # Draft j guesses output token num_output_tokens + j with that token's own noise (as the
         # same-vocabulary draft model does): each TLI draft is exactly one target token.

@@ -64,7 +64,8 @@ class DraftModelProposer(Proposer):
             if logits.shape[1] < self.vocab_size:   # a reduced draft vocabulary: the rest is never proposed
                 logits = torch.nn.functional.pad(logits, (0, self.vocab_size - logits.shape[1]), value=float("-inf"))
             logits = adjust_each_row(logits, [params[i] for i in active], [reqs[i].prompt_token_ids for i in active],
-                                     [reqs[i].output_token_ids + drafts[i] for i in active])
+                                     [reqs[i].output_token_ids + drafts[i] for i in active],
+                                     [reqs[i].eos_token_id for i in active])
             logits = mask_draft_rows(logits, [reqs[i] for i in active], [drafts[i] for i in active])   # grammars
             # Draft j guesses output token num_output_tokens + j with that token's own noise.
             generators = [keyed_generator(reqs[i].seed, reqs[i].num_output_tokens + len(drafts[i]), CHOICE,

@@ -161,7 +161,7 @@ class DraftTreeGrower:
         paths = [trees[i].path(n) for i, n in expanded]
         params = [r.sampling_params for r in reqs]
         logits = adjust_each_row(logits, params, [r.prompt_token_ids for r in reqs],
-                                 [r.output_token_ids + p for r, p in zip(reqs, paths)])
+                                 [r.output_token_ids + p for r, p in zip(reqs, paths)], [r.eos_token_id for r in reqs])
         logits = mask_draft_rows(logits, reqs, paths)                                  # grammars
         probs = processed_probs(logits.float(), SamplingTensors.build(params, logits.shape[1], logits.device))
         k = min(top_k, probs.shape[1])

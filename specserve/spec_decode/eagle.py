@@ -233,7 +233,8 @@ class EagleProposer(Proposer):
             logits = full
         if adjusts:
             logits = adjust_each_row(logits, params, [reqs[i].prompt_token_ids for i in rows],
-                                     [reqs[i].output_token_ids + drafts[i] for i in rows])
+                                     [reqs[i].output_token_ids + drafts[i] for i in rows],
+                                     [reqs[i].eos_token_id for i in rows])
         if constrained:   # structured output: drafts under the request's grammar
             logits = mask_draft_rows(logits, [reqs[i] for i in rows], [drafts[i] for i in rows])
         # A draft guesses output token num_output_tokens + (drafts so far) with that token's own noise.

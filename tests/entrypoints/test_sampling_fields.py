@@ -96,7 +96,19 @@ def test_penalties_and_logit_bias_reach_the_engine(base_url, ref_llm):
     assert want != lone(llm, PROMPT, temperature=0.0, max_tokens=12)
 
 
+def test_min_tokens_reaches_the_engine(base_url, ref_llm):
+    eos = ref_llm.get_tokenizer().eos_token_id
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0.0, "logit_bias": {str(eos): 30},
+            "min_tokens": 5}
+    r = post(base_url, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 6 and r.json()["choices"][0]["finish_reason"] == "stop"
+    r = post(base_url, "/v1/completions", dict(body, min_tokens=13))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
+
+
 @pytest.mark.parametrize("field,value", [
+    ("min_tokens", -1), ("min_tokens", "2"),
     ("n", 0), ("n", 129), ("n", 1.5), ("presence_penalty", 2.5), ("frequency_penalty", -3),
     ("repetition_penalty", 0), ("repetition_penalty", "1.1"), ("logit_bias", {"abc": 1}),
     ("logit_bias", {"-1": 1}), ("logit_bias", {"5": 101}), ("logit_bias", {"999999999": 1}),

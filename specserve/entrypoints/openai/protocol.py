@@ -23,6 +23,7 @@ from specserve.sampling_params import (
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 
 MAX_LOGPROBS = 20
+MAX_MIN_TOKENS = 1 << 20   # beyond any context; min_tokens above max_tokens is refused by SamplingParams
 
 
 class StrictModel(BaseModel):
@@ -105,6 +106,7 @@ class _SamplingFields(StrictModel):
     stop: str | list[str] | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=1024)] | None = None
     ignore_eos: bool = False
+    min_tokens: Annotated[int, Field(ge=0, le=MAX_MIN_TOKENS)] = 0   # vLLM's extension
     skip_special_tokens: bool = True
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -142,7 +144,7 @@ class _SamplingFields(StrictModel):
                    "min_p": (0.0,), "presence_penalty": (0.0,), "frequency_penalty": (0.0,),
                    "repetition_penalty": (1.0,), "response_format": (), "structured_outputs": (), "guided_json": (),
                    "guided_regex": (), "guided_choice": (), "guided_grammar": (), "specserve": (),
-                   "prompt_logprobs": (),
+                   "prompt_logprobs": (), "min_tokens": (0,),
                    **self._beam_neutral_fields()}
         bad = [name for name, allowed in neutral.items() if getattr(self, name) not in (None, *allowed)]
         if bad:
@@ -238,6 +240,7 @@ class _SamplingFields(StrictModel):
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             n=self.n or 1,
