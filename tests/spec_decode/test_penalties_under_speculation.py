@@ -9,7 +9,9 @@ ignored (vLLM's old behaviour with speculation).
 Tiny random models (the target, and another as the draft) make this fast; a logit
 bias of +14 on six tokens puts most of the mass on them, so the penalties
 (strong ones, on tokens both in the prompt and in the output) decide which of
-the six come next, and pairs of consecutive tokens show it.
+the six come next, and pairs of consecutive tokens show it. One of the six is a stop
+token held back by min_tokens=3: it may only come 4th, so a row that miscounts the
+drafts before it also misplaces that ban.
 """
 from __future__ import annotations
 
@@ -34,7 +36,8 @@ N = 1200
 def params(seed: int | None) -> SamplingParams:
     return SamplingParams(temperature=1.0, seed=seed, max_tokens=4, ignore_eos=True,
                           logit_bias={t: 14.0 for t in FAVOURED}, repetition_penalty=1.3,
-                          frequency_penalty=1.0, presence_penalty=0.5)
+                          frequency_penalty=1.0, presence_penalty=0.5,
+                          stop_token_ids=[FAVOURED[-1]], min_tokens=3)   # that token only as the 4th
 
 
 def make(model_dir, spec=None) -> LLM:
@@ -68,6 +71,7 @@ def test_the_penalties_decide_the_pairs(plain):
     """Sanity: nearly all tokens are favoured ones, and a token rarely follows itself."""
     tokens = [t for s in plain for t in s]
     assert np.mean([t in FAVOURED for t in tokens]) > 0.75
+    assert all(FAVOURED[-1] not in s[:3] for s in plain) and any(s[3:] == [FAVOURED[-1]] for s in plain)
     repeats = np.mean([s[i] == s[i + 1] for s in plain for i in range(3)])
     assert repeats < 0.08   # 1/6 without penalties
 
