@@ -118,3 +118,4 @@ def test_max_tokens_0_needs_echo(client):
     _, url = client
     r = local_http.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 0}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+

@@ -4,7 +4,8 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (``stream`` true or
 false; server-sent events ``data: {...}`` ending with ``data: [DONE]``),
-GET /v1/models, GET /v1/specserve/info (model and speculation), GET /health,
+POST /tokenize and /detokenize (vLLM's), GET /v1/models, GET /v1/specserve/info (model and
+speculation), GET /health,
 GET /metrics (Prometheus), and the chat page at /. The request extension
 ``"specserve": {"provenance": true}`` adds how each token came (``provenance.py``).
 Requests run on one ``AsyncLLMEngine`` (continuous batching); a client that goes away aborts its
@@ -40,7 +41,14 @@ from specserve.entrypoints.openai.chat_page import add_chat_page
 from specserve.entrypoints.openai.errors import engine_error, error_body, error_response, validation_error
 from specserve.entrypoints.openai.limits import APIError, ClientGone, ServerLimits, read_json
 from specserve.entrypoints.openai.metrics import ServerMetrics
-from specserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from specserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
 from specserve.entrypoints.openai.response_format import hold_back
 from specserve.entrypoints.openai.serving import OpenAIServing
 
@@ -136,6 +144,14 @@ def build_app(llm_or_engine, served_model_name: str | list[str] | None = None, a
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request):
         return await handle(raw, ChatCompletionRequest, serving.chat_completions)
+
+    @app.post("/tokenize")
+    async def tokenize(raw: Request):
+        return await handle(raw, TokenizeRequest, serving.tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize(raw: Request):
+        return await handle(raw, DetokenizeRequest, serving.detokenize)
 
     @app.get("/v1/models")
     async def models():

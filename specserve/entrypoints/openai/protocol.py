@@ -427,6 +427,36 @@ class ChatCompletionRequest(_SamplingFields):
         return self._sampling_params(max_tokens, logprobs)
 
 
+class TokenizeRequest(StrictModel):
+    """POST /tokenize (vLLM's): a completion ``prompt`` (with the tokens the tokenizer adds unless
+    ``add_special_tokens`` is false) or chat ``messages`` rendered by the chat template, as the
+    generation endpoints would tokenize them."""
+
+    model: str | None = None
+    prompt: str | None = None
+    add_special_tokens: bool = True
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    tools: Annotated[list[ToolDefinition], Field(max_length=128)] | None = None
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+    def as_chat(self) -> "ChatCompletionRequest":
+        return ChatCompletionRequest(model=self.model, messages=self.messages, tools=self.tools,
+                                     add_generation_prompt=self.add_generation_prompt)
+
+
+class DetokenizeRequest(StrictModel):
+    """POST /detokenize (vLLM's): token ids -> text (special tokens kept)."""
+
+    model: str | None = None
+    tokens: Annotated[list[TokenId], Field(max_length=1 << 20)]
+
+
 # ---------------------------------------------------------------------- responses
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"

@@ -24,7 +24,14 @@ from specserve.entrypoints.openai.tool_call_stream import ToolCallStream
 from specserve.entrypoints.openai.errors import engine_error, error_body, sampling_error
 from specserve.entrypoints.openai.limits import APIError, ServerLimits
 from specserve.entrypoints.openai.metrics import ServerMetrics
-from specserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, now, random_id
+from specserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    now,
+    random_id,
+)
 from specserve.entrypoints.openai.provenance import choice_extension, token_entries
 from specserve.entrypoints.openai.request_streams import choice_outputs, collect, start_requests
 from specserve.entrypoints.openai.response_format import (
@@ -85,6 +92,28 @@ class OpenAIServing:
         except Exception as e:  # noqa: BLE001 - a template that rejects the conversation
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
         return self.engine.tokenize(text, add_special_tokens=False)
+
+    async def tokenize(self, request: TokenizeRequest, raw: Request) -> Response:
+        """vLLM's /tokenize: the ids a generation endpoint would compute for this prompt or
+        conversation, their count and the context length."""
+        self.check_model(request.model)
+        if request.messages is not None:
+            ids = await self.async_engine.run_off_thread(self.chat_prompt, request.as_chat())
+        else:
+            ids = await self.async_engine.run_off_thread(self.engine.tokenize, request.prompt,
+                                                         request.add_special_tokens)
+        return JSONResponse({"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids})
+
+    async def detokenize(self, request: DetokenizeRequest, raw: Request) -> Response:
+        """vLLM's /detokenize: token ids -> their text."""
+        self.check_model(request.model)
+        vocab = self.engine.vocab_size
+        bad = [t for t in request.tokens if t >= vocab]
+        if bad:
+            raise APIError(400, f"token ids out of range [0, {vocab}): {bad[:5]}", param="tokens",
+                           code="invalid_value")
+        text = await self.async_engine.run_off_thread(self.tokenizer.decode, request.tokens)
+        return JSONResponse({"prompt": text})
 
     # --------------------------------------------------------------- endpoints
     def sampling_params(self, request):
