@@ -132,6 +132,9 @@ class SamplingParams:
     output to a JSON schema, a regex, a choice of strings or a grammar; a request whose
     constraint cannot finish within ``max_tokens`` ends with finish_reason "length".
 
+    ``allowed_token_ids`` (vLLM's): every other token gets probability 0. A stop string ends the
+    text before it unless ``include_stop_str_in_output``.
+
     ``min_tokens`` (vLLM's): until the output holds that many tokens, the end-of-sequence token
     and ``stop_token_ids`` get probability 0 and stop strings are not looked for; under
     speculation each verified position counts the drafts before it, as the penalties do.
@@ -147,6 +150,7 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] | str | None = None
     stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -155,6 +159,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
     structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
@@ -224,7 +229,14 @@ class SamplingParams:
                     raise bad(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
                 if not _is_real(bias) or not (-100.0 <= bias <= 100.0):
                     raise bad(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {token}")
-        for name in ("ignore_eos", "skip_special_tokens"):
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids or any(
+                    not _is_int(t) or not (0 <= t <= MAX_TOKEN_ID) for t in self.allowed_token_ids):
+                raise bad(f"allowed_token_ids must be a non-empty list of token ids (integers >= 0), "
+                          f"got {self.allowed_token_ids!r}")
+            if self.structured_output is not None:
+                raise bad("allowed_token_ids cannot go with structured output: the constraint masks the tokens")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(f"{name} must be True or False, got {getattr(self, name)!r}")
 
@@ -236,4 +248,4 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Whether penalties, biases or min_tokens change the model's logits before sampling."""
         return bool(self.logit_bias) or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 \
-            or self.repetition_penalty != 1.0 or self.min_tokens > 0
+            or self.repetition_penalty != 1.0 or self.min_tokens > 0 or self.allowed_token_ids is not None

@@ -54,7 +54,7 @@ class OutputProcessor:
         for stop in req.sampling_params.stop:
             at = text.find(stop, max(0, previous - window))
             if at >= 0:
-                req.output_text = text[:at]
+                req.output_text = text[: at + len(stop) if req.sampling_params.include_stop_str_in_output else at]
                 req.stop_reason = stop
                 return RequestStatus.FINISHED_STOPPED
         return None

@@ -10,7 +10,8 @@ wrong keeps the output plausible but changes its distribution, which is why
 the end-to-end test compares sampled distributions, not single outputs.
 
 ``min_tokens`` bans the end-of-sequence token and ``stop_token_ids`` from every row whose
-output index (the output so far plus that row's drafts) is below it.
+output index (the output so far plus that row's drafts) is below it; ``allowed_token_ids``
+bans every other token from every row.
 
 The order and formulas are vLLM's (and, for repetition, transformers'):
 bias first, then repetition (prompt and output tokens: positive logits are
@@ -58,6 +59,10 @@ def adjust_logits(
     device = logits.device
     out = logits.float().clone()
     _ban_ends_before_min_tokens(out, params, len(output_token_ids), extra_token_ids, eos_token_id)
+    if params.allowed_token_ids is not None:
+        keep = torch.full((vocab,), float("-inf"), device=device)
+        keep[torch.tensor([t for t in params.allowed_token_ids if t < vocab], dtype=torch.long, device=device)] = 0.0
+        out += keep
     if params.logit_bias:
         ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=device)
         bias = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32, device=device)

@@ -49,17 +49,21 @@ def test_text_grows_incrementally_and_matches_the_full_decode(tokenizer):
     assert max(counting.lengths[:-1]) <= 8 and counting.lengths[-1] == len(ids)
 
 
-def test_a_stop_string_split_over_tokens_cuts_the_text_before_it(tokenizer):
+@pytest.mark.parametrize("include", [False, True], ids=["cut-before", "include_stop_str_in_output"])
+def test_a_stop_string_split_over_tokens_cuts_the_text_before_it(tokenizer, include):
     ids = tokenizer.encode("one two three STOP four five", add_special_tokens=False)
     proc = OutputProcessor(tokenizer, max_model_len=4096)
-    req = Request("r", None, [1], SamplingParams(max_tokens=100, stop=["TOP f"]), None, None)
+    params = SamplingParams(max_tokens=100, stop=["TOP f"], include_stop_str_in_output=include)
+    req = Request("r", None, [1], params, None, None)
     for stopped_at, t in enumerate(ids):
         status = proc.append(req, t)
         if status is not None:
             break
     assert status is RequestStatus.FINISHED_STOPPED and req.stop_reason == "TOP f"
-    assert req.output_text == "one two three S"
+    assert req.output_text == ("one two three STOP f" if include else "one two three S")
     assert tokenizer.decode(ids[: stopped_at + 1]).startswith("one two three STOP f")
+    req.status = status
+    assert proc.make_output(req).outputs[0].text == req.output_text
 
 
 def test_an_end_of_sequence_under_a_constraint_ends_the_request_even_with_ignore_eos(tokenizer):

@@ -23,6 +23,7 @@ from specserve.sampling_params import (
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 
 MAX_LOGPROBS = 20
+MAX_ALLOWED_TOKEN_IDS = 1 << 18   # the largest vocabularies (Gemma's 262,144)
 MAX_MIN_TOKENS = 1 << 20   # beyond any context; min_tokens above max_tokens is refused by SamplingParams
 
 
@@ -107,6 +108,8 @@ class _SamplingFields(StrictModel):
     stop_token_ids: Annotated[list[TokenId], Field(max_length=1024)] | None = None
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0, le=MAX_MIN_TOKENS)] = 0   # vLLM's extension
+    include_stop_str_in_output: bool = False                         # vLLM's extension
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None = None
     skip_special_tokens: bool = True
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -144,7 +147,8 @@ class _SamplingFields(StrictModel):
                    "min_p": (0.0,), "presence_penalty": (0.0,), "frequency_penalty": (0.0,),
                    "repetition_penalty": (1.0,), "response_format": (), "structured_outputs": (), "guided_json": (),
                    "guided_regex": (), "guided_choice": (), "guided_grammar": (), "specserve": (),
-                   "prompt_logprobs": (), "min_tokens": (0,),
+                   "prompt_logprobs": (), "min_tokens": (0,), "allowed_token_ids": (),
+                   "include_stop_str_in_output": (False,),
                    **self._beam_neutral_fields()}
         bad = [name for name, allowed in neutral.items() if getattr(self, name) not in (None, *allowed)]
         if bad:
@@ -241,6 +245,8 @@ class _SamplingFields(StrictModel):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            allowed_token_ids=None if self.allowed_token_ids is None else list(self.allowed_token_ids),
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             n=self.n or 1,

@@ -126,7 +126,8 @@ class OpenAIServing:
         if params.top_k > vocab:
             raise APIError(400, f"top_k must be at most the vocabulary size {vocab} (or -1/0: off), got {params.top_k}",
                            param="top_k", code="invalid_value")
-        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias or {}))):
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias or {})),
+                          ("allowed_token_ids", params.allowed_token_ids or [])):
             bad = [t for t in ids if t >= vocab]
             if bad:
                 raise APIError(400, f"{name} token ids out of range [0, {vocab}): {bad[:5]}", param=name,
