@@ -9,6 +9,7 @@ from specserve.beam_search_params import BeamSearchOutput, BeamSearchParams, Bea
 from specserve.config import EngineConfig, SpeculativeConfig
 from specserve.engine.async_engine import running_driver
 from specserve.engine.llm_engine import LLMEngine
+from specserve.entrypoints.chat_template import render_chat
 from specserve.outputs import RequestOutput, SpecDecodeStats
 from specserve.sampling_params import SamplingParams
 
@@ -185,17 +186,21 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them."""
+        """Apply the model's chat template to one conversation or a list of them (``chat_template``
+        module: continue_final_message, chat_template_kwargs, as in vLLM)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        prompts = [self.apply_chat_template(c, add_generation_prompt, continue_final_message, chat_template_kwargs)
+                   for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        tok = self.engine.tokenizer
-        if not getattr(tok, "chat_template", None):
-            raise ValueError(f"the model {self.engine.model_name!r} has no chat template")
-        text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[int]:
+        """The conversation's prompt token ids (ValueError where the template cannot take it)."""
+        text = render_chat(self.engine.tokenizer, conversation, add_generation_prompt, continue_final_message,
+                           template_kwargs=chat_template_kwargs)
         return self.engine.tokenize(text, add_special_tokens=False)   # the template wrote the special tokens
 
     def _run(self, ids: list[str], show_progress: bool) -> list[RequestOutput]:

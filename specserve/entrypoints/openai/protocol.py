@@ -387,6 +387,9 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # vLLM's: the last (assistant) message left open for the answer to go on from; template variables
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("max_completion_tokens")
     @classmethod
@@ -444,6 +447,8 @@ class TokenizeRequest(StrictModel):
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     tools: Annotated[list[ToolDefinition], Field(max_length=128)] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _one_input(self):
@@ -453,7 +458,9 @@ class TokenizeRequest(StrictModel):
 
     def as_chat(self) -> "ChatCompletionRequest":
         return ChatCompletionRequest(model=self.model, messages=self.messages, tools=self.tools,
-                                     add_generation_prompt=self.add_generation_prompt)
+                                     add_generation_prompt=self.add_generation_prompt,
+                                     continue_final_message=self.continue_final_message,
+                                     chat_template_kwargs=self.chat_template_kwargs)
 
 
 class DetokenizeRequest(StrictModel):

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from specserve.beam_search_params import BeamSearchParams
 from specserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineStepError, RequestFailedError
 from specserve.engine.beam_groups import beam_capable_proposer
+from specserve.entrypoints.chat_template import ChatTemplateError, render_chat
 from specserve.entrypoints.openai import structured, tool_calls
 from specserve.entrypoints.openai.echo import echo_logprobs, joined, prompt_logprobs_json, prompt_text
 from specserve.entrypoints.openai.tool_call_stream import ToolCallStream
@@ -79,18 +80,17 @@ class OpenAIServing:
             )
 
     def chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
-        """The conversation rendered by the chat template and tokenized as it is (the template
-        wrote the special tokens, so the tokenizer adds none)."""
+        """The conversation rendered by the chat template (``entrypoints/chat_template.py``) and
+        tokenized as it is (the template wrote the special tokens, so the tokenizer adds none)."""
         tok = self.tokenizer
         if not getattr(tok, "chat_template", None):
             raise APIError(400, f"the model {self.model_name!r} has no chat template; use /v1/completions", param="messages")
         conversation, tools = tool_calls.conversation(request, tok)
-        extra = {"tools": tools} if tools else {}
         try:
-            text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=request.add_generation_prompt,
-                                           **extra)
-        except Exception as e:  # noqa: BLE001 - a template that rejects the conversation
-            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+            text = render_chat(tok, conversation, request.add_generation_prompt, request.continue_final_message, tools,
+                               request.chat_template_kwargs)
+        except ChatTemplateError as e:
+            raise APIError(400, str(e), param=e.param) from None
         return self.engine.tokenize(text, add_special_tokens=False)
 
     async def tokenize(self, request: TokenizeRequest, raw: Request) -> Response:

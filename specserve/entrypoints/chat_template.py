@@ -1,0 +1,54 @@
+"""A conversation rendered by the model's chat template: the one way ``LLM.chat`` and the
+server's chat endpoints (and /tokenize) turn messages into a prompt's text.
+
+vLLM's options: ``continue_final_message`` leaves the last (assistant) message open, so the
+answer goes on from its text ("prefilling" the answer) instead of starting a new turn;
+``chat_template_kwargs`` reach the template as variables (Qwen3's ``enable_thinking``, for
+example). The template writes the special tokens, so its text is tokenized without adding any.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+# apply_chat_template's own arguments: a template variable may not take their place
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens",
+})
+
+
+class ChatTemplateError(ValueError):
+    """The options or the conversation do not fit the template; ``param`` names the field."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def render_chat(tokenizer, conversation: list[dict], add_generation_prompt: bool = True,
+                continue_final_message: bool = False, tools: list[dict] | None = None,
+                template_kwargs: dict[str, Any] | None = None) -> str:
+    """The conversation's prompt text; ChatTemplateError for what the template cannot take."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ChatTemplateError("the model has no chat template", "messages")
+    if continue_final_message:
+        if add_generation_prompt:
+            raise ChatTemplateError("continue_final_message needs add_generation_prompt false: the answer goes on "
+                                    "from the last message instead of starting a new turn", "continue_final_message")
+        if not conversation or conversation[-1].get("role") != "assistant":
+            raise ChatTemplateError("continue_final_message needs an assistant message last", "continue_final_message")
+    clash = sorted(set(template_kwargs or {}) & RESERVED_TEMPLATE_KWARGS)
+    if clash:
+        raise ChatTemplateError(f"chat_template_kwargs may not set {clash}: they are options of their own",
+                                "chat_template_kwargs")
+    extra = dict(template_kwargs or {})
+    if tools:
+        extra["tools"] = tools
+    if continue_final_message:
+        extra["continue_final_message"] = True
+    try:
+        return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             **extra)
+    except Exception as e:  # noqa: BLE001 - a template that rejects the conversation
+        raise ChatTemplateError(f"the chat template rejected the messages: {e}", "messages") from None

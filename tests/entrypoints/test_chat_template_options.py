@@ -1,0 +1,81 @@
+"""vLLM's chat options, in ``LLM.chat``/``apply_chat_template`` and over HTTP (chat completions and
+/tokenize) alike: ``continue_final_message`` leaves the last assistant message open for the answer
+to go on from, ``chat_template_kwargs`` reach the template as variables; misuse is a ValueError in
+the library and a 400 naming the field on the server. Tiny random model with the default model's
+tokenizer, and a template of the test's own for the variables."""
+from __future__ import annotations
+
+import pytest
+
+from specserve import LLM, SamplingParams
+from specserve.entrypoints.openai.api_server import build_app
+
+from server_util import local_http, running_server
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+MODEL = "tiny"
+CONVERSATION = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
+# a template that shows a variable, as Qwen3's shows enable_thinking
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}{% if enable_thinking %}<think>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    return LLM(model=tiny_llama_dir, dtype="float32", max_model_len=256, kv_cache_memory=8 << 20)
+
+
+@pytest.fixture(scope="module")
+def url(tiny_llama_dir):
+    served = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=256, kv_cache_memory=8 << 20)
+    with running_server(build_app(served, MODEL)) as base:
+        yield base
+
+
+def text_of(llm, ids) -> str:
+    return llm.get_tokenizer().decode(ids)
+
+
+def test_continue_final_message_leaves_the_answer_open(llm):
+    closed = text_of(llm, llm.apply_chat_template(CONVERSATION, add_generation_prompt=False))
+    opened = text_of(llm, llm.apply_chat_template(CONVERSATION, add_generation_prompt=False,
+                                                  continue_final_message=True))
+    assert opened.endswith("The colour is") and closed.startswith(opened) and len(closed) > len(opened)
+    [out] = llm.chat(CONVERSATION, SamplingParams(temperature=0, max_tokens=3), add_generation_prompt=False,
+                     continue_final_message=True)
+    assert text_of(llm, out.prompt_token_ids) == opened
+    with pytest.raises(ValueError, match="needs add_generation_prompt false"):
+        llm.apply_chat_template(CONVERSATION, continue_final_message=True)
+    with pytest.raises(ValueError, match="assistant message last"):
+        llm.apply_chat_template(CONVERSATION[:1], add_generation_prompt=False, continue_final_message=True)
+
+
+def test_chat_template_kwargs_reach_the_template(llm, monkeypatch):
+    monkeypatch.setattr(llm.get_tokenizer(), "chat_template", TEMPLATE)
+    plain = text_of(llm, llm.apply_chat_template(CONVERSATION[:1]))
+    thinking = text_of(llm, llm.apply_chat_template(CONVERSATION[:1], chat_template_kwargs={"enable_thinking": True}))
+    assert plain == "<user>Name a colour.<assistant>" and thinking == plain + "<think>"
+    with pytest.raises(ValueError, match="may not set"):
+        llm.apply_chat_template(CONVERSATION[:1], chat_template_kwargs={"tokenize": True})
+
+
+def test_the_server_takes_both_options(url, llm):
+    body = {"model": MODEL, "messages": CONVERSATION, "add_generation_prompt": False,
+            "continue_final_message": True}
+    r = local_http.post(f"{url}/tokenize", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    want = llm.apply_chat_template(CONVERSATION, add_generation_prompt=False, continue_final_message=True)
+    assert r.json()["tokens"] == want
+    r = local_http.post(f"{url}/v1/chat/completions", json=dict(body, max_tokens=2, temperature=0), timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(want), r.text
+    for bad, param in [(dict(body, add_generation_prompt=True), "continue_final_message"),
+                       (dict(body, messages=CONVERSATION[:1]), "continue_final_message"),
+                       (dict(body, chat_template_kwargs={"add_generation_prompt": True}), "chat_template_kwargs"),
+                       (dict(body, chat_template_kwargs=["x"]), "chat_template_kwargs")]:
+        r = local_http.post(f"{url}/v1/chat/completions", json=dict(bad, max_tokens=2), timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = local_http.post(f"{url}/v1/chat/completions",
+                        json={"model": MODEL, "messages": CONVERSATION[:1], "max_tokens": 2,
+                              "chat_template_kwargs": {"enable_thinking": False}}, timeout=60)
+    assert r.status_code == 200, r.text
