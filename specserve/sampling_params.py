@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 _MAX_LOGPROBS = 20
+MAX_BAD_WORDS = 1024
 # Temperatures below this are greedy (argmax), exactly like temperature 0: dividing
 # logits by 1e-50 overflows float32 and the softmax becomes NaN. vLLM uses the same 1e-5.
 GREEDY_TEMPERATURE = 1e-5
@@ -132,7 +133,10 @@ class SamplingParams:
     output to a JSON schema, a regex, a choice of strings or a grammar; a request whose
     constraint cannot finish within ``max_tokens`` ends with finish_reason "length".
 
-    ``allowed_token_ids`` (vLLM's): every other token gets probability 0. A stop string ends the
+    ``allowed_token_ids`` (vLLM's): every other token gets probability 0. ``bad_words`` (vLLM's):
+    the output never holds one of these words' token sequences (with or without a leading
+    space): a row whose tokens before it end with all but a word's last token gives that last
+    token probability 0. A stop string ends the
     text before it unless ``include_stop_str_in_output``.
 
     ``min_tokens`` (vLLM's): until the output holds that many tokens, the end-of-sequence token
@@ -160,6 +164,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
@@ -236,6 +241,11 @@ class SamplingParams:
                           f"got {self.allowed_token_ids!r}")
             if self.structured_output is not None:
                 raise bad("allowed_token_ids cannot go with structured output: the constraint masks the tokens")
+        if self.bad_words is not None and (not isinstance(self.bad_words, list) or len(self.bad_words) > MAX_BAD_WORDS
+                                           or any(not isinstance(w, str) or not w.strip() or len(w) > 256
+                                                  for w in self.bad_words)):
+            raise bad(f"bad_words must be a list of at most {MAX_BAD_WORDS} non-blank strings of up to 256 "
+                      f"characters, got {self.bad_words!r}")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -248,4 +258,5 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Whether penalties, biases or min_tokens change the model's logits before sampling."""
         return bool(self.logit_bias) or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 \
-            or self.repetition_penalty != 1.0 or self.min_tokens > 0 or self.allowed_token_ids is not None
+            or self.repetition_penalty != 1.0 or self.min_tokens > 0 or self.allowed_token_ids is not None \
+            or bool(self.bad_words)

@@ -55,6 +55,7 @@ class Request:
         self.sampling_params = sampling_params
         self.seed = seed                      # keys its random numbers (request_seed); None for greedy
         self.eos_token_id = eos_token_id
+        self.bad_words_ids: list[list[int]] = []   # SamplingParams.bad_words as token sequences (the engine's)
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0

@@ -27,7 +27,8 @@ def prepare_prompt(prompt, tokenize, vocab_size: int, max_model_len: int) -> tup
 
 def check_params(params: SamplingParams, vocab_size: int) -> None:
     """What SamplingParams cannot check alone: token ids against this model's vocabulary."""
-    for name, ids in (("logit_bias", list(params.logit_bias or {})), ("allowed_token_ids", params.allowed_token_ids or [])):
+    for name, ids in (("logit_bias", list(params.logit_bias or {})),
+                      ("allowed_token_ids", params.allowed_token_ids or [])):
         bad = [t for t in ids if t >= vocab_size]
         if bad:
             raise ValueError(f"{name} token ids out of range [0, {vocab_size}): {bad[:5]}")

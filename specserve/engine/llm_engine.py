@@ -36,6 +36,7 @@ from specserve.engine.step_inputs import drafts_per_depth, forward_input, tree_b
 from specserve.model_executor.layers.attention import cache_slot
 from specserve.model_executor.loader import keeps_quantized, load_model, resolve_dtype
 from specserve.outputs import RequestOutput, SpecDecodeStats
+from specserve.sample.penalties import bad_words_token_ids
 from specserve.sample.verify import Verifier
 from specserve.sampling_params import SamplingParams
 from specserve.spec_decode.factory import build_proposer, resolve_speculative_config
@@ -169,6 +170,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         req = Request(request_id, text, token_ids, params, request_seed(params, self._seed_rng), self.eos_token_id)
+        req.bad_words_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         self.requests[request_id] = req
         self.constraints.attach(req)
         return req

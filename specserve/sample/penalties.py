@@ -11,7 +11,8 @@ the end-to-end test compares sampled distributions, not single outputs.
 
 ``min_tokens`` bans the end-of-sequence token and ``stop_token_ids`` from every row whose
 output index (the output so far plus that row's drafts) is below it; ``allowed_token_ids``
-bans every other token from every row.
+bans every other token from every row; ``bad_words`` ban a word's last token in a row whose
+tokens before it (prompt, output and that row's drafts) end with the word's others.
 
 The order and formulas are vLLM's (and, for repetition, transformers'):
 bias first, then repetition (prompt and output tokens: positive logits are
@@ -51,14 +52,16 @@ def adjust_logits(
     output_token_ids: Sequence[int],
     extra_token_ids: Sequence[Sequence[int]],  # [R] tokens after the output, before each row
     eos_token_id: int | None = None,
+    bad_words_ids: Sequence[Sequence[int]] = (),   # the bad words' token sequences (bad_words_token_ids)
 ) -> torch.Tensor:
-    """-> [R, V] float32 logits with the request's bias and penalties applied, and the ends
+    """-> [R, V] float32 logits with the request's bias and penalties applied, the ends
     (``eos_token_id``, ``stop_token_ids``) banned from rows whose output index is below
-    ``min_tokens``."""
+    ``min_tokens``, and the token that would complete a bad word banned."""
     rows, vocab = logits.shape
     device = logits.device
     out = logits.float().clone()
     _ban_ends_before_min_tokens(out, params, len(output_token_ids), extra_token_ids, eos_token_id)
+    _ban_bad_words(out, prompt_token_ids, output_token_ids, extra_token_ids, bad_words_ids)
     if params.allowed_token_ids is not None:
         keep = torch.full((vocab,), float("-inf"), device=device)
         keep[torch.tensor([t for t in params.allowed_token_ids if t < vocab], dtype=torch.long, device=device)] = 0.0
@@ -98,6 +101,42 @@ def _ban_ends_before_min_tokens(out: torch.Tensor, params: SamplingParams, num_o
             float("-inf")
 
 
+def _ban_bad_words(out: torch.Tensor, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int],
+                   extra_token_ids: Sequence[Sequence[int]], bad_words_ids: Sequence[Sequence[int]]) -> None:
+    """-inf (in place) for a bad word's last token in every row whose tokens before it (the
+    prompt, the output, that row's drafts) end with the word's other tokens."""
+    if not bad_words_ids:
+        return
+    longest = max(len(w) for w in bad_words_ids) - 1
+    history = (list(prompt_token_ids) + list(output_token_ids))[-longest:] if longest else []
+    for r, extra in enumerate(extra_token_ids):
+        before = (history + list(extra))[-longest:] if longest else []
+        banned = [w[-1] for w in bad_words_ids if w[-1] < out.shape[1]
+                  and (len(w) == 1 or before[len(before) - len(w) + 1:] == list(w[:-1]))]
+        if banned:
+            out[r, torch.tensor(banned, device=out.device)] = float("-inf")
+
+
+def bad_words_token_ids(tokenizer, words: Sequence[str] | None) -> list[list[int]]:
+    """Each bad word's token sequences, as vLLM forms them: the word alone and after a space
+    (a word inside a text is usually tokenized with its space), without duplicates."""
+    out: list[list[int]] = []
+    for word in words or []:
+        for text in (word, " " + word.lstrip()):
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if ids and ids not in out:
+                out.append(ids)
+    return out
+
+
+def adjust_request_rows(logits: torch.Tensor, reqs: Sequence, outputs: Sequence[Sequence[int]]) -> torch.Tensor:
+    """``adjust_each_row`` for a proposer's step: row r is request ``reqs[r]``'s next position
+    after ``outputs[r]`` (its output and drafts so far); each request brings its own params,
+    prompt, end-of-sequence token and bad words."""
+    return adjust_each_row(logits, [r.sampling_params for r in reqs], [r.prompt_token_ids for r in reqs], outputs,
+                           [r.eos_token_id for r in reqs], [r.bad_words_ids for r in reqs])
+
+
 def _row_counts(output_token_ids, extra_token_ids, rows: int, vocab: int, device) -> torch.Tensor:
     """[R, V] how often each token occurs in the output plus row r's extra tokens."""
     counts = torch.zeros(rows, vocab, dtype=torch.float32, device=device)
@@ -121,6 +160,7 @@ def adjust_each_row(
     prompts: Sequence[Sequence[int]],           # [R] each row's prompt
     outputs: Sequence[Sequence[int]],           # [R] each row's output, drafts so far included
     eos_token_ids: Sequence[int | None] | None = None,   # [R] each row's end-of-sequence token
+    bad_words_ids: Sequence[Sequence[Sequence[int]]] | None = None,   # [R] each row's bad words' tokens
 ) -> torch.Tensor:
     """``adjust_logits`` for rows of different requests; the same tensor when none adjusts."""
     todo = [r for r, p in enumerate(params) if p.adjusts_logits]
@@ -129,5 +169,6 @@ def adjust_each_row(
     out = logits.float().clone()
     for r in todo:
         eos = None if eos_token_ids is None else eos_token_ids[r]
-        out[r : r + 1] = adjust_logits(logits[r : r + 1], params[r], prompts[r], outputs[r], [[]], eos)
+        bad = () if bad_words_ids is None else bad_words_ids[r]
+        out[r : r + 1] = adjust_logits(logits[r : r + 1], params[r], prompts[r], outputs[r], [[]], eos, bad)
     return out

@@ -143,7 +143,8 @@ class Verifier:
             if r.sampling_params.adjusts_logits:
                 extras = [[r.draft_token_ids[i] for i in before] for before in draft_histories(n, r.draft_parents)]
                 out[row : row + n + 1] = adjust_logits(logits[row : row + n + 1], r.sampling_params,
-                                                       r.prompt_token_ids, r.output_token_ids, extras, r.eos_token_id)
+                                                       r.prompt_token_ids, r.output_token_ids, extras, r.eos_token_id,
+                                                       r.bad_words_ids)
             row += n + 1
         return out
 

@@ -46,7 +46,7 @@ from specserve.core.kv_cache_manager import KVCacheManager
 from specserve.core.request import Request
 from specserve.core.scheduler import ScheduledRequest
 from specserve.model_executor.layers.attention import cache_slot
-from specserve.sample.penalties import adjust_each_row
+from specserve.sample.penalties import adjust_request_rows
 from specserve.sample.sampler import CHOICE, choose_tokens, keyed_generator
 from specserve.spec_decode.draft_text import SPECIAL_BASE, DraftSequence, draft_symbols, target_symbols
 from specserve.spec_decode.proposer import Proposal, Proposer
@@ -263,9 +263,8 @@ class CrossVocabProposer(Proposer):
         from it (its probabilities kept for rejection sampling) -> the requests that are done."""
         rows = self.target_logits(logits)                                      # [len(active), V_target]
         params = [reqs[i].sampling_params for i in active]
-        rows = adjust_each_row(rows, params, [reqs[i].prompt_token_ids for i in active],
-                               [reqs[i].output_token_ids + drafts[i] for i in active],
-                               [reqs[i].eos_token_id for i in active])
+        rows = adjust_request_rows(rows, [reqs[i] for i in active],
+                                   [reqs[i].output_token_ids + drafts[i] for i in active])
         rows = mask_draft_rows(rows, [reqs[i] for i in active], [drafts[i] for i in active])   # grammars
         # Draft j guesses output token num_output_tokens + j with that token's own noise (as the
         # same-vocabulary draft model does): each TLI draft is exactly one target token.

@@ -24,7 +24,7 @@ from specserve.core.kv_cache_manager import PROPOSER_KV_FROM_TOKENS, KVCacheMana
 from specserve.core.request import Request
 from specserve.core.scheduler import ScheduledRequest
 from specserve.model_executor.layers.attention import cache_slot
-from specserve.sample.penalties import adjust_each_row
+from specserve.sample.penalties import adjust_request_rows
 from specserve.sample.sampler import CHOICE, choose_tokens, keyed_generator
 from specserve.spec_decode.draft_tree import DraftTreeGrower, TreeStep
 from specserve.spec_decode.proposer import Proposal, Proposer, drafts_by_argmax
@@ -63,9 +63,8 @@ class DraftModelProposer(Proposer):
             logits = self.runner.execute(inputs).logits                         # [len(active), V or Vd]
             if logits.shape[1] < self.vocab_size:   # a reduced draft vocabulary: the rest is never proposed
                 logits = torch.nn.functional.pad(logits, (0, self.vocab_size - logits.shape[1]), value=float("-inf"))
-            logits = adjust_each_row(logits, [params[i] for i in active], [reqs[i].prompt_token_ids for i in active],
-                                     [reqs[i].output_token_ids + drafts[i] for i in active],
-                                     [reqs[i].eos_token_id for i in active])
+            logits = adjust_request_rows(logits, [reqs[i] for i in active],
+                                         [reqs[i].output_token_ids + drafts[i] for i in active])
             logits = mask_draft_rows(logits, [reqs[i] for i in active], [drafts[i] for i in active])   # grammars
             # Draft j guesses output token num_output_tokens + j with that token's own noise.
             generators = [keyed_generator(reqs[i].seed, reqs[i].num_output_tokens + len(drafts[i]), CHOICE,

@@ -40,7 +40,7 @@ import torch
 
 from specserve.config import TreeConfig
 from specserve.core.request import Request
-from specserve.sample.penalties import adjust_each_row
+from specserve.sample.penalties import adjust_request_rows
 from specserve.sample.sampler import CHOICE, SamplingTensors, exponential_noise, keyed_generator, processed_probs
 from specserve.spec_decode.proposer import Proposal
 from specserve.spec_decode.tree_policy import TreeShape, TreeSizePolicy, candidate_shapes
@@ -160,8 +160,7 @@ class DraftTreeGrower:
         reqs = [trees[i].request for i, _ in expanded]
         paths = [trees[i].path(n) for i, n in expanded]
         params = [r.sampling_params for r in reqs]
-        logits = adjust_each_row(logits, params, [r.prompt_token_ids for r in reqs],
-                                 [r.output_token_ids + p for r, p in zip(reqs, paths)], [r.eos_token_id for r in reqs])
+        logits = adjust_request_rows(logits, reqs, [r.output_token_ids + p for r, p in zip(reqs, paths)])
         logits = mask_draft_rows(logits, reqs, paths)                                  # grammars
         probs = processed_probs(logits.float(), SamplingTensors.build(params, logits.shape[1], logits.device))
         k = min(top_k, probs.shape[1])

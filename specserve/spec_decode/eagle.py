@@ -49,7 +49,7 @@ from specserve.model_executor.layers.fp16_gemm import compute_dtype_for, round_t
 from specserve.model_executor.layers.linear import ColumnParallelLinear
 from specserve.model_executor.layers.quantized import QuantizedMatrix
 from specserve.model_executor.models.eagle import EagleHead
-from specserve.sample.penalties import adjust_each_row
+from specserve.sample.penalties import adjust_request_rows
 from specserve.sample.sampler import CHOICE, choose_tokens, keyed_generator, row_argmax
 from specserve.spec_decode.checks import check_vocab
 from specserve.spec_decode.context import ProposerContext
@@ -232,9 +232,8 @@ class EagleProposer(Proposer):
             full[:, self.draft_vocab] = logits
             logits = full
         if adjusts:
-            logits = adjust_each_row(logits, params, [reqs[i].prompt_token_ids for i in rows],
-                                     [reqs[i].output_token_ids + drafts[i] for i in rows],
-                                     [reqs[i].eos_token_id for i in rows])
+            logits = adjust_request_rows(logits, [reqs[i] for i in rows],
+                                         [reqs[i].output_token_ids + drafts[i] for i in rows])
         if constrained:   # structured output: drafts under the request's grammar
             logits = mask_draft_rows(logits, [reqs[i] for i in rows], [drafts[i] for i in rows])
         # A draft guesses output token num_output_tokens + (drafts so far) with that token's own noise.

@@ -107,7 +107,7 @@ def test_min_tokens_reaches_the_engine(base_url, ref_llm):
     assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
 
 
-def test_allowed_token_ids_and_include_stop_str_in_output_reach_the_engine(base_url, ref_llm):
+def test_allowed_token_ids_bad_words_and_include_stop_str_in_output_reach_the_engine(base_url, ref_llm):
     allowed = [400, 401, 402]
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0.0, "allowed_token_ids": allowed}
     r = post(base_url, "/v1/completions", body)
@@ -121,10 +121,17 @@ def test_allowed_token_ids_and_include_stop_str_in_output_reach_the_engine(base_
         assert text.endswith(stop) == include and r.json()["choices"][0]["stop_reason"] == stop, text
     r = post(base_url, "/v1/completions", dict(body, allowed_token_ids=[1, 10 ** 8]))
     assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
+    word = ref_llm.get_tokenizer().decode(want[:1]).strip()
+    r = post(base_url, "/v1/completions", dict(body, bad_words=[word]))
+    assert r.json()["choices"][0]["text"] == ref_llm.get_tokenizer().decode(
+        lone(ref_llm, PROMPT, temperature=0.0, max_tokens=8, allowed_token_ids=allowed, bad_words=[word]))
+    assert want[0] not in lone(ref_llm, PROMPT, temperature=0.0, max_tokens=8, allowed_token_ids=allowed,
+                               bad_words=[word])
 
 
 @pytest.mark.parametrize("field,value", [
     ("min_tokens", -1), ("min_tokens", "2"), ("allowed_token_ids", []), ("allowed_token_ids", [-3]),
+    ("bad_words", [""]), ("bad_words", "word"),
     ("include_stop_str_in_output", 1),
     ("n", 0), ("n", 129), ("n", 1.5), ("presence_penalty", 2.5), ("frequency_penalty", -3),
     ("repetition_penalty", 0), ("repetition_penalty", "1.1"), ("logit_bias", {"abc": 1}),

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from specserve.beam_search_params import BeamSearchParams
 from specserve.sampling_params import (
-    MAX_LOGIT_BIAS_ENTRIES, MAX_N, MAX_SEED, MAX_TOKEN_ID, MAX_TOP_K, SamplingParams,
+    MAX_BAD_WORDS, MAX_LOGIT_BIAS_ENTRIES, MAX_N, MAX_SEED, MAX_TOKEN_ID, MAX_TOP_K, SamplingParams,
 )
 
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
@@ -110,6 +110,7 @@ class _SamplingFields(StrictModel):
     min_tokens: Annotated[int, Field(ge=0, le=MAX_MIN_TOKENS)] = 0   # vLLM's extension
     include_stop_str_in_output: bool = False                         # vLLM's extension
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None = None
+    bad_words: Annotated[list[str], Field(max_length=MAX_BAD_WORDS)] | None = None   # vLLM's extension
     skip_special_tokens: bool = True
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -148,7 +149,7 @@ class _SamplingFields(StrictModel):
                    "repetition_penalty": (1.0,), "response_format": (), "structured_outputs": (), "guided_json": (),
                    "guided_regex": (), "guided_choice": (), "guided_grammar": (), "specserve": (),
                    "prompt_logprobs": (), "min_tokens": (0,), "allowed_token_ids": (),
-                   "include_stop_str_in_output": (False,),
+                   "include_stop_str_in_output": (False,), "bad_words": ([],),
                    **self._beam_neutral_fields()}
         bad = [name for name, allowed in neutral.items() if getattr(self, name) not in (None, *allowed)]
         if bad:
@@ -247,6 +248,7 @@ class _SamplingFields(StrictModel):
             min_tokens=self.min_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             allowed_token_ids=None if self.allowed_token_ids is None else list(self.allowed_token_ids),
+            bad_words=None if self.bad_words is None else list(self.bad_words),
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             n=self.n or 1,
