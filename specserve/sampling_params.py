@@ -136,8 +136,8 @@ class SamplingParams:
     ``allowed_token_ids`` (vLLM's): every other token gets probability 0. ``bad_words`` (vLLM's):
     the output never holds one of these words' token sequences (with or without a leading
     space): a row whose tokens before it end with all but a word's last token gives that last
-    token probability 0. A stop string ends the
-    text before it unless ``include_stop_str_in_output``.
+    token probability 0. A stop string ends the text before it unless
+    ``include_stop_str_in_output``.
 
     ``min_tokens`` (vLLM's): until the output holds that many tokens, the end-of-sequence token
     and ``stop_token_ids`` get probability 0 and stop strings are not looked for; under
@@ -241,11 +241,13 @@ class SamplingParams:
                           f"got {self.allowed_token_ids!r}")
             if self.structured_output is not None:
                 raise bad("allowed_token_ids cannot go with structured output: the constraint masks the tokens")
-        if self.bad_words is not None and (not isinstance(self.bad_words, list) or len(self.bad_words) > MAX_BAD_WORDS
-                                           or any(not isinstance(w, str) or not w.strip() or len(w) > 256
-                                                  for w in self.bad_words)):
-            raise bad(f"bad_words must be a list of at most {MAX_BAD_WORDS} non-blank strings of up to 256 "
-                      f"characters, got {self.bad_words!r}")
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, list) or len(self.bad_words) > MAX_BAD_WORDS:
+                raise bad(f"bad_words must be a list of at most {MAX_BAD_WORDS} words, got "
+                          f"{len(self.bad_words) if isinstance(self.bad_words, list) else type(self.bad_words).__name__}")
+            wrong = [w for w in self.bad_words if not isinstance(w, str) or not w.strip() or len(w) > 256]
+            if wrong:
+                raise bad(f"bad_words must be non-blank strings of up to 256 characters, got {wrong[0]!r:.80}")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -256,7 +258,8 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether penalties, biases or min_tokens change the model's logits before sampling."""
+        """Whether penalties, biases, min_tokens, allowed_token_ids or bad_words change the model's
+        logits before sampling."""
         return bool(self.logit_bias) or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 \
             or self.repetition_penalty != 1.0 or self.min_tokens > 0 or self.allowed_token_ids is not None \
             or bool(self.bad_words)
