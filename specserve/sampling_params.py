@@ -243,8 +243,8 @@ class SamplingParams:
                 raise bad("allowed_token_ids cannot go with structured output: the constraint masks the tokens")
         if self.bad_words is not None:
             if not isinstance(self.bad_words, list) or len(self.bad_words) > MAX_BAD_WORDS:
-                raise bad(f"bad_words must be a list of at most {MAX_BAD_WORDS} words, got "
-                          f"{len(self.bad_words) if isinstance(self.bad_words, list) else type(self.bad_words).__name__}")
+                got = len(self.bad_words) if isinstance(self.bad_words, list) else type(self.bad_words).__name__
+                raise bad(f"bad_words must be a list of at most {MAX_BAD_WORDS} words, got {got}")
             wrong = [w for w in self.bad_words if not isinstance(w, str) or not w.strip() or len(w) > 256]
             if wrong:
                 raise bad(f"bad_words must be non-blank strings of up to 256 characters, got {wrong[0]!r:.80}")
