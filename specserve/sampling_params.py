@@ -139,6 +139,9 @@ class SamplingParams:
     token probability 0. A stop string ends the text before it unless
     ``include_stop_str_in_output``.
 
+    ``truncate_prompt_tokens`` (vLLM's): only the prompt's last k tokens are kept (-1: as many as
+    the context holds with one to generate); ``RequestOutput.prompt`` is then None.
+
     ``min_tokens`` (vLLM's): until the output holds that many tokens, the end-of-sequence token
     and ``stop_token_ids`` get probability 0 and stop strings are not looked for; under
     speculation each verified position counts the drafts before it, as the penalties do.
@@ -158,6 +161,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
     skip_special_tokens: bool = True
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -216,6 +220,11 @@ class SamplingParams:
                                                  or not (0 <= self.prompt_logprobs <= _MAX_LOGPROBS)):
             raise bad(f"prompt_logprobs must be an integer in [0, {_MAX_LOGPROBS}] (or None), "
                       f"got {self.prompt_logprobs!r}")
+        if self.truncate_prompt_tokens is not None and (not _is_int(self.truncate_prompt_tokens)
+                                                        or not (self.truncate_prompt_tokens >= 1
+                                                                or self.truncate_prompt_tokens == -1)):
+            raise bad(f"truncate_prompt_tokens must be a positive integer or -1 (the model's context), "
+                      f"got {self.truncate_prompt_tokens!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad(f"stop must be non-empty strings, got {self.stop!r}")
         if any(not _is_int(t) or not (0 <= t <= MAX_TOKEN_ID) for t in self.stop_token_ids):

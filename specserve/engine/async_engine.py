@@ -166,7 +166,7 @@ class AsyncLLMEngine:
             raise EngineDeadError("the engine loop was shut down")
         self.start()
         loop = asyncio.get_running_loop()
-        prepared = await self.run_off_thread(self.engine.prepare_prompt, prompt)
+        prepared = await self.run_off_thread(self.engine.prepare_prompt, prompt, params)
         request_id = request_id if request_id is not None else self.new_request_id()
         stream = _Stream(request_id, loop)
         done: concurrent.futures.Future = concurrent.futures.Future()

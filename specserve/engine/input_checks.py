@@ -4,8 +4,11 @@ from __future__ import annotations
 from specserve.sampling_params import SamplingParams
 
 
-def prepare_prompt(prompt, tokenize, vocab_size: int, max_model_len: int) -> tuple[str | None, list[int]]:
-    """A prompt (text or token ids) -> (its text or None, its token ids)."""
+def prepare_prompt(prompt, tokenize, vocab_size: int, max_model_len: int,
+                   truncate: int | None = None) -> tuple[str | None, list[int]]:
+    """A prompt (text or token ids) -> (its text or None, its token ids). ``truncate``
+    (SamplingParams.truncate_prompt_tokens): keep the last k tokens (-1: max_model_len - 1);
+    the text is then None, since it no longer matches the ids."""
     if isinstance(prompt, str):
         text, token_ids = prompt, tokenize(prompt)
     elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
@@ -14,6 +17,9 @@ def prepare_prompt(prompt, tokenize, vocab_size: int, max_model_len: int) -> tup
         raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
     if not token_ids:
         raise ValueError("the prompt is empty")
+    keep = max_model_len - 1 if truncate == -1 else truncate
+    if keep is not None and len(token_ids) > keep:
+        text, token_ids = None, token_ids[-keep:]
     bad = [t for t in token_ids if not (0 <= t < vocab_size)]
     if bad:
         raise ValueError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")

@@ -119,9 +119,12 @@ class LLMEngine:
         vLLM and llama.cpp; a rendered chat template already holds them (add_special_tokens=False)."""
         return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens) if prompt else []
 
-    def prepare_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        """Tokenize and check a prompt; raises ValueError naming the problem."""
-        return input_checks.prepare_prompt(prompt, self.tokenize, self.vocab_size, self.max_model_len)
+    def prepare_prompt(self, prompt: str | list[int],
+                       params: SamplingParams | None = None) -> tuple[str | None, list[int]]:
+        """Tokenize and check a prompt (truncated as ``params`` asks: truncate_prompt_tokens);
+        raises ValueError naming the problem."""
+        truncate = getattr(params, "truncate_prompt_tokens", None)
+        return input_checks.prepare_prompt(prompt, self.tokenize, self.vocab_size, self.max_model_len, truncate)
 
     def add_request(
         self,
@@ -135,7 +138,7 @@ class LLMEngine:
         ``prepared`` is ``prepare_prompt(prompt)``'s result when the caller already has it.
         """
         params = params or SamplingParams()
-        text, token_ids = prepared if prepared is not None else self.prepare_prompt(prompt)
+        text, token_ids = prepared if prepared is not None else self.prepare_prompt(prompt, params)
         input_checks.check_params(params, self.vocab_size)
         self.constraints.check(params)    # a schema, regex or grammar compiled (cached), or refused here
         request_id = request_id if request_id is not None else str(next(self._ids))

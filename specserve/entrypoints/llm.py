@@ -141,9 +141,9 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
         prepared = []
-        for i, p in enumerate(prompts):
+        for i, (p, sp) in enumerate(zip(prompts, params)):
             try:
-                prepared.append(self.engine.prepare_prompt(p))
+                prepared.append(self.engine.prepare_prompt(p, sp))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         ids = [self.engine.add_request(p, sp, prepared=pp) for p, sp, pp in zip(prompts, params, prepared)]

@@ -129,7 +129,20 @@ def test_allowed_token_ids_bad_words_and_include_stop_str_in_output_reach_the_en
                                bad_words=[word])
 
 
+def test_truncate_prompt_tokens_reaches_the_engine(base_url, ref_llm):
+    long = [(71 * i + 13) % 3000 + 200 for i in range(300)]    # longer than the context (256)
+    body = {"model": MODEL, "prompt": long, "max_tokens": 4, "temperature": 0.0}
+    r = post(base_url, "/v1/completions", dict(body, truncate_prompt_tokens=20))
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 20
+    assert r.json()["choices"][0]["text"] == ref_llm.get_tokenizer().decode(
+        lone(ref_llm, long[-20:], temperature=0.0, max_tokens=4))
+    r = post(base_url, "/v1/completions", body)
+    assert r.status_code == 400 and "max_model_len" in r.json()["error"]["message"], r.text
+
+
 @pytest.mark.parametrize("field,value", [
+    ("truncate_prompt_tokens", 0), ("truncate_prompt_tokens", -2),
     ("min_tokens", -1), ("min_tokens", "2"), ("allowed_token_ids", []), ("allowed_token_ids", [-3]),
     ("bad_words", [""]), ("bad_words", "word"),
     ("include_stop_str_in_output", 1),

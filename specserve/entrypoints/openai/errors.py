@@ -40,8 +40,8 @@ def validation_error(e: ValidationError) -> APIError:
     return APIError(400, f"{param}: {msg}" if param else msg, param=param, code=err.get("type"))
 
 
-_PARAM_NAMES = ("max_tokens", "min_tokens", "allowed_token_ids", "bad_words", "temperature", "top_p", "top_k", "min_p", "seed",
-                "stop_token_ids", "stop", "logprobs", "n")
+_PARAM_NAMES = ("max_tokens", "min_tokens", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
+                "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "stop", "logprobs", "n")
 
 
 def sampling_error(e: ValueError) -> APIError:

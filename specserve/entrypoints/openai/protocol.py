@@ -111,6 +111,8 @@ class _SamplingFields(StrictModel):
     include_stop_str_in_output: bool = False                         # vLLM's extension
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None = None
     bad_words: Annotated[list[str], Field(max_length=MAX_BAD_WORDS)] | None = None   # vLLM's extension
+    # vLLM's extension: keep the prompt's last k tokens (-1: as many as fit)
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=MAX_TOKEN_ID)] | None = None
     skip_special_tokens: bool = True
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -249,6 +251,7 @@ class _SamplingFields(StrictModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             allowed_token_ids=None if self.allowed_token_ids is None else list(self.allowed_token_ids),
             bad_words=None if self.bad_words is None else list(self.bad_words),
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             n=self.n or 1,
