@@ -8,6 +8,7 @@ import sys
 import time
 
 from specserve.bench.command import add_bench_parser
+from specserve.entrypoints.fill_in_middle import fim_params, fim_prompt
 from specserve.entrypoints.engine_args import (  # speculative_config_from_args: still importable from here
     add_model_args,
     build_llm,
@@ -54,6 +55,8 @@ def cmd_generate(args) -> int:
 
     if args.beam_width is not None:
         return cmd_beam_search(args)
+    if args.chat and args.suffix is not None:
+        raise SystemExit("error: --suffix fills in the middle of a completion prompt; it cannot go with --chat")
     params = SamplingParams(
         structured_output=structured_output_from_args(args),
         max_tokens=args.max_tokens,
@@ -130,7 +133,7 @@ def prompt_summary(out) -> str:
 # docs/speculative_decoding.md, "Beam search"); refused where they differ from their defaults.
 NOT_FOR_BEAMS = ("temperature", "top_p", "top_k", "min_p", "min_tokens", "seed", "stop", "logprobs", "prompt_logprobs",
                  "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "json_schema", "json_object", "regex",
-                 "grammar", "choice")
+                 "grammar", "choice", "suffix")
 
 
 def cmd_beam_search(args) -> int:
@@ -194,6 +197,9 @@ def _search(llm, prompt, params):
 def _answer(llm, args, params):
     if args.chat:
         return llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+    if args.suffix is not None:   # fill in the middle: the prompt is the prefix
+        tok = llm.get_tokenizer()
+        return llm.generate(fim_prompt(tok, args.prompt, args.suffix), fim_params(tok, params))[0]
     return llm.generate(args.prompt, params)[0]
 
 
@@ -254,6 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--min-p", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    gen.add_argument("--suffix", default=None, metavar="TEXT",
+                     help="fill in the middle: write what goes between the prompt and TEXT (code models trained "
+                          "on it, such as Qwen2.5-Coder)")
     gen.add_argument("--min-tokens", type=int, default=0,
                      help="no end of sequence, stop token or stop string before this many tokens")
     gen.add_argument("--logprobs", type=int, default=None, help="return the top-n log-probabilities per token")

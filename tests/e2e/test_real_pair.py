@@ -11,6 +11,7 @@ import gc
 import pytest
 
 from specserve import LLM, SamplingParams
+from specserve.entrypoints.fill_in_middle import fim_params, fim_prompt
 from catalog_files import installed_file
 from test_spec_decode import _chi_square_p
 
@@ -52,15 +53,31 @@ def want(plain, chats):
     return [o.outputs[0].token_ids for o in plain.generate(chats, SamplingParams(temperature=0, max_tokens=24))]
 
 
-def test_pair_greedy_equals_plain_at_batch_1_and_4(plain, chats, want):
-    spec = LLM(**KW, speculative_config={"model": DRAFT, "num_speculative_tokens": 4})
+@pytest.fixture(scope="module")
+def spec():
+    llm = LLM(**KW, speculative_config={"model": DRAFT, "num_speculative_tokens": 4})
+    yield llm
+    del llm
+    gc.collect()
+
+
+def test_pair_greedy_equals_plain_at_batch_1_and_4(spec, chats, want):
     params = SamplingParams(temperature=0, max_tokens=24)
     assert [o.outputs[0].token_ids for o in spec.generate(chats, params)] == want              # batch 4
     assert [spec.generate([c], params)[0].outputs[0].token_ids for c in chats[:2]] == want[:2]   # batch 1
     stats = spec.get_spec_decode_stats()
     assert stats.num_accepted_tokens > 0 and stats.mean_acceptance_length > 1.5
-    del spec
-    gc.collect()
+
+
+def test_pair_fills_in_the_middle_as_plain_does(plain, spec):
+    """Qwen2.5-Coder's fill-in-the-middle (the server's ``suffix``): the middle of a function,
+    ended by an end-of-middle token, the same with the draft speculating."""
+    tok = plain.get_tokenizer()
+    prompt = fim_prompt(tok, "def fibonacci(n):\n    ", "\n\nprint(fibonacci(10))\n")
+    params = fim_params(tok, SamplingParams(temperature=0, max_tokens=64))
+    [got], [ref] = spec.generate([prompt], params), plain.generate([prompt], params)
+    assert got.outputs[0].token_ids == ref.outputs[0].token_ids
+    assert ref.outputs[0].finish_reason == "stop" and "return" in ref.outputs[0].text
 
 
 def _second_tokens_of_samples(llm: LLM, prompt: list[int], n: int, max_tokens: int,

@@ -5,7 +5,7 @@ default (``"max_tokens": "8"`` is an error). Every number is bounded by what
 the tensor it becomes can hold (``SamplingParams``' limits: finite floats,
 ``top_k`` up to 2^31 - 1, seeds in [0, 2^64), token ids >= 0), so no value
 that passes here can fail an engine step. OpenAI fields specserve cannot
-honour (suffix; best_of > 1 without use_beam_search) are accepted only at their neutral value.
+honour (best_of > 1 without use_beam_search) are accepted only at their neutral value.
 """
 from __future__ import annotations
 
@@ -297,12 +297,15 @@ class CompletionRequest(_SamplingFields):
         """echo with max_tokens 0: the answer is the prompt, no token generated."""
         return bool(self.echo) and self.max_tokens == 0
 
-    @field_validator("suffix")
-    @classmethod
-    def _suffix(cls, v):
-        if v:
-            raise ValueError("suffix is not supported")
-        return v
+    @model_validator(mode="after")
+    def _suffix_with_text_prompts(self):
+        """suffix (fill in the middle, ``entrypoints/fill_in_middle.py``): text prompts, no echo."""
+        if self.suffix:
+            if not all(isinstance(p, str) for p in self.prompts()):
+                raise ValueError("suffix needs text prompts (the prefix), not token ids")
+            if self.echo:
+                raise ValueError("suffix cannot go with echo")
+        return self
 
     @field_validator("best_of")
     @classmethod
@@ -316,7 +319,7 @@ class CompletionRequest(_SamplingFields):
         return v
 
     def _beam_neutral_fields(self) -> dict:
-        return {"logprobs": (), "echo": (False,)}
+        return {"logprobs": (), "echo": (False,), "suffix": ("",)}
 
     def to_beam_search_params(self, default_max_tokens: int) -> BeamSearchParams:
         """use_beam_search: best_of beams (default n), the n best returned."""

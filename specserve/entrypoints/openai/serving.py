@@ -19,6 +19,7 @@ from specserve.beam_search_params import BeamSearchParams
 from specserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineStepError, RequestFailedError
 from specserve.engine.beam_groups import beam_capable_proposer
 from specserve.entrypoints.chat_template import ChatTemplateError, render_chat
+from specserve.entrypoints.fill_in_middle import fim_params, fim_prompt
 from specserve.entrypoints.openai import structured, tool_calls
 from specserve.entrypoints.openai.echo import echo_logprobs, joined, prompt_logprobs_json, prompt_text
 from specserve.entrypoints.openai.tool_call_stream import ToolCallStream
@@ -171,6 +172,13 @@ class OpenAIServing:
         if len(prompts) > self.limits.max_prompts:
             raise APIError(400, f"at most {self.limits.max_prompts} prompts per request, got {len(prompts)}",
                            param="prompt", code="too_many_prompts")
+        if request.suffix:   # fill in the middle: each prompt is the prefix
+            try:
+                prompts = [await self.async_engine.run_off_thread(fim_prompt, self.tokenizer, p, request.suffix)
+                           for p in prompts]
+            except ValueError as e:
+                raise APIError(400, str(e), param="suffix", code="invalid_value") from None
+            params = fim_params(self.tokenizer, params)
         engine_params = self.beam_search_params(request) if request.use_beam_search else params
         streams = await start_requests(self.async_engine, prompts, engine_params, "prompt")
         return await self._respond(request, raw, streams, params, arrival, chat=False)
