@@ -50,6 +50,9 @@ PRESETS = {   # suites that are spec-bench with other defaults
                                "draft:5:tree=4/12/sampled,draft:5:tree=2/8/dynamic",
                     "prompts": "coding+spec-bench", "categories": "write,refactor,explain,complete,fix,coding,qa,writing",
                     "limit": 1, "max_tokens": 64, "threads": 2, "temperature": "0,0.7", "kv_cache_memory": 1 << 28},
+    "fill-in-middle": {"model": "qwen2.5-coder-1.5b-instruct", "draft_model": "qwen2.5-coder-0.5b-instruct",
+                       "configs": "plain,ngram:4,draft:3,draft:4", "prompts": "fill-in-middle", "max_tokens": 96,
+                       "stop_at_eos": True, "threads": 2, "temperature": "0", "kv_cache_memory": 1 << 28},
     "gpu": {"configs": "plain,ngram:4,eagle:4", "batch_sizes": "1,8", "limit": 1, "max_tokens": 96,
             "device": "cuda", "peer": ["transformers"]},
 }
@@ -131,8 +134,9 @@ def add_spec_bench_options(p: argparse.ArgumentParser, d: dict) -> None:
     p.add_argument("--batch-sizes", default=d["batch_sizes"], help="comma-separated, e.g. 1,8")
     p.add_argument("--temperature", default=d.get("temperature", "0"), help="comma-separated, e.g. 0,0.7 (0 = greedy)")
     p.add_argument("--max-tokens", type=int, default=d["max_tokens"], help="new tokens per request")
-    p.add_argument("--stop-at-eos", action="store_true",
-                   help="answers end at end-of-sequence (Spec-Bench's protocol) instead of always --max-tokens")
+    p.add_argument("--stop-at-eos", action="store_true", default=d.get("stop_at_eos", False),
+                   help="answers end at end-of-sequence (Spec-Bench's protocol; a fill-in-the-middle task's at its "
+                        "end-of-middle tokens) instead of always --max-tokens")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--kv-cache-memory", type=int, default=d.get("kv_cache_memory", 1 << 30),
                    help="bytes of KV cache per configuration")

@@ -48,7 +48,9 @@ class SpecserveEngine:
         from specserve import SamplingParams
 
         params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=ignore_eos,
-                                 seed=None if temperature == 0 else s) for s in seeds]
+                                 seed=None if temperature == 0 else s,
+                                 stop_token_ids=list(p.stop_token_ids) if not ignore_eos else [])
+                  for s, p in zip(seeds, prompts)]
         outs = self.llm.generate([p.token_ids for p in prompts], params, use_tqdm=False)
         first = [o.metrics.get("first_token_time") for o in outs]
         finish = [o.metrics.get("finish_time") for o in outs]

@@ -21,7 +21,9 @@ class BenchPrompt:
     question_id: str
     category: str
     text: str
+    suffix: str | None = None      # a fill-in-the-middle task: ``text`` is the code before the gap, this after it
     token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)   # a fill-in-the-middle task's end-of-middle tokens
 
 
 def default_prompts_path() -> str:
@@ -45,17 +47,20 @@ def coding_prompts_path() -> str:
 
 
 def prompts_path(name: str | None) -> str:
-    """--prompts: a JSONL path, ``spec-bench`` (``spec_bench_path()``), ``coding`` (``coding_prompts_path()``)
-    or None (the shipped set)."""
+    """--prompts: a JSONL path, ``spec-bench`` (``spec_bench_path()``), ``coding`` (``coding_prompts_path()``),
+    ``fill-in-middle`` (benchmarks/prompts/fill_in_middle.jsonl) or None (the shipped set)."""
     if name == SPEC_BENCH_NAME:
         return spec_bench_path()
     if name == "coding":
         return coding_prompts_path()
+    if name == "fill-in-middle":
+        return os.path.join(os.path.dirname(coding_prompts_path()), "fill_in_middle.jsonl")
     return name or default_prompts_path()
 
 
 def load_prompts(path: str | None, categories: list[str] | None = None, limit: int | None = None) -> list[BenchPrompt]:
-    """Spec-Bench's JSONL (``question_id``, ``category``, ``turns``); the first turn is the prompt.
+    """Spec-Bench's JSONL (``question_id``, ``category``, ``turns``); the first turn is the prompt,
+    or with ``suffix`` the code before a fill-in-the-middle gap.
 
     ``path``: one source (``prompts_path``) or several joined by ``+`` (``coding+spec-bench``:
     the 20 coding prompts, then Spec-Bench's questions), read in that order.
@@ -86,7 +91,7 @@ def _load_one(path: str, categories: list[str] | None, limit: int | None, per_ca
             if limit is not None and per_cat.get(cat, 0) >= limit:
                 continue
             per_cat[cat] = per_cat.get(cat, 0) + 1
-            prompts.append(BenchPrompt(str(row.get("question_id", lineno)), cat, turns[0]))
+            prompts.append(BenchPrompt(str(row.get("question_id", lineno)), cat, turns[0], row.get("suffix")))
     return prompts
 
 

@@ -37,6 +37,7 @@ from specserve.bench.options import (
     parse_configs,
     parse_list,
 )
+from specserve.entrypoints.fill_in_middle import fim_prompt, fim_tokens
 
 # What tests and peers imported from this module before it was split stays importable here.
 __all__ = ["ALL", "METHODS", "BenchOptions", "BenchPrompt", "Config", "GroupResult", "SpecserveEngine", "Tally",
@@ -165,7 +166,11 @@ def prompt_token_ids(tok, text: str) -> list[int]:
 def _run(opts: BenchOptions, prompts: list[BenchPrompt], engines: list, machine: dict, started) -> dict:
     tok = engines[0].tokenizer()
     for p in prompts:
-        p.token_ids = prompt_token_ids(tok, p.text)
+        if p.suffix is not None:   # fill in the middle, ended by the model's end-of-middle tokens
+            p.token_ids = fim_prompt(tok, p.text, p.suffix)
+            p.stop_token_ids = list(fim_tokens(tok).ends)
+        else:
+            p.token_ids = prompt_token_ids(tok, p.text)
     categories = list(OrderedDict.fromkeys(p.category for p in prompts))
     by_cat = {c: [p for p in prompts if p.category == c] for c in categories}
     names = [e.name for e in engines]

@@ -50,6 +50,9 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
     Suite("draft-trees", "spec_bench", "Draft trees against chains: Qwen2.5-Coder-1.5B with its 0.5B draft proposing "
           "trees (top-k and sampled children) and chains of 3 to 5, on coding prompts and Spec-Bench's coding, qa and "
           "writing", "specserve bench draft-trees"),
+    Suite("fill-in-middle", "spec_bench", "Fill in the middle: Qwen2.5-Coder-1.5B writing the code between a prefix "
+          "and a suffix (12 Python tasks), plain against n-gram and its 0.5B draft",
+          "specserve bench fill-in-middle"),
     Suite("gpu", "spec_bench", "On a GPU: plain, n-gram and EAGLE against transformers",
           "specserve bench gpu"),
     Suite("gpu-steps", "forward_rows", "On a GPU: decode, verification and draft steps of published shapes (random "
