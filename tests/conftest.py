@@ -109,6 +109,18 @@ def tiny_draft_dir(tmp_path_factory, default_model_tokenizer) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_fim_dir(tmp_path_factory, default_model_tokenizer) -> str:
+    """A tiny random Llama whose tokenizer (the default model's) has Qwen2.5-Coder's
+    fill-in-the-middle markers added: the fill-in-the-middle tests' model."""
+    import copy
+
+    tok = copy.deepcopy(default_model_tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
+                                                          "<|fim_pad|>", "<|file_sep|>"]})
+    return share_folder(write_tiny_llama(str(tmp_path_factory.mktemp("tiny-fim")), seed=1, tokenizer=tok))
+
+
+@pytest.fixture(scope="session")
 def tiny_eagle_dir(tmp_path_factory, tiny_llama_dir) -> str:
     """An EAGLE head made from ``tiny_llama_dir``'s last layer (tiny_models.write_tiny_eagle)."""
     return share_folder(write_tiny_eagle(str(tmp_path_factory.mktemp("tiny-eagle")), tiny_llama_dir))

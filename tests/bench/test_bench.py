@@ -302,3 +302,31 @@ def test_build_engines_closes_what_it_built_when_memory_would_run_out(monkeypatc
     with pytest.raises(MemoryError, match="ngram:3, ngram:4 would need about 20.0 GiB"):
         runner.build_engines(opts)
     assert built == ["plain", "ngram:2"] and closed == built
+
+
+def test_fill_in_middle_tasks(tiny_fim_dir, tmp_path):
+    """The shipped infill tasks load with their suffixes; the runner builds their prompts with the
+    model's markers and ends their answers at its end-of-middle tokens (--stop-at-eos)."""
+    import datetime
+
+    from specserve.bench.options import BenchOptions
+    from specserve.bench.runner import _run, build_engines
+    from specserve.entrypoints.fill_in_middle import fim_prompt, fim_tokens
+
+    tasks = load_prompts("fill-in-middle")
+    assert len(tasks) == 12 and all(t.suffix for t in tasks)
+    opts = BenchOptions(model=tiny_fim_dir, dtype="float32", configs=parse_configs("plain,ngram:3"), max_tokens=4,
+                        stop_at_eos=True, kv_cache_memory=8 << 20, max_model_len=512, prompts_path="fill-in-middle",
+                        limit=1)
+    prompts = load_prompts(opts.prompts_path, None, opts.limit)
+    engines = build_engines(opts)
+    try:
+        doc = _run(opts, prompts, engines, {}, datetime.datetime.now(datetime.timezone.utc))
+    finally:
+        for e in engines:
+            e.close()
+    tok = engines[0].tokenizer()
+    assert prompts[0].token_ids == fim_prompt(tok, prompts[0].text, prompts[0].suffix)
+    assert prompts[0].stop_token_ids == list(fim_tokens(tok).ends)
+    same = {x["config"]: x for x in doc["identical_to_plain"]}
+    assert same["ngram:3"]["identical"] == same["ngram:3"]["requests"] == 3    # one task per category

@@ -1,7 +1,8 @@
 """Fill in the middle (``suffix`` on /v1/completions, ``generate --suffix``): the prompt is the
 model's prefix-suffix-middle order built from the markers' ids (marker text in the user's code
 stays text), the middle ends at the model's end-of-middle tokens, and a model without the
-markers is a clear 400. A tiny random model whose tokenizer has Qwen2.5-Coder's markers added."""
+markers is a clear 400. A tiny random model whose tokenizer has Qwen2.5-Coder's markers added
+(conftest's tiny_fim_dir)."""
 from __future__ import annotations
 
 import pytest
@@ -12,26 +13,15 @@ from specserve.entrypoints.fill_in_middle import fim_params, fim_prompt, fim_tok
 from specserve.entrypoints.openai.api_server import build_app
 
 from server_util import local_http, running_server
-from tiny_models import write_tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-MARKERS = ["<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|file_sep|>"]
 PREFIX, SUFFIX = "def add(a, b):\n    ", "\n\nprint(add(1, 2))\n"
 
 
 @pytest.fixture(scope="module")
-def fim_dir(tmp_path_factory, default_model_tokenizer):
-    import copy
-
-    tok = copy.deepcopy(default_model_tokenizer)
-    tok.add_special_tokens({"additional_special_tokens": MARKERS})
-    return write_tiny_llama(str(tmp_path_factory.mktemp("tiny-fim")), seed=1, tokenizer=tok)
-
-
-@pytest.fixture(scope="module")
-def llm(fim_dir):
-    return LLM(model=fim_dir, dtype="float32", max_model_len=256, kv_cache_memory=8 << 20,
+def llm(tiny_fim_dir):
+    return LLM(model=tiny_fim_dir, dtype="float32", max_model_len=256, kv_cache_memory=8 << 20,
                speculative_config={"method": "ngram", "num_speculative_tokens": 3})
 
 
@@ -50,11 +40,11 @@ def test_the_prompt_is_prefix_suffix_middle_by_the_markers_ids(llm, default_mode
         fim_prompt(default_model_tokenizer, "a", "b")
 
 
-def test_the_server_fills_the_middle(llm, fim_dir):
+def test_the_server_fills_the_middle(llm, tiny_fim_dir):
     tok = llm.get_tokenizer()
     params = fim_params(tok, SamplingParams(temperature=0, max_tokens=12))
     want = llm.generate(fim_prompt(tok, PREFIX, SUFFIX), params, use_tqdm=False)[0].outputs[0]
-    served = LLM(model=fim_dir, dtype="float32", max_model_len=256, kv_cache_memory=8 << 20)
+    served = LLM(model=tiny_fim_dir, dtype="float32", max_model_len=256, kv_cache_memory=8 << 20)
     with running_server(build_app(served, "tiny")) as url:
         body = {"model": "tiny", "prompt": PREFIX, "suffix": SUFFIX, "max_tokens": 12, "temperature": 0}
         r = local_http.post(f"{url}/v1/completions", json=body, timeout=60)
@@ -66,9 +56,9 @@ def test_the_server_fills_the_middle(llm, fim_dir):
             assert r.status_code == 400, r.text
 
 
-def test_generate_suffix(fim_dir, capsys):
-    assert main(["generate", PREFIX, "--suffix", SUFFIX, "--model", fim_dir, "--dtype", "float32", "--max-tokens", "4",
+def test_generate_suffix(tiny_fim_dir, capsys):
+    assert main(["generate", PREFIX, "--suffix", SUFFIX, "--model", tiny_fim_dir, "--dtype", "float32", "--max-tokens", "4",
                  "--kv-cache-memory", str(8 << 20), "--json"]) == 0
     assert '"token_ids"' in capsys.readouterr().out
     with pytest.raises(SystemExit, match="cannot go with --chat"):
-        main(["generate", PREFIX, "--suffix", SUFFIX, "--chat", "--model", fim_dir])
+        main(["generate", PREFIX, "--suffix", SUFFIX, "--chat", "--model", tiny_fim_dir])
