@@ -12,6 +12,8 @@ import torch
 from specserve import LLM, SamplingParams
 from specserve.core import scheduler
 
+from proposer_specs import PROPOSERS, proposer_config
+
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PROMPT = [(37 * i + 11) % 5000 + 100 for i in range(45)]   # 45 tokens: two full blocks of 16 and a partial one
@@ -104,25 +106,16 @@ def test_a_cached_prompt_is_computed_again_for_its_logprobs_and_its_samples_shar
     assert llm.engine.kv_cache.num_used_blocks() == 0
 
 
-SPECS = {
-    "ngram": lambda dirs: {"method": "ngram", "num_speculative_tokens": 3},
-    "draft_model": lambda dirs: {"method": "draft_model", "model": dirs["draft"], "num_speculative_tokens": 3},
-    "draft_tree": lambda dirs: {"method": "draft_model", "model": dirs["draft"], "num_speculative_tokens": 3,
-                                "tree": "2/5"},
-    "eagle": lambda dirs: {"method": "eagle", "model": dirs["eagle"], "num_speculative_tokens": 3},
-}
-
-
-@pytest.mark.parametrize("spec", list(SPECS))
+@pytest.mark.parametrize("spec", PROPOSERS)
 def test_speculation_gives_plain_entries_and_tokens(tiny_llama_dir, tiny_draft_dir, tiny_eagle_dir, plain, spec):
-    llm = make(tiny_llama_dir, speculative_config=SPECS[spec]({"draft": tiny_draft_dir, "eagle": tiny_eagle_dir}))
+    llm = make(tiny_llama_dir, speculative_config=proposer_config(spec, tiny_draft_dir, tiny_eagle_dir))
     params = SamplingParams(temperature=0, max_tokens=12, prompt_logprobs=2, logprobs=1)
     prompts = [PROMPT, PROMPT[:17], PROMPT[5:30]]     # 17: one prompt token left after a block (a drafted first token)
     got, want = llm.generate(prompts, params, use_tqdm=False), plain.generate(prompts, params, use_tqdm=False)
     for g, w in zip(got, want):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
-        assert chosen(g.prompt_logprobs, g.prompt_token_ids) == pytest.approx(chosen(w.prompt_logprobs, w.prompt_token_ids),
-                                                                              abs=1e-5)
+        assert chosen(g.prompt_logprobs, g.prompt_token_ids) == pytest.approx(
+            chosen(w.prompt_logprobs, w.prompt_token_ids), abs=1e-5)
 
 
 def test_a_preempted_request_keeps_one_entry_per_prompt_token(tiny_llama_dir, plain):

@@ -6,29 +6,20 @@ from __future__ import annotations
 
 import pytest
 
-from specserve import LLM, SamplingParams
+from specserve import SamplingParams
 from specserve.sampling_params import StructuredOutput
+
+from proposer_specs import PROPOSERS, proposer_config, tiny_engine
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PROMPT = [(53 * i + 9) % 3000 + 200 for i in range(20)]
 ALLOWED = [300, 301, 302, 303, 304, 2000, 4000]
-SPECS = {
-    "ngram": lambda d: {"method": "ngram", "num_speculative_tokens": 3},
-    "draft_model": lambda d: {"method": "draft_model", "model": d["draft"], "num_speculative_tokens": 3},
-    "draft_tree": lambda d: {"method": "draft_model", "model": d["draft"], "num_speculative_tokens": 3, "tree": "2/5"},
-    "eagle": lambda d: {"method": "eagle", "model": d["eagle"], "num_speculative_tokens": 3},
-}
-
-
-def make(model_dir, spec=None) -> LLM:
-    extra = {"speculative_config": spec} if spec else {}
-    return LLM(model=model_dir, dtype="float32", max_model_len=128, kv_cache_memory=8 << 20, **extra)
 
 
 @pytest.fixture(scope="module")
 def plain(tiny_llama_dir):
-    return make(tiny_llama_dir)
+    return tiny_engine(tiny_llama_dir)
 
 
 def tokens(llm, **kw) -> list[int]:
@@ -44,9 +35,9 @@ def test_every_token_is_an_allowed_one(plain):
     assert len(set(tokens(plain, temperature=1.0, seed=5, allowed_token_ids=ALLOWED))) > 1
 
 
-@pytest.mark.parametrize("spec", list(SPECS))
+@pytest.mark.parametrize("spec", PROPOSERS)
 def test_speculation_gives_plain_tokens(tiny_llama_dir, tiny_draft_dir, tiny_eagle_dir, plain, spec):
-    llm = make(tiny_llama_dir, SPECS[spec]({"draft": tiny_draft_dir, "eagle": tiny_eagle_dir}))
+    llm = tiny_engine(tiny_llama_dir, proposer_config(spec, tiny_draft_dir, tiny_eagle_dir))
     for kw in (dict(temperature=0), dict(temperature=1.0, seed=8)):
         assert tokens(llm, allowed_token_ids=ALLOWED, **kw) == tokens(plain, allowed_token_ids=ALLOWED, **kw)
 

@@ -7,18 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve import LLM, SamplingParams
+from specserve import SamplingParams
 from specserve.sample.penalties import adjust_logits, bad_words_token_ids
+
+from proposer_specs import PROPOSERS, proposer_config, tiny_engine
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PROMPT = [(61 * i + 5) % 3000 + 200 for i in range(20)]
-SPECS = {
-    "ngram": lambda d: {"method": "ngram", "num_speculative_tokens": 3},
-    "draft_model": lambda d: {"method": "draft_model", "model": d["draft"], "num_speculative_tokens": 3},
-    "draft_tree": lambda d: {"method": "draft_model", "model": d["draft"], "num_speculative_tokens": 3, "tree": "2/5"},
-    "eagle": lambda d: {"method": "eagle", "model": d["eagle"], "num_speculative_tokens": 3},
-}
 
 
 def test_a_rows_ban_follows_the_tokens_before_it():
@@ -40,14 +36,9 @@ def test_words_become_token_sequences_with_and_without_a_space(default_model_tok
     assert tok.encode("Paris", add_special_tokens=False) in ids and tok.encode(" Paris", add_special_tokens=False) in ids
 
 
-def make(model_dir, spec=None) -> LLM:
-    extra = {"speculative_config": spec} if spec else {}
-    return LLM(model=model_dir, dtype="float32", max_model_len=128, kv_cache_memory=8 << 20, **extra)
-
-
 @pytest.fixture(scope="module")
 def plain(tiny_llama_dir):
-    return make(tiny_llama_dir)
+    return tiny_engine(tiny_llama_dir)
 
 
 def answer(llm, **kw) -> list[int]:
@@ -79,9 +70,9 @@ def test_the_output_holds_no_bad_word(plain):
     assert answer(plain, temperature=0, bad_words=words) != free
 
 
-@pytest.mark.parametrize("spec", list(SPECS))
+@pytest.mark.parametrize("spec", PROPOSERS)
 def test_speculation_gives_plain_tokens(tiny_llama_dir, tiny_draft_dir, tiny_eagle_dir, plain, spec):
-    llm = make(tiny_llama_dir, SPECS[spec]({"draft": tiny_draft_dir, "eagle": tiny_eagle_dir}))
+    llm = tiny_engine(tiny_llama_dir, proposer_config(spec, tiny_draft_dir, tiny_eagle_dir))
     words, _ = words_from(plain, answer(plain, temperature=0))
     for kw in (dict(temperature=0), dict(temperature=1.0, seed=8)):
         assert answer(llm, bad_words=words, **kw) == answer(plain, bad_words=words, **kw)

@@ -6,28 +6,19 @@ from __future__ import annotations
 
 import pytest
 
-from specserve import LLM, SamplingParams
+from specserve import SamplingParams
 from specserve.sampling_params import StructuredOutput
+
+from proposer_specs import PROPOSERS, proposer_config, tiny_engine
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PROMPT = [(41 * i + 3) % 3000 + 200 for i in range(20)]
-SPECS = {
-    "ngram": lambda d: {"method": "ngram", "num_speculative_tokens": 3},
-    "draft_model": lambda d: {"method": "draft_model", "model": d["draft"], "num_speculative_tokens": 3},
-    "draft_tree": lambda d: {"method": "draft_model", "model": d["draft"], "num_speculative_tokens": 3, "tree": "2/5"},
-    "eagle": lambda d: {"method": "eagle", "model": d["eagle"], "num_speculative_tokens": 3},
-}
-
-
-def make(model_dir, spec=None) -> LLM:
-    extra = {"speculative_config": spec} if spec else {}
-    return LLM(model=model_dir, dtype="float32", max_model_len=128, kv_cache_memory=8 << 20, **extra)
 
 
 @pytest.fixture(scope="module")
 def plain(tiny_llama_dir):
-    return make(tiny_llama_dir)
+    return tiny_engine(tiny_llama_dir)
 
 
 def eos_of(llm) -> int:
@@ -61,9 +52,9 @@ def test_stop_strings_wait_for_min_tokens(plain):
     assert len(run(plain, temperature=0, stop=[stop], min_tokens=5).token_ids) >= 5
 
 
-@pytest.mark.parametrize("spec", list(SPECS))
+@pytest.mark.parametrize("spec", PROPOSERS)
 def test_speculation_gives_plain_tokens(tiny_llama_dir, tiny_draft_dir, tiny_eagle_dir, plain, spec):
-    llm = make(tiny_llama_dir, SPECS[spec]({"draft": tiny_draft_dir, "eagle": tiny_eagle_dir}))
+    llm = tiny_engine(tiny_llama_dir, proposer_config(spec, tiny_draft_dir, tiny_eagle_dir))
     eos = eos_of(plain)
     cases = [dict(temperature=0, logit_bias={eos: 9.0}, min_tokens=7),
              dict(temperature=1.0, seed=11, logit_bias={eos: 6.0}, min_tokens=5),
