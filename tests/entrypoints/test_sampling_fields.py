@@ -129,6 +129,20 @@ def test_allowed_token_ids_bad_words_and_include_stop_str_in_output_reach_the_en
                                bad_words=[word])
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(base_url):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with local_http.stream("POST", f"{base_url}/v1/completions", json=body, timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert all(c["usage"]["prompt_tokens"] == len(PROMPT) for c in chunks)
+    assert counts == sorted(counts) and counts[-1] == 6 and counts[0] < 6
+    with local_http.stream("POST", f"{base_url}/v1/completions", timeout=60,
+                           json=dict(body, stream_options={"include_usage": True})) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert [c["usage"] is None for c in chunks] == [True] * (len(chunks) - 1) + [False]
+
+
 def test_truncate_prompt_tokens_reaches_the_engine(base_url, ref_llm):
     long = [(71 * i + 13) % 3000 + 200 for i in range(300)]    # longer than the context (256)
     body = {"model": MODEL, "prompt": long, "max_tokens": 4, "temperature": 0.0}

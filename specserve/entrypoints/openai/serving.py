@@ -284,10 +284,13 @@ class OpenAIServing:
         parsers = ([ToolCallStream(tool_names(request)) for _ in choices]
                    if chat and tool_calls.mode(request) else None)
 
-        def chunk(choice_list: list[dict], usage: Any = None, with_usage: bool = False) -> str:
+        # vLLM's continuous_usage_stats: every chunk carries the usage so far, not only the last
+        continuous = include_usage and bool(request.stream_options.continuous_usage_stats)
+
+        def chunk(choice_list: list[dict], final_usage: Any = None, with_usage: bool = False) -> str:
             body = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choice_list}
             if include_usage:
-                body["usage"] = usage if with_usage else None
+                body["usage"] = final_usage if with_usage else usage(choices) if continuous else None
             return sse(body)
 
         m.running.labels(ln).inc(len(streams))
