@@ -271,6 +271,8 @@ class LLMEngine:
                            logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The step's logits [sum num_logits, V] -> (the sampling rows, in request order, and
         {request id: [count, V] prompt rows} of the requests collecting prompt logprobs)."""
+        if not any(s.request.needs_prompt_logprobs for s in scheduled):   # the usual step: nothing to set aside
+            return logits, {}
         prompt_logits, keep, row, leads = {}, [], 0, False
         for s, inp, start in zip(scheduled, inputs, starts):
             lead, count = prompt_rows(s.request, start, s.num_new_tokens, s.will_sample)

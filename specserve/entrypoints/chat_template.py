@@ -28,10 +28,12 @@ class ChatTemplateError(ValueError):
 
 def render_chat(tokenizer, conversation: list[dict], add_generation_prompt: bool = True,
                 continue_final_message: bool = False, tools: list[dict] | None = None,
-                template_kwargs: dict[str, Any] | None = None) -> str:
-    """The conversation's prompt text; ChatTemplateError for what the template cannot take."""
+                template_kwargs: dict[str, Any] | None = None, model_name: str | None = None) -> str:
+    """The conversation's prompt text; ChatTemplateError for what the template cannot take
+    (``model_name`` names the model in the message when it has no template)."""
     if not getattr(tokenizer, "chat_template", None):
-        raise ChatTemplateError("the model has no chat template", "messages")
+        raise ChatTemplateError(f"the model {model_name!r} has no chat template; send a plain prompt instead "
+                                "(/v1/completions, LLM.generate)", "messages")
     if continue_final_message:
         if add_generation_prompt:
             raise ChatTemplateError("continue_final_message needs add_generation_prompt false: the answer goes on "

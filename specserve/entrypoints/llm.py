@@ -200,7 +200,7 @@ class LLM:
                             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[int]:
         """The conversation's prompt token ids (ValueError where the template cannot take it)."""
         text = render_chat(self.engine.tokenizer, conversation, add_generation_prompt, continue_final_message,
-                           template_kwargs=chat_template_kwargs)
+                           template_kwargs=chat_template_kwargs, model_name=self.engine.model_name)
         return self.engine.tokenize(text, add_special_tokens=False)   # the template wrote the special tokens
 
     def _run(self, ids: list[str], show_progress: bool) -> list[RequestOutput]:

@@ -79,3 +79,9 @@ def test_the_server_takes_both_options(url, llm):
                         json={"model": MODEL, "messages": CONVERSATION[:1], "max_tokens": 2,
                               "chat_template_kwargs": {"enable_thinking": False}}, timeout=60)
     assert r.status_code == 200, r.text
+
+
+def test_a_model_without_a_chat_template_is_told_to_send_a_plain_prompt(llm, monkeypatch):
+    monkeypatch.setattr(llm.get_tokenizer(), "chat_template", None)
+    with pytest.raises(ValueError, match="has no chat template; send a plain prompt"):
+        llm.chat(CONVERSATION[:1], SamplingParams(max_tokens=2))

@@ -84,12 +84,10 @@ class OpenAIServing:
         """The conversation rendered by the chat template (``entrypoints/chat_template.py``) and
         tokenized as it is (the template wrote the special tokens, so the tokenizer adds none)."""
         tok = self.tokenizer
-        if not getattr(tok, "chat_template", None):
-            raise APIError(400, f"the model {self.model_name!r} has no chat template; use /v1/completions", param="messages")
         conversation, tools = tool_calls.conversation(request, tok)
         try:
             text = render_chat(tok, conversation, request.add_generation_prompt, request.continue_final_message, tools,
-                               request.chat_template_kwargs)
+                               request.chat_template_kwargs, self.model_name)
         except ChatTemplateError as e:
             raise APIError(400, str(e), param=e.param) from None
         return self.engine.tokenize(text, add_special_tokens=False)
