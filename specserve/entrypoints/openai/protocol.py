@@ -235,7 +235,7 @@ class _SamplingFields(StrictModel):
                                 length_penalty=float(self.length_penalty), early_stopping=self.early_stopping)
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                         prompt_logprobs: int | None = None) -> SamplingParams:
+                         prompt_logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             max_tokens=max_tokens,
@@ -259,7 +259,7 @@ class _SamplingFields(StrictModel):
             frequency_penalty=float(self.frequency_penalty or 0.0),
             repetition_penalty=1.0 if self.repetition_penalty is None else float(self.repetition_penalty),
             logit_bias=self.logit_bias,
-            prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
 
@@ -358,8 +358,9 @@ class CompletionRequest(_SamplingFields):
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens must be at least 1 (0 only with echo: the prompt alone)")
         max_tokens = 1 if self.prompt_only else self.max_tokens if self.max_tokens is not None else default_max_tokens
-        prompt_logprobs = self.logprobs if self.echo and self.prompt_logprobs is None else None
-        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs)
+        echoed = self.logprobs if self.echo else None
+        return self._sampling_params(max_tokens, self.logprobs,
+                                     self.prompt_logprobs if self.prompt_logprobs is not None else echoed)
 
 
 class ContentPart(StrictModel):
@@ -441,7 +442,7 @@ class ChatCompletionRequest(_SamplingFields):
     def to_sampling_params(self, default_max_tokens: int | None = None) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
+        return self._sampling_params(max_tokens, logprobs, self.prompt_logprobs)
 
 
 class TokenizeRequest(StrictModel):

@@ -19,20 +19,21 @@ from fastapi.responses import StreamingResponse
 from specserve.outputs import RequestOutput
 
 
-def without_tokens(out: RequestOutput) -> RequestOutput:
-    """``out`` with its completion emptied (echo with max_tokens 0 answers the prompt alone; the
-    engine sampled one token, which is dropped): finish_reason "length" once finished."""
-    c = out.outputs[0]
-    empty = dataclasses.replace(c, text="", token_ids=[], logprobs=None if c.logprobs is None else [],
-                                token_sources=[], finish_reason="length" if c.finish_reason in ("stop", "length") else c.finish_reason,
-                                stop_reason=None)
-    return dataclasses.replace(out, outputs=[empty])
-
 MIN_LOGPROB = -9999.0   # JSON has no -Infinity
 
 
 def clean_logprob(x: float) -> float:
     return x if math.isfinite(x) else MIN_LOGPROB
+
+
+def without_tokens(out: RequestOutput) -> RequestOutput:
+    """``out`` with its completion emptied (echo with max_tokens 0 answers the prompt alone; the
+    engine sampled one token, which is dropped): finish_reason "length" once finished."""
+    c = out.outputs[0]
+    finish = "length" if c.finish_reason in ("stop", "length") else c.finish_reason
+    empty = dataclasses.replace(c, text="", token_ids=[], logprobs=None if c.logprobs is None else [],
+                                token_sources=[], finish_reason=finish, stop_reason=None)
+    return dataclasses.replace(out, outputs=[empty])
 
 
 def hold_back(text: str, stops: list[str]) -> str:
