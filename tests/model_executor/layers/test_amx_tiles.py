@@ -14,7 +14,7 @@ from test_quant_gemm import assert_rows_bitwise_independent, gguf_values, random
 from specserve.model_executor.layers import quant_gemm
 from specserve.model_executor.layers.quantized import QuantizedMatrix, pack_for_tiles
 
-AMX_FORMATS = [T.Q4_K, T.Q4_1, T.Q6_K]
+AMX_FORMATS = [T.Q4_K, T.Q4_1, T.Q5_0, T.Q6_K]
 ARITHMETICS = ["int8", "bf16"]
 
 pytestmark = pytest.mark.skipif(not (quant_gemm.available() and quant_gemm.supports_amx(int(T.Q4_K), 16, 256)),

@@ -24,7 +24,7 @@
  * faster. The C tiles' double buffering below measured no faster than storing each step at once
  * either; it is kept because it costs nothing.
  *
- * Arithmetic (sub-block s of SB values: 32 for Q4_K and Q4_1, 16 for Q6_K; row r):
+ * Arithmetic (sub-block s of SB values: 32 for Q4_K, Q4_1 and Q5_0, 16 for Q6_K; row r):
  *   - pieces: c_0 = x; for i = 0, 1, 2: d_i = max|c_i| / 127 over the sub-block, p_i =
  *     round(c_i / d_i) (int8), c_{i+1} = c_i - d_i p_i. So x = sum_i d_i p_i + c_3 with
  *     |c_3| <= max|x| / (2 * 127 * 254 * 254) < 2^-24 max|x|: float32's precision for the
@@ -105,6 +105,12 @@ static inline void amx_i8_unpack_unit(int qtype, const uint8_t *p, uint8_t *b) {
             _mm512_store_si512(b + 64 * j, _mm512_shuffle_epi8(_mm512_loadu_si512(p + 96 + 64 * j), quads));
         return;
     }
+    if (qtype == Q5_0) {   /* 5-bit codes, one a byte, then ordered as the nibbles below */
+        for (int j = 0; j < 8; j++)
+            for (int h = 0; h < 2; h++)
+                _mm512_store_si512(b + 512 * h + 64 * j, _mm512_shuffle_epi8(amx_nibble_bytes(qtype, p, j, h), quads));
+        return;
+    }
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     for (int j = 0; j < 8; j++) {   /* low nibbles: sub-block 0, high: sub-block 1 */
         const __m512i v = _mm512_shuffle_epi8(_mm512_loadu_si512(p + 128 + 64 * j), quads);
@@ -154,7 +160,7 @@ static inline void amx_i8_step_store(int parity, int32_t *c) {   /* c [2][16][16
 }
 
 /* The 16 outputs of group g for R rows of a pass (amx_i8_split_rows's xa, xd, S or P): acc[r]
- * over every sub-block, in order. Work goes in steps of two sub-blocks (a unit of Q4_K or Q4_1,
+ * over every sub-block, in order. Work goes in steps of two sub-blocks (a unit of Q4_K, Q4_1 or Q5_0,
  * half a unit of Q6_K); a step's tile sums are stored one step later, when the multiplies are
  * done, so the tiles never wait for each other's latency, and its float work follows. */
 static void amx_i8_group_rows(int qtype, const uint8_t *gp, int64_t in, const int8_t *xa, const float *xd,

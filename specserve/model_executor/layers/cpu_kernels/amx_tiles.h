@@ -20,12 +20,13 @@
  *   - every product q * p is exact in float32, and the tile sums them in float32;
  *   - per sub-block s of SB values (one scale a_s, one offset m_s in the format), with
  *     D = sum q * x over the sub-block and S = sum x over it. D comes from the tiles: Q6_K's
- *     three tile multiplies, one a piece, sum into one C tile; Q4_K's and Q4_1's pieces are three
+ *     three tile multiplies, one a piece, sum into one C tile; Q4_K's, Q4_1's and Q5_0's pieces are three
  *     A rows of one multiply, each piece's sum in its own C row, and D = (D_3 + D_2) + D_1 in
  *     float32 (amx_group_pieces: a third of the tile multiplies of a decode step). Then
  *       out[r, o] = sum over s, in order, of  a_s * D  then  + m_s * S
  *     which is sum_k w_k * x_k for w = a_s * q + m_s, exactly ggml's dequantized value
- *     (Q4_K: a = d * scale, m = -dmin * min; Q4_1: a = d, m = m; Q6_K: a = d * scale, q - 32).
+ *     (Q4_K: a = d * scale, m = -dmin * min; Q4_1: a = d, m = m; Q5_0: a = d, m = -16 d, both
+ *     exact; Q6_K: a = d * scale, q - 32).
  * So the model computed is the file's, at float32 precision; the rounding differs from the
  * AVX-512 path's (another order of sums), so a matrix uses one path for every row count.
  *
@@ -43,8 +44,12 @@
  * byte by byte in 64 bytes (amx_code_byte). Unit layouts (bytes):
  *   Q4_K  640: d[16] f16 | dmin[16] f16 | scale[2][16] u8 | min[2][16] u8 | nibbles[16][32]
  *   Q4_1  640: d[2][16] f16 | m[2][16] f16 | nibbles[16][32]
+ *   Q5_0  704: d[2][16] f16 | fifth[8][2] u64 | nibbles[16][32]
  *   Q6_K 1120: d[16] f16 | scale[4][16] i8 | quants[4][8][32] u8 (one byte each: 6 bits unpack too slowly)
- * (5.0, 5.0 and 8.75 bits a weight against the file's 4.5, 5.0 and 6.56.)
+ * (5.0, 5.0, 5.5 and 8.75 bits a weight against the file's 4.5, 5.0, 5.5 and 6.56.) Q5_0's codes
+ * are 5 bits: the low four as Q4_1's nibbles, the fifth in bit masks laid over the nibble bytes
+ * (fifth[c][h], bit b: the code in byte b of the c-th 64 nibble bytes, sub-block h), which
+ * one masked move per 64 bytes turns into bit 4 of those bytes (amx_nibble_bytes).
  */
 #ifndef SPECSERVE_AMX_TILES_H
 #define SPECSERVE_AMX_TILES_H
@@ -82,12 +87,16 @@ static int amx_usable(void) {
 static inline int amx_unit_bytes(int qtype) {
     switch (qtype) {
     case Q4_K: case Q4_1: return 640;
+    case Q5_0: return 704;
     case Q6_K: return 1120;
     default: return 0;
     }
 }
 
 static inline int amx_sub_block(int qtype) { return qtype == Q6_K ? 16 : 32; }   /* values a scale */
+
+/* Where a unit's nibble bytes start (Q4_K, Q4_1, Q5_0), after its scales (and Q5_0's fifth bits). */
+static inline int amx_nibbles_at(int qtype) { return qtype == Q5_0 ? 192 : 128; }
 
 __attribute__((unused)) static int amx_supported(int qtype, int64_t out, int64_t in) {
     return amx_unit_bytes(qtype) && out % 16 == 0 && in % qblock_elems(qtype) == 0 && in % AMX_UNIT_K == 0 &&
@@ -107,10 +116,20 @@ static inline int amx_code_byte(int row, int w) { return 64 * (row / 2) + 2 * w 
 
 /* ---- packing (at load; plain C, run once) ---- */
 
-/* The quants (unsigned codes: 0..15 or 0..63) of one weight row's inputs [k0, k0 + 64), as
+/* The quants (unsigned codes: 0..15, 0..31 or 0..63) of one weight row's inputs [k0, k0 + 64), as
  * block_<fmt> reads them from the file's block. */
 static void file_codes(int qtype, const uint8_t *row, int64_t k0, uint8_t codes[AMX_UNIT_K]) {
-    if (qtype == Q4_1) {
+    if (qtype == Q5_0) {   /* d, qh (bit j: value j's fifth bit), nibbles as Q4_1's */
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *b = row + (k0 / 32 + h) * 22;
+            uint32_t qh;
+            memcpy(&qh, b + 2, 4);
+            for (int i = 0; i < 16; i++) {
+                codes[32 * h + i] = (uint8_t)((b[6 + i] & 0x0F) | ((qh >> i) & 1) << 4);
+                codes[32 * h + 16 + i] = (uint8_t)((b[6 + i] >> 4) | ((qh >> (i + 16)) & 1) << 4);
+            }
+        }
+    } else if (qtype == Q4_1) {
         for (int h = 0; h < 2; h++) {
             const uint8_t *q = row + (k0 / 32 + h) * 20 + 4;
             for (int i = 0; i < 16; i++) codes[32 * h + i] = q[i] & 0x0F, codes[32 * h + 16 + i] = q[i] >> 4;
@@ -158,6 +177,8 @@ __attribute__((unused)) static void amx_pack(const uint8_t *w, int qtype, int64_
                         const uint8_t *b = row + (k0 / 32 + h) * 20;
                         memcpy(p + 32 * h + 2 * o, b, 2), memcpy(p + 64 + 32 * h + 2 * o, b + 2, 2);
                     }
+                } else if (qtype == Q5_0) {
+                    for (int h = 0; h < 2; h++) memcpy(p + 32 * h + 2 * o, row + (k0 / 32 + h) * 22, 2);
                 } else { /* Q6_K */
                     const uint8_t *b = row + (k0 / 256) * 210;
                     memcpy(p + 2 * o, b + 208, 2);
@@ -174,10 +195,17 @@ __attribute__((unused)) static void amx_pack(const uint8_t *w, int qtype, int64_
                     }
                 else                 /* inputs kk and kk + 32 share a byte: low and high nibble */
                     for (int c = 0; c < 8; c++) {
-                        uint8_t *q = p + 128 + amx_code_byte(2 * c, 2 * o);
+                        uint8_t *q = p + amx_nibbles_at(qtype) + amx_code_byte(2 * c, 2 * o);
                         for (int i = 0; i < 4; i++) {
                             const int kk = 4 * c + (i % 2) * 2 + i / 2;
-                            q[i] = (uint8_t)(codes[kk] | codes[32 + kk] << 4);
+                            q[i] = (uint8_t)((codes[kk] & 0x0F) | (codes[32 + kk] & 0x0F) << 4);
+                            if (qtype == Q5_0)   /* byte 4 o + i of the c-th 64 */
+                                for (int h = 0; h < 2; h++) {
+                                    uint64_t mask;
+                                    memcpy(&mask, p + 64 + 16 * c + 8 * h, 8);
+                                    mask |= (uint64_t)(codes[32 * h + kk] >> 4) << (4 * o + i);
+                                    memcpy(p + 64 + 16 * c + 8 * h, &mask, 8);
+                                }
                         }
                     }
             }
@@ -201,8 +229,14 @@ __attribute__((unused)) static void amx_dequantize(const uint8_t *packed, int qt
                     const int sub = kk / 16, q = p[96 + amx_code_byte(kk / 2, w)];
                     y[kk] = (float)(q - 32) * (half_at(p + 2 * o) * (float)(int8_t)p[32 + 16 * sub + o]);
                 } else {
-                    const int hi = kk / 32, q = (p[128 + amx_code_byte((kk % 32) / 2, w)] >> (4 * hi)) & 0x0F;
-                    if (qtype == Q4_K) {
+                    const int hi = kk / 32, byte = amx_code_byte((kk % 32) / 2, w);
+                    int q = (p[amx_nibbles_at(qtype) + byte] >> (4 * hi)) & 0x0F;
+                    if (qtype == Q5_0) {
+                        uint64_t mask;
+                        memcpy(&mask, p + 64 + 16 * (byte / 64) + 8 * hi, 8);
+                        q |= (int)((mask >> (byte % 64)) & 1) << 4;
+                        y[kk] = (float)(q - 16) * half_at(p + 32 * hi + 2 * o);
+                    } else if (qtype == Q4_K) {
                         const float d1 = half_at(p + 2 * o) * (float)p[64 + 16 * hi + o];
                         const float m1 = half_at(p + 32 + 2 * o) * (float)p[96 + 16 * hi + o];
                         y[kk] = (float)q * d1 - m1;
@@ -224,7 +258,7 @@ typedef struct {
 } amx_tile_config;
 
 /* Lanes: how many sub-blocks one tile multiply takes, each in its own A rows. A tile multiply
- * covers at most 32 input values (one B tile: 16 pair rows); Q4_K's and Q4_1's 32-value sub-block
+ * covers at most 32 input values (one B tile: 16 pair rows); Q4_K's, Q4_1's and Q5_0's 32-value sub-block
  * fills it (1 lane). Q6_K's 16-value sub-blocks go two to a multiply for a pass of up to 8 rows
  * (2 lanes): A row 2 r + l holds row r's values of the step's sub-block l and zeros in the
  * other's place, so C rows 2 r and 2 r + 1 are the two sub-blocks' sums, for half the tile
@@ -260,6 +294,17 @@ static inline __m512i bf16_table(int first, int period) {
     return _mm512_load_si512(t);
 }
 
+/* Sub-block h's codes in the c-th 64 nibble bytes of a packed unit, one a byte (the nibble, and
+ * for Q5_0 the fifth bit from its mask as bit 4): both tile arithmetics unpack Q5_0 through it. */
+static inline __m512i amx_nibble_bytes(int qtype, const uint8_t *p, int c, int h) {
+    const __m512i v = _mm512_loadu_si512(p + amx_nibbles_at(qtype) + 64 * c);
+    const __m512i nib = _mm512_and_si512(h ? _mm512_srli_epi16(v, 4) : v, _mm512_set1_epi8(0x0F));
+    if (qtype != Q5_0) return nib;
+    uint64_t mask;
+    memcpy(&mask, p + 64 + 16 * c + 8 * h, 8);
+    return _mm512_or_si512(nib, _mm512_maskz_mov_epi8(_cvtu64_mask64(mask), _mm512_set1_epi8(0x10)));
+}
+
 /* One packed unit's quants -> its B tiles as bfloat16, 2048 bytes: [sub-block][SB / 2][32]. Each
  * 64-byte load is 32 words holding two pair rows' quants (amx_code_byte), which a word permute
  * reads through its index's low bits: the low byte's (shift 0), or the high byte's (shift 8);
@@ -272,6 +317,16 @@ static inline void amx_unpack_unit(int qtype, const uint8_t *p, uint16_t *b) {
             _mm512_store_si512(b + 2 * c * 32, _mm512_permutex2var_epi16(lo, v, hi));
             _mm512_store_si512(b + (2 * c + 1) * 32, _mm512_permutex2var_epi16(lo, _mm512_srli_epi16(v, 8), hi));
         }
+        return;
+    }
+    if (qtype == Q5_0) {   /* 5-bit codes in bytes (amx_nibble_bytes), a word permute per pair row */
+        const __m512i tab = bf16_table(0, 32);
+        for (int c = 0; c < 8; c++)
+            for (int h = 0; h < 2; h++) {   /* sub-block h's tile: pair rows 2 c (low bytes), 2 c + 1 */
+                const __m512i v = amx_nibble_bytes(qtype, p, c, h);
+                _mm512_store_si512(b + 512 * h + 2 * c * 32, _mm512_permutexvar_epi16(v, tab));
+                _mm512_store_si512(b + 512 * h + (2 * c + 1) * 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 8), tab));
+            }
         return;
     }
     const __m512i tab = bf16_table(0, 16);
@@ -308,6 +363,9 @@ static inline void amx_unit_scales(int qtype, const uint8_t *p, int h, __m512 *a
     } else if (qtype == Q4_1) {
         *a = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32 * h)));
         *m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 64 + 32 * h)));
+    } else if (qtype == Q5_0) {   /* w = d (q - 16) = d q + (-16 d); -16 d is exact */
+        *a = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32 * h)));
+        *m = _mm512_mul_ps(*a, _mm512_set1_ps(-16.0f));
     } else {
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
         *a = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 32 + 16 * h)))));
@@ -423,7 +481,7 @@ static void amx_group_rows(int qtype, int L, const uint8_t *gp, int64_t in, cons
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * ldo, acc[r]);
 }
 
-/* ---- per-piece sums (Q4_K, Q4_1) ----
+/* ---- per-piece sums (Q4_K, Q4_1, Q5_0) ----
  * A 32-value sub-block fills a tile multiply, so the 1-lane way above runs three multiplies per
  * sub-block (one a piece) whatever the row count: a 1-row step is bound by them. Here the three
  * pieces of a row are three A ROWS (piece-major: A row i per + r), so one multiply a sub-block
@@ -564,7 +622,7 @@ static uint8_t *amx_scratch_for(int64_t len) {
 
 /* out = x @ w.T (+ bias), w packed by amx_pack; called by every thread of an enclosing parallel
  * region (an orphaned omp for over 16-output groups). Rows go in passes as even as can be (Q6_K:
- * up to amx_lanes' 8 or 16 rows; Q4_K and Q4_1: up to AMX_PIECE_ROWS, two to a chunk); a chunk's
+ * up to amx_lanes' 8 or 16 rows; Q4_K, Q4_1 and Q5_0: up to AMX_PIECE_ROWS, two to a chunk); a chunk's
  * rows are one call of amx_group_rows or amx_group_pieces. Returns 0, or -3 when scratch memory
  * could not be allocated (out is then incomplete). */
 static int amx_gemm_team(const float *x, int64_t ldx, int64_t rows, const uint8_t *w, int qtype, int64_t out_features,
