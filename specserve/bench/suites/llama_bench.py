@@ -1,4 +1,5 @@
-"""Plain decoding: specserve against llama.cpp's ``llama-bench`` on the same GGUF file and threads.
+"""Plain decoding and prompt processing: specserve against llama.cpp's ``llama-bench`` on the same GGUF
+file and threads.
 
 llama.cpp is a peer measured from outside (its own ``llama-bench``, built by
 ``../shared/peers/build-llamacpp.sh``), never imported. Each round runs ``llama-bench -p 0 -n N``
@@ -6,6 +7,9 @@ llama.cpp is a peer measured from outside (its own ``llama-bench``, built by
 one-token prompt at batch 1, greedy, timed after the first token (prefill counted on neither side);
 rounds rotate who goes first, so a noisy machine slows both alike. Reported: each engine's median
 decode tok/s, the ratio, specserve's load time, resident memory after load and peak memory.
+With ``--prompt-tokens P`` (512, llama-bench's own default; 0 skips it) each round also times a
+P-token prompt: ``llama-bench -p P -n 0`` against specserve's prefill of P random token ids (new
+ones each round, so the prefix cache never helps) up to its first token, as prompt tok/s.
 ``--int8-activations off,on`` (or piece counts 2-4) measures specserve's activation variants in the
 same rounds.
 """
@@ -26,6 +30,8 @@ def add_arguments(p) -> None:
     p.add_argument("--llama-bin", default=DEFAULT_LLAMA_BIN, help="folder with llama.cpp's llama-bench")
     p.add_argument("--models", default="default", help="comma-separated .gguf paths or catalog names ('default')")
     p.add_argument("--tokens", type=int, default=128, help="tokens decoded per round")
+    p.add_argument("--prompt-tokens", type=int, default=512,
+                   help="also time a prompt of this many tokens (prompt processing); 0: decoding only")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2, help="threads of both engines")
     p.add_argument("--dtype", default="auto")
@@ -42,9 +48,11 @@ def proc_status(field: str) -> int:
     return 0
 
 
-def llama_bench(binary: str, model: str, tokens: int, threads: int) -> float:
-    """llama.cpp's own decode tok/s (tg test, one repetition)."""
-    out = subprocess.run([binary, "-m", model, "-t", str(threads), "-p", "0", "-n", str(tokens), "-r", "1",
+def llama_bench(binary: str, model: str, tokens: int, threads: int, prompt_tokens: int = 0) -> float:
+    """llama.cpp's own tok/s, one repetition: decoding ``tokens`` (tg test), or with ``prompt_tokens``
+    a prompt of that many tokens in one batch (pp test)."""
+    p, n = (prompt_tokens, 0) if prompt_tokens else (0, tokens)
+    out = subprocess.run([binary, "-m", model, "-t", str(threads), "-p", str(p), "-n", str(n), "-r", "1",
                           "-o", "json"], capture_output=True, text=True, check=True).stdout
     return float(json.loads(out)[0]["avg_ts"])
 
@@ -63,6 +71,22 @@ def specserve_decode(llm, tokens: int) -> float:
         if start is None and produced >= 1:
             start, first = time.perf_counter(), produced
     return (produced - first) / (time.perf_counter() - start)
+
+
+def specserve_prefill(llm, tokens: int, seed: int) -> float:
+    """specserve's prompt tok/s: a prompt of ``tokens`` random ids (drawn from ``seed``, so a new
+    prompt never hits the prefix cache) from its arrival to its first token."""
+    import random
+
+    from specserve import SamplingParams
+
+    engine = llm.engine
+    ids = random.Random(seed).choices(range(engine.vocab_size), k=tokens)
+    start = time.perf_counter()
+    engine.add_request(ids, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    return tokens / (time.perf_counter() - start)
 
 
 def _variants(spec: str) -> list:
@@ -85,11 +109,16 @@ def run(args, doc: dict) -> None:
     if not os.path.exists(bench):
         raise ValueError(f"no llama-bench in {args.llama_bin}: build it with ../shared/peers/build-llamacpp.sh")
     variants = _variants(args.int8_activations)
-    doc["params"] = {"models": args.models, "tokens": args.tokens, "rounds": args.rounds, "threads": args.threads,
-                     "dtype": args.dtype, "int8_activations": variants}
+    pp = args.prompt_tokens
+    doc["params"] = {"models": args.models, "tokens": args.tokens, "prompt_tokens": pp, "rounds": args.rounds,
+                     "threads": args.threads, "dtype": args.dtype, "int8_activations": variants}
     cols = ["model", "llama.cpp decode tok/s"]
     for v in variants:
         cols += [f"{_label(v)} decode tok/s", f"{_label(v)} / llama.cpp"]
+    if pp:
+        cols += [f"llama.cpp prompt tok/s ({pp} tokens)"]
+        for v in variants:
+            cols += [f"{_label(v)} prompt tok/s", f"{_label(v)} prompt / llama.cpp"]
     cols += ["specserve load s", "RSS after load MiB", "peak RSS MiB", "file MiB"]
     rows, samples = [], []
     for name in args.models.split(","):
@@ -104,26 +133,45 @@ def run(args, doc: dict) -> None:
         rss, peak = proc_status("VmRSS") - rss0, proc_status("VmHWM")
         for llm in llms.values():
             specserve_decode(llm, 8)   # warm-up: kernels built, weights paged in
+        if pp:
+            for llm in llms.values():
+                specserve_prefill(llm, pp, seed=-1)   # warm-up at the prompt's shape
         ours = {v: [] for v in variants}
-        theirs = []
+        ours_pp = {v: [] for v in variants}
+        theirs, theirs_pp = [], []
         who_all = ["llama"] + variants
         for r in range(args.rounds):
             for who in who_all[r % len(who_all):] + who_all[: r % len(who_all)]:   # rotate who goes first
                 if who == "llama":
                     theirs.append(llama_bench(bench, path, args.tokens, args.threads))
+                    if pp:
+                        theirs_pp.append(llama_bench(bench, path, args.tokens, args.threads, prompt_tokens=pp))
                 else:
                     ours[who].append(specserve_decode(llms[who], args.tokens))
+                    if pp:
+                        ours_pp[who].append(specserve_prefill(llms[who], pp, seed=r))
         a = statistics.median(theirs)
         row = [os.path.basename(path), fmt(a)]
         for v in variants:
             b = statistics.median(ours[v])
             row += [fmt(b), fmt(b / a, 2, "x")]
+        if pp:
+            a_pp = statistics.median(theirs_pp)
+            row += [fmt(a_pp)]
+            for v in variants:
+                b = statistics.median(ours_pp[v])
+                row += [fmt(b), fmt(b / a_pp, 2, "x")]
         row += [fmt(load_s), fmt(rss / 2**20, 0), fmt(peak / 2**20, 0), fmt(os.path.getsize(path) / 2**20, 0)]
         rows.append(row)
         samples.append({"model": path, "llama_cpp_tok_s": theirs, "specserve_tok_s": {_label(v): ours[v] for v in variants},
+                        "llama_cpp_prompt_tok_s": theirs_pp,
+                        "specserve_prompt_tok_s": {_label(v): ours_pp[v] for v in variants},
                         "load_s": load_s, "rss_bytes": rss, "peak_rss_bytes": peak})
         del llms
     doc["table"] = {"columns": cols, "rows": rows}
     doc["notes"] = [f"Decode tok/s: {args.tokens} greedy tokens at batch 1 after a one-token prompt, prefill not "
                     f"counted; median of {args.rounds} rounds, engines alternated; {args.threads} threads each."]
+    if pp:
+        doc["notes"].append(f"Prompt tok/s: a {pp}-token prompt of random token ids, llama-bench's pp test against "
+                            "specserve's prefill up to the first token (a new prompt each round: no prefix-cache hit).")
     doc["samples"] = samples
