@@ -74,19 +74,26 @@ def specserve_decode(llm, tokens: int) -> float:
 
 
 def specserve_prefill(llm, tokens: int, seed: int) -> float:
-    """specserve's prompt tok/s: a prompt of ``tokens`` random ids (drawn from ``seed``, so a new
-    prompt never hits the prefix cache) from its arrival to its first token."""
+    """specserve's prompt tok/s: a prompt of ``tokens`` random ids drawn from ``seed`` (>= 0; a new
+    seed gives a new prompt) from its arrival to its first token. Raises RuntimeError when any of
+    it came from the prefix cache (a seed used before), which would time a cache hit."""
     import random
 
     from specserve import SamplingParams
 
+    if seed < 0:   # random.Random(-s) draws what random.Random(s) does
+        raise ValueError(f"seed must be >= 0, got {seed}")
     engine = llm.engine
     ids = random.Random(seed).choices(range(engine.vocab_size), k=tokens)
+    hits = engine.get_prefix_cache_stats()["hits"]
     start = time.perf_counter()
     engine.add_request(ids, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
-    return tokens / (time.perf_counter() - start)
+    elapsed = time.perf_counter() - start
+    if engine.get_prefix_cache_stats()["hits"] != hits:
+        raise RuntimeError(f"the prompt of seed {seed} was found in the prefix cache: its prefill was not timed")
+    return tokens / elapsed
 
 
 def _variants(spec: str) -> list:
@@ -135,7 +142,7 @@ def run(args, doc: dict) -> None:
             specserve_decode(llm, 8)   # warm-up: kernels built, weights paged in
         if pp:
             for llm in llms.values():
-                specserve_prefill(llm, pp, seed=-1)   # warm-up at the prompt's shape
+                specserve_prefill(llm, pp, seed=args.rounds)   # warm-up at the prompt's shape (rounds take 0..)
         ours = {v: [] for v in variants}
         ours_pp = {v: [] for v in variants}
         theirs, theirs_pp = [], []

@@ -7,6 +7,7 @@ import json
 import os
 import stat
 
+import pytest
 from proposer_specs import tiny_engine
 
 from specserve.bench.results import read_json, results_files
@@ -20,8 +21,10 @@ def test_prefill_rounds_take_new_prompts(tiny_llama_dir):
         assert specserve_prefill(llm, 40, seed=seed) > 0
     stats = llm.engine.get_prefix_cache_stats()
     assert stats["enabled"] and stats["queries"] > 0 and stats["hits"] == 0
-    specserve_prefill(llm, 40, seed=0)   # the same seed: the same prompt, found in the cache
-    assert llm.engine.get_prefix_cache_stats()["hits"] > 0
+    with pytest.raises(RuntimeError, match="found in the prefix cache"):
+        specserve_prefill(llm, 40, seed=0)   # the same seed: the same prompt, a cache hit, not a prefill
+    with pytest.raises(ValueError, match="seed"):
+        specserve_prefill(llm, 40, seed=-1)   # random.Random(-1) draws random.Random(1)'s prompt
 
 
 def fake_llama_bench(folder) -> str:
