@@ -8,6 +8,7 @@ import time
 from tqdm import tqdm
 
 from specserve.config import DEFAULT_SPECULATIVE_TOKENS, SpeculativeConfig
+from specserve.model_executor.layers import quant_gemm
 from specserve.model_executor.layers.quantized import REQUANTIZE_FORMATS
 from specserve.model_executor.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from specserve.model_executor.loader import keeps_quantized, load_model, resolve_dtype
@@ -102,6 +103,15 @@ def requantize_draft(runner, name: str) -> None:
     logger.info("draft requantized to %s in %.1f s", name, time.perf_counter() - start)
 
 
+def draft_uses_int8_activations(setting: bool | None) -> bool:
+    """The draft's activations: as set, else (None) int8, which multiplies fastest on CPUs without
+    AMX tiles (the draft only guesses: its numbers never change the output), and float32 where AMX
+    tiles take them: as fast at one row there and faster at several (docs/real_models.md)."""
+    if setting is not None:
+        return setting
+    return not quant_gemm.amx_tiles_available()
+
+
 def build_draft_model_proposer(spec: SpeculativeConfig, ctx: ProposerContext) -> Proposer:
     """A draft model: ``DraftModelProposer`` with the target's vocabulary, else (the start-up check
     found another tokenizer, or ``cross_vocab`` names a method) ``CrossVocabProposer``."""
@@ -111,7 +121,7 @@ def build_draft_model_proposer(spec: SpeculativeConfig, ctx: ProposerContext) ->
     if fit.mapping is not None and (spec.draft_tensor_parallel_size or 1) > 1:
         raise ValueError("a draft with another vocabulary runs at draft_tensor_parallel_size 1")
     keep = keeps_quantized(spec.draft_dtype or ctx.dtype_setting, ctx.device)
-    int8 = spec.draft_int8_activations is not False   # None: on (the draft only guesses)
+    int8 = draft_uses_int8_activations(spec.draft_int8_activations)
     loaded = load_model(spec.model, dtype, keep_quantized=keep, int8_activations=int8)
     # TP 1: in the driver process only; draft_tensor_parallel_size = the target's TP: sharded like it.
     sharded_like_target = (spec.draft_tensor_parallel_size or 1) > 1 and ctx.tp_group is not None

@@ -192,5 +192,10 @@ def test_real_pair_configurations_build_what_they_name(monkeypatch):
     assert built[1]["speculative_config"]["model"] == "D" and built[1]["speculative_config"]["dynamic_k"] is True
     assert built[1]["speculative_config"]["num_speculative_tokens"] == 4
     assert "dynamic_k" not in built[2]["speculative_config"]   # the method's own default
-    with pytest.raises(ValueError, match="suffixes"):
-        real_pair.build("draft:3+fast", args)
+    assert built[1]["speculative_config"]["draft_int8_activations"] is None   # the engine's default
+    real_pair.build("draft:3+int8draft", args)
+    real_pair.build("draft:3+f32draft", args)
+    assert [b["speculative_config"]["draft_int8_activations"] for b in built[3:]] == [True, False]
+    for bad in ("draft:3+fast", "draft:3+int8draft+f32draft"):
+        with pytest.raises(ValueError, match="suffixes"):
+            real_pair.build(bad, args)

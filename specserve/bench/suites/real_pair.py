@@ -6,8 +6,9 @@ rotating order. Reported per configuration: whole-answer tok/s (new tokens over 
 time, prompt included), the ratio to specserve's plain decoding, mean acceptance length, and at
 temperature 0 how many answers equal plain decoding's (same activations) token for token.
 
-Configurations: ``plain``, ``draft:K`` (the draft model, k = K), ``ngram:K``; suffixes ``+int8``
-(target and draft with int8 activations), ``+f32draft`` (the draft with float32 activations),
+Configurations: ``plain``, ``draft:K`` (the draft model, k = K, its activations the engine's
+default: int8, float32 on CPUs with AMX tiles), ``ngram:K``; suffixes ``+int8`` (the target with
+int8 activations), ``+int8draft`` / ``+f32draft`` (the draft with int8 / float32 activations),
 ``+p2``/``+p3``/``+p4`` (the target's activations as int8 pieces), ``+q4_0`` ... ``+q8_0`` (the draft
 requantized at load). With llama.cpp's binaries (``--llama-bin``), ``llama-speculative-simple``
 answers the same chat-formatted text with the same files, k, threads and max tokens (its own
@@ -34,7 +35,7 @@ def add_arguments(p) -> None:
     p.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
     p.add_argument("--configs", default="plain,draft:3,draft:4,ngram:4",
                    help="comma list: plain, draft:K, ngram:K, each with suffixes +int8 (the target's int8 "
-                        "activations), +dynamic (dynamic_k up to K), +f32draft, +p2..+p4, +q4_0..+q8_0")
+                        "activations), +dynamic (dynamic_k up to K), +int8draft, +f32draft, +p2..+p4, +q4_0..+q8_0")
     p.add_argument("--draft-vocab-size", type=int, default=None)
     p.add_argument("--prompts", default="coding", help="Spec-Bench-format JSONL ('coding': the project's 20)")
     p.add_argument("--categories", default=None)
@@ -54,10 +55,11 @@ def build(config: str, args):
     config, *variants = config.split("+")
     quantization = [v for v in variants if v in SpeculativeConfig.DRAFT_QUANTIZATIONS]
     pieces = [int(v[1:]) for v in variants if v in ("p2", "p3", "p4")]
-    unknown = set(variants) - {"int8", "f32draft", "dynamic", "p2", "p3", "p4", *quantization}
-    if unknown or len(quantization) > 1:
-        raise ValueError(f"unknown configuration suffixes {sorted(unknown) or quantization} "
-                         "(+int8, +f32draft, +dynamic, +p2 ... +p4, one draft format +q4_0 ... +q8_0)")
+    unknown = set(variants) - {"int8", "int8draft", "f32draft", "dynamic", "p2", "p3", "p4", *quantization}
+    if unknown or len(quantization) > 1 or {"int8draft", "f32draft"} <= set(variants):
+        raise ValueError(f"unknown or clashing configuration suffixes {sorted(unknown) or variants} (+int8, "
+                         "+int8draft or +f32draft, +dynamic, +p2 ... +p4, one draft format +q4_0 ... +q8_0)")
+    draft_int8 = True if "int8draft" in variants else False if "f32draft" in variants else None
     kw = dict(model=args.target, max_model_len=2048, kv_cache_memory=1 << 28,
               int8_activations=pieces[0] if pieces else "int8" in variants)
     if config == "plain":
@@ -65,7 +67,7 @@ def build(config: str, args):
     method, k = config.split(":")
     if method == "draft":
         spec = {"model": args.draft, "num_speculative_tokens": int(k), "draft_vocab_size": args.draft_vocab_size,
-                "draft_int8_activations": "f32draft" not in variants,
+                "draft_int8_activations": draft_int8,
                 "draft_quantization": quantization[0] if quantization else None}
     elif method == "ngram":
         spec = {"method": "ngram", "num_speculative_tokens": int(k)}
