@@ -89,6 +89,15 @@ def test_rows_bitwise_independent_of_row_count_and_threads(qtype, arithmetic):
     assert_rows_bitwise_independent(m, (1, 2, 4, 5, 6, 7, 8, 9, 10, 11, 16, 17, 33, 48, 110))
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda q: q.name)
+def test_rows_in_chunks_keep_their_bits(qtype, arithmetic):
+    """A call of many rows goes to the tiles in chunks whose activation pieces fit in a core's L2
+    (amx_row_chunk: 16 rows for a 4096-wide input, 42 for the 512-wide ones above), every chunk
+    through every output group: rows on either side of a chunk's end keep their bits."""
+    m, _ = packed(qtype, 32, 4096, arithmetic=arithmetic)
+    assert_rows_bitwise_independent(m, (15, 16, 17, 33, 40))
+
+
 def test_mixed_formats_pack_segment_by_segment(arithmetic):
     """q, k in Q4_K and v in Q6_K (a Q4_K_M file's fused qkv) with a Q8_0 part the tiles do not take."""
     parts = [(T.Q4_K, 32), (T.Q6_K, 16), (T.Q8_0, 16)]

@@ -606,6 +606,19 @@ static void amx_group_one_row(int qtype, const uint8_t *gp, int64_t in, const ui
     _mm512_storeu_ps(out, acc);
 }
 
+/* Rows a call takes at once (both tile arithmetics): each 16-output group re-reads the activation
+ * pieces of all the call's rows (3 bfloat16 or 3 int8 values a value), so a long prompt's pieces
+ * (27 MB for 512 rows of an 8960-wide input) would stream from memory once a group. In chunks whose
+ * pieces fit in AMX_CHUNK_BYTES of a core's L2, each chunk runs every group, and the weights stream
+ * once a chunk instead. A row's result never depends on its chunk (row-invariance, below). */
+#ifndef AMX_CHUNK_BYTES
+#define AMX_CHUNK_BYTES (128 * 1024)
+#endif
+static inline int64_t amx_row_chunk(int64_t in) {
+    const int64_t rows = AMX_CHUNK_BYTES / (6 * in);
+    return rows < 16 ? 16 : rows;
+}
+
 /* A thread's scratch (grown as needed, kept between calls): activation pieces and sums for all
  * rows, a ring of two unpacked units, two units' tile sums. */
 static __thread uint8_t *amx_scratch;

@@ -186,15 +186,27 @@ static int quant_gemm_team(const float *x, int64_t ldx, int64_t rows, const uint
                            int64_t out_features, int64_t in, const float *bias, float *out, int64_t ldo) {
     if (qtype & AMX_PACKED_FLAG) {   /* packed by amx_pack: only that kernel reads these bytes */
 #ifdef HAVE_AMX
-        if (qtype & AMX_I8_FLAG) {
-#ifdef HAVE_AMX_I8
-            return amx_i8_gemm_team(x, ldx, rows, w, qtype & ~(AMX_PACKED_FLAG | AMX_I8_FLAG), out_features, in, bias,
-                                    out, ldo);
-#else
-            return -1;
+#ifndef HAVE_AMX_I8
+        if (qtype & AMX_I8_FLAG) return -1;
 #endif
+        /* Rows in chunks (amx_row_chunk), every chunk through every output group before the next.
+         * Every thread runs every chunk, whatever its status, so all meet each chunk's omp for. */
+        const int64_t chunk = amx_row_chunk(in);
+        int status = 0;
+        for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
+            const int64_t n = rows - r0 < chunk ? rows - r0 : chunk;
+            int s;
+#ifdef HAVE_AMX_I8
+            if (qtype & AMX_I8_FLAG)
+                s = amx_i8_gemm_team(x + r0 * ldx, ldx, n, w, qtype & ~(AMX_PACKED_FLAG | AMX_I8_FLAG), out_features, in,
+                                     bias, out + r0 * ldo, ldo);
+            else
+#endif
+                s = amx_gemm_team(x + r0 * ldx, ldx, n, w, qtype & ~AMX_PACKED_FLAG, out_features, in, bias,
+                                  out + r0 * ldo, ldo);
+            if (s) status = s;
         }
-        return amx_gemm_team(x, ldx, rows, w, qtype & ~AMX_PACKED_FLAG, out_features, in, bias, out, ldo);
+        return status;
 #else
         return -1;
 #endif
