@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from specserve import LLM, SamplingParams
+from specserve import SamplingParams
 from specserve.entrypoints.openai.api_server import build_app
 
+from proposer_specs import tiny_engine
 from server_util import local_http, running_server
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -16,12 +17,12 @@ MODEL = "tiny"
 
 @pytest.fixture(scope="module")
 def ref_llm(tiny_llama_dir):
-    return LLM(model=tiny_llama_dir, dtype="float32", max_model_len=256, kv_cache_memory=8 << 20)
+    return tiny_engine(tiny_llama_dir, max_model_len=256)
 
 
 @pytest.fixture(scope="module")
 def url(tiny_llama_dir):
-    llm = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=256, kv_cache_memory=8 << 20)
+    llm = tiny_engine(tiny_llama_dir, max_model_len=256)
     with running_server(build_app(llm, MODEL)) as base:
         yield base
 
