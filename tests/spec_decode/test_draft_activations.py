@@ -3,6 +3,7 @@ multiply float32 activations (as fast at one row, faster at several); an explici
 from __future__ import annotations
 
 import pytest
+from gguf import GGMLQuantizationType as T
 
 from specserve.model_executor.layers import quant_gemm
 from specserve.spec_decode.factory import draft_uses_int8_activations
@@ -20,4 +21,4 @@ def test_amx_tiles_available_is_the_q4_k_packing_check(monkeypatch):
     monkeypatch.setenv("SPECSERVE_CPU_AMX", "off")   # the switch that keeps every matrix off the tiles
     assert not quant_gemm.amx_tiles_available()
     monkeypatch.delenv("SPECSERVE_CPU_AMX")
-    assert quant_gemm.amx_tiles_available() == quant_gemm.supports_amx(int(quant_gemm.Q4_K), 16, 256)
+    assert quant_gemm.amx_tiles_available() == quant_gemm.supports_amx(int(T.Q4_K), 16, 256)

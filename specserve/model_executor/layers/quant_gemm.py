@@ -98,7 +98,6 @@ def supports_int8_activations(qtype: int, in_features: int) -> bool:
 # Set on a qtype passed to the kernels: the weight bytes are packed for AMX tiles
 # (``cpu_kernels/amx_tiles.h``), [out / 16, amx_row_bytes] uint8.
 AMX_PACKED_FLAG = 512
-Q4_K = 12   # ggml's type id
 AMX_GROUP = 16   # output rows per packed row
 # With AMX_PACKED_FLAG: multiply on int8 tiles, each activation row as three int8 pieces
 # (``cpu_kernels/amx_int8.h``; ``int8_activations=3`` on CPUs with AMX) instead of bfloat16 tiles.
@@ -117,7 +116,9 @@ def supports_amx(qtype: int, out_features: int, in_features: int) -> bool:
 def amx_tiles_available() -> bool:
     """True when this CPU, OS and build multiply GGUF blocks on AMX tiles with float32 activations
     (a Q4_K matrix of one 16-row group is asked)."""
-    return supports_amx(Q4_K, AMX_GROUP, 256)
+    from gguf import GGMLQuantizationType
+
+    return supports_amx(int(GGMLQuantizationType.Q4_K), AMX_GROUP, 256)
 
 
 def supports_amx_int8(qtype: int, out_features: int, in_features: int) -> bool:
