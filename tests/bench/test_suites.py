@@ -196,6 +196,9 @@ def test_real_pair_configurations_build_what_they_name(monkeypatch):
     real_pair.build("draft:3+int8draft", args)
     real_pair.build("draft:3+f32draft", args)
     assert [b["speculative_config"]["draft_int8_activations"] for b in built[3:]] == [True, False]
-    for bad in ("draft:3+fast", "draft:3+int8draft+f32draft"):
+    real_pair.build("draft:3+v32768", args)
+    real_pair.build("draft:3", argparse.Namespace(target="T", draft="D", draft_vocab_size=1000))
+    assert [b["speculative_config"]["draft_vocab_size"] for b in built[1:2] + built[5:]] == [None, 32768, 1000]
+    for bad in ("draft:3+fast", "draft:3+int8draft+f32draft", "draft:3+v0", "draft:3+v8+v9", "draft:3+vx"):
         with pytest.raises(ValueError, match="suffixes"):
             real_pair.build(bad, args)

@@ -10,7 +10,8 @@ Configurations: ``plain``, ``draft:K`` (the draft model, k = K, its activations 
 default: int8, float32 on CPUs with AMX tiles), ``ngram:K``; suffixes ``+int8`` (the target with
 int8 activations), ``+int8draft`` / ``+f32draft`` (the draft with int8 / float32 activations),
 ``+p2``/``+p3``/``+p4`` (the target's activations as int8 pieces), ``+q4_0`` ... ``+q8_0`` (the draft
-requantized at load). With llama.cpp's binaries (``--llama-bin``), ``llama-speculative-simple``
+requantized at load), ``+vN`` (the draft's LM head kept to the first N token ids, ``draft_vocab_size``;
+``--draft-vocab-size`` sets it for every draft configuration without one). With llama.cpp's binaries (``--llama-bin``), ``llama-speculative-simple``
 answers the same chat-formatted text with the same files, k, threads and max tokens (its own
 encode + decode time, load excluded); ``--llama-server`` adds llama.cpp's plain decoding through
 ``llama-server``'s ``/completion`` (prompt cache off), timed by the request's wall time.
@@ -35,8 +36,10 @@ def add_arguments(p) -> None:
     p.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
     p.add_argument("--configs", default="plain,draft:3,draft:4,ngram:4",
                    help="comma list: plain, draft:K, ngram:K, each with suffixes +int8 (the target's int8 "
-                        "activations), +dynamic (dynamic_k up to K), +int8draft, +f32draft, +p2..+p4, +q4_0..+q8_0")
-    p.add_argument("--draft-vocab-size", type=int, default=None)
+                        "activations), +dynamic (dynamic_k up to K), +int8draft, +f32draft, +p2..+p4, +q4_0..+q8_0, "
+                        "+vN (draft_vocab_size N)")
+    p.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="the draft's LM head kept to the first N token ids, where a configuration has no +vN")
     p.add_argument("--prompts", default="coding", help="Spec-Bench-format JSONL ('coding': the project's 20)")
     p.add_argument("--categories", default=None)
     p.add_argument("--limit", type=int, default=8, help="at most N prompts per category")
@@ -55,10 +58,12 @@ def build(config: str, args):
     config, *variants = config.split("+")
     quantization = [v for v in variants if v in SpeculativeConfig.DRAFT_QUANTIZATIONS]
     pieces = [int(v[1:]) for v in variants if v in ("p2", "p3", "p4")]
-    unknown = set(variants) - {"int8", "int8draft", "f32draft", "dynamic", "p2", "p3", "p4", *quantization}
-    if unknown or len(quantization) > 1 or {"int8draft", "f32draft"} <= set(variants):
+    vocab = [v for v in variants if re.fullmatch(r"v[1-9]\d*", v)]
+    unknown = set(variants) - {"int8", "int8draft", "f32draft", "dynamic", "p2", "p3", "p4", *quantization, *vocab}
+    if unknown or len(quantization) > 1 or len(vocab) > 1 or {"int8draft", "f32draft"} <= set(variants):
         raise ValueError(f"unknown or clashing configuration suffixes {sorted(unknown) or variants} (+int8, "
-                         "+int8draft or +f32draft, +dynamic, +p2 ... +p4, one draft format +q4_0 ... +q8_0)")
+                         "+int8draft or +f32draft, +dynamic, +p2 ... +p4, one draft format +q4_0 ... +q8_0, "
+                         "one draft vocabulary +vN)")
     draft_int8 = True if "int8draft" in variants else False if "f32draft" in variants else None
     kw = dict(model=args.target, max_model_len=2048, kv_cache_memory=1 << 28,
               int8_activations=pieces[0] if pieces else "int8" in variants)
@@ -66,7 +71,8 @@ def build(config: str, args):
         return LLM(**kw)
     method, k = config.split(":")
     if method == "draft":
-        spec = {"model": args.draft, "num_speculative_tokens": int(k), "draft_vocab_size": args.draft_vocab_size,
+        spec = {"model": args.draft, "num_speculative_tokens": int(k),
+                "draft_vocab_size": int(vocab[0][1:]) if vocab else args.draft_vocab_size,
                 "draft_int8_activations": draft_int8,
                 "draft_quantization": quantization[0] if quantization else None}
     elif method == "ngram":

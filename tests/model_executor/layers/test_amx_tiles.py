@@ -14,7 +14,7 @@ from test_quant_gemm import assert_rows_bitwise_independent, gguf_values, random
 from specserve.model_executor.layers import quant_gemm
 from specserve.model_executor.layers.quantized import QuantizedMatrix, pack_for_tiles
 
-AMX_FORMATS = [T.Q4_K, T.Q4_1, T.Q5_0, T.Q6_K]
+AMX_FORMATS = [T.Q4_K, T.Q4_1, T.Q5_0, T.Q8_0, T.Q6_K]
 ARITHMETICS = ["int8", "bf16"]
 
 pytestmark = pytest.mark.skipif(not (quant_gemm.available() and quant_gemm.supports_amx(int(T.Q4_K), 16, 256)),
@@ -99,12 +99,12 @@ def test_rows_in_chunks_keep_their_bits(qtype, arithmetic):
 
 
 def test_mixed_formats_pack_segment_by_segment(arithmetic):
-    """q, k in Q4_K and v in Q6_K (a Q4_K_M file's fused qkv) with a Q8_0 part the tiles do not take."""
-    parts = [(T.Q4_K, 32), (T.Q6_K, 16), (T.Q8_0, 16)]
+    """q, k in Q4_K and v in Q6_K (a Q4_K_M file's fused qkv) with a Q5_K part the tiles do not take."""
+    parts = [(T.Q4_K, 32), (T.Q6_K, 16), (T.Q5_K, 16)]
     raw = [random_blocks(q, n, 512, seed=i) for i, (q, n) in enumerate(parts)]
     fused = QuantizedMatrix.cat([QuantizedMatrix.from_blocks(torch.from_numpy(b), int(q), 512)
                                  for b, (q, _) in zip(raw, parts)])
-    fused.int8_activations = 3 if arithmetic == "int8" else False   # Q8_0 then keeps the VNNI pieces
+    fused.int8_activations = 3 if arithmetic == "int8" else False   # Q5_K then keeps the VNNI pieces
     tiles = fused.packed_for_tiles()
     assert [s.amx_packed for s in tiles.segments] == [True, True, False]
     assert [s.amx_int8 for s in tiles.segments] == [arithmetic == "int8"] * 2 + [False]
@@ -129,7 +129,7 @@ def test_what_is_not_packed():
         assert m.packed_for_tiles() is m
     odd = QuantizedMatrix.from_blocks(torch.from_numpy(random_blocks(T.Q4_K, 40, 256)), int(T.Q4_K), 256)
     assert odd.packed_for_tiles() is odd
-    assert not quant_gemm.supports_amx(int(T.Q8_0), 16, 256)
+    assert not quant_gemm.supports_amx(int(T.Q5_K), 16, 256)
 
 
 def test_switched_off_by_environment(monkeypatch):

@@ -24,15 +24,15 @@
  * faster. The C tiles' double buffering below measured no faster than storing each step at once
  * either; it is kept because it costs nothing.
  *
- * Arithmetic (sub-block s of SB values: 32 for Q4_K, Q4_1 and Q5_0, 16 for Q6_K; row r):
+ * Arithmetic (sub-block s of SB values: 32 for Q4_K, Q4_1, Q5_0 and Q8_0, 16 for Q6_K; row r):
  *   - pieces: c_0 = x; for i = 0, 1, 2: d_i = max|c_i| / 127 over the sub-block, p_i =
  *     round(c_i / d_i) (int8), c_{i+1} = c_i - d_i p_i. So x = sum_i d_i p_i + c_3 with
  *     |c_3| <= max|x| / (2 * 127 * 254 * 254) < 2^-24 max|x|: float32's precision for the
  *     sub-block's largest value (docs/architecture.md, "Numerics").
  *   - one TDPBSUD per sub-block: C[3 r + i][o] = sum p_i * q (signed bytes times the unsigned
- *     quant codes), an exact int32 (|C| < 2^17);
- *   - D = d_2 C_2 + d_1 C_1 + d_0 C_0 (smallest first; Q6_K's codes are q + 32, so each C_i
- *     first loses 32 * sum p_i, exactly, in int32);
+ *     quant codes), an exact int32 (|C| < 2^21);
+ *   - D = d_2 C_2 + d_1 C_1 + d_0 C_0 (smallest first; Q6_K's codes are q + 32 and Q8_0's
+ *     q + 128, so each C_i first loses 32 or 128 times sum p_i, exactly, in int32);
  *   - out[r, o] = sum over s, in order, of  a_s * D  then  + m_s * S, S the float32 sum of x over
  *     the sub-block: the file's values w = a_s * q + m_s as in amx_tiles.h.
  * Not bit-identical to the bfloat16 path or to the AVX-512 kernel (other roundings), so a
@@ -60,7 +60,7 @@
 
 /* Rows x[0..R) of a pass -> xa [Rt][in] int8 (A row 3 r + i = piece i of row r; rows past 3 R
  * zero), xd [Rt][in / sb] each piece's scale per sub-block, and per row and sub-block S (the
- * float32 sum of x, formats with an offset) or P [Rt][in / sb] each piece's sum (Q6_K). Only
+ * float32 sum of x, formats with an offset) or P [Rt][in / sb] each piece's sum (Q6_K, Q8_0). Only
  * the first 3 R rows of xd and P are written: the sums of the zero rows are never read. */
 static void amx_i8_split_rows(const float *x, int64_t ldx, int R, int Rt, int64_t in, int sb, int8_t *xa, float *xd,
                               float *S, int32_t *P) {
@@ -94,15 +94,22 @@ static void amx_i8_split_rows(const float *x, int64_t ldx, int R, int Rt, int64_
     }
 }
 
+/* What a format's unsigned B-tile code adds to its quant: Q6_K's codes are q + 32, Q8_0's q + 128
+ * (amx_i8_unpack_unit); each C_i then loses offset * (the piece's sum over the sub-block), P. */
+static inline int32_t amx_i8_code_offset(int qtype) { return qtype == Q6_K ? 32 : qtype == Q8_0 ? 128 : 0; }
+
 /* One packed unit's quants -> its B tiles as bytes in TDPBSUD's order, [sub-block][SB / 4][64]
  * (1024 bytes): row j of a sub-block holds, per output o, its codes of inputs 4 j .. 4 j + 3.
  * The packing's pair rows 2 j and 2 j + 1 share 64 bytes (amx_code_byte), per output o the bytes
  * 4 o .. 4 o + 3 holding inputs 4 j, 4 j + 2, 4 j + 1, 4 j + 3, so one byte shuffle orders them. */
 static inline void amx_i8_unpack_unit(int qtype, const uint8_t *p, uint8_t *b) {
     const __m512i quads = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15));
-    if (qtype == Q6_K) {   /* a byte a code: 4 sub-blocks x 4 rows */
+    if (amx_byte_codes(qtype)) {   /* a byte a code: Q6_K 4 sub-blocks x 4 rows, Q8_0 2 x 8 */
+        /* Q8_0's signed codes q -> q + 128 (flipping the top bit), unsigned as TDPBSUD takes them */
+        const __m512i flip = _mm512_set1_epi8(qtype == Q8_0 ? (char)0x80 : 0);
         for (int j = 0; j < 16; j++)
-            _mm512_store_si512(b + 64 * j, _mm512_shuffle_epi8(_mm512_loadu_si512(p + 96 + 64 * j), quads));
+            _mm512_store_si512(b + 64 * j, _mm512_xor_si512(_mm512_shuffle_epi8(
+                                               _mm512_loadu_si512(p + amx_codes_at(qtype) + 64 * j), quads), flip));
         return;
     }
     if (qtype == Q5_0) {   /* 5-bit codes, one a byte, then ordered as the nibbles below */
@@ -168,6 +175,7 @@ static void amx_i8_group_rows(int qtype, const uint8_t *gp, int64_t in, const in
                               int64_t ldo) {
     const int sb = amx_sub_block(qtype), ub = amx_unit_bytes(qtype), per_unit = AMX_UNIT_K / sb / 2;
     const int64_t units = in / AMX_UNIT_K, ns = in / sb, steps = units * per_unit;
+    const int32_t offset = amx_i8_code_offset(qtype);
     __m512 acc[AMX_I8_ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     amx_i8_unpack_unit(qtype, gp, ring);
@@ -197,7 +205,7 @@ static void amx_i8_group_rows(int qtype, const uint8_t *gp, int64_t in, const in
                     for (int i = AMX_I8_PIECES - 1; i >= 0; i--) {
                         const int64_t arow = AMX_I8_PIECES * r + i;
                         __m512i ci = _mm512_load_si512(c + hh * 256 + arow * 16);
-                        if (P) ci = _mm512_sub_epi32(ci, _mm512_set1_epi32(32 * P[arow * ns + s]));
+                        if (P) ci = _mm512_sub_epi32(ci, _mm512_set1_epi32(offset * P[arow * ns + s]));
                         d = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ci), _mm512_set1_ps(xd[arow * ns + s]), d);
                     }
                     acc[r] = _mm512_fmadd_ps(d, a, acc[r]);
@@ -230,8 +238,8 @@ static int amx_i8_gemm_team(const float *x, int64_t ldx, int64_t rows, const uin
     const int ok = buf != NULL && amx_usable();
     int8_t *xa = (int8_t *)buf;
     float *xd = ok ? (float *)(buf + xa_bytes) : NULL;
-    int32_t *P = ok && qtype == Q6_K ? (int32_t *)(buf + xa_bytes + xd_bytes) : NULL;
-    float *S = ok && qtype != Q6_K ? (float *)(buf + xa_bytes + 2 * xd_bytes) : NULL;
+    int32_t *P = ok && amx_i8_code_offset(qtype) ? (int32_t *)(buf + xa_bytes + xd_bytes) : NULL;
+    float *S = ok && amx_has_min(qtype) ? (float *)(buf + xa_bytes + 2 * xd_bytes) : NULL;
     uint8_t *ring = ok ? buf + xa_bytes + 2 * xd_bytes + s_bytes : NULL;
     int32_t *cbuf = ok ? (int32_t *)(ring + 2 * 1024) : NULL;
     if (ok)

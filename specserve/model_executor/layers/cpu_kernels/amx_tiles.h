@@ -14,19 +14,20 @@
  * unpacking the quants to bfloat16 once for all rows.
  *
  * Exact arithmetic, not bfloat16 rounding:
- *   - a quant q (the format's small integer: 0..15, 0..63 - 32) is exactly a bfloat16;
+ *   - a quant q (the format's small integer: 0..15, 0..63 - 32, Q8_0's -128..127) is exactly a
+ *     bfloat16 (at most 8 significant bits);
  *   - each float32 activation x is split into three bfloat16 pieces, x = p1 + p2 + p3 exactly
  *     (p1 = bf16(x), p2 = bf16(x - p1), p3 = x - p1 - p2, which has at most 8 significant bits);
  *   - every product q * p is exact in float32, and the tile sums them in float32;
  *   - per sub-block s of SB values (one scale a_s, one offset m_s in the format), with
  *     D = sum q * x over the sub-block and S = sum x over it. D comes from the tiles: Q6_K's
- *     three tile multiplies, one a piece, sum into one C tile; Q4_K's, Q4_1's and Q5_0's pieces are three
+ *     three tile multiplies, one a piece, sum into one C tile; Q4_K's, Q4_1's, Q5_0's and Q8_0's pieces are three
  *     A rows of one multiply, each piece's sum in its own C row, and D = (D_3 + D_2) + D_1 in
  *     float32 (amx_group_pieces: a third of the tile multiplies of a decode step). Then
  *       out[r, o] = sum over s, in order, of  a_s * D  then  + m_s * S
  *     which is sum_k w_k * x_k for w = a_s * q + m_s, exactly ggml's dequantized value
  *     (Q4_K: a = d * scale, m = -dmin * min; Q4_1: a = d, m = m; Q5_0: a = d, m = -16 d, both
- *     exact; Q6_K: a = d * scale, q - 32).
+ *     exact; Q8_0: a = d, m = 0, so S is not needed; Q6_K: a = d * scale, q - 32, m = 0).
  * So the model computed is the file's, at float32 precision; the rounding differs from the
  * AVX-512 path's (another order of sums), so a matrix uses one path for every row count.
  *
@@ -45,8 +46,9 @@
  *   Q4_K  640: d[16] f16 | dmin[16] f16 | scale[2][16] u8 | min[2][16] u8 | nibbles[16][32]
  *   Q4_1  640: d[2][16] f16 | m[2][16] f16 | nibbles[16][32]
  *   Q5_0  704: d[2][16] f16 | fifth[8][2] u64 | nibbles[16][32]
+ *   Q8_0 1088: d[2][16] f16 | quants[2][8][64] i8 (the file's signed bytes, in amx_code_byte order)
  *   Q6_K 1120: d[16] f16 | scale[4][16] i8 | quants[4][8][32] u8 (one byte each: 6 bits unpack too slowly)
- * (5.0, 5.0, 5.5 and 8.75 bits a weight against the file's 4.5, 5.0, 5.5 and 6.56.) Q5_0's codes
+ * (5.0, 5.0, 5.5, 8.5 and 8.75 bits a weight against the file's 4.5, 5.0, 5.5, 8.5 and 6.56.) Q5_0's codes
  * are 5 bits: the low four as Q4_1's nibbles, the fifth in bit masks laid over the nibble bytes
  * (fifth[c][h], bit b: the code in byte b of the c-th 64 nibble bytes, sub-block h), which
  * one masked move per 64 bytes turns into bit 4 of those bytes (amx_nibble_bytes).
@@ -88,6 +90,7 @@ static inline int amx_unit_bytes(int qtype) {
     switch (qtype) {
     case Q4_K: case Q4_1: return 640;
     case Q5_0: return 704;
+    case Q8_0: return 1088;
     case Q6_K: return 1120;
     default: return 0;
     }
@@ -97,6 +100,14 @@ static inline int amx_sub_block(int qtype) { return qtype == Q6_K ? 16 : 32; }  
 
 /* Where a unit's nibble bytes start (Q4_K, Q4_1, Q5_0), after its scales (and Q5_0's fifth bits). */
 static inline int amx_nibbles_at(int qtype) { return qtype == Q5_0 ? 192 : 128; }
+
+/* Formats that keep a byte a code (Q6_K's 0..63, Q8_0's signed -128..127), and where those bytes
+ * start, after the scales. */
+static inline int amx_byte_codes(int qtype) { return qtype == Q6_K || qtype == Q8_0; }
+static inline int amx_codes_at(int qtype) { return qtype == Q8_0 ? 64 : 96; }
+
+/* Formats with an offset per sub-block (m_s != 0 in "a_s * D + m_s * S"), whose rows need S. */
+static inline int amx_has_min(int qtype) { return qtype == Q4_K || qtype == Q4_1 || qtype == Q5_0; }
 
 __attribute__((unused)) static int amx_supported(int qtype, int64_t out, int64_t in) {
     return amx_unit_bytes(qtype) && out % 16 == 0 && in % qblock_elems(qtype) == 0 && in % AMX_UNIT_K == 0 &&
@@ -116,10 +127,12 @@ static inline int amx_code_byte(int row, int w) { return 64 * (row / 2) + 2 * w 
 
 /* ---- packing (at load; plain C, run once) ---- */
 
-/* The quants (unsigned codes: 0..15, 0..31 or 0..63) of one weight row's inputs [k0, k0 + 64), as
- * block_<fmt> reads them from the file's block. */
+/* The quants (unsigned codes: 0..15, 0..31 or 0..63; Q8_0's signed bytes as they are) of one
+ * weight row's inputs [k0, k0 + 64), as block_<fmt> reads them from the file's block. */
 static void file_codes(int qtype, const uint8_t *row, int64_t k0, uint8_t codes[AMX_UNIT_K]) {
-    if (qtype == Q5_0) {   /* d, qh (bit j: value j's fifth bit), nibbles as Q4_1's */
+    if (qtype == Q8_0) {   /* d, qs[32] */
+        for (int h = 0; h < 2; h++) memcpy(codes + 32 * h, row + (k0 / 32 + h) * 34 + 2, 32);
+    } else if (qtype == Q5_0) {   /* d, qh (bit j: value j's fifth bit), nibbles as Q4_1's */
         for (int h = 0; h < 2; h++) {
             const uint8_t *b = row + (k0 / 32 + h) * 22;
             uint32_t qh;
@@ -177,8 +190,9 @@ __attribute__((unused)) static void amx_pack(const uint8_t *w, int qtype, int64_
                         const uint8_t *b = row + (k0 / 32 + h) * 20;
                         memcpy(p + 32 * h + 2 * o, b, 2), memcpy(p + 64 + 32 * h + 2 * o, b + 2, 2);
                     }
-                } else if (qtype == Q5_0) {
-                    for (int h = 0; h < 2; h++) memcpy(p + 32 * h + 2 * o, row + (k0 / 32 + h) * 22, 2);
+                } else if (qtype == Q5_0 || qtype == Q8_0) {
+                    for (int h = 0; h < 2; h++)
+                        memcpy(p + 32 * h + 2 * o, row + (k0 / 32 + h) * qblock_bytes(qtype), 2);
                 } else { /* Q6_K */
                     const uint8_t *b = row + (k0 / 256) * 210;
                     memcpy(p + 2 * o, b + 208, 2);
@@ -188,9 +202,9 @@ __attribute__((unused)) static void amx_pack(const uint8_t *w, int qtype, int64_
                 file_codes(qtype, row, k0, codes);
                 /* amx_code_byte of pair rows 2c, 2c + 1 and words 2o, 2o + 1: four adjacent bytes,
                  * inputs 4c, 4c + 2, 4c + 1, 4c + 3 */
-                if (qtype == Q6_K)   /* a byte a code */
+                if (amx_byte_codes(qtype))
                     for (int c = 0; c < 16; c++) {
-                        uint8_t *q = p + 96 + amx_code_byte(2 * c, 2 * o);
+                        uint8_t *q = p + amx_codes_at(qtype) + amx_code_byte(2 * c, 2 * o);
                         q[0] = codes[4 * c], q[1] = codes[4 * c + 2], q[2] = codes[4 * c + 1], q[3] = codes[4 * c + 3];
                     }
                 else                 /* inputs kk and kk + 32 share a byte: low and high nibble */
@@ -228,6 +242,8 @@ __attribute__((unused)) static void amx_dequantize(const uint8_t *packed, int qt
                 if (qtype == Q6_K) {
                     const int sub = kk / 16, q = p[96 + amx_code_byte(kk / 2, w)];
                     y[kk] = (float)(q - 32) * (half_at(p + 2 * o) * (float)(int8_t)p[32 + 16 * sub + o]);
+                } else if (qtype == Q8_0) {
+                    y[kk] = (float)(int8_t)p[64 + amx_code_byte(kk / 2, w)] * half_at(p + 32 * (kk / 32) + 2 * o);
                 } else {
                     const int hi = kk / 32, byte = amx_code_byte((kk % 32) / 2, w);
                     int q = (p[amx_nibbles_at(qtype) + byte] >> (4 * hi)) & 0x0F;
@@ -305,6 +321,16 @@ static inline __m512i amx_nibble_bytes(int qtype, const uint8_t *p, int c, int h
     return _mm512_or_si512(nib, _mm512_maskz_mov_epi8(_cvtu64_mask64(mask), _mm512_set1_epi8(0x10)));
 }
 
+/* 32 signed 16-bit integers of at most 8 significant bits -> 32 bfloat16, in order (exact). */
+static inline __m512i amx_words_to_bf16(__m512i v) {
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(v)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(v, 1)));
+    const __m512bh both = _mm512_cvtne2ps_pbh(hi, lo);   /* lo's values in the low half */
+    __m512i out;
+    memcpy(&out, &both, sizeof out);
+    return out;
+}
+
 /* One packed unit's quants -> its B tiles as bfloat16, 2048 bytes: [sub-block][SB / 2][32]. Each
  * 64-byte load is 32 words holding two pair rows' quants (amx_code_byte), which a word permute
  * reads through its index's low bits: the low byte's (shift 0), or the high byte's (shift 8);
@@ -316,6 +342,14 @@ static inline void amx_unpack_unit(int qtype, const uint8_t *p, uint16_t *b) {
             const __m512i v = _mm512_loadu_si512(p + 96 + 64 * c);
             _mm512_store_si512(b + 2 * c * 32, _mm512_permutex2var_epi16(lo, v, hi));
             _mm512_store_si512(b + (2 * c + 1) * 32, _mm512_permutex2var_epi16(lo, _mm512_srli_epi16(v, 8), hi));
+        }
+        return;
+    }
+    if (qtype == Q8_0) {   /* signed bytes -> bfloat16 (exact: 8 significant bits at most) */
+        for (int c = 0; c < 16; c++) {
+            const __m512i v = _mm512_loadu_si512(p + 64 + 64 * c);
+            _mm512_store_si512(b + 2 * c * 32, amx_words_to_bf16(_mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8)));
+            _mm512_store_si512(b + (2 * c + 1) * 32, amx_words_to_bf16(_mm512_srai_epi16(v, 8)));
         }
         return;
     }
@@ -366,6 +400,9 @@ static inline void amx_unit_scales(int qtype, const uint8_t *p, int h, __m512 *a
     } else if (qtype == Q5_0) {   /* w = d (q - 16) = d q + (-16 d); -16 d is exact */
         *a = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32 * h)));
         *m = _mm512_mul_ps(*a, _mm512_set1_ps(-16.0f));
+    } else if (qtype == Q8_0) {   /* w = d q, q signed */
+        *a = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32 * h)));
+        *m = _mm512_setzero_ps();
     } else {
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
         *a = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 32 + 16 * h)))));
@@ -430,7 +467,6 @@ static void amx_group_rows(int qtype, int L, const uint8_t *gp, int64_t in, cons
     const int sb = amx_sub_block(qtype), ub = amx_unit_bytes(qtype), kv = L * sb, steps = AMX_UNIT_K / kv;
     const int64_t units = in / AMX_UNIT_K, ns = in / sb;
     const int64_t piece = (int64_t)L * Rt * in;   /* the pieces' A rows are L Rt apart */
-    const int has_min = qtype != Q6_K;
     __m512 acc[AMX_ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     amx_unpack_unit(qtype, gp, ring);
@@ -473,7 +509,7 @@ static void amx_group_rows(int qtype, int L, const uint8_t *gp, int64_t in, cons
                 const float *ch = c + (h / L) * 256 + (h % L) * 16;
                 for (int r = 0; r < R; r++) {
                     acc[r] = _mm512_fmadd_ps(_mm512_load_ps(ch + L * r * 16), a, acc[r]);
-                    if (has_min) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(S[r * ns + s]), m, acc[r]);
+                    if (S) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(S[r * ns + s]), m, acc[r]);
                 }
             }
         }
@@ -518,7 +554,7 @@ static inline void amx_pieces_float(int qtype, const uint8_t *p, int64_t u, cons
                                                          _mm512_load_ps(ch + (per + r) * 16)),
                                            _mm512_load_ps(ch + r * 16));
             acc[r] = _mm512_fmadd_ps(d, a, acc[r]);
-            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(S[r * ns + s]), m, acc[r]);
+            if (S) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(S[r * ns + s]), m, acc[r]);   /* no S: m = 0 */
         }
     }
 }
@@ -656,7 +692,7 @@ static int amx_gemm_team(const float *x, int64_t ldx, int64_t rows, const uint8_
     uint8_t *buf = amx_scratch_for(xp_bytes + s_bytes + fixed);
     const int ok = buf != NULL && amx_usable();
     uint16_t *xp = (uint16_t *)buf;
-    float *S = ok && qtype != Q6_K ? (float *)(buf + xp_bytes) : NULL;
+    float *S = ok && amx_has_min(qtype) ? (float *)(buf + xp_bytes) : NULL;
     uint16_t *ring = ok ? (uint16_t *)(buf + xp_bytes + s_bytes) : NULL;
     float *cbuf = ok ? (float *)(buf + xp_bytes + s_bytes + 2 * 2048) : NULL;
     if (ok && one_row) {   /* rows 0-2 and 6-8 zero, the pieces between */
@@ -687,8 +723,9 @@ static int amx_gemm_team(const float *x, int64_t ldx, int64_t rows, const uint8_
                 amx_group_one_row(qtype, gp, in, xp, S, ring, cbuf, o);
             } else if (pieces) {
                 const int R1 = p0 + 1 < passes ? (int)(rows - r0 - per < per ? rows - r0 - per : per) : 0;
-                amx_group_pieces(qtype, gp, in, xp + p0 * pass_elems, xp + (p0 + 1) * pass_elems, S + p0 * per * ns,
-                                 S + (p0 + 1) * per * ns, per, R0, R1, ring, cbuf, o, ldo);
+                amx_group_pieces(qtype, gp, in, xp + p0 * pass_elems, xp + (p0 + 1) * pass_elems,
+                                 S ? S + p0 * per * ns : NULL, S ? S + (p0 + 1) * per * ns : NULL, per, R0, R1, ring,
+                                 cbuf, o, ldo);
                 R = R1 ? per + R1 : R0;
             } else {
                 amx_group_rows(qtype, L, gp, in, xp + p0 * pass_elems, S ? S + p0 * per * ns : NULL, R0, per, ring,
