@@ -37,7 +37,7 @@ def _setup(lib: ctypes.CDLL) -> None:
     lib.specserve_quant_gemm.restype = c_int
     lib.specserve_quant_dequantize.argtypes = [ptr, c_int, ptr, i64, i64, ptr, c_int]
     lib.specserve_quant_dequantize.restype = c_int
-    for name in ("specserve_quant_block_elems", "specserve_quant_block_bytes"):
+    for name in ("specserve_quant_block_elems", "specserve_quant_block_bytes", "specserve_quant_amx_float_on_int8"):
         getattr(lib, name).argtypes = [c_int]
         getattr(lib, name).restype = c_int
     lib.specserve_quant_int8_supported.argtypes = [c_int, i64]
@@ -119,6 +119,14 @@ def amx_tiles_available() -> bool:
     from gguf import GGMLQuantizationType
 
     return supports_amx(int(GGMLQuantizationType.Q4_K), AMX_GROUP, 256)
+
+
+def float_activations_on_int8_tiles(qtype: int) -> bool:
+    """True for the formats whose float32 activations the AMX kernels multiply on int8 tiles, as three
+    int8 pieces (float32's precision), rather than on bfloat16 tiles: Q8_0, whose 8-bit codes int8
+    tiles take as they are (``amx_tiles.h``'s ``amx_bf16_takes`` says why)."""
+    lib = _load()
+    return lib is not None and bool(lib.specserve_quant_amx_float_on_int8(int(qtype)))
 
 
 def supports_amx_int8(qtype: int, out_features: int, in_features: int) -> bool:

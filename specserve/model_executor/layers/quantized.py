@@ -111,8 +111,9 @@ class QuantizedMatrix:
 
     def packed_for_tiles(self, release: Callable[[list[torch.Tensor]], None] | None = None) -> "QuantizedMatrix":
         """This matrix with every segment an AMX kernel multiplies repacked for it: float32
-        activations on bfloat16 tiles (``quant_gemm.supports_amx``), ``int8_activations=3`` on
-        int8 tiles (``supports_amx_int8``); itself when none is (no AMX, other int8-activation
+        activations on bfloat16 tiles (``quant_gemm.supports_amx``; Q8_0 on int8 tiles as three int8
+        pieces, ``float_activations_on_int8_tiles``), ``int8_activations=3`` on int8 tiles
+        (``supports_amx_int8``); itself when none is (no AMX, other int8-activation
         settings, other formats). ``release`` gets the file's blocks as they are packed
         (``quant_gemm.pack_for_amx``)."""
         int8_tiles = self.int8_activations is not True and self.int8_activations == quant_gemm.AMX_INT8_PIECES
@@ -120,7 +121,7 @@ class QuantizedMatrix:
             return self
         supported = quant_gemm.supports_amx_int8 if int8_tiles else quant_gemm.supports_amx
         segments = [QuantSegment(s.qtype, quant_gemm.pack_for_amx(s.data, s.qtype, self.in_features, release), True,
-                                 int8_tiles)
+                                 int8_tiles or quant_gemm.float_activations_on_int8_tiles(s.qtype))
                     if not s.amx_packed and supported(s.qtype, s.rows, self.in_features) else s
                     for s in self.segments]
         if all(a is b for a, b in zip(segments, self.segments)):

@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as T
 from test_quant_gemm import assert_rows_bitwise_independent, gguf_values, random_blocks
 
 from specserve.model_executor.layers import quant_gemm
-from specserve.model_executor.layers.quantized import QuantizedMatrix, pack_for_tiles
+from specserve.model_executor.layers.quantized import QuantizedMatrix, QuantSegment, pack_for_tiles
 
 AMX_FORMATS = [T.Q4_K, T.Q4_1, T.Q5_0, T.Q8_0, T.Q6_K]
 ARITHMETICS = ["int8", "bf16"]
@@ -37,6 +37,18 @@ def packed(qtype: T, out_features: int, in_features: int, seed: int = 0, arithme
     m = m.packed_for_tiles()
     assert m.amx_packed and m.shape == (out_features, in_features)
     return m, gguf_values(blocks, qtype, in_features)
+
+
+def test_q8_0_runs_on_int8_tiles_whatever_the_activations(arithmetic):
+    """Float32 activations of Q8_0 go to int8 tiles as three int8 pieces (its bytes need no
+    unpacking there); the other formats' go to bfloat16 tiles."""
+    m, _ = packed(T.Q8_0, 32, 256, arithmetic=arithmetic)
+    assert [s.amx_int8 for s in m.segments] == [True]
+    assert quant_gemm.float_activations_on_int8_tiles(int(T.Q8_0))
+    assert not any(quant_gemm.float_activations_on_int8_tiles(int(q)) for q in AMX_FORMATS if q != T.Q8_0)
+    forced = QuantizedMatrix([QuantSegment(int(T.Q8_0), m.segments[0].data, amx_packed=True)], 256)
+    with pytest.raises(RuntimeError, match="kernel failed"):   # bfloat16 tiles refuse Q8_0, not misread it
+        forced.matmul(torch.randn(1, 256))
 
 
 def test_three_int8_pieces_run_on_int8_tiles(arithmetic):

@@ -14,20 +14,20 @@
  * unpacking the quants to bfloat16 once for all rows.
  *
  * Exact arithmetic, not bfloat16 rounding:
- *   - a quant q (the format's small integer: 0..15, 0..63 - 32, Q8_0's -128..127) is exactly a
- *     bfloat16 (at most 8 significant bits);
+ *   - a quant q (the format's small integer: 0..15, 0..63 - 32) is exactly a bfloat16;
  *   - each float32 activation x is split into three bfloat16 pieces, x = p1 + p2 + p3 exactly
  *     (p1 = bf16(x), p2 = bf16(x - p1), p3 = x - p1 - p2, which has at most 8 significant bits);
  *   - every product q * p is exact in float32, and the tile sums them in float32;
  *   - per sub-block s of SB values (one scale a_s, one offset m_s in the format), with
  *     D = sum q * x over the sub-block and S = sum x over it. D comes from the tiles: Q6_K's
- *     three tile multiplies, one a piece, sum into one C tile; Q4_K's, Q4_1's, Q5_0's and Q8_0's pieces are three
+ *     three tile multiplies, one a piece, sum into one C tile; Q4_K's, Q4_1's and Q5_0's pieces are three
  *     A rows of one multiply, each piece's sum in its own C row, and D = (D_3 + D_2) + D_1 in
  *     float32 (amx_group_pieces: a third of the tile multiplies of a decode step). Then
  *       out[r, o] = sum over s, in order, of  a_s * D  then  + m_s * S
  *     which is sum_k w_k * x_k for w = a_s * q + m_s, exactly ggml's dequantized value
  *     (Q4_K: a = d * scale, m = -dmin * min; Q4_1: a = d, m = m; Q5_0: a = d, m = -16 d, both
- *     exact; Q8_0: a = d, m = 0, so S is not needed; Q6_K: a = d * scale, q - 32, m = 0).
+ *     exact; Q6_K: a = d * scale, q - 32). Q8_0 is packed here but multiplied on int8 tiles only
+ *     (amx_bf16_takes).
  * So the model computed is the file's, at float32 precision; the rounding differs from the
  * AVX-512 path's (another order of sums), so a matrix uses one path for every row count.
  *
@@ -109,10 +109,18 @@ static inline int amx_codes_at(int qtype) { return qtype == Q8_0 ? 64 : 96; }
 /* Formats with an offset per sub-block (m_s != 0 in "a_s * D + m_s * S"), whose rows need S. */
 static inline int amx_has_min(int qtype) { return qtype == Q4_K || qtype == Q4_1 || qtype == Q5_0; }
 
-__attribute__((unused)) static int amx_supported(int qtype, int64_t out, int64_t in) {
+/* 1 when amx_pack packs a [out, in] matrix of qtype and the OS grants the tiles. */
+__attribute__((unused)) static int amx_packs(int qtype, int64_t out, int64_t in) {
     return amx_unit_bytes(qtype) && out % 16 == 0 && in % qblock_elems(qtype) == 0 && in % AMX_UNIT_K == 0 &&
            amx_usable();
 }
+
+/* Formats the bfloat16 tiles (this file's matmul) take. Q8_0's 8-bit codes convert to bfloat16
+ * too slowly: a 1-row product of the 0.5B draft's Q8_0 LM head took 5.3-5.7 ms that way against
+ * 3.9-4.1 on the AVX-512 path, while int8 tiles take its bytes as they are (amx_int8.h: 2.7-3.3
+ * ms), so float32 activations of Q8_0 run on int8 tiles as three int8 pieces (float32's precision
+ * too; quantized.py's packed_for_tiles). */
+static inline int amx_bf16_takes(int qtype) { return qtype != Q8_0; }
 
 static inline int64_t amx_packed_row_bytes(int qtype, int64_t in) { return in / AMX_UNIT_K * amx_unit_bytes(qtype); }
 
@@ -163,7 +171,7 @@ static void file_codes(int qtype, const uint8_t *row, int64_t k0, uint8_t codes[
     }
 }
 
-/* w [out, file row bytes] -> packed [out / 16][packed row bytes]; amx_supported() must hold. */
+/* w [out, file row bytes] -> packed [out / 16][packed row bytes]; amx_packs() must hold. */
 __attribute__((unused)) static void amx_pack(const uint8_t *w, int qtype, int64_t out, int64_t in, uint8_t *packed,
                                              int num_threads) {
     const int64_t row_bytes = in / qblock_elems(qtype) * qblock_bytes(qtype), units = in / AMX_UNIT_K;
@@ -321,16 +329,6 @@ static inline __m512i amx_nibble_bytes(int qtype, const uint8_t *p, int c, int h
     return _mm512_or_si512(nib, _mm512_maskz_mov_epi8(_cvtu64_mask64(mask), _mm512_set1_epi8(0x10)));
 }
 
-/* 32 signed 16-bit integers of at most 8 significant bits -> 32 bfloat16, in order (exact). */
-static inline __m512i amx_words_to_bf16(__m512i v) {
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(v)));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(v, 1)));
-    const __m512bh both = _mm512_cvtne2ps_pbh(hi, lo);   /* lo's values in the low half */
-    __m512i out;
-    memcpy(&out, &both, sizeof out);
-    return out;
-}
-
 /* One packed unit's quants -> its B tiles as bfloat16, 2048 bytes: [sub-block][SB / 2][32]. Each
  * 64-byte load is 32 words holding two pair rows' quants (amx_code_byte), which a word permute
  * reads through its index's low bits: the low byte's (shift 0), or the high byte's (shift 8);
@@ -342,14 +340,6 @@ static inline void amx_unpack_unit(int qtype, const uint8_t *p, uint16_t *b) {
             const __m512i v = _mm512_loadu_si512(p + 96 + 64 * c);
             _mm512_store_si512(b + 2 * c * 32, _mm512_permutex2var_epi16(lo, v, hi));
             _mm512_store_si512(b + (2 * c + 1) * 32, _mm512_permutex2var_epi16(lo, _mm512_srli_epi16(v, 8), hi));
-        }
-        return;
-    }
-    if (qtype == Q8_0) {   /* signed bytes -> bfloat16 (exact: 8 significant bits at most) */
-        for (int c = 0; c < 16; c++) {
-            const __m512i v = _mm512_loadu_si512(p + 64 + 64 * c);
-            _mm512_store_si512(b + 2 * c * 32, amx_words_to_bf16(_mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8)));
-            _mm512_store_si512(b + (2 * c + 1) * 32, amx_words_to_bf16(_mm512_srai_epi16(v, 8)));
         }
         return;
     }
@@ -554,7 +544,7 @@ static inline void amx_pieces_float(int qtype, const uint8_t *p, int64_t u, cons
                                                          _mm512_load_ps(ch + (per + r) * 16)),
                                            _mm512_load_ps(ch + r * 16));
             acc[r] = _mm512_fmadd_ps(d, a, acc[r]);
-            if (S) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(S[r * ns + s]), m, acc[r]);   /* no S: m = 0 */
+            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(S[r * ns + s]), m, acc[r]);
         }
     }
 }
@@ -676,6 +666,7 @@ static uint8_t *amx_scratch_for(int64_t len) {
  * could not be allocated (out is then incomplete). */
 static int amx_gemm_team(const float *x, int64_t ldx, int64_t rows, const uint8_t *w, int qtype, int64_t out_features,
                          int64_t in, const float *bias, float *out, int64_t ldo) {
+    if (!amx_bf16_takes(qtype)) return -1;
     if (rows <= 0) return 0;   /* nothing to do (and no pass to size) */
     const int sb = amx_sub_block(qtype), pieces = qtype != Q6_K, L = amx_lanes(qtype, rows);
     const int64_t cap = pieces ? AMX_PIECE_ROWS : AMX_ROWS / L;
@@ -723,9 +714,8 @@ static int amx_gemm_team(const float *x, int64_t ldx, int64_t rows, const uint8_
                 amx_group_one_row(qtype, gp, in, xp, S, ring, cbuf, o);
             } else if (pieces) {
                 const int R1 = p0 + 1 < passes ? (int)(rows - r0 - per < per ? rows - r0 - per : per) : 0;
-                amx_group_pieces(qtype, gp, in, xp + p0 * pass_elems, xp + (p0 + 1) * pass_elems,
-                                 S ? S + p0 * per * ns : NULL, S ? S + (p0 + 1) * per * ns : NULL, per, R0, R1, ring,
-                                 cbuf, o, ldo);
+                amx_group_pieces(qtype, gp, in, xp + p0 * pass_elems, xp + (p0 + 1) * pass_elems, S + p0 * per * ns,
+                                 S + (p0 + 1) * per * ns, per, R0, R1, ring, cbuf, o, ldo);
                 R = R1 ? per + R1 : R0;
             } else {
                 amx_group_rows(qtype, L, gp, in, xp + p0 * pass_elems, S ? S + p0 * per * ns : NULL, R0, per, ring,

@@ -20,7 +20,7 @@
 #include "ggml_blocks.h"   /* qblock_elems, qblock_bytes */
 #include "quant_unpack.h"  /* quant_dequantize */
 #include "q8_act.h"        /* q8_act_supported */
-#include "amx_tiles.h"     /* amx_supported, amx_pack, amx_packed_row_bytes, amx_dequantize */
+#include "amx_tiles.h"     /* amx_packs, amx_bf16_takes, amx_pack, amx_packed_row_bytes, amx_dequantize */
 #include "amx_int8.h"      /* HAVE_AMX_I8, AMX_I8_FLAG */
 
 int specserve_quant_block_elems(int qtype) { return qblock_elems(qtype); }
@@ -38,11 +38,16 @@ int specserve_quant_int8_supported(int qtype, int64_t in) {
 }
 
 /* AMX tiles (amx_tiles.h): 1 when this build, CPU and OS multiply a [out, in] matrix of qtype on
- * them (the matrix packed by specserve_quant_amx_pack into out / 16 rows of
- * specserve_quant_amx_row_bytes each). */
+ * them with float32 activations (the matrix packed by specserve_quant_amx_pack into out / 16 rows
+ * of specserve_quant_amx_row_bytes each; on bfloat16 tiles, or on int8 tiles where
+ * specserve_quant_amx_float_on_int8 says so). */
 int specserve_quant_amx_supported(int qtype, int64_t out, int64_t in) {
 #if defined(__F16C__) && defined(HAVE_AMX)
-    return amx_supported(qtype, out, in);
+#ifdef HAVE_AMX_I8
+    return amx_packs(qtype, out, in);
+#else
+    return amx_packs(qtype, out, in) && amx_bf16_takes(qtype);
+#endif
 #else
     (void)qtype, (void)out, (void)in;
     return 0;
@@ -59,6 +64,16 @@ int specserve_quant_amx_int8_built(void) {
 #endif
 }
 
+/* 1 when float32 activations of qtype go to int8 tiles as three int8 pieces (amx_bf16_takes: Q8_0). */
+int specserve_quant_amx_float_on_int8(int qtype) {
+#if defined(__F16C__) && defined(HAVE_AMX)
+    return !amx_bf16_takes(qtype);
+#else
+    (void)qtype;
+    return 0;
+#endif
+}
+
 int64_t specserve_quant_amx_row_bytes(int qtype, int64_t in) {
 #if defined(__F16C__) && defined(HAVE_AMX)
     return amx_packed_row_bytes(qtype, in);
@@ -71,7 +86,7 @@ int64_t specserve_quant_amx_row_bytes(int qtype, int64_t in) {
 /* w [out, file row bytes] -> dst [out / 16, amx row bytes]. Returns 0, or -1 when unsupported. */
 int specserve_quant_amx_pack(const uint8_t *w, int qtype, int64_t out, int64_t in, uint8_t *dst, int num_threads) {
 #if defined(__F16C__) && defined(HAVE_AMX)
-    if (!amx_supported(qtype, out, in)) return -1;
+    if (!amx_packs(qtype, out, in)) return -1;
     amx_pack(w, qtype, out, in, dst, num_threads < 1 ? 1 : num_threads);
     return 0;
 #else
