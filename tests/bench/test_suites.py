@@ -83,6 +83,22 @@ def test_kernels_suite(tmp_path):
     assert {s["part"] for s in doc["samples"]} == {"matmul", "attention"}
 
 
+def test_kernels_suite_times_the_tiles_beside_the_blocks(tmp_path):
+    from gguf import GGMLQuantizationType
+
+    from specserve.model_executor.layers import quant_gemm
+
+    doc = run_suite(["kernels", "--parts", "matmul", "--formats", "Q4_0,Q6_K", "--rows", "1,4", "--tiles",
+                     "--repeat", "1", "--out", "64", "--in", "256"], str(tmp_path))
+    kinds = [r[0] for r in doc["table"]["rows"]]
+    if quant_gemm.supports_amx(int(GGMLQuantizationType.Q6_K), 64, 256):   # Q4_0 has no tile packing
+        assert kinds == ["matmul Q4_0"] * 2 + ["matmul Q6_K", "matmul Q6_K (AMX tiles)"] * 2
+        assert [s["tiles_s"] is None for s in doc["samples"]] == [True, True, False, False]
+    else:
+        assert kinds == ["matmul Q4_0"] * 2 + ["matmul Q6_K"] * 2
+    assert [r[1].split(", ")[-1] for r in doc["table"]["rows"]][:2] == ["1 row(s)", "4 row(s)"]
+
+
 def test_forward_rows_suite(tiny_llama_dir, tmp_path):
     doc = run_suite(["forward-rows", "--models", tiny_llama_dir, "--rows", "3,1", "--rounds", "1",
                      "--context", "20"], str(tmp_path))

@@ -2,10 +2,13 @@
 the float16 kernel on the same values, and the paged-attention kernel against the PyTorch path.
 
 - matmul: a ``--out`` x ``--in`` weight of random blocks (float16 scales of a real weight's size),
-  multiplied by 1 row (a decode step) and 6 rows (a verification of 5 drafts), best of
+  multiplied by ``--rows`` rows (1: a decode step, 6: a verification of 5 drafts), best of
   ``--repeat`` x 10 calls; the float16 kernel (``cpu_gemm``) multiplies the same dequantized
-  values, interleaved. The weight stays in cache, so this measures arithmetic; in a real forward
-  the float16 kernel also streams 2 bytes a weight against the blocks' 0.56-1.06.
+  values, interleaved. A small weight stays in cache, so this measures arithmetic; in a real
+  forward the float16 kernel also streams 2 bytes a weight against the blocks' 0.56-1.06 (a weight
+  the size of an LM head, ``--out 151936 --in 896``, streams from memory). With ``--tiles`` the
+  same weight packed for AMX tiles (``QuantizedMatrix.packed_for_tiles``, float32 activations)
+  is timed too, interleaved, on CPUs with AMX.
 - attention: the default model's shapes (9 query heads, 3 KV heads, head_dim 64, 16-token blocks),
   decode (1 new token), verification (6) and prefill chunks (100), contexts of 60-260 tokens; the
   compiled kernel over a float16 cache (what ``dtype="auto"`` runs) against gather + SDPA over a
@@ -31,6 +34,8 @@ def add_arguments(p) -> None:
     p.add_argument("--formats", default=FORMATS)
     p.add_argument("--out", type=int, default=1024, help="matmul weight rows")
     p.add_argument("--in", dest="in_features", type=int, default=512, help="matmul weight columns")
+    p.add_argument("--rows", default="1,6", help="matmul activation rows, comma-separated")
+    p.add_argument("--tiles", action="store_true", help="also time each weight packed for AMX tiles (CPUs with AMX)")
     p.add_argument("--repeat", type=int, default=30)
     p.add_argument("--attention-repeats", type=int, default=200)
 
@@ -59,28 +64,36 @@ def matmul_rows(args, samples: list) -> list[list[str]]:
     from specserve.model_executor.layers import cpu_gemm
     from specserve.model_executor.layers.quantized import QuantizedMatrix
 
+    def best_of(fn, x) -> float:
+        t = time.perf_counter()
+        for _ in range(10):
+            fn(x)
+        return (time.perf_counter() - t) / 10
+
     rows = []
     weights = args.out * args.in_features
     for name in args.formats.split(","):
         m = QuantizedMatrix.from_blocks(random_blocks(name, args.out, args.in_features),
                                         int(GGMLQuantizationType[name]), args.in_features)
         half = m.dequantize().half()
-        for r in (1, 6):
+        variants = {"blocks": m}
+        if args.tiles and (tiles := m.packed_for_tiles()) is not m:
+            variants["AMX tiles"] = tiles
+        for r in [int(n) for n in str(args.rows).split(",")]:
             x = torch.randn(r, args.in_features)
-            best_q = best_h = float("inf")
+            best = {v: float("inf") for v in [*variants, "float16"]}
             for _ in range(args.repeat):
-                t = time.perf_counter()
-                for _ in range(10):
-                    m.matmul(x)
-                best_q = min(best_q, (time.perf_counter() - t) / 10)
-                t = time.perf_counter()
-                for _ in range(10):
-                    cpu_gemm.fp16_weight_matmul(x, half, None)
-                best_h = min(best_h, (time.perf_counter() - t) / 10)
-            samples.append({"part": "matmul", "format": name, "rows": r, "blocks_s": best_q, "float16_s": best_h})
-            rows.append([f"matmul {name}", f"[{args.out}, {args.in_features}], {r} row(s)",
-                         fmt(weights / best_q / 1e9, 2) + " G weights/s", fmt(weights / best_h / 1e9, 2) + " G weights/s",
-                         fmt(best_h / best_q, 2, "x")])
+                for v, mat in variants.items():
+                    best[v] = min(best[v], best_of(mat.matmul, x))
+                best["float16"] = min(best["float16"], best_of(lambda x: cpu_gemm.fp16_weight_matmul(x, half, None), x))
+            samples.append({"part": "matmul", "format": name, "rows": r, "blocks_s": best["blocks"],
+                            "tiles_s": best.get("AMX tiles"), "float16_s": best["float16"]})
+            for v in variants:
+                rows.append([f"matmul {name}" + (f" ({v})" if v != "blocks" else ""),
+                             f"[{args.out}, {args.in_features}], {r} row(s)",
+                             fmt(weights / best[v] / 1e9, 2) + " G weights/s",
+                             fmt(weights / best["float16"] / 1e9, 2) + " G weights/s",
+                             fmt(best["float16"] / best[v], 2, "x")])
     return rows
 
 
@@ -142,7 +155,7 @@ def run(args, doc: dict) -> None:
 
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     doc["params"] = {"parts": parts, "formats": args.formats, "out": args.out, "in": args.in_features,
-                     "repeat": args.repeat, "attention_repeats": args.attention_repeats,
+                     "rows": args.rows, "tiles": args.tiles, "repeat": args.repeat, "attention_repeats": args.attention_repeats,
                      "threads": torch.get_num_threads()}
     samples, rows = [], []
     if "matmul" in parts:
@@ -152,6 +165,7 @@ def run(args, doc: dict) -> None:
     if not rows:
         raise ValueError("--parts: matmul, attention or both")
     doc["table"] = {"columns": ["kernel", "shape", "specserve", "reference", "speedup"], "rows": rows}
-    doc["notes"] = ["matmul: the GGUF-block kernel against the float16 kernel on the same values (in cache, best "
-                    "of the repeats); attention: the compiled kernel against gather + SDPA (median per layer call)."]
+    doc["notes"] = ["matmul: the GGUF-block kernel (and with --tiles the weight packed for AMX tiles) against the "
+                    "float16 kernel on the same values, best of the repeats (in cache where the weight fits); "
+                    "attention: the compiled kernel against gather + SDPA (median per layer call)."]
     doc["samples"] = samples
