@@ -99,8 +99,9 @@ def test_the_published_page_is_what_its_results_give():
     page = render_page(os.path.join(ROOT, "docs", "bench", "results"), os.path.join(ROOT, "benchmarks"))
     with open(os.path.join(ROOT, "docs", "benchmarks.md")) as f:
         assert f.read() == page, "run `specserve bench page` after changing docs/bench/results or benchmarks/"
-    # a screenful per suite (17), and a table per machine kind (three CPU kinds: AVX2, AVX-512, AVX-512 with AMX)
-    assert len(page.splitlines()) <= 660
+    # a screenful per suite (17), and a table per machine kind (three CPU kinds: AVX2, AVX-512, AVX-512 with AMX;
+    # the kernels suite has a table for each since its AMX-tile rows)
+    assert len(page.splitlines()) <= 690
 
 
 def test_results_are_saved_gzipped_and_read_either_way(tmp_path):
