@@ -12,8 +12,9 @@ kernel call into its own columns of the output.
 ``packed_for_tiles()`` (at the end of loading, on CPUs with AMX): the segments whose format
 the AMX kernels know are repacked into their tile order (``cpu_kernels/amx_tiles.h``) and from
 then on multiplied on AMX tiles at every row count: float32 activations on bfloat16 tiles with
-exact products, or, with ``int8_activations=3``, each activation as three int8 pieces on int8
-tiles (``amx_int8.h``; the segment's ``amx_int8``); cuts and stacks come before it.
+exact products, or, with ``int8_activations=3`` (and for Q8_0 whatever the activations), each
+activation as three int8 pieces on int8 tiles (``amx_int8.h``; the segment's ``amx_int8``); cuts
+and stacks come before it.
 
 ``int8_activations`` (off by default): multiply with activations rounded to 8 bits
 per 256 values and byte products (``cpu_kernels/q8_act.h``; ``q8_act_avx2.h`` on AVX2), llama.cpp's way,
