@@ -1,7 +1,8 @@
 """``specserve bench [SUITE]``: every figure specserve publishes, one suite per question.
 
-Each run writes one results file, RESULTS/<suite>/<UTC time>.json.gz (``--results``, default
-bench-results/): the machine's facts, the command, the commit, the table and the raw samples;
+Each run prints its table and writes one results file, RESULTS/<suite>/<UTC time>.json.gz
+(``--results``, default bench-results/): the machine's facts, the command, the commit, the table
+and the raw samples;
 ``specserve bench page`` turns the newest file of each suite under docs/bench/results into
 docs/benchmarks.md. The suites: ``specserve bench --help`` lists them, ``specserve bench SUITE
 --help`` gives their options.
@@ -174,7 +175,8 @@ def options_from_args(args, argv: list[str] | None = None):
 
 
 def cmd_bench(args, argv: list[str] | None = None) -> int:
-    """Run the suite ``args.suite`` (spec-bench when none) and write its results file; or ``page``."""
+    """Run the suite ``args.suite`` (spec-bench when none), write its results file and print its table;
+    or ``page``."""
     from specserve.bench import results
     from specserve.bench.suites import SUITES, suite_module
 
@@ -193,5 +195,6 @@ def cmd_bench(args, argv: list[str] | None = None) -> int:
     if hasattr(os, "getloadavg") and not doc["machine"].get("loadavg_end"):
         doc["machine"]["loadavg_end"] = list(os.getloadavg())
     path = results.save(doc, args.results)
+    print("\n".join(["", *results.markdown_table(doc["table"]), *(f"- {n}" for n in doc.get("notes") or []), ""]))
     print(f"wrote {path}")
     return 0

@@ -145,6 +145,15 @@ def machine_line(m: dict) -> str:
     return text
 
 
+def markdown_table(table: dict) -> list[str]:
+    """A results table ({"columns": [...], "rows": [[...], ...]}) as Markdown lines: the page's
+    tables and what ``specserve bench`` prints when a run ends."""
+    cols = table["columns"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in table["rows"]]
+    return lines
+
+
 def fmt(x, digits: int = 1, suffix: str = "") -> str:
     """A table cell: numbers rounded, None as a dash."""
     if x is None:

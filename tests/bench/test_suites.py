@@ -15,12 +15,15 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def run_suite(argv: list[str], results: str) -> dict:
+def run_suite(argv: list[str], results: str, capsys=None) -> dict:
     argv = ["bench", *argv, "--results", results]
     args = build_parser().parse_args(argv)
     assert args.func(args, argv) == 0
     (path,) = results_files(results, argv[1])
     doc = read_json(path)
+    if capsys is not None:   # the run's table is printed, then where its file went
+        out = capsys.readouterr().out
+        assert "| " + " | ".join(doc["table"]["columns"]) + " |" in out and out.rstrip().endswith(f"wrote {path}")
     assert doc["suite"] == argv[1] and doc["command"] == "specserve " + " ".join(argv)
     assert doc["machine"]["cpu"] and doc["commit"]
     return doc
@@ -83,13 +86,13 @@ def test_kernels_suite(tmp_path):
     assert {s["part"] for s in doc["samples"]} == {"matmul", "attention"}
 
 
-def test_kernels_suite_times_the_tiles_beside_the_blocks(tmp_path):
+def test_kernels_suite_times_the_tiles_beside_the_blocks(tmp_path, capsys):
     from gguf import GGMLQuantizationType
 
     from specserve.model_executor.layers import quant_gemm
 
     doc = run_suite(["kernels", "--parts", "matmul", "--formats", "Q4_0,Q6_K", "--rows", "1,4", "--tiles",
-                     "--repeat", "1", "--out", "64", "--in", "256"], str(tmp_path))
+                     "--repeat", "1", "--out", "64", "--in", "256"], str(tmp_path), capsys)
     kinds = [r[0] for r in doc["table"]["rows"]]
     if quant_gemm.supports_amx(int(GGMLQuantizationType.Q6_K), 64, 256):   # Q4_0 has no tile packing
         assert kinds == ["matmul Q4_0"] * 2 + ["matmul Q6_K", "matmul Q6_K (AMX tiles)"] * 2
