@@ -195,6 +195,6 @@ def cmd_bench(args, argv: list[str] | None = None) -> int:
     if hasattr(os, "getloadavg") and not doc["machine"].get("loadavg_end"):
         doc["machine"]["loadavg_end"] = list(os.getloadavg())
     path = results.save(doc, args.results)
-    print("\n".join(["", *results.markdown_table(doc["table"]), *(f"- {n}" for n in doc.get("notes") or []), ""]))
+    print("\n".join(["", *results.table_lines(doc), ""]))
     print(f"wrote {path}")
     return 0

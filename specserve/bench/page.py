@@ -15,7 +15,7 @@ import ast
 import glob
 import os
 
-from specserve.bench.results import latest_by_machine_kind, machine_kind, machine_line, markdown_table
+from specserve.bench.results import latest_by_machine_kind, machine_kind, machine_line, table_lines
 from specserve.bench.suites import SUITES
 
 DEFAULT_RESULTS = os.path.join("docs", "bench", "results")
@@ -54,12 +54,7 @@ def _run(d: dict, suite: str, link: str) -> list[str]:
     L = ["```", d["command"], "```", "",
          f"Machine: {machine_line(d['machine'])}. Commit {d['commit']}, {d['date'][:10]}. "
          f"Results: `{link}/{suite}/`" + (f"; {d['source']}" if d.get("source") else "") + ".", ""]
-    L += markdown_table(d["table"])
-    L.append("")
-    L += [f"- {note}" for note in d.get("notes") or []]
-    if d.get("notes"):
-        L.append("")
-    return L
+    return L + table_lines(d) + [""]
 
 
 def render_page(results_dir: str, scripts_dir: str | None = None, results_link: str | None = None,

@@ -154,6 +154,12 @@ def markdown_table(table: dict) -> list[str]:
     return lines
 
 
+def table_lines(doc: dict) -> list[str]:
+    """A results file's table in Markdown, then its notes as a list (the page's and the terminal's)."""
+    notes = [f"- {note}" for note in doc.get("notes") or []]
+    return markdown_table(doc["table"]) + ([""] + notes if notes else [])
+
+
 def fmt(x, digits: int = 1, suffix: str = "") -> str:
     """A table cell: numbers rounded, None as a dash."""
     if x is None:

@@ -64,7 +64,7 @@ def matmul_rows(args, samples: list) -> list[list[str]]:
     from specserve.model_executor.layers import cpu_gemm
     from specserve.model_executor.layers.quantized import QuantizedMatrix
 
-    def best_of(fn, x) -> float:
+    def mean_of_ten_calls(fn, x) -> float:
         t = time.perf_counter()
         for _ in range(10):
             fn(x)
@@ -84,8 +84,8 @@ def matmul_rows(args, samples: list) -> list[list[str]]:
             best = {v: float("inf") for v in [*variants, "float16"]}
             for _ in range(args.repeat):
                 for v, mat in variants.items():
-                    best[v] = min(best[v], best_of(mat.matmul, x))
-                best["float16"] = min(best["float16"], best_of(lambda x: cpu_gemm.fp16_weight_matmul(x, half, None), x))
+                    best[v] = min(best[v], mean_of_ten_calls(mat.matmul, x))
+                best["float16"] = min(best["float16"], mean_of_ten_calls(lambda x: cpu_gemm.fp16_weight_matmul(x, half, None), x))
             samples.append({"part": "matmul", "format": name, "rows": r, "blocks_s": best["blocks"],
                             "tiles_s": best.get("AMX tiles"), "float16_s": best["float16"]})
             for v in variants:

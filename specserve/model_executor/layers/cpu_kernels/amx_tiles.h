@@ -250,10 +250,10 @@ __attribute__((unused)) static void amx_dequantize(const uint8_t *packed, int qt
             for (int kk = 0; kk < AMX_UNIT_K; kk++) {
                 const int w = 2 * o + kk % 2;
                 if (qtype == Q6_K) {
-                    const int sub = kk / 16, q = p[96 + amx_code_byte(kk / 2, w)];
+                    const int sub = kk / 16, q = p[amx_codes_at(qtype) + amx_code_byte(kk / 2, w)];
                     y[kk] = (float)(q - 32) * (half_at(p + 2 * o) * (float)(int8_t)p[32 + 16 * sub + o]);
                 } else if (qtype == Q8_0) {
-                    y[kk] = (float)(int8_t)p[64 + amx_code_byte(kk / 2, w)] * half_at(p + 32 * (kk / 32) + 2 * o);
+                    y[kk] = (float)(int8_t)p[amx_codes_at(qtype) + amx_code_byte(kk / 2, w)] * half_at(p + 32 * (kk / 32) + 2 * o);
                 } else {
                     const int hi = kk / 32, byte = amx_code_byte((kk % 32) / 2, w);
                     int q = (p[amx_nibbles_at(qtype) + byte] >> (4 * hi)) & 0x0F;
