@@ -99,10 +99,19 @@ def supports_int8_activations(qtype: int, in_features: int) -> bool:
 # (``cpu_kernels/amx_tiles.h``), [out / 16, amx_row_bytes] uint8.
 AMX_PACKED_FLAG = 512
 AMX_GROUP = 16   # output rows per packed row
-# With AMX_PACKED_FLAG: multiply on int8 tiles, each activation row as three int8 pieces
-# (``cpu_kernels/amx_int8.h``; ``int8_activations=3`` on CPUs with AMX) instead of bfloat16 tiles.
+# With AMX_PACKED_FLAG: multiply on int8 tiles (``cpu_kernels/amx_int8.h``) instead of bfloat16
+# tiles, each activation row as (pieces - 1) << INT8_PIECES_SHIFT int8 pieces: ``int8_activations``
+# on CPUs with AMX, and float32 activations of the formats ``float_activations_on_int8_tiles`` names.
 AMX_INT8_FLAG = 4096
-AMX_INT8_PIECES = 3   # the int8 tiles' piece count: int8_activations=3 runs on them
+FLOAT_PIECES = 3   # int8 pieces that carry a float32 row (about 2^-24 of each sub-block's largest value)
+
+
+def amx_int8_flags(pieces: int) -> int:
+    """The qtype flags of a matrix packed for AMX tiles and multiplied on int8 tiles with each
+    activation row as ``pieces`` int8 pieces (a pass of the tiles takes 16 // pieces rows)."""
+    if not 1 <= pieces <= MAX_INT8_PIECES:
+        raise ValueError(f"int8 activation pieces must be 1 to {MAX_INT8_PIECES}, got {pieces}")
+    return AMX_PACKED_FLAG | AMX_INT8_FLAG | ((pieces - 1) << INT8_PIECES_SHIFT)
 
 
 def supports_amx(qtype: int, out_features: int, in_features: int) -> bool:
@@ -122,15 +131,29 @@ def amx_tiles_available() -> bool:
 
 
 def float_activations_on_int8_tiles(qtype: int) -> bool:
-    """True for the formats whose float32 activations the AMX kernels multiply on int8 tiles, as three
-    int8 pieces (float32's precision), rather than on bfloat16 tiles: Q8_0, whose 8-bit codes int8
+    """True for the formats whose float32 activations the AMX kernels multiply on int8 tiles, as
+    FLOAT_PIECES int8 pieces (float32's precision), rather than on bfloat16 tiles: Q8_0, whose 8-bit codes int8
     tiles take as they are (``amx_tiles.h``'s ``amx_bf16_takes`` says why)."""
     lib = _load()
     return lib is not None and bool(lib.specserve_quant_amx_float_on_int8(int(qtype)))
 
 
-def supports_amx_int8(qtype: int, out_features: int, in_features: int) -> bool:
-    """True when such a packed matrix can also be multiplied on AMX int8 tiles (``AMX_INT8_FLAG``)."""
+# Q6_K's packing holds a byte a code (8.75 bits a weight against the file's 6.56), so its 1-row step
+# streams a third more bytes than the VNNI kernel (q8_act.h) reads: with 1 or 2 pieces that kernel
+# wins the decode step (1536 x 8960 at 1 row: 0.34 against 0.45 ms, 1 piece), the tiles only from
+# 5-9 rows on. With 3 or more pieces the tiles win from 1 row on (0.57 against 0.49 ms at 3 pieces
+# is the one loss; 5 rows 1.55 against 2.35). docs/benchmarks.md, "AMX int8 tiles, any piece count".
+Q6_K_INT8_TILES_FROM_PIECES = 3
+
+
+def supports_amx_int8(qtype: int, out_features: int, in_features: int, pieces: int = FLOAT_PIECES) -> bool:
+    """True when such a packed matrix is multiplied on AMX int8 tiles (``AMX_INT8_FLAG``) with each
+    activation row as ``pieces`` int8 pieces: this build has them, and the format takes that count
+    there (Q6_K from Q6_K_INT8_TILES_FROM_PIECES on; fewer keep the VNNI kernel)."""
+    from gguf import GGMLQuantizationType
+
+    if int(qtype) == GGMLQuantizationType.Q6_K and pieces < Q6_K_INT8_TILES_FROM_PIECES:
+        return False
     return supports_amx(qtype, out_features, in_features) and bool(_load().specserve_quant_amx_int8_built())
 
 

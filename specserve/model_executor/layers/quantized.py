@@ -71,11 +71,19 @@ class QuantizedMatrix:
     def kernel_qtype(self, segment: QuantSegment) -> int:
         """The type id the kernels get for ``segment``: with the AMX-packing or int8-activation flag
         where it applies."""
+        if segment.amx_packed and segment.amx_int8:
+            return segment.qtype | quant_gemm.amx_int8_flags(self.int8_pieces)
         if segment.amx_packed:
-            return segment.qtype | quant_gemm.AMX_PACKED_FLAG | (quant_gemm.AMX_INT8_FLAG if segment.amx_int8 else 0)
+            return segment.qtype | quant_gemm.AMX_PACKED_FLAG
         if self.int8_activations and quant_gemm.supports_int8_activations(segment.qtype, self.in_features):
             return segment.qtype | quant_gemm.int8_activation_flags(int(self.int8_activations))
         return segment.qtype
+
+    @property
+    def int8_pieces(self) -> int:
+        """The int8 pieces an activation row becomes on int8 tiles: ``int8_activations``' count
+        (True: 1), or for float32 activations (Q8_0 on the tiles) float32's FLOAT_PIECES."""
+        return int(self.int8_activations) if self.int8_activations else quant_gemm.FLOAT_PIECES
 
     def _like(self, segments: list[QuantSegment], in_features: int | None = None) -> "QuantizedMatrix":
         return QuantizedMatrix(segments, self.in_features if in_features is None else in_features,
@@ -113,17 +121,19 @@ class QuantizedMatrix:
     def packed_for_tiles(self, release: Callable[[list[torch.Tensor]], None] | None = None) -> "QuantizedMatrix":
         """This matrix with every segment an AMX kernel multiplies repacked for it: float32
         activations on bfloat16 tiles (``quant_gemm.supports_amx``; Q8_0 on int8 tiles as three int8
-        pieces, ``float_activations_on_int8_tiles``), ``int8_activations=3`` on int8 tiles
-        (``supports_amx_int8``); itself when none is (no AMX, other int8-activation
-        settings, other formats). ``release`` gets the file's blocks as they are packed
-        (``quant_gemm.pack_for_amx``)."""
-        int8_tiles = self.int8_activations is not True and self.int8_activations == quant_gemm.AMX_INT8_PIECES
-        if self.int8_activations and not int8_tiles:
-            return self
-        supported = quant_gemm.supports_amx_int8 if int8_tiles else quant_gemm.supports_amx
+        pieces, ``float_activations_on_int8_tiles``), any ``int8_activations`` setting on int8 tiles
+        in its piece count (``supports_amx_int8``); itself when none is (no AMX, other formats).
+        ``release`` gets the file's blocks as they are packed (``quant_gemm.pack_for_amx``)."""
+        int8_tiles = bool(self.int8_activations)
+
+        def supported(qtype: int, rows: int) -> bool:
+            if int8_tiles:
+                return quant_gemm.supports_amx_int8(qtype, rows, self.in_features, self.int8_pieces)
+            return quant_gemm.supports_amx(qtype, rows, self.in_features)
+
         segments = [QuantSegment(s.qtype, quant_gemm.pack_for_amx(s.data, s.qtype, self.in_features, release), True,
                                  int8_tiles or quant_gemm.float_activations_on_int8_tiles(s.qtype))
-                    if not s.amx_packed and supported(s.qtype, s.rows, self.in_features) else s
+                    if not s.amx_packed and supported(s.qtype, s.rows) else s
                     for s in self.segments]
         if all(a is b for a, b in zip(segments, self.segments)):
             return self

@@ -55,35 +55,42 @@
 #if defined(HAVE_AMX) && defined(__AMX_INT8__)
 #define HAVE_AMX_I8 1
 
-#define AMX_I8_PIECES 3
-#define AMX_I8_ROWS (AMX_ROWS / AMX_I8_PIECES)   /* 5 activation rows a tile pass */
+#define AMX_I8_MAX_PIECES 4
+static inline int amx_i8_rows(int np) { return AMX_ROWS / np; }   /* activation rows a tile pass: 16, 8, 5, 4 */
+/* Lanes of a pass of per rows: 2 where its pieces fit a tile twice. A step's two sub-blocks then
+ * take ONE multiply (K = 2 SB): each piece has two A rows, lane 0 with sub-block 0's values and
+ * zeros in sub-block 1's place, lane 1 the other way round, so each C row holds one sub-block's
+ * sum plus exact zeros (int32: the same bits as two multiplies) in half the tile work. */
+static inline int amx_i8_lanes(int np, int per) { return 2 * np * per <= AMX_ROWS ? 2 : 1; }
 
-/* Rows x[0..R) of a pass -> xa [Rt][in] int8 (A row 3 r + i = piece i of row r; rows past 3 R
- * zero), xd [Rt][in / sb] each piece's scale per sub-block, and per row and sub-block S (the
- * float32 sum of x, formats with an offset) or P [Rt][in / sb] each piece's sum (Q6_K, Q8_0). Only
- * the first 3 R rows of xd and P are written: the sums of the zero rows are never read. */
-static void amx_i8_split_rows(const float *x, int64_t ldx, int R, int Rt, int64_t in, int sb, int8_t *xa, float *xd,
-                              float *S, int32_t *P) {
+/* Rows x[0..R) of a pass -> xa [L Rt][in] int8 (A row L (np r + i) + l is piece i of row r, with
+ * the values of lane l's sub-blocks, s % L == l, and zeros in the others'; rows past L np R zero),
+ * xd [Rt][in / sb] each piece's scale per sub-block, and per row and sub-block S (the float32 sum
+ * of x, formats with an offset) or P [Rt][in / sb] each piece's sum (Q6_K, Q8_0). Only the first
+ * np R rows of xd and P are written: the sums of the zero rows are never read. */
+static void amx_i8_split_rows(const float *x, int64_t ldx, int R, int Rt, int np, int L, int64_t in, int sb,
+                              int8_t *xa, float *xd, float *S, int32_t *P) {
     const int64_t ns = in / sb;
     const __m512 sign = _mm512_set1_ps(-0.0f);
     const int nv = sb / 16;   /* vectors a sub-block: 1 or 2 */
-    memset(xa + AMX_I8_PIECES * R * in, 0, (size_t)((Rt - AMX_I8_PIECES * R) * in));
+    if (L == 1) memset(xa + np * R * in, 0, (size_t)((Rt - np * R) * in));
+    else memset(xa, 0, (size_t)(L * Rt * in));
     for (int r = 0; r < R; r++) {
         const float *xr = x + r * ldx;
         for (int64_t s = 0; s < ns; s++) {
             __m512 c[2];
             for (int v = 0; v < nv; v++) c[v] = _mm512_loadu_ps(xr + s * sb + 16 * v);
             if (S) S[r * ns + s] = amx_sub_block_sum(xr + s * sb, sb);
-            for (int piece = 0; piece < AMX_I8_PIECES; piece++) {
+            for (int piece = 0; piece < np; piece++) {
                 __m512 amax = _mm512_andnot_ps(sign, c[0]);
                 if (nv == 2) amax = _mm512_max_ps(amax, _mm512_andnot_ps(sign, c[1]));
                 const float m = _mm512_reduce_max_ps(amax);
                 const float d = m / 127.0f, id = m > 0.0f ? 127.0f / m : 0.0f;
-                const int64_t arow = AMX_I8_PIECES * r + piece;
+                const int64_t arow = np * r + piece, lane_row = L * arow + s % L;
                 int32_t psum = 0;
                 for (int v = 0; v < nv; v++) {
                     const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(c[v], _mm512_set1_ps(id)));   /* |q| <= 127 */
-                    _mm_storeu_si128((__m128i *)(xa + arow * in + s * sb + 16 * v), _mm512_cvtsepi32_epi8(q));
+                    _mm_storeu_si128((__m128i *)(xa + lane_row * in + s * sb + 16 * v), _mm512_cvtsepi32_epi8(q));
                     c[v] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(d), c[v]);
                     psum += _mm512_reduce_add_epi32(q);
                 }
@@ -126,27 +133,33 @@ static inline void amx_i8_unpack_unit(int qtype, const uint8_t *p, uint8_t *b) {
     }
 }
 
-/* Tiles: 0-3 the sums of a unit's sub-blocks (C: Rt rows of 16 int32); 4, 5 activations (A: Rt
- * rows of SB bytes); 6, 7 quants (B: SB / 4 rows of 64 bytes). */
-static void amx_i8_configure(int Rt, int sb) {
+/* Tiles: 0-3 the sums of a unit's sub-blocks (C: L Rt rows of 16 int32); 4, 5 activations (A: L Rt
+ * rows of L SB bytes); 6, 7 quants (B: L SB / 4 rows of 64 bytes). */
+static void amx_i8_configure(int Rt, int sb, int L) {
     amx_tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    for (int t = 0; t < 4; t++) cfg.rows[t] = (uint8_t)Rt, cfg.colsb[t] = 64;
-    for (int t = 4; t < 6; t++) cfg.rows[t] = (uint8_t)Rt, cfg.colsb[t] = (uint16_t)sb;
-    for (int t = 6; t < 8; t++) cfg.rows[t] = (uint8_t)(sb / 4), cfg.colsb[t] = 64;
+    for (int t = 0; t < 4; t++) cfg.rows[t] = (uint8_t)(L * Rt), cfg.colsb[t] = 64;
+    for (int t = 4; t < 6; t++) cfg.rows[t] = (uint8_t)(L * Rt), cfg.colsb[t] = (uint16_t)(L * sb);
+    for (int t = 6; t < 8; t++) cfg.rows[t] = (uint8_t)(L * sb / 4), cfg.colsb[t] = 64;
     _tile_loadconfig(&cfg);
 }
 
-/* Step n's two sub-blocks (h0, h0 + 1) into C tiles 2 (n & 1) and 2 (n & 1) + 1; tile ids must
- * be constants, hence the two cases. */
-static inline void amx_i8_step_tiles(int parity, int sb, const int8_t *xa, int64_t in, const uint8_t *b) {
+/* Step n's two sub-blocks (h0, h0 + 1) into C tiles 2 (n & 1) and 2 (n & 1) + 1, or with two
+ * lanes into C tile 2 (n & 1) alone; tile ids must be constants, hence the cases. */
+static inline void amx_i8_step_tiles(int parity, int L, int sb, const int8_t *xa, int64_t in, const uint8_t *b) {
 #define AMX_I8_SUB(C, A, B, hh)                              \
     _tile_zero(C);                                           \
     _tile_loadd(A, xa + (hh) * sb, in);                      \
     _tile_loadd(B, b + (hh) * sb * 16, 64);                  \
     _tile_dpbsud(C, A, B);
-    if (parity) {
+    if (L == 2) {   /* A rows of 2 SB bytes from column 0; B: the two sub-blocks' rows */
+        if (parity) {
+            AMX_I8_SUB(2, 4, 6, 0)
+        } else {
+            AMX_I8_SUB(0, 4, 6, 0)
+        }
+    } else if (parity) {
         AMX_I8_SUB(2, 4, 6, 0)
         AMX_I8_SUB(3, 5, 7, 1)
     } else {
@@ -156,8 +169,11 @@ static inline void amx_i8_step_tiles(int parity, int sb, const int8_t *xa, int64
 #undef AMX_I8_SUB
 }
 
-static inline void amx_i8_step_store(int parity, int32_t *c) {   /* c [2][16][16] int32 */
-    if (parity) {
+static inline void amx_i8_step_store(int parity, int L, int32_t *c) {   /* c [2][16][16] int32 */
+    if (L == 2) {
+        if (parity) _tile_stored(2, c, 64);
+        else _tile_stored(0, c, 64);
+    } else if (parity) {
         _tile_stored(2, c, 64);
         _tile_stored(3, c + 256, 64);
     } else {
@@ -170,13 +186,15 @@ static inline void amx_i8_step_store(int parity, int32_t *c) {   /* c [2][16][16
  * over every sub-block, in order. Work goes in steps of two sub-blocks (a unit of Q4_K, Q4_1 or Q5_0,
  * half a unit of Q6_K); a step's tile sums are stored one step later, when the multiplies are
  * done, so the tiles never wait for each other's latency, and its float work follows. */
-static void amx_i8_group_rows(int qtype, const uint8_t *gp, int64_t in, const int8_t *xa, const float *xd,
+static void amx_i8_group_rows(int qtype, int np, int L, const uint8_t *gp, int64_t in, const int8_t *xa, const float *xd,
                               const float *S, const int32_t *P, int R, uint8_t *ring, int32_t *cbuf, float *out,
                               int64_t ldo) {
     const int sb = amx_sub_block(qtype), ub = amx_unit_bytes(qtype), per_unit = AMX_UNIT_K / sb / 2;
     const int64_t units = in / AMX_UNIT_K, ns = in / sb, steps = units * per_unit;
     const int32_t offset = amx_i8_code_offset(qtype);
-    __m512 acc[AMX_I8_ROWS];
+    /* where sub-block hh of a step and piece row arow sit in its C sums */
+    const int h_stride = L == 2 ? 16 : 256, row_stride = L == 2 ? 32 : 16;
+    __m512 acc[AMX_ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     amx_i8_unpack_unit(qtype, gp, ring);
     for (int64_t n = 0; n <= steps; n++) {
@@ -188,13 +206,13 @@ static void amx_i8_group_rows(int qtype, const uint8_t *gp, int64_t in, const in
                 amx_prefetch_unit(gp + (t + AMX_PREFETCH_UNITS) * ub, ub);
                 amx_i8_unpack_unit(qtype, gp + (t + 1) * ub, ring + ((t + 1) & 1) * 1024);
             }
-            amx_i8_step_tiles((int)(n & 1), sb, xa + t * AMX_UNIT_K + half * 2 * sb, in, b + half * 2 * sb * 16);
+            amx_i8_step_tiles((int)(n & 1), L, sb, xa + t * AMX_UNIT_K + half * 2 * sb, in, b + half * 2 * sb * 16);
         }
         if (n > 0) {
             const int64_t m1 = n - 1, u = m1 / per_unit;
             const int h0 = 2 * (int)(m1 % per_unit);
             int32_t *c = cbuf + (m1 & 1) * 512;
-            amx_i8_step_store((int)(m1 & 1), c);
+            amx_i8_step_store((int)(m1 & 1), L, c);
             const uint8_t *p = gp + u * ub;
             for (int hh = 0; hh < 2; hh++) {
                 __m512 a, m;
@@ -202,9 +220,9 @@ static void amx_i8_group_rows(int qtype, const uint8_t *gp, int64_t in, const in
                 const int64_t s = u * (AMX_UNIT_K / sb) + h0 + hh;
                 for (int r = 0; r < R; r++) {
                     __m512 d = _mm512_setzero_ps();
-                    for (int i = AMX_I8_PIECES - 1; i >= 0; i--) {
-                        const int64_t arow = AMX_I8_PIECES * r + i;
-                        __m512i ci = _mm512_load_si512(c + hh * 256 + arow * 16);
+                    for (int i = np - 1; i >= 0; i--) {
+                        const int64_t arow = np * r + i;
+                        __m512i ci = _mm512_load_si512(c + hh * h_stride + arow * row_stride);
                         if (P) ci = _mm512_sub_epi32(ci, _mm512_set1_epi32(offset * P[arow * ns + s]));
                         d = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ci), _mm512_set1_ps(xd[arow * ns + s]), d);
                     }
@@ -221,16 +239,17 @@ static void amx_i8_group_rows(int qtype, const uint8_t *gp, int64_t in, const in
  * region, like amx_gemm_team. Each pass of AMX_I8_ROWS rows unpacks the group's quants again
  * (from L1/L2: measured faster than unpacking a group once into a buffer for all passes).
  * Returns 0, or -3 without scratch memory. */
-static int amx_i8_gemm_team(const float *x, int64_t ldx, int64_t rows, const uint8_t *w, int qtype,
+static int amx_i8_gemm_team(const float *x, int64_t ldx, int64_t rows, const uint8_t *w, int qtype, int np,
                             int64_t out_features, int64_t in, const float *bias, float *out, int64_t ldo) {
+    if (np < 1 || np > AMX_I8_MAX_PIECES) return -1;
     if (rows <= 0) return 0;   /* nothing to do (and no pass to size) */
-    const int sb = amx_sub_block(qtype);
-    const int64_t passes = (rows + AMX_I8_ROWS - 1) / AMX_I8_ROWS, groups = out_features / 16, ns = in / sb;
+    const int sb = amx_sub_block(qtype), cap = amx_i8_rows(np);
+    const int64_t passes = (rows + cap - 1) / cap, groups = out_features / 16, ns = in / sb;
     /* rows shared evenly among the passes (7 rows: 4 + 3, not 5 + 2), all with one tile shape
      * (a short pass leaves its extra A rows zero): tile loads and stores cost by the tile's rows */
-    const int per = (int)((rows + passes - 1) / passes), Rt = AMX_I8_PIECES * per;
+    const int per = (int)((rows + passes - 1) / passes), Rt = np * per, L = amx_i8_lanes(np, per);
     const int64_t row_bytes = amx_packed_row_bytes(qtype, in);
-    const int64_t xa_bytes = (passes * Rt * in + 63) / 64 * 64;
+    const int64_t xa_bytes = (passes * L * Rt * in + 63) / 64 * 64;
     const int64_t xd_bytes = (passes * Rt * ns * 4 + 63) / 64 * 64;   /* also P's size */
     const int64_t s_bytes = (passes * per * ns * 4 + 63) / 64 * 64;
     const int64_t fixed = 2 * 1024 + 2 * 512 * 4;   /* ring of two unpacked units, two steps' C tiles */
@@ -245,7 +264,7 @@ static int amx_i8_gemm_team(const float *x, int64_t ldx, int64_t rows, const uin
     if (ok)
         for (int64_t ps = 0; ps < passes; ps++) {
             const int R = (int)(rows - ps * per < per ? rows - ps * per : per);
-            amx_i8_split_rows(x + ps * per * ldx, ldx, R, Rt, in, sb, xa + ps * Rt * in, xd + ps * Rt * ns,
+            amx_i8_split_rows(x + ps * per * ldx, ldx, R, Rt, np, L, in, sb, xa + ps * L * Rt * in, xd + ps * Rt * ns,
                               S ? S + ps * per * ns : NULL, P ? P + ps * Rt * ns : NULL);
         }
     int configured = 0;
@@ -255,9 +274,9 @@ static int amx_i8_gemm_team(const float *x, int64_t ldx, int64_t rows, const uin
         const uint8_t *gp = w + g * row_bytes;
         for (int64_t ps = 0; ps < passes; ps++) {
             const int R = (int)(rows - ps * per < per ? rows - ps * per : per);
-            if (!configured) amx_i8_configure(Rt, sb), configured = 1;
+            if (!configured) amx_i8_configure(Rt, sb, L), configured = 1;
             float *o = out + ps * per * ldo + g * 16;
-            amx_i8_group_rows(qtype, gp, in, xa + ps * Rt * in, xd + ps * Rt * ns, S ? S + ps * per * ns : NULL,
+            amx_i8_group_rows(qtype, np, L, gp, in, xa + ps * L * Rt * in, xd + ps * Rt * ns, S ? S + ps * per * ns : NULL,
                               P ? P + ps * Rt * ns : NULL, R, ring, cbuf, o, ldo);
             if (bias) {
                 const __m512 bv = _mm512_loadu_ps(bias + g * 16);

@@ -181,7 +181,7 @@ static float *scratch_for(int64_t len) {
 /* ... qtype | Q8_ACT_FLAG: int8 activations (q8_act.h) where this CPU and the format allow,
  * else the float32 path (with Q8_PIECES_SHIFT's bits: the row as that many int8 pieces);
  * qtype | AMX_PACKED_FLAG: w is amx_pack's packing (amx_tiles.h), with AMX_I8_FLAG multiplied
- * on int8 tiles (amx_int8.h). */
+ * on int8 tiles (amx_int8.h), each activation row as Q8_PIECES_SHIFT's count of int8 pieces. */
 static int quant_gemm_team(const float *x, int64_t ldx, int64_t rows, const uint8_t *w, int qtype,
                            int64_t out_features, int64_t in, const float *bias, float *out, int64_t ldo) {
     if (qtype & AMX_PACKED_FLAG) {   /* packed by amx_pack: only that kernel reads these bytes */
@@ -198,8 +198,9 @@ static int quant_gemm_team(const float *x, int64_t ldx, int64_t rows, const uint
             int s;
 #ifdef HAVE_AMX_I8
             if (qtype & AMX_I8_FLAG)
-                s = amx_i8_gemm_team(x + r0 * ldx, ldx, n, w, qtype & ~(AMX_PACKED_FLAG | AMX_I8_FLAG), out_features, in,
-                                     bias, out + r0 * ldo, ldo);
+                s = amx_i8_gemm_team(x + r0 * ldx, ldx, n, w, qtype & ~(AMX_PACKED_FLAG | AMX_I8_FLAG | Q8_PIECES_MASK),
+                                     ((qtype & Q8_PIECES_MASK) >> Q8_PIECES_SHIFT) + 1, out_features, in, bias,
+                                     out + r0 * ldo, ldo);
             else
 #endif
                 s = amx_gemm_team(x + r0 * ldx, ldx, n, w, qtype & ~AMX_PACKED_FLAG, out_features, in, bias,

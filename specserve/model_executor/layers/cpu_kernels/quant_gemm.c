@@ -111,7 +111,7 @@ int specserve_quant_dequantize(const uint8_t *w, int qtype, const int64_t *ids, 
                                float *out, int num_threads) {
     if (qtype & AMX_PACKED_FLAG) {
 #ifdef HAVE_AMX
-        amx_dequantize(w, qtype & ~(AMX_PACKED_FLAG | AMX_I8_FLAG), ids, n, in, out);
+        amx_dequantize(w, qtype & ~(AMX_PACKED_FLAG | AMX_I8_FLAG | Q8_PIECES_MASK), ids, n, in, out);
         return 0;
 #else
         return -1;
