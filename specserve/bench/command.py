@@ -141,6 +141,9 @@ def add_spec_bench_options(p: argparse.ArgumentParser, d: dict) -> None:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--kv-cache-memory", type=int, default=d.get("kv_cache_memory", 1 << 30),
                    help="bytes of KV cache per configuration")
+    p.add_argument("--int8-activations", default="off",
+                   help="the target's activations in every configuration: off (float32), on (int8, one piece a "
+                        "value) or a piece count 2-4 (LLM's int8_activations)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=d["threads"], help="torch.set_num_threads (and llama.cpp's -t)")
     p.add_argument("--out", default=None, help="also write report.md, results.json and plots to this folder")
@@ -150,7 +153,7 @@ def add_spec_bench_options(p: argparse.ArgumentParser, d: dict) -> None:
 
 
 def options_from_args(args, argv: list[str] | None = None):
-    from specserve.bench.options import BenchOptions, parse_configs, parse_list
+    from specserve.bench.options import BenchOptions, parse_configs, parse_int8_activations, parse_list
 
     batch_sizes = parse_list(args.batch_sizes, int)
     if any(b < 1 for b in batch_sizes):
@@ -168,7 +171,8 @@ def options_from_args(args, argv: list[str] | None = None):
         categories=[c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None,
         limit=args.limit, batch_sizes=list(dict.fromkeys(batch_sizes)), temperatures=list(dict.fromkeys(temps)),
         max_tokens=args.max_tokens, stop_at_eos=args.stop_at_eos, max_model_len=args.max_model_len,
-        kv_cache_memory=args.kv_cache_memory, seed=args.seed, threads=args.threads,
+        kv_cache_memory=args.kv_cache_memory, int8_activations=parse_int8_activations(args.int8_activations),
+        seed=args.seed, threads=args.threads,
         progress=not args.no_progress,
         command="specserve " + " ".join(shlex.quote(a) for a in argv),
     )

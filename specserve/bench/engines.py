@@ -30,6 +30,7 @@ class SpecserveEngine:
             device=opts.device,
             max_model_len=opts.max_model_len,
             kv_cache_memory=opts.kv_cache_memory,
+            int8_activations=opts.int8_activations,
             seed=opts.seed,
             speculative_config=config.speculative_config,
             max_num_seqs=max(64, max(opts.batch_sizes)),

@@ -191,6 +191,17 @@ def parse_list(text: str, kind=float) -> list:
     return values
 
 
+def parse_int8_activations(item: str) -> bool | int:
+    """``--int8-activations``' words: off, on (one int8 piece a value) or a piece count 2-4 ->
+    ``LLM(int8_activations=...)``."""
+    item = item.strip()
+    if item in ("off", "on"):
+        return item == "on"
+    if item in ("2", "3", "4"):
+        return int(item)
+    raise ValueError(f"--int8-activations takes off, on or a piece count 2-4, got {item!r}")
+
+
 # --------------------------------------------------------------------------- options
 @dataclass
 class BenchOptions:
@@ -211,6 +222,7 @@ class BenchOptions:
     stop_at_eos: bool = False
     max_model_len: int = 2048
     kv_cache_memory: int = 1 << 30
+    int8_activations: bool | int = False   # the target's, every configuration's (LLM's int8_activations)
     seed: int = 0
     threads: int | None = None
     progress: bool = True

@@ -166,6 +166,29 @@ def test_parse_configs():
             parse_configs(bad)
 
 
+def test_int8_activations_option_reaches_every_configurations_engine(monkeypatch):
+    from specserve.bench import engines
+    from specserve.bench.command import options_from_args
+    from specserve.bench.options import parse_int8_activations
+
+    assert [parse_int8_activations(w) for w in ("off", "on", "2", " 3", "4")] == [False, True, 2, 3, 4]
+    for bad in ("1", "5", "yes", ""):
+        with pytest.raises(ValueError, match="off, on or a piece count"):
+            parse_int8_activations(bad)
+    argv = ["bench", "draft-trees", "--configs", "plain,ngram:3", "--int8-activations", "on"]
+    opts = options_from_args(build_parser().parse_args(argv), argv)
+    assert opts.int8_activations is True
+    seen = []
+    monkeypatch.setattr("specserve.LLM", lambda **kw: seen.append(kw["int8_activations"]) or _NoEngine())
+    for config in opts.configs:
+        engines.SpecserveEngine(config, opts)
+    assert seen == [True, True]
+
+
+class _NoEngine:
+    engine = None
+
+
 def test_load_prompts_limit_and_categories(tmp_path):
     prompts = load_prompts(None, limit=1)
     cats = [p.category for p in prompts]

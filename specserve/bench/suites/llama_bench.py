@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import time
 
+from specserve.bench.options import parse_int8_activations
 from specserve.bench.results import fmt
 
 DEFAULT_LLAMA_BIN = "~/.cache/specserve-peers/llama.cpp/build/bin"
@@ -97,11 +98,7 @@ def specserve_prefill(llm, tokens: int, seed: int) -> float:
 
 
 def _variants(spec: str) -> list:
-    out = []
-    for item in spec.split(","):
-        item = item.strip()
-        out += [{"off": False, "on": True}[item]] if item in ("off", "on") else [int(item)]
-    return out
+    return [parse_int8_activations(item) for item in spec.split(",")]
 
 
 def _label(v) -> str:
