@@ -102,6 +102,23 @@ def test_kernels_suite_times_the_tiles_beside_the_blocks(tmp_path, capsys):
     assert [r[1].split(", ")[-1] for r in doc["table"]["rows"]][:2] == ["1 row(s)", "4 row(s)"]
 
 
+def test_kernels_suite_with_int8_activations(tmp_path, capsys):
+    """--int8-activations on: the blocks run the VNNI int8 kernel and the tiles the AMX int8 tiles
+    (Q4_K; Q6_K with one piece keeps the VNNI kernel, so it has no tiles row)."""
+    from gguf import GGMLQuantizationType
+
+    from specserve.model_executor.layers import quant_gemm
+
+    doc = run_suite(["kernels", "--parts", "matmul", "--formats", "Q4_K,Q6_K", "--rows", "1", "--tiles",
+                     "--int8-activations", "on", "--repeat", "1", "--out", "64", "--in", "256"], str(tmp_path), capsys)
+    kinds = [r[0] for r in doc["table"]["rows"]]
+    if quant_gemm.supports_amx_int8(int(GGMLQuantizationType.Q4_K), 64, 256, 1):
+        assert kinds == ["matmul Q4_K (int8 act.)", "matmul Q4_K (AMX tiles, int8 act.)", "matmul Q6_K (int8 act.)"]
+    else:
+        assert kinds == ["matmul Q4_K (int8 act.)", "matmul Q6_K (int8 act.)"]
+    assert doc["params"]["int8_activations"] == "on"
+
+
 def test_forward_rows_suite(tiny_llama_dir, tmp_path):
     doc = run_suite(["forward-rows", "--models", tiny_llama_dir, "--rows", "3,1", "--rounds", "1",
                      "--context", "20"], str(tmp_path))

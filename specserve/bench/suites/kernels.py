@@ -7,8 +7,9 @@ the float16 kernel on the same values, and the paged-attention kernel against th
   values, interleaved. A small weight stays in cache, so this measures arithmetic; in a real
   forward the float16 kernel also streams 2 bytes a weight against the blocks' 0.56-1.06 (a weight
   the size of an LM head, ``--out 151936 --in 896``, streams from memory). With ``--tiles`` the
-  same weight packed for AMX tiles (``QuantizedMatrix.packed_for_tiles``, float32 activations)
-  is timed too, interleaved, on CPUs with AMX.
+  same weight packed for AMX tiles (``QuantizedMatrix.packed_for_tiles``) is timed too,
+  interleaved, on CPUs with AMX. ``--int8-activations on`` (or a piece count 2-4) times both with
+  that setting (``LLM(int8_activations=...)``): the VNNI kernel against the AMX int8 tiles.
 - attention: the default model's shapes (9 query heads, 3 KV heads, head_dim 64, 16-token blocks),
   decode (1 new token), verification (6) and prefill chunks (100), contexts of 60-260 tokens; the
   compiled kernel over a float16 cache (what ``dtype="auto"`` runs) against gather + SDPA over a
@@ -36,6 +37,8 @@ def add_arguments(p) -> None:
     p.add_argument("--in", dest="in_features", type=int, default=512, help="matmul weight columns")
     p.add_argument("--rows", default="1,6", help="matmul activation rows, comma-separated")
     p.add_argument("--tiles", action="store_true", help="also time each weight packed for AMX tiles (CPUs with AMX)")
+    p.add_argument("--int8-activations", default="off",
+                   help="matmul activations: off (float32), on (int8, one piece a value) or a piece count 2-4")
     p.add_argument("--repeat", type=int, default=30)
     p.add_argument("--attention-repeats", type=int, default=200)
 
@@ -62,7 +65,11 @@ def matmul_rows(args, samples: list) -> list[list[str]]:
     from gguf import GGMLQuantizationType
 
     from specserve.model_executor.layers import cpu_gemm
+    from specserve.bench.options import parse_int8_activations
     from specserve.model_executor.layers.quantized import QuantizedMatrix
+
+    int8 = parse_int8_activations(args.int8_activations)
+    label = {False: "", True: ", int8 act."}.get(int8, f", {int8} int8 pieces")
 
     def mean_of_ten_calls(fn, x) -> float:
         t = time.perf_counter()
@@ -75,6 +82,7 @@ def matmul_rows(args, samples: list) -> list[list[str]]:
     for name in args.formats.split(","):
         m = QuantizedMatrix.from_blocks(random_blocks(name, args.out, args.in_features),
                                         int(GGMLQuantizationType[name]), args.in_features)
+        m.int8_activations = int8
         half = m.dequantize().half()
         variants = {"blocks": m}
         if args.tiles and (tiles := m.packed_for_tiles()) is not m:
@@ -89,7 +97,7 @@ def matmul_rows(args, samples: list) -> list[list[str]]:
             samples.append({"part": "matmul", "format": name, "rows": r, "blocks_s": best["blocks"],
                             "tiles_s": best.get("AMX tiles"), "float16_s": best["float16"]})
             for v in variants:
-                rows.append([f"matmul {name}" + (f" ({v})" if v != "blocks" else ""),
+                rows.append([f"matmul {name}" + (f" ({v}{label})" if v != "blocks" else f" ({label[2:]})" if label else ""),
                              f"[{args.out}, {args.in_features}], {r} row(s)",
                              fmt(weights / best[v] / 1e9, 2) + " G weights/s",
                              fmt(weights / best["float16"] / 1e9, 2) + " G weights/s",
@@ -155,7 +163,7 @@ def run(args, doc: dict) -> None:
 
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     doc["params"] = {"parts": parts, "formats": args.formats, "out": args.out, "in": args.in_features,
-                     "rows": args.rows, "tiles": args.tiles, "repeat": args.repeat, "attention_repeats": args.attention_repeats,
+                     "rows": args.rows, "tiles": args.tiles, "int8_activations": args.int8_activations, "repeat": args.repeat, "attention_repeats": args.attention_repeats,
                      "threads": torch.get_num_threads()}
     samples, rows = [], []
     if "matmul" in parts:
