@@ -299,9 +299,12 @@ class EngineConfig:
     pieces summed: 3 pieces carry float32's precision (2^-24 of each 256-value
     group's largest value) and decode one row about twice as fast as the
     float32 kernels, but cost about 3x per extra row (verification, prefill).
-    On CPUs with AMX, 3 pieces run on int8 tiles (per 32-value sub-block): one
-    row 0.77x-0.98x the float32 tiles' time, up to 5 rows 0.97x-1.45x, more
-    rows 1.2x-1.9x (docs/architecture.md, "Numerics").
+    On CPUs with AMX every setting runs on int8 tiles (rounded per 32-value
+    sub-block; Q6_K with True or 2 keeps the VNNI kernel), where a pass of the
+    tiles takes 16 / N rows: True decodes a row as fast as the VNNI kernel and
+    verifies 5-16 rows 1.8x-3.8x faster; 3 pieces decode one row in 0.77x-0.98x
+    the float32 tiles' time, up to 5 rows 0.97x-1.45x, more rows 1.2x-1.9x
+    (docs/architecture.md, "Numerics").
     enforce_eager: run every step op by op. Otherwise, on a GPU, decode and verification steps
     (of the target and of a draft model) are captured as CUDA graphs per batch and query
     bucket and replayed (``worker/cuda_graphs.py``), as vLLM does; a CPU has no graphs.

@@ -12,21 +12,23 @@ kernel call into its own columns of the output.
 ``packed_for_tiles()`` (at the end of loading, on CPUs with AMX): the segments whose format
 the AMX kernels know are repacked into their tile order (``cpu_kernels/amx_tiles.h``) and from
 then on multiplied on AMX tiles at every row count: float32 activations on bfloat16 tiles with
-exact products, or, with ``int8_activations=3`` (and for Q8_0 whatever the activations), each
-activation as three int8 pieces on int8 tiles (``amx_int8.h``; the segment's ``amx_int8``); cuts
-and stacks come before it.
+exact products (Q8_0's as three int8 pieces on int8 tiles), or, with ``int8_activations``, each
+activation row as that many int8 pieces on int8 tiles (``amx_int8.h``; the segment's
+``amx_int8``; Q6_K with 1-2 pieces keeps the VNNI kernel, ``quant_gemm.supports_amx_int8``);
+cuts and stacks come before it.
 
 ``int8_activations`` (off by default): multiply with activations rounded to 8 bits
-per 256 values and byte products (``cpu_kernels/q8_act.h``; ``q8_act_avx2.h`` on AVX2), llama.cpp's way,
-where the CPU and the format allow; the weights stay the file's values. Cuts and
+per 256 values and byte products (``cpu_kernels/q8_act.h``; ``q8_act_avx2.h`` on AVX2; on AMX
+tiles per 32-value sub-block), llama.cpp's way, where the CPU and the format allow; the weights
+stay the file's values. Cuts and
 stacks keep the setting. An integer N (2-4) in place of True: each activation row as N
 int8 pieces summed (``q8_act.h``): 3 pieces carry the row to about 2^-24 of each
 256-value group's largest value, float32's precision; a 1-row step of the 1.5B took
 about 0.6x the float32 kernels' time before the AMX kernel took a third of the tile
 multiplies (docs/benchmarks.md, "Activation pieces", "AMX tiles: a third of the tile
 multiplies").
-On CPUs with AMX, 3 pieces run on int8 tiles instead (``packed_for_tiles``), per 32-value
-sub-block, and verifications of up to 5 rows cost about what one row costs.
+On CPUs with AMX every setting runs on int8 tiles instead (``packed_for_tiles``), per 32-value
+sub-block, where a verification of up to 16 / N rows costs about what one row costs.
 """
 from __future__ import annotations
 
@@ -122,7 +124,8 @@ class QuantizedMatrix:
         """This matrix with every segment an AMX kernel multiplies repacked for it: float32
         activations on bfloat16 tiles (``quant_gemm.supports_amx``; Q8_0 on int8 tiles as three int8
         pieces, ``float_activations_on_int8_tiles``), any ``int8_activations`` setting on int8 tiles
-        in its piece count (``supports_amx_int8``); itself when none is (no AMX, other formats).
+        in its piece count where ``supports_amx_int8`` takes it (not Q6_K with 1-2 pieces); itself
+        when none is (no AMX, other formats).
         ``release`` gets the file's blocks as they are packed (``quant_gemm.pack_for_amx``)."""
         int8_tiles = bool(self.int8_activations)
 

@@ -1,37 +1,46 @@
-/* The float32-precision matmul on AMX int8 tiles: activations as three int8 pieces, byte
- * products (TDPBSUD) over the same packed weights as amx_tiles.h.
+/* The matmul on AMX int8 tiles: each activation row as P int8 pieces (P = 1-4), byte products
+ * (TDPBSUD) over the same packed weights as amx_tiles.h.
  *
  * Included by quant_blocks.h (and quant_gemm.c); quant_gemm_team() calls amx_i8_gemm_team() when
- * the caller sets AMX_PACKED_FLAG | AMX_I8_FLAG in qtype (QuantizedMatrix.packed_for_tiles, for
- * int8_activations=3 on CPUs with AMX: the same arithmetic as q8_act.h's three pieces, grouped
- * per sub-block instead of per 256 values). Includes amx_tiles.h (HAVE_AMX, the packing, the
- * tile configuration and scratch, amx_unit_scales, ...), gemm_core.h (work_chunk) and
- * ggml_blocks.h (the formats).
+ * the caller sets AMX_PACKED_FLAG | AMX_I8_FLAG in qtype, the piece count in Q8_PIECES_SHIFT's
+ * bits (QuantizedMatrix.packed_for_tiles: int8_activations=P on CPUs with AMX, True being 1 piece,
+ * and float32 activations of Q8_0 as 3). P = 3 carries float32's precision (below); P = 1 is
+ * llama.cpp's kind of int8 activations, rounded per sub-block (q8_act.h rounds per 256 values).
+ * Includes amx_tiles.h (HAVE_AMX, the packing, the tile configuration and scratch,
+ * amx_unit_scales, ...), gemm_core.h (work_chunk) and ggml_blocks.h (the formats).
  *
- * Why: amx_tiles.h's bfloat16 path spends a 1-row step unpacking quants to bfloat16 (two bytes
- * a weight through a table) and runs three tile multiplies per sub-block, one per activation
- * piece. Here a quant stays a byte (a nibble mask, no table), and the three pieces of a row are
- * three A-tile ROWS, so one tile multiply per sub-block serves up to five rows with all their
- * pieces: a decode step and a verification of up to 5 rows cost the same tile work.
+ * Why: a quant stays a byte (a nibble mask, no table), and the P pieces of a row are P A-tile
+ * ROWS, so one tile multiply per sub-block serves up to 16 / P rows with all their pieces: a
+ * decode step and a verification of up to 16 rows (1 piece) or 5 (3 pieces) cost the same tile
+ * work. Where a pass's pieces fit a tile twice (2 P R <= 16: 1 piece up to 8 rows, 3 pieces up to
+ * 2), two lanes put a step's two sub-blocks in ONE multiply (amx_i8_lanes), which halves the
+ * tile loads, multiplies and stores of a decode step (a 1-piece Q4_K matrix at 1 row: 0.8 ms
+ * without lanes, 0.35 with).
  *
- * Cost (measured, docs/benchmarks.md "AMX int8 tiles"): a Qwen2.5-Coder-1.5B forward of 1 row
- * takes 0.77x-0.98x the bfloat16 tiles' time, 4-5 rows 0.97x-1.45x, and 0.5x-0.6x the time of
- * q8_act.h's three pieces at 4-5 rows (1.0x-1.4x at 1 row); 6 rows and more take 1.2x-1.9x the
- * bfloat16 tiles' time, bound by storing the int32 sums (per sub-block and row, three 64-byte
- * tile rows against bfloat16's one). Tried and dropped: the pieces of up to 16 rows in three
- * separate A tiles (six C tiles a step; the same bits, since the sums are exact) stored as much
- * and ran 16 rows at 2x bfloat16's time; unpacking a group once for all its passes measured no
- * faster. The C tiles' double buffering below measured no faster than storing each step at once
- * either; it is kept because it costs nothing.
+ * Cost, 1 piece (`specserve bench kernels --parts matmul --formats Q4_K,Q4_1,Q5_0,Q8_0,Q6_K
+ * --out 8960 --in 1536 --rows 1,5,9,16,64 --tiles --int8-activations on`, docs/benchmarks.md
+ * "CPU kernels"): against q8_act.h's VNNI kernel on the same matrix, 1.03x-1.12x at 1 row,
+ * 1.8x-2.5x at 5 rows, 2.2x-3.3x at 9, 2.2x-3.8x at 16 and 3.0x-3.9x at 64. Q6_K's packing (a
+ * byte a code, 8.75 bits a weight) streams a third more than its file at 1 row, so with 1-2
+ * pieces Q6_K keeps the VNNI kernel (quant_gemm.Q6_K_INT8_TILES_FROM_PIECES). 3 pieces: a
+ * 1-row Qwen2.5-Coder-1.5B forward took 0.77x-0.98x the bfloat16 tiles' time and 4-5 rows
+ * 0.97x-1.45x, but 6 rows and more 1.2x-1.9x (three int32 tile rows to store per row and
+ * sub-block against bfloat16's one; measured before lanes), so float32 activations take the
+ * bfloat16 tiles except Q8_0's. Tried and dropped: the pieces of up to 16 rows in three separate
+ * A tiles (six C tiles a step; the same bits, since the sums are exact) stored as much and ran 16
+ * rows at 2x bfloat16's time; unpacking a group once for all its passes measured no faster; the
+ * piece loop over a variable P (1.3x slower at 5-16 rows than the per-count copies of
+ * amx_i8_group_rows_for). The C tiles' double buffering below measured no faster than storing
+ * each step at once either; it is kept because it costs nothing.
  *
  * Arithmetic (sub-block s of SB values: 32 for Q4_K, Q4_1, Q5_0 and Q8_0, 16 for Q6_K; row r):
- *   - pieces: c_0 = x; for i = 0, 1, 2: d_i = max|c_i| / 127 over the sub-block, p_i =
- *     round(c_i / d_i) (int8), c_{i+1} = c_i - d_i p_i. So x = sum_i d_i p_i + c_3 with
- *     |c_3| <= max|x| / (2 * 127 * 254 * 254) < 2^-24 max|x|: float32's precision for the
- *     sub-block's largest value (docs/architecture.md, "Numerics").
- *   - one TDPBSUD per sub-block: C[3 r + i][o] = sum p_i * q (signed bytes times the unsigned
- *     quant codes), an exact int32 (|C| < 2^21);
- *   - D = d_2 C_2 + d_1 C_1 + d_0 C_0 (smallest first; Q6_K's codes are q + 32 and Q8_0's
+ *   - pieces: c_0 = x; for i = 0 .. P - 1: d_i = max|c_i| / 127 over the sub-block, p_i =
+ *     round(c_i / d_i) (int8), c_{i+1} = c_i - d_i p_i. So x = sum_i d_i p_i + c_P with
+ *     |c_P| <= max|x| / (2 * 127 * 254^(P - 1)): for P = 3 under 2^-24 max|x|, float32's
+ *     precision for the sub-block's largest value (docs/architecture.md, "Numerics");
+ *   - one TDPBSUD per sub-block (or per two, with lanes): C[P r + i][o] = sum p_i * q (signed
+ *     bytes times the unsigned quant codes), an exact int32 (|C| < 2^21);
+ *   - D = d_{P-1} C_{P-1} + ... + d_0 C_0 (smallest first; Q6_K's codes are q + 32 and Q8_0's
  *     q + 128, so each C_i first loses 32 or 128 times sum p_i, exactly, in int32);
  *   - out[r, o] = sum over s, in order, of  a_s * D  then  + m_s * S, S the float32 sum of x over
  *     the sub-block: the file's values w = a_s * q + m_s as in amx_tiles.h.
@@ -39,9 +48,10 @@
  * matrix uses one path for every row count.
  *
  * Row-invariant: a row's pieces depend on that row alone; each output element of a tile
- * multiply depends only on its own A row and B column; rows are taken at most AMX_I8_ROWS a
- * pass, each in its own A rows; each 16-output group is computed
- * whole by one thread. So a row's result never depends on the row count or thread count.
+ * multiply depends only on its own A row and B column (with lanes, the other sub-block's
+ * columns hold zeros, which add exact zeros to the int32 sums); rows are taken at most
+ * amx_i8_rows(P) a pass, each in its own A rows; each 16-output group is computed whole by one
+ * thread. So a row's result never depends on the row count or thread count.
  */
 #ifndef SPECSERVE_AMX_INT8_H
 #define SPECSERVE_AMX_INT8_H
@@ -256,7 +266,7 @@ static void amx_i8_group_rows_for(int qtype, int np, int L, const uint8_t *gp, i
 }
 
 /* out = x @ w.T (+ bias), w packed by amx_pack; called by every thread of an enclosing parallel
- * region, like amx_gemm_team. Each pass of AMX_I8_ROWS rows unpacks the group's quants again
+ * region, like amx_gemm_team. Each pass of amx_i8_rows(np) rows unpacks the group's quants again
  * (from L1/L2: measured faster than unpacking a group once into a buffer for all passes).
  * Returns 0, or -3 without scratch memory. */
 static int amx_i8_gemm_team(const float *x, int64_t ldx, int64_t rows, const uint8_t *w, int qtype, int np,
