@@ -66,10 +66,10 @@ class SpeculativeConfig:
     suffix_max_spec_factor: float = 1.0
     draft_dtype: str | None = None   # defaults to the target's dtype
     # draft_model: the draft's GGUF blocks multiply with int8 activations (EngineConfig.int8_activations).
-    # None (default): whatever the target does, on, except on CPUs with AMX tiles, where float32
-    # activations on the tiles are as fast at one row and faster at several: the draft's numbers only
-    # change its guesses, never the output, and its forward is the cost speculation must win back
-    # (factory.draft_uses_int8_activations; docs/real_models.md).
+    # None (default): whatever the target does, on (VNNI, AVX2 or AMX int8 tiles), except on an AMX
+    # CPU whose build lacks int8 tiles, where float32 activations on bfloat16 tiles are faster at
+    # several rows: the draft's numbers only change its guesses, never the output, and its forward is
+    # the cost speculation must win back (factory.draft_uses_int8_activations; docs/real_models.md).
     draft_int8_activations: bool | None = None
     # draft_model: the draft's LM head keeps only the first N token ids (byte-pair vocabularies
     # number tokens roughly by merge order, so these are the common ones); the draft then never

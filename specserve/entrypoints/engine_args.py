@@ -75,8 +75,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="CPU, GGUF blocks: int8 activations as N pieces summed (1-4; 3 = float32's precision, "
                         "fastest 1-row decoding, slower verification and prefill; 3 runs on int8 tiles on CPUs with AMX)")
     p.add_argument("--draft-int8-activations", action=argparse.BooleanOptionalAction, default=None,
-                   help="draft_model: the same for the draft (default: on, except on CPUs with AMX tiles; the draft only "
-                        "guesses, output is unchanged)")
+                   help="draft_model: the same for the draft (default: on, except where an AMX build lacks int8 tiles; "
+                        "the draft only guesses, output is unchanged)")
 
 
 def speculative_config_from_args(args) -> dict | None:

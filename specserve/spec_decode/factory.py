@@ -104,12 +104,14 @@ def requantize_draft(runner, name: str) -> None:
 
 
 def draft_uses_int8_activations(setting: bool | None) -> bool:
-    """The draft's activations: as set, else (None) int8, which multiplies fastest on CPUs without
-    AMX tiles (the draft only guesses: its numbers never change the output), and float32 where AMX
-    tiles take them: as fast at one row there and faster at several (docs/real_models.md)."""
+    """The draft's activations: as set, else (None) int8, which multiplies fastest wherever specserve
+    has int8 kernels (the draft only guesses: its numbers never change the output): VNNI or AVX2
+    without AMX, AMX int8 tiles with it, as fast at one row as float32 on the bfloat16 tiles and
+    faster at several (docs/real_models.md). Float32 only on an AMX CPU whose build lacks the int8
+    tiles, where the bfloat16 tiles beat the VNNI kernel at several rows."""
     if setting is not None:
         return setting
-    return not quant_gemm.amx_tiles_available()
+    return not quant_gemm.amx_tiles_available() or quant_gemm.amx_int8_tiles_available()
 
 
 def build_draft_model_proposer(spec: SpeculativeConfig, ctx: ProposerContext) -> Proposer:

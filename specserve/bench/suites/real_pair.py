@@ -7,7 +7,7 @@ time, prompt included), the ratio to specserve's plain decoding, mean acceptance
 temperature 0 how many answers equal plain decoding's (same activations) token for token.
 
 Configurations: ``plain``, ``draft:K`` (the draft model, k = K, its activations the engine's
-default: int8, float32 on CPUs with AMX tiles), ``ngram:K``; suffixes ``+int8`` (the target with
+default: int8, ``factory.draft_uses_int8_activations``), ``ngram:K``; suffixes ``+int8`` (the target with
 int8 activations), ``+int8draft`` / ``+f32draft`` (the draft with int8 / float32 activations),
 ``+p2``/``+p3``/``+p4`` (the target's activations as int8 pieces), ``+q4_0`` ... ``+q8_0`` (the draft
 requantized at load), ``+vN`` (the draft's LM head kept to the first N token ids, ``draft_vocab_size``;

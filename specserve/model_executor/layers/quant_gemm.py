@@ -130,6 +130,14 @@ def amx_tiles_available() -> bool:
     return supports_amx(int(GGMLQuantizationType.Q4_K), AMX_GROUP, 256)
 
 
+def amx_int8_tiles_available() -> bool:
+    """True when this CPU, OS and build also multiply GGUF blocks on AMX int8 tiles with int8
+    activations (a Q4_K matrix of one 16-row group, one piece, is asked)."""
+    from gguf import GGMLQuantizationType
+
+    return supports_amx_int8(int(GGMLQuantizationType.Q4_K), AMX_GROUP, 256, 1)
+
+
 def float_activations_on_int8_tiles(qtype: int) -> bool:
     """True for the formats whose float32 activations the AMX kernels multiply on int8 tiles, as
     FLOAT_PIECES int8 pieces (float32's precision), rather than on bfloat16 tiles: Q8_0, whose 8-bit codes int8
