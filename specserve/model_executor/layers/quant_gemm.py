@@ -140,8 +140,8 @@ def amx_int8_tiles_available() -> bool:
 
 def float_activations_on_int8_tiles(qtype: int) -> bool:
     """True for the formats whose float32 activations the AMX kernels multiply on int8 tiles, as
-    FLOAT_PIECES int8 pieces (float32's precision), rather than on bfloat16 tiles: Q8_0, whose 8-bit codes int8
-    tiles take as they are (``amx_tiles.h``'s ``amx_bf16_takes`` says why)."""
+    FLOAT_PIECES int8 pieces (float32's precision), rather than on bfloat16 tiles: Q8_0, whose
+    8-bit codes int8 tiles take as they are (``amx_tiles.h``'s ``amx_bf16_takes`` says why)."""
     lib = _load()
     return lib is not None and bool(lib.specserve_quant_amx_float_on_int8(int(qtype)))
 
@@ -149,8 +149,9 @@ def float_activations_on_int8_tiles(qtype: int) -> bool:
 # Q6_K's packing holds a byte a code (8.75 bits a weight against the file's 6.56), so its 1-row step
 # streams a third more bytes than the VNNI kernel (q8_act.h) reads: with 1 or 2 pieces that kernel
 # wins the decode step (1536 x 8960 at 1 row: 0.34 against 0.45 ms, 1 piece), the tiles only from
-# 5-9 rows on. With 3 or more pieces the tiles win from 1 row on (0.57 against 0.49 ms at 3 pieces
-# is the one loss; 5 rows 1.55 against 2.35). docs/benchmarks.md, "AMX int8 tiles, any piece count".
+# 5-9 rows on. With 3 or more pieces the tiles lose less at 1 row (0.57 against 0.49 ms) and win
+# from 5 rows on (1.55 against 2.35). Both kernels timed alternately in one process on the AMX Xeon
+# VM of docs/architecture.md's figures ("int8_activations (and Q8_0) on int8 tiles").
 Q6_K_INT8_TILES_FROM_PIECES = 3
 
 

@@ -28,10 +28,9 @@
  * sub-block against bfloat16's one; measured before lanes), so float32 activations take the
  * bfloat16 tiles except Q8_0's. Tried and dropped: the pieces of up to 16 rows in three separate
  * A tiles (six C tiles a step; the same bits, since the sums are exact) stored as much and ran 16
- * rows at 2x bfloat16's time; unpacking a group once for all its passes measured no faster; the
- * piece loop over a variable P (1.3x slower at 5-16 rows than the per-count copies of
- * amx_i8_group_rows_for). The C tiles' double buffering below measured no faster than storing
- * each step at once either; it is kept because it costs nothing.
+ * rows at 2x bfloat16's time; unpacking a group once for all its passes measured no faster. The C
+ * tiles' double buffering below measured no faster than storing each step at once either; it is
+ * kept because it costs nothing.
  *
  * Arithmetic (sub-block s of SB values: 32 for Q4_K, Q4_1, Q5_0 and Q8_0, 16 for Q6_K; row r):
  *   - pieces: c_0 = x; for i = 0 .. P - 1: d_i = max|c_i| / 127 over the sub-block, p_i =
@@ -196,11 +195,11 @@ static inline void amx_i8_step_store(int parity, int L, int32_t *c) {   /* c [2]
  * over every sub-block, in order. Work goes in steps of two sub-blocks (a unit of Q4_K, Q4_1 or Q5_0,
  * half a unit of Q6_K); a step's tile sums are stored one step later, when the multiplies are
  * done, so the tiles never wait for each other's latency, and its float work follows. Inlined
- * into amx_i8_group_rows_for with constant np and L, so the piece loop unrolls (a loop over a
- * variable np made 3 pieces 1.3x slower at 5-16 rows). */
-static inline __attribute__((always_inline)) void amx_i8_group_rows(int qtype, int np, int L, const uint8_t *gp, int64_t in, const int8_t *xa, const float *xd,
-                              const float *S, const int32_t *P, int R, uint8_t *ring, int32_t *cbuf, float *out,
-                              int64_t ldo) {
+ * into amx_i8_group_rows_for with constant np and L, so the piece loop unrolls as it did when the
+ * count was fixed at three (a variable count measured no slower within this VM's noise). */
+static inline __attribute__((always_inline)) void
+amx_i8_group_rows(int qtype, int np, int L, const uint8_t *gp, int64_t in, const int8_t *xa, const float *xd,
+                  const float *S, const int32_t *P, int R, uint8_t *ring, int32_t *cbuf, float *out, int64_t ldo) {
     const int sb = amx_sub_block(qtype), ub = amx_unit_bytes(qtype), per_unit = AMX_UNIT_K / sb / 2;
     const int64_t units = in / AMX_UNIT_K, ns = in / sb, steps = units * per_unit;
     const int32_t offset = amx_i8_code_offset(qtype);
@@ -306,8 +305,8 @@ static int amx_i8_gemm_team(const float *x, int64_t ldx, int64_t rows, const uin
             const int R = (int)(rows - ps * per < per ? rows - ps * per : per);
             if (!configured) amx_i8_configure(Rt, sb, L), configured = 1;
             float *o = out + ps * per * ldo + g * 16;
-            amx_i8_group_rows_for(qtype, np, L, gp, in, xa + ps * L * Rt * in, xd + ps * Rt * ns, S ? S + ps * per * ns : NULL,
-                              P ? P + ps * Rt * ns : NULL, R, ring, cbuf, o, ldo);
+            amx_i8_group_rows_for(qtype, np, L, gp, in, xa + ps * L * Rt * in, xd + ps * Rt * ns,
+                                  S ? S + ps * per * ns : NULL, P ? P + ps * Rt * ns : NULL, R, ring, cbuf, o, ldo);
             if (bias) {
                 const __m512 bv = _mm512_loadu_ps(bias + g * 16);
                 for (int r = 0; r < R; r++) _mm512_storeu_ps(o + r * ldo, _mm512_add_ps(_mm512_loadu_ps(o + r * ldo), bv));
