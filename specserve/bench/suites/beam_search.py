@@ -26,7 +26,7 @@ import json
 import sys
 import time
 
-from specserve.bench.options import coding_prompts_path, spec_bench_path
+from specserve.bench.options import coding_prompts_path, parse_int8_activations, spec_bench_path
 from specserve.bench.results import fmt
 
 
@@ -43,6 +43,9 @@ def add_arguments(p) -> None:
     p.add_argument("--spec-bench", default="coding,qa,writing", help="Spec-Bench categories ('' for none)")
     p.add_argument("--per-category", type=int, default=2)
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--int8-activations", default="off",
+                   help="every configuration's model: off (float32 activations), on (int8, one piece a value) or a "
+                        "piece count 2-4 (LLM's int8_activations; the drafts keep their own default)")
 
 
 def _rows(path: str, category: str | None, limit: int) -> list[dict]:
@@ -79,10 +82,10 @@ def speculative_config(config: str, draft: str | None) -> dict | None:
     return specs[kind]()
 
 
-def _build(model: str | None, draft: str | None, config: str, max_model_len: int):
+def _build(model: str | None, draft: str | None, config: str, max_model_len: int, int8_activations: bool | int):
     from specserve import LLM
 
-    kw = dict(model=model, max_model_len=max_model_len, kv_cache_memory=1 << 28)
+    kw = dict(model=model, max_model_len=max_model_len, kv_cache_memory=1 << 28, int8_activations=int8_activations)
     spec = speculative_config(config, draft)
     return LLM(**kw) if spec is None else LLM(**kw, speculative_config=spec)
 
@@ -92,9 +95,10 @@ def _beams(out) -> list[tuple]:
             for s in out.sequences]
 
 
-def _measure(model, draft, configs: list[str], sets: list[tuple[str, list[dict]]], params, max_model_len) -> dict:
+def _measure(model, draft, configs: list[str], sets: list[tuple[str, list[dict]]], params, max_model_len,
+             int8_activations: bool | int) -> dict:
     """{(set, config): tallies}: every prompt of every set, the configurations rotating."""
-    llms = {c: _build(model, draft, c, max_model_len) for c in configs}
+    llms = {c: _build(model, draft, c, max_model_len, int8_activations) for c in configs}
     first = llms[configs[0]]
     tally = {}
     for name, rows in sets:
@@ -125,7 +129,8 @@ def run(args, doc: dict) -> None:
 
     doc["params"] = {k: getattr(args, k) for k in ("target", "draft", "configs", "ngram_model", "ngram_configs",
                                                    "beam_width", "max_tokens", "limit", "spec_bench", "per_category",
-                                                   "max_model_len")}
+                                                   "max_model_len", "int8_activations")}
+    int8 = parse_int8_activations(args.int8_activations)
     sets = []
     if args.limit:
         sets.append(("coding-20", _rows(coding_prompts_path(), None, args.limit)))
@@ -143,7 +148,7 @@ def run(args, doc: dict) -> None:
     columns = ["model", "configuration"] + [f"{name}: speed-up (tau)" for name, _ in sets] + ["identical beams"]
     rows, samples = [], {}
     for run_name, model, draft, configs in runs:
-        tally = _measure(model, draft, configs, sets, params, args.max_model_len)
+        tally = _measure(model, draft, configs, sets, params, args.max_model_len, int8)
         label = model or "default (SmolLM2-135M)"
         for c in configs:
             cells, equal, searches = [], 0, 0

@@ -15,12 +15,13 @@ needs_spec_bench = pytest.mark.skipif(not os.path.exists(spec_bench_path()),
                                       reason=f"no Spec-Bench questions at {spec_bench_path()}")
 
 
-def args(model: str, configs: str, ngram_configs: str = "", spec_bench: str = "coding") -> argparse.Namespace:
+def args(model: str, configs: str, ngram_configs: str = "", spec_bench: str = "coding",
+         extra: tuple[str, ...] = ()) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     beam_search.add_arguments(p)
     return p.parse_args(["--target", model, "--draft", model, "--configs", configs, "--ngram-model", model,
                          "--ngram-configs", ngram_configs, "--beam-width", "2", "--max-tokens", "6", "--limit", "1",
-                         "--spec-bench", spec_bench, "--per-category", "1", "--max-model-len", "1024"])
+                         "--spec-bench", spec_bench, "--per-category", "1", "--max-model-len", "1024", *extra])
 
 
 @needs_spec_bench
@@ -67,3 +68,13 @@ def test_speculative_configs_of_each_kind():
     assert beam_search.speculative_config("eagle:3", "d") == {"method": "eagle", "num_speculative_tokens": 3}
     assert beam_search.speculative_config("eagle-tree:2:6:3", "d") == {
         "method": "eagle", "model": None, "num_speculative_tokens": 3, "tree": {"top_k": 2, "max_nodes": 6}}
+
+
+def test_int8_activations_reach_every_configurations_model(tiny_llama_dir, monkeypatch):
+    seen = []
+    monkeypatch.setattr("specserve.LLM", lambda **kw: seen.append((kw["int8_activations"], "speculative_config" in kw)))
+    beam_search._build(tiny_llama_dir, tiny_llama_dir, "plain", 1024, True)
+    beam_search._build(tiny_llama_dir, tiny_llama_dir, "draft:2", 1024, 3)
+    assert seen == [(True, False), (3, True)]
+    with pytest.raises(ValueError, match="off, on or a piece count"):   # before any model loads
+        beam_search.run(args(tiny_llama_dir, "plain", spec_bench="", extra=("--int8-activations", "yes")), {})
