@@ -69,11 +69,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of earlier requests' identical prefixes (default: on)")
     p.add_argument("--int8-activations", action=argparse.BooleanOptionalAction, default=False,
-                   help="CPU, GGUF blocks: multiply with activations rounded to 8 bits (AVX-512 VNNI or AVX2; faster, "
-                        "llama.cpp's numbers rather than float32 activations)")
+                   help="CPU, GGUF blocks: multiply with activations rounded to 8 bits (AMX int8 tiles, AVX-512 VNNI "
+                        "or AVX2; faster, llama.cpp's numbers rather than float32 activations)")
     p.add_argument("--int8-activation-pieces", type=int, default=None, metavar="N",
-                   help="CPU, GGUF blocks: int8 activations as N pieces summed (1-4; 3 = float32's precision, "
-                        "fastest 1-row decoding, slower verification and prefill; 3 runs on int8 tiles on CPUs with AMX)")
+                   help="CPU, GGUF blocks: int8 activations as N pieces summed (1-4; 3 = float32's precision; on CPUs "
+                        "with AMX int8 tiles, 16 / N rows a tile pass, else fastest 1-row decoding, slower verification "
+                        "and prefill)")
     p.add_argument("--draft-int8-activations", action=argparse.BooleanOptionalAction, default=None,
                    help="draft_model: the same for the draft (default: on, except where an AMX build lacks int8 tiles; "
                         "the draft only guesses, output is unchanged)")
