@@ -64,12 +64,12 @@ def matmul_rows(args, samples: list) -> list[list[str]]:
     import torch
     from gguf import GGMLQuantizationType
 
-    from specserve.model_executor.layers import cpu_gemm
     from specserve.bench.options import parse_int8_activations
+    from specserve.model_executor.layers import cpu_gemm
     from specserve.model_executor.layers.quantized import QuantizedMatrix
 
     int8 = parse_int8_activations(args.int8_activations)
-    label = {False: "", True: ", int8 act."}.get(int8, f", {int8} int8 pieces")
+    activations = {False: None, True: "int8 act."}.get(int8, f"{int8} int8 pieces")   # named in each row
 
     def mean_of_ten_calls(fn, x) -> float:
         t = time.perf_counter()
@@ -97,7 +97,8 @@ def matmul_rows(args, samples: list) -> list[list[str]]:
             samples.append({"part": "matmul", "format": name, "rows": r, "blocks_s": best["blocks"],
                             "tiles_s": best.get("AMX tiles"), "float16_s": best["float16"]})
             for v in variants:
-                rows.append([f"matmul {name}" + (f" ({v}{label})" if v != "blocks" else f" ({label[2:]})" if label else ""),
+                tags = [t for t in (None if v == "blocks" else v, activations) if t]
+                rows.append([f"matmul {name}" + (f" ({', '.join(tags)})" if tags else ""),
                              f"[{args.out}, {args.in_features}], {r} row(s)",
                              fmt(weights / best[v] / 1e9, 2) + " G weights/s",
                              fmt(weights / best["float16"] / 1e9, 2) + " G weights/s",
