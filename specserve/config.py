@@ -301,8 +301,9 @@ class EngineConfig:
     float32 kernels, but cost about 3x per extra row (verification, prefill).
     On CPUs with AMX every setting runs on int8 tiles (rounded per 32-value
     sub-block; Q6_K with True or 2 keeps the VNNI kernel), where a pass of the
-    tiles takes 16 / N rows: True decodes a row as fast as the VNNI kernel and
-    verifies 5-16 rows 1.8x-3.8x faster; 3 pieces decode one row in 0.77x-0.98x
+    tiles takes 16 / N rows: with True a matrix multiplies one row at the VNNI
+    kernel's speed (a whole 1.5B decode step about 6% slower) and 5-16 rows
+    1.8x-3.8x faster; 3 pieces decode one row in 0.77x-0.98x
     the float32 tiles' time, up to 5 rows 0.97x-1.45x, more rows 1.2x-1.9x
     (docs/architecture.md, "Numerics").
     enforce_eager: run every step op by op. Otherwise, on a GPU, decode and verification steps
