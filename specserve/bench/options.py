@@ -202,6 +202,11 @@ def parse_int8_activations(item: str) -> bool | int:
     raise ValueError(f"--int8-activations takes off, on or a piece count 2-4, got {item!r}")
 
 
+def int8_activations_label(setting: bool | int) -> str | None:
+    """How tables name an ``int8_activations`` setting: None for float32 activations."""
+    return {False: None, True: "int8 act."}.get(setting, f"{setting} int8 pieces")
+
+
 # --------------------------------------------------------------------------- options
 @dataclass
 class BenchOptions:

@@ -64,12 +64,12 @@ def matmul_rows(args, samples: list) -> list[list[str]]:
     import torch
     from gguf import GGMLQuantizationType
 
-    from specserve.bench.options import parse_int8_activations
+    from specserve.bench.options import int8_activations_label, parse_int8_activations
     from specserve.model_executor.layers import cpu_gemm
     from specserve.model_executor.layers.quantized import QuantizedMatrix
 
     int8 = parse_int8_activations(args.int8_activations)
-    activations = {False: None, True: "int8 act."}.get(int8, f"{int8} int8 pieces")   # named in each row
+    activations = int8_activations_label(int8)   # named in each row
 
     def mean_of_ten_calls(fn, x) -> float:
         t = time.perf_counter()
@@ -164,7 +164,8 @@ def run(args, doc: dict) -> None:
 
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     doc["params"] = {"parts": parts, "formats": args.formats, "out": args.out, "in": args.in_features,
-                     "rows": args.rows, "tiles": args.tiles, "int8_activations": args.int8_activations, "repeat": args.repeat, "attention_repeats": args.attention_repeats,
+                     "rows": args.rows, "tiles": args.tiles, "int8_activations": args.int8_activations,
+                     "repeat": args.repeat, "attention_repeats": args.attention_repeats,
                      "threads": torch.get_num_threads()}
     samples, rows = [], []
     if "matmul" in parts:

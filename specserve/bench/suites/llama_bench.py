@@ -21,7 +21,7 @@ import statistics
 import subprocess
 import time
 
-from specserve.bench.options import parse_int8_activations
+from specserve.bench.options import int8_activations_label, parse_int8_activations
 from specserve.bench.results import fmt
 
 DEFAULT_LLAMA_BIN = "~/.cache/specserve-peers/llama.cpp/build/bin"
@@ -102,7 +102,7 @@ def _variants(spec: str) -> list:
 
 
 def _label(v) -> str:
-    return {False: "specserve", True: "specserve int8 act."}.get(v, f"specserve {v} int8 pieces")
+    return " ".join(filter(None, ["specserve", int8_activations_label(v)]))
 
 
 def run(args, doc: dict) -> None:

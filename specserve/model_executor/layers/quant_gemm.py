@@ -79,12 +79,17 @@ INT8_PIECES_SHIFT = 10
 MAX_INT8_PIECES = 4
 
 
+def _piece_bits(pieces: int) -> int:
+    """The piece count's bits in a type id, shared by the VNNI kernel's and the AMX int8 tiles' flags."""
+    if not 1 <= pieces <= MAX_INT8_PIECES:
+        raise ValueError(f"int8 activation pieces must be 1 to {MAX_INT8_PIECES}, got {pieces}")
+    return (pieces - 1) << INT8_PIECES_SHIFT
+
+
 def int8_activation_flags(pieces: int) -> int:
     """The qtype flags for int8 activations in ``pieces`` pieces (1: rounded to 8 bits per 256
     values; 3: the float32 row to about 2^-24 of each group's largest value)."""
-    if not 1 <= pieces <= MAX_INT8_PIECES:
-        raise ValueError(f"int8 activation pieces must be 1 to {MAX_INT8_PIECES}, got {pieces}")
-    return INT8_ACTIVATIONS_FLAG | ((pieces - 1) << INT8_PIECES_SHIFT)
+    return INT8_ACTIVATIONS_FLAG | _piece_bits(pieces)
 
 
 @functools.cache   # asked on every matmul of a matrix with the setting on; the answer never changes
@@ -109,9 +114,7 @@ FLOAT_PIECES = 3   # int8 pieces that carry a float32 row (about 2^-24 of each s
 def amx_int8_flags(pieces: int) -> int:
     """The qtype flags of a matrix packed for AMX tiles and multiplied on int8 tiles with each
     activation row as ``pieces`` int8 pieces (a pass of the tiles takes 16 // pieces rows)."""
-    if not 1 <= pieces <= MAX_INT8_PIECES:
-        raise ValueError(f"int8 activation pieces must be 1 to {MAX_INT8_PIECES}, got {pieces}")
-    return AMX_PACKED_FLAG | AMX_INT8_FLAG | ((pieces - 1) << INT8_PIECES_SHIFT)
+    return AMX_PACKED_FLAG | AMX_INT8_FLAG | _piece_bits(pieces)
 
 
 def supports_amx(qtype: int, out_features: int, in_features: int) -> bool:

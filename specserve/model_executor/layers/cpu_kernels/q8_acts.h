@@ -23,6 +23,8 @@
 #define Q8_PIECES_SHIFT 10
 #define Q8_PIECES_MASK (3 << Q8_PIECES_SHIFT)
 #define Q8_MAX_PIECES 4
+/* The piece count a type id carries (the VNNI kernel's Q8_ACT_FLAG and the AMX int8 tiles' flag alike). */
+static inline int q8_pieces_of(int qtype) { return ((qtype & Q8_PIECES_MASK) >> Q8_PIECES_SHIFT) + 1; }
 /* ---- activations: rows x in values -> per row, scaled per group of 256 values (the last group
  * may be shorter) ---- */
 typedef struct {

@@ -199,7 +199,7 @@ static int quant_gemm_team(const float *x, int64_t ldx, int64_t rows, const uint
 #ifdef HAVE_AMX_I8
             if (qtype & AMX_I8_FLAG)
                 s = amx_i8_gemm_team(x + r0 * ldx, ldx, n, w, qtype & ~(AMX_PACKED_FLAG | AMX_I8_FLAG | Q8_PIECES_MASK),
-                                     ((qtype & Q8_PIECES_MASK) >> Q8_PIECES_SHIFT) + 1, out_features, in, bias,
+                                     q8_pieces_of(qtype), out_features, in, bias,
                                      out + r0 * ldo, ldo);
             else
 #endif
@@ -213,7 +213,7 @@ static int quant_gemm_team(const float *x, int64_t ldx, int64_t rows, const uint
 #endif
     }
     if (qtype & Q8_ACT_FLAG) {
-        const int pieces = ((qtype & Q8_PIECES_MASK) >> Q8_PIECES_SHIFT) + 1;
+        const int pieces = q8_pieces_of(qtype);
         qtype &= ~(Q8_ACT_FLAG | Q8_PIECES_MASK);
 #ifdef HAVE_Q8_ACT
         if (q8_act_supported(qtype, in))
