@@ -164,7 +164,7 @@ class DraftTreeGrower:
         logits = mask_draft_rows(logits, reqs, paths)                                  # grammars
         probs = processed_probs(logits.float(), SamplingTensors.build(params, logits.shape[1], logits.device))
         k = min(top_k, probs.shape[1])
-        ranked = probs.topk(k, dim=-1)                                                  # [R, k] values, tokens
+        ranked = _top(probs, k)                                                         # [R, k] values, tokens
         tokens = ranked.indices
         if self.sampled and not all(p.greedy for p in params):
             # Without replacement from q, in the race's order: top-k of q / Exp(1). Seeded requests
@@ -172,7 +172,7 @@ class DraftTreeGrower:
             # the others, verified by rejection sampling, with fresh noise per node.
             gens = [keyed_generator(r.seed, r.num_output_tokens + len(p), CHOICE, logits.device)
                     if r.sampling_params.seed is not None else None for r, p in zip(reqs, paths)]
-            raced = (probs / exponential_noise(probs.shape[0], probs.shape[1], gens, probs.device)).topk(k, dim=-1)
+            raced = _top(probs / exponential_noise(probs.shape[0], probs.shape[1], gens, probs.device), k)
             sampled_rows = torch.tensor([not p.greedy for p in params], device=probs.device)
             tokens = torch.where(sampled_rows[:, None], raced.indices, tokens)
         rank_probs, tokens = ranked.values.tolist(), tokens.tolist()                   # the one host sync
@@ -220,3 +220,11 @@ class DraftTreeGrower:
         if moves:
             copy_slots([slot_of(src) for src, _ in moves], [slot_of(dst) for _, dst in moves])
         request.proposer_num_computed_tokens = last + 1 + kept
+
+
+def _top(x: torch.Tensor, k: int):
+    """x [R, V] -> its k largest per row (``.values``, ``.indices`` [R, k]), largest first. One
+    child (a chain grown as a tree: the dynamic tree's chain steps) takes a max pass, the first
+    of tied values as the chain proposer's argmax takes it; ``torch.topk`` costs about 3x that
+    over a 152k vocabulary on a CPU (0.38 against 0.13 ms), whatever k."""
+    return x.max(dim=-1, keepdim=True) if k == 1 else x.topk(k, dim=-1)
