@@ -100,8 +100,9 @@ def test_the_published_page_is_what_its_results_give():
     with open(os.path.join(ROOT, "docs", "benchmarks.md")) as f:
         assert f.read() == page, "run `specserve bench page` after changing docs/bench/results or benchmarks/"
     # a screenful per suite (17), and a table per machine kind (three CPU kinds: AVX2, AVX-512, AVX-512 with AMX;
-    # the kernels suite has a table for each since its AMX-tile rows, on AMX five formats by five row counts)
-    assert len(page.splitlines()) <= 720
+    # the kernels suite has a table for each since its AMX-tile rows, on AMX five formats by five row counts;
+    # draft-trees keeps its AVX2 run beside its full AMX run of 18 rows)
+    assert len(page.splitlines()) <= 740
 
 
 def test_results_are_saved_gzipped_and_read_either_way(tmp_path):
