@@ -174,9 +174,11 @@ def test_on_measured_step_times_the_policy_runs_near_the_best_fixed_shape():
     steps_per_prompt = 60
 
     def fixed_rate(shape: TreeShape) -> float:
-        depth = shape.max_nodes if shape.is_chain else shape.max_depth
-        tokens = sum(sum(a ** i for i in range(depth + 1)) for a in acceptance)
-        return tokens / (len(acceptance) * sum(times[str(shape)]) / len(times[str(shape)]))
+        """Over the prompts (the same steps each): the mean of each prompt's exact rate."""
+        def mean_seconds(s: TreeShape, batch: int) -> float:
+            return sum(times[str(s)]) / len(times[str(s)])
+
+        return sum(expected_rate(shape, 1, lambda s, i, a=a: a, mean_seconds) for a in acceptance) / len(acceptance)
 
     best = max(fixed_rate(s) for s in shapes)
     ratios = []
