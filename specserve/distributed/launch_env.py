@@ -3,8 +3,8 @@
 The torchrun-style environment (``env_launch``) and its store, the store keys, the
 timeouts (``SPECSERVE_TP_TIMEOUT_S``, ``SPECSERVE_TP_STARTUP_TIMEOUT_S``), the error
 a broken group raises (``WorkerError``), the quiet exit of a worker that found an
-unguarded main script (``exit_if_bootstrapping``), and the shutdown of a process
-group. ``launcher.py`` tells the whole story.
+unguarded main script (``exit_if_bootstrapping``). ``launcher.py`` tells the whole
+story.
 """
 from __future__ import annotations
 
@@ -103,12 +103,3 @@ def env_store(env: EnvLaunch) -> dist.Store:
 def device_for(device_type: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
 
-
-def shutdown_group(pg) -> None:
-    """Stop a process group's communication threads now, while the interpreter is whole. Left to
-    interpreter teardown, a gloo group whose peer is tearing down too can end the process in
-    std::terminate ("terminate called without an active exception", seen under load)."""
-    try:
-        pg.shutdown()
-    except Exception:
-        pass

@@ -3,10 +3,11 @@
 A target at TP N and a draft at TP 1 can live in one process because each
 model holds its own ``TensorParallelGroup``.
 
-``group`` is a process group made by ``create_process_group``: a gloo or NCCL
-backend built straight from a store, never registered as torch.distributed's
+``group`` is an ``OwnedProcessGroup`` made by ``create_process_group``: a gloo or
+NCCL backend built straight from a store, never registered as torch.distributed's
 default group, so two engines (or a test and an engine) in one process never
-collide. Collectives are called as methods on it. Any object with the same
+collide, and held through one owner that can end its threads (``close``).
+Collectives are called as methods on it. Any object with the same
 ``allreduce`` / ``allgather`` / ``gather`` methods works (a registered
 ``ProcessGroup`` too; the unit tests pass an in-process fake).
 """
@@ -90,6 +91,53 @@ class TensorParallelGroup:
 SINGLE = TensorParallelGroup()
 
 
+class OwnedProcessGroup:
+    """The one reference to a process group, so that ``close`` ends its threads at once.
+
+    Why it exists: gloo's ``shutdown()`` leaves the group's worker threads running;
+    only its destructor drains their queue and joins them. Left to interpreter
+    teardown, a worker thread that drops the last reference to a finished
+    collective must take the GIL to free the collective's tensors, and a thread
+    that asks for the GIL while the interpreter finalizes is ended by
+    ``pthread_exit``, which the C++ runtime turns into std::terminate ("terminate
+    called without an active exception", rank 0 of a torchrun-style launch, about
+    1 exit in 100 under load). Models hold this owner (through
+    ``TensorParallelGroup``), never the group itself, so ``close`` drops the last
+    reference and the destructor runs while the interpreter is whole.
+    """
+
+    def __init__(self, pg) -> None:
+        self._pg = pg
+
+    def _group(self):
+        if self._pg is None:
+            raise RuntimeError("the tensor-parallel process group is closed (the engine's workers were stopped)")
+        return self._pg
+
+    def allreduce(self, tensors: list[torch.Tensor]):
+        return self._group().allreduce(tensors)
+
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor]):
+        return self._group().allgather(outputs, inputs)
+
+    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: dist.GatherOptions):
+        return self._group().gather(outputs, inputs, opts)
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._group().set_timeout(timeout)
+
+    def close(self) -> None:
+        """Shut the group down and drop it: its destructor joins its threads. Idempotent."""
+        pg, self._pg = self._pg, None
+        if pg is None:
+            return
+        try:
+            pg.shutdown()   # NCCL: ends its communicators; gloo: nothing (the destructor does it)
+        except Exception:
+            pass
+        del pg   # the last reference: the destructor runs here, with the GIL released
+
+
 def create_process_group(
     backend: str,
     store: dist.Store,
@@ -98,7 +146,7 @@ def create_process_group(
     timeout: timedelta,
     device: torch.device,
     loopback: bool = False,
-):
+) -> OwnedProcessGroup:
     """A gloo (CPU) or NCCL (CUDA) process group over ``store``, not registered globally.
 
     Every rank must call this with the same store (prefix) and world size; it
@@ -125,4 +173,4 @@ def create_process_group(
         raise ValueError(f"unknown process-group backend {backend!r}; use 'gloo' or 'nccl'")
     if hasattr(pg, "_set_sequence_number_for_group"):
         pg._set_sequence_number_for_group()
-    return pg
+    return OwnedProcessGroup(pg)

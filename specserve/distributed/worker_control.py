@@ -19,7 +19,8 @@ from multiprocessing.connection import wait as wait_for_connections
 
 import torch
 
-from specserve.distributed.launch_env import WorkerError, shutdown_group
+from specserve.distributed.launch_env import WorkerError
+from specserve.distributed.parallel_state import OwnedProcessGroup
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ class GroupState:
     workers: list[ConnectedWorker] = field(default_factory=list)
     store: object | None = None
     listener: Listener | None = None
-    pg: object | None = None
+    pg: OwnedProcessGroup | None = None
     broken: str | None = None
     saved_num_threads: int | None = None
     closed: bool = False
@@ -85,7 +86,7 @@ def _close(state: GroupState) -> None:
     if state.listener is not None:
         state.listener.close()
     if state.pg is not None:   # the workers' groups are down by now (joined, or closed their end)
-        shutdown_group(state.pg)
+        state.pg.close()   # its threads end here, not in interpreter teardown
     state.pg = state.store = state.listener = None
     if state.saved_num_threads is not None:
         torch.set_num_threads(state.saved_num_threads)

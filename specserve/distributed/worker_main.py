@@ -31,7 +31,6 @@ from specserve.distributed.launch_env import (
     device_for,
     env_launch,
     env_store,
-    shutdown_group,
     startup_timeout_s,
 )
 from specserve.distributed.parallel_state import TensorParallelGroup, create_process_group
@@ -108,7 +107,7 @@ def _join_and_serve(
         )
         pg.set_timeout(timedelta(seconds=init["timeout_s"]))
         serve(conn, TensorParallelGroup(rank, world_size, pg), device)
-        shutdown_group(pg)   # before closing conn: the driver waits for that (worker_control._close)
+        pg.close()   # before closing conn: the driver waits for that (worker_control._close)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         os._exit(1)  # the driver is gone: nobody to report to
     except BaseException:
