@@ -100,8 +100,8 @@ class OwnedProcessGroup:
     collective must take the GIL to free the collective's tensors, and a thread
     that asks for the GIL while the interpreter finalizes is ended by
     ``pthread_exit``, which the C++ runtime turns into std::terminate ("terminate
-    called without an active exception", rank 0 of a torchrun-style launch, about
-    1 exit in 100 under load). Models hold this owner (through
+    called without an active exception": rank 0 of a torchrun-style launch, 3 exits
+    in about 365 under load; docs/tensor_parallel.md). Models hold this owner (through
     ``TensorParallelGroup``), never the group itself, so ``close`` drops the last
     reference and the destructor runs while the interpreter is whole.
     """
