@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from specserve.config import SpeculativeConfig
+from specserve.config import EngineConfig, SpeculativeConfig
 
 # What `generate` and `serve` speculate with when no speculation flag is given (None: plain
 # decoding). Chosen by measurement: docs/benchmarks.md, "Batch scaling" and "Serving load".
@@ -21,6 +21,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto (float16 weights with float32 activations on x86 CPUs, else float32; bfloat16 on GPU), bfloat16, float16 or float32")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes of KV cache")
+    p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs,
+                   help="requests running at once at most (the batch size); more wait in the queue")
+    p.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
+                   help="tokens a step at most: prefill chunks, decoding and verified draft tokens together")
+    p.add_argument("--block-size", type=int, default=EngineConfig.block_size, help="tokens a KV cache block holds")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--enforce-eager", action="store_true",
@@ -124,6 +129,9 @@ def build_llm(args, plain: bool = False):
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         kv_cache_memory=args.kv_cache_memory,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
         device=args.device,
         tensor_parallel_size=args.tensor_parallel_size,
         speculative_config=None if plain else speculative_config_from_args(args),

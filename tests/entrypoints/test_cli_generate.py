@@ -7,7 +7,9 @@ import math
 
 import pytest
 
+from specserve.config import EngineConfig
 from specserve.entrypoints.cli import build_parser, main
+from specserve.entrypoints.engine_args import build_llm
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -17,6 +19,29 @@ def test_prefix_caching_is_on_unless_switched_off():
     assert parse(["generate", "x"]).enable_prefix_caching is True
     assert parse(["generate", "x", "--no-enable-prefix-caching"]).enable_prefix_caching is False
     assert parse(["serve", "--no-enable-prefix-caching"]).enable_prefix_caching is False
+
+
+def test_batch_flags_reach_the_engine_with_its_defaults():
+    parse = build_parser().parse_args
+    for command in (["generate", "x"], ["serve"]):
+        args = parse(command)
+        assert (args.max_num_seqs, args.max_num_batched_tokens, args.block_size) == (
+            EngineConfig.max_num_seqs, EngineConfig.max_num_batched_tokens, EngineConfig.block_size)
+
+
+def test_batch_flags_size_the_engine(tiny_llama_dir):
+    args = build_parser().parse_args(["serve", "--model", tiny_llama_dir, "--dtype", "float32", "--max-num-seqs", "3",
+                                      "--max-num-batched-tokens", "64", "--block-size", "8",
+                                      "--kv-cache-memory", str(8 << 20)])
+    config = build_llm(args).engine.config
+    assert (config.max_num_seqs, config.max_num_batched_tokens, config.block_size) == (3, 64, 8)
+
+
+@pytest.mark.parametrize("flag", ["--max-num-seqs", "--max-num-batched-tokens", "--block-size"])
+def test_a_bad_batch_flag_is_a_clear_error(tiny_llama_dir, capsys, flag):
+    code = main(["generate", "x", "--model", tiny_llama_dir, flag, "0"])
+    assert code == 2
+    assert f"{flag[2:].replace('-', '_')} must be a positive integer, got 0" in capsys.readouterr().err
 
 
 def test_n_samples_print_one_json_line_each(tiny_llama_dir, capsys):
