@@ -5,9 +5,14 @@ vLLM's options: ``continue_final_message`` leaves the last (assistant) message o
 answer goes on from its text ("prefilling" the answer) instead of starting a new turn;
 ``chat_template_kwargs`` reach the template as variables (Qwen3's ``enable_thinking``, for
 example). The template writes the special tokens, so its text is tokenized without adding any.
+
+A template of the user's own (vLLM's ``--chat-template`` and ``LLM.chat(chat_template=...)``)
+replaces the model's: ``load_chat_template`` reads it from a file or takes the text itself,
+and checks that it renders a one-message conversation before any request meets it.
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 # apply_chat_template's own arguments: a template variable may not take their place
@@ -26,14 +31,35 @@ class ChatTemplateError(ValueError):
         self.param = param
 
 
+def load_chat_template(tokenizer, value: str) -> str:
+    """The template ``value`` names: a file's text, or ``value`` itself when it holds Jinja
+    (``{``); ValueError for a path that does not exist or a template that cannot render one
+    user message with ``tokenizer``."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            template = f.read()
+    elif "{" in value:
+        template = value
+    else:
+        raise ValueError(f"chat template {value!r} is neither a file nor a Jinja template (no '{{')")
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], tokenize=False,
+                                      add_generation_prompt=True, chat_template=template)
+    except Exception as e:  # noqa: BLE001 - Jinja's syntax and runtime errors alike
+        raise ValueError(f"the chat template {value[:80]!r} cannot render a one-message conversation: {e}") from None
+    return template
+
+
 def render_chat(tokenizer, conversation: list[dict], add_generation_prompt: bool = True,
                 continue_final_message: bool = False, tools: list[dict] | None = None,
-                template_kwargs: dict[str, Any] | None = None, model_name: str | None = None) -> str:
+                template_kwargs: dict[str, Any] | None = None, model_name: str | None = None,
+                template: str | None = None) -> str:
     """The conversation's prompt text; ChatTemplateError for what the template cannot take
-    (``model_name`` names the model in the message when it has no template)."""
-    if not getattr(tokenizer, "chat_template", None):
+    (``model_name`` names the model in the message when it has no template). ``template``:
+    a template used instead of the model's (see ``load_chat_template``)."""
+    if template is None and not getattr(tokenizer, "chat_template", None):
         raise ChatTemplateError(f"the model {model_name!r} has no chat template; send a plain prompt instead "
-                                "(/v1/completions, LLM.generate)", "messages")
+                                "(/v1/completions, LLM.generate) or give one (--chat-template)", "messages")
     if continue_final_message:
         if add_generation_prompt:
             raise ChatTemplateError("continue_final_message needs add_generation_prompt false: the answer goes on "
@@ -45,6 +71,8 @@ def render_chat(tokenizer, conversation: list[dict], add_generation_prompt: bool
         raise ChatTemplateError(f"chat_template_kwargs may not set {clash}: they are options of their own",
                                 "chat_template_kwargs")
     extra = dict(template_kwargs or {})
+    if template is not None:
+        extra["chat_template"] = template
     if tools:
         extra["tools"] = tools
     if continue_final_message:

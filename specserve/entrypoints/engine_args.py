@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 
 from specserve.config import EngineConfig, SpeculativeConfig
+from specserve.entrypoints.chat_template import load_chat_template
 
 # What `generate` and `serve` speculate with when no speculation flag is given (None: plain
 # decoding). Chosen by measurement: docs/benchmarks.md, "Batch scaling" and "Serving load".
@@ -28,6 +29,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=EngineConfig.block_size, help="tokens a KV cache block holds")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="a Jinja chat template (a file, or the template's text) used instead of the model's own")
     p.add_argument("--enforce-eager", action="store_true",
                    help="GPU: run every step op by op instead of replaying captured CUDA graphs")
     p.add_argument(NO_SPECULATION_FLAG, dest="no_speculation", action="store_true",
@@ -124,7 +127,7 @@ def build_llm(args, plain: bool = False):
     """The ``LLM`` the flags describe (``plain``: the same without speculation)."""
     from specserve import LLM
 
-    return LLM(
+    llm = LLM(
         model=args.model,
         dtype=args.dtype,
         max_model_len=args.max_model_len,
@@ -140,3 +143,7 @@ def build_llm(args, plain: bool = False):
         int8_activations=(args.int8_activation_pieces if getattr(args, "int8_activation_pieces", None)
                           else args.int8_activations),
     )
+    if getattr(args, "chat_template", None):   # every chat path (generate --chat, the server, its tools) reads it
+        tokenizer = llm.get_tokenizer()
+        tokenizer.chat_template = load_chat_template(tokenizer, args.chat_template)
+    return llm

@@ -9,7 +9,7 @@ from specserve.beam_search_params import BeamSearchOutput, BeamSearchParams, Bea
 from specserve.config import EngineConfig, SpeculativeConfig
 from specserve.engine.async_engine import running_driver
 from specserve.engine.llm_engine import LLMEngine
-from specserve.entrypoints.chat_template import render_chat
+from specserve.entrypoints.chat_template import load_chat_template, render_chat
 from specserve.outputs import RequestOutput, SpecDecodeStats
 from specserve.sampling_params import SamplingParams
 
@@ -188,19 +188,24 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them (``chat_template``
-        module: continue_final_message, chat_template_kwargs, as in vLLM)."""
+        """Apply the model's chat template (or ``chat_template``: a file or the Jinja text) to one
+        conversation or a list of them (``chat_template`` module: continue_final_message,
+        chat_template_kwargs, as in vLLM)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.apply_chat_template(c, add_generation_prompt, continue_final_message, chat_template_kwargs)
+        prompts = [self.apply_chat_template(c, add_generation_prompt, continue_final_message, chat_template_kwargs,
+                                            chat_template)
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
-                            continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[int]:
+                            continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+                            chat_template: str | None = None) -> list[int]:
         """The conversation's prompt token ids (ValueError where the template cannot take it)."""
+        template = None if chat_template is None else load_chat_template(self.engine.tokenizer, chat_template)
         text = render_chat(self.engine.tokenizer, conversation, add_generation_prompt, continue_final_message,
-                           template_kwargs=chat_template_kwargs, model_name=self.engine.model_name)
+                           template_kwargs=chat_template_kwargs, model_name=self.engine.model_name, template=template)
         return self.engine.tokenize(text, add_special_tokens=False)   # the template wrote the special tokens
 
     def _run(self, ids: list[str], show_progress: bool) -> list[RequestOutput]:

@@ -1,13 +1,16 @@
 """vLLM's chat options, in ``LLM.chat``/``apply_chat_template`` and over HTTP (chat completions and
 /tokenize) alike: ``continue_final_message`` leaves the last assistant message open for the answer
 to go on from, ``chat_template_kwargs`` reach the template as variables; misuse is a ValueError in
-the library and a 400 naming the field on the server. Tiny random model with the default model's
-tokenizer, and a template of the test's own for the variables."""
+the library and a 400 naming the field on the server; a template of one's own replaces the model's
+(``chat_template``, ``--chat-template``). Tiny random model with the default model's tokenizer,
+and a template of the test's own for the variables."""
 from __future__ import annotations
 
 import pytest
 
 from specserve import SamplingParams
+from specserve.entrypoints.cli import build_parser, main
+from specserve.entrypoints.engine_args import build_llm
 from specserve.entrypoints.openai.api_server import build_app
 
 from proposer_specs import tiny_engine
@@ -86,3 +89,34 @@ def test_a_model_without_a_chat_template_is_told_to_send_a_plain_prompt(llm, mon
     monkeypatch.setattr(llm.get_tokenizer(), "chat_template", None)
     with pytest.raises(ValueError, match="has no chat template; send a plain prompt"):
         llm.chat(CONVERSATION[:1], SamplingParams(max_tokens=2))
+
+
+def test_a_template_of_ones_own_replaces_the_models(llm, tmp_path, monkeypatch):
+    """vLLM's ``chat_template``: the Jinja text itself or a file; it works for a model without one."""
+    monkeypatch.setattr(llm.get_tokenizer(), "chat_template", None)
+    path = tmp_path / "template.jinja"
+    path.write_text(TEMPLATE)
+    for given in (TEMPLATE, str(path)):
+        assert text_of(llm, llm.apply_chat_template(CONVERSATION[:1], chat_template=given)) == (
+            "<user>Name a colour.<assistant>")
+    [out] = llm.chat(CONVERSATION[:1], SamplingParams(temperature=0, max_tokens=2), chat_template=str(path))
+    assert text_of(llm, out.prompt_token_ids) == "<user>Name a colour.<assistant>"
+    with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
+        llm.apply_chat_template(CONVERSATION[:1], chat_template=str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="cannot render a one-message conversation"):
+        llm.apply_chat_template(CONVERSATION[:1], chat_template="{% if %}")
+
+
+def test_the_chat_template_flag_sets_the_template_every_chat_path_reads(tiny_llama_dir, tmp_path, capsys):
+    path = tmp_path / "template.jinja"
+    path.write_text(TEMPLATE)
+    args = build_parser().parse_args(["serve", "--model", tiny_llama_dir, "--dtype", "float32",
+                                      "--kv-cache-memory", str(8 << 20), "--chat-template", str(path)])
+    served = build_llm(args)
+    assert served.get_tokenizer().chat_template == TEMPLATE
+    with running_server(build_app(served, MODEL)) as base:
+        r = local_http.post(f"{base}/tokenize", json={"model": MODEL, "messages": CONVERSATION[:1]}, timeout=60)
+    assert r.status_code == 200 and served.get_tokenizer().decode(r.json()["tokens"]) == (
+        "<user>Name a colour.<assistant>"), r.text
+    code = main(["generate", "x", "--chat", "--model", tiny_llama_dir, "--chat-template", "{% if %}"])
+    assert code == 2 and "cannot render a one-message conversation" in capsys.readouterr().err
