@@ -301,6 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", action="append", default=None,
                        help="a name clients use in 'model' (repeatable; default: the model's own name)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument("--seed", dest="engine_seed", type=int, default=None,
+                       help="the engine's random seed, for requests without a seed of their own (default 0)")
     add_server_limit_args(serve)
     serve.set_defaults(func=cmd_serve)
 

@@ -135,6 +135,7 @@ def build_llm(args, plain: bool = False):
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size,
+        seed=EngineConfig.seed if getattr(args, "engine_seed", None) is None else args.engine_seed,
         device=args.device,
         tensor_parallel_size=args.tensor_parallel_size,
         speculative_config=None if plain else speculative_config_from_args(args),

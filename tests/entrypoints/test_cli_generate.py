@@ -29,12 +29,13 @@ def test_batch_flags_reach_the_engine_with_its_defaults():
             EngineConfig.max_num_seqs, EngineConfig.max_num_batched_tokens, EngineConfig.block_size)
 
 
-def test_batch_flags_size_the_engine(tiny_llama_dir):
+def test_batch_flags_and_the_servers_seed_size_the_engine(tiny_llama_dir):
     args = build_parser().parse_args(["serve", "--model", tiny_llama_dir, "--dtype", "float32", "--max-num-seqs", "3",
-                                      "--max-num-batched-tokens", "64", "--block-size", "8",
+                                      "--max-num-batched-tokens", "64", "--block-size", "8", "--seed", "7",
                                       "--kv-cache-memory", str(8 << 20)])
     config = build_llm(args).engine.config
-    assert (config.max_num_seqs, config.max_num_batched_tokens, config.block_size) == (3, 64, 8)
+    assert (config.max_num_seqs, config.max_num_batched_tokens, config.block_size, config.seed) == (3, 64, 8, 7)
+    assert build_parser().parse_args(["serve"]).engine_seed is None   # the engine's default seed then
 
 
 @pytest.mark.parametrize("flag", ["--max-num-seqs", "--max-num-batched-tokens", "--block-size"])
