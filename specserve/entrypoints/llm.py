@@ -127,12 +127,13 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
-        """Run prompts (strings or token-id lists) to completion; outputs keep input order.
+        """Run prompts (strings, token-id lists, or vLLM's ``{"prompt": ...}`` /
+        ``{"prompt_token_ids": [...]}``) to completion; outputs keep input order.
 
         Every prompt is validated before any work starts, so one bad prompt raises
         without running (or losing) the others.
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
@@ -143,10 +144,11 @@ class LLM:
         prepared = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
             try:
-                prepared.append(self.engine.prepare_prompt(p, sp))
+                p = _unwrap_prompt(p)
+                prepared.append((p, self.engine.prepare_prompt(p, sp)))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        ids = [self.engine.add_request(p, sp, prepared=pp) for p, sp, pp in zip(prompts, params, prepared)]
+        ids = [self.engine.add_request(p, sp, prepared=pp) for (p, pp), sp in zip(prepared, params)]
         return self._run(ids, use_tqdm if use_tqdm is not None else len(ids) > 8)
 
     def beam_search(
@@ -163,9 +165,8 @@ class LLM:
             prompts = [prompts]
         prepared = []
         for i, p in enumerate(prompts):
-            if isinstance(p, dict):
-                p = p["prompt_token_ids"] if "prompt_token_ids" in p else p["prompt"]
             try:
+                p = _unwrap_prompt(p)
                 prepared.append((p, self.engine.prepare_prompt(p)))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
@@ -248,3 +249,18 @@ def beam_search_output(out: RequestOutput, length_penalty: float) -> BeamSearchO
         )
         for c in out.outputs
     ])
+
+
+def _unwrap_prompt(prompt):
+    """The text or token ids in vLLM's prompt dicts (``TextPrompt``: ``{"prompt": text}``,
+    ``TokensPrompt``: ``{"prompt_token_ids": ids}``); other prompts as they are."""
+    if not isinstance(prompt, dict):
+        return prompt
+    keys = set(prompt)
+    if keys == {"prompt"}:
+        return prompt["prompt"]
+    if keys == {"prompt_token_ids"}:
+        return prompt["prompt_token_ids"]
+    raise ValueError(f"a prompt dict holds either 'prompt' (text) or 'prompt_token_ids', got keys {sorted(keys)} "
+                     "(specserve takes no multimodal data or other prompt fields)")
+
