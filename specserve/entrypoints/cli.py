@@ -8,6 +8,7 @@ import sys
 import time
 
 from specserve.bench.command import add_bench_parser
+from specserve.config import EngineConfig
 from specserve.entrypoints.fill_in_middle import fim_params, fim_prompt
 from specserve.entrypoints.engine_args import (  # speculative_config_from_args: still importable from here
     add_model_args,
@@ -301,8 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", action="append", default=None,
                        help="a name clients use in 'model' (repeatable; default: the model's own name)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    serve.add_argument("--seed", dest="engine_seed", type=int, default=None,
-                       help="the engine's random seed, for requests without a seed of their own (default 0)")
+    serve.add_argument("--seed", dest="engine_seed", type=int, default=EngineConfig.seed,
+                       help="the engine's random seed, for requests without a seed of their own")
     add_server_limit_args(serve)
     serve.set_defaults(func=cmd_serve)
 

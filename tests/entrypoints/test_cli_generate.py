@@ -35,7 +35,7 @@ def test_batch_flags_and_the_servers_seed_size_the_engine(tiny_llama_dir):
                                       "--kv-cache-memory", str(8 << 20)])
     config = build_llm(args).engine.config
     assert (config.max_num_seqs, config.max_num_batched_tokens, config.block_size, config.seed) == (3, 64, 8, 7)
-    assert build_parser().parse_args(["serve"]).engine_seed is None   # the engine's default seed then
+    assert build_parser().parse_args(["serve"]).engine_seed == EngineConfig.seed
 
 
 @pytest.mark.parametrize("flag", ["--max-num-seqs", "--max-num-batched-tokens", "--block-size"])
