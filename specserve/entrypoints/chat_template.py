@@ -50,6 +50,14 @@ def load_chat_template(tokenizer, value: str) -> str:
     return template
 
 
+def template_takes_tools(tokenizer, template: str | None = None) -> bool:
+    """Whether the template (``template``, else the model's) writes OpenAI's ``tools`` itself;
+    a tokenizer may hold several named templates (a dict), any of which may."""
+    given = template if template is not None else getattr(tokenizer, "chat_template", None)
+    texts = given.values() if isinstance(given, dict) else [given or ""]
+    return any("tools" in t for t in texts)
+
+
 def render_chat(tokenizer, conversation: list[dict], add_generation_prompt: bool = True,
                 continue_final_message: bool = False, tools: list[dict] | None = None,
                 template_kwargs: dict[str, Any] | None = None, model_name: str | None = None,
@@ -74,6 +82,9 @@ def render_chat(tokenizer, conversation: list[dict], add_generation_prompt: bool
     if template is not None:
         extra["chat_template"] = template
     if tools:
+        if not template_takes_tools(tokenizer, template):
+            raise ChatTemplateError("this chat template does not take tools (the server writes them into the "
+                                    "conversation instead: docs/serving.md)", "tools")
         extra["tools"] = tools
     if continue_final_message:
         extra["continue_final_message"] = True

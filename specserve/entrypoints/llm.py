@@ -190,23 +190,26 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
         chat_template: str | None = None,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template (or ``chat_template``: a file or the Jinja text) to one
         conversation or a list of them (``chat_template`` module: continue_final_message,
-        chat_template_kwargs, as in vLLM)."""
+        chat_template_kwargs, as in vLLM). ``tools`` (OpenAI's function definitions) go to a
+        template that takes them; the answer's text is returned as generated, as vLLM's is."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.apply_chat_template(c, add_generation_prompt, continue_final_message, chat_template_kwargs,
-                                            chat_template)
+                                            chat_template, tools)
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
                             continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
-                            chat_template: str | None = None) -> list[int]:
+                            chat_template: str | None = None, tools: list[dict] | None = None) -> list[int]:
         """The conversation's prompt token ids (ValueError where the template cannot take it)."""
         template = None if chat_template is None else load_chat_template(self.engine.tokenizer, chat_template)
         text = render_chat(self.engine.tokenizer, conversation, add_generation_prompt, continue_final_message,
-                           template_kwargs=chat_template_kwargs, model_name=self.engine.model_name, template=template)
+                           tools=tools, template_kwargs=chat_template_kwargs, model_name=self.engine.model_name,
+                           template=template)
         return self.engine.tokenize(text, add_special_tokens=False)   # the template wrote the special tokens
 
     def _run(self, ids: list[str], show_progress: bool) -> list[RequestOutput]:

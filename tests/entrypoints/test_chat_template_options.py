@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from specserve import SamplingParams
+from specserve.entrypoints.chat_template import template_takes_tools
 from specserve.entrypoints.cli import build_parser, main
 from specserve.entrypoints.engine_args import build_llm
 from specserve.entrypoints.openai.api_server import build_app
@@ -120,3 +121,24 @@ def test_the_chat_template_flag_sets_the_template_every_chat_path_reads(tiny_lla
         "<user>Name a colour.<assistant>"), r.text
     code = main(["generate", "x", "--chat", "--model", tiny_llama_dir, "--chat-template", "{% if %}"])
     assert code == 2 and "cannot render a one-message conversation" in capsys.readouterr().err
+
+
+def test_tools_reach_a_template_that_takes_them(llm, monkeypatch):
+    """vLLM's ``LLM.chat(tools=...)``: OpenAI's function definitions go to the template; a
+    template without tools says so rather than dropping them."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    monkeypatch.setattr(llm.get_tokenizer(), "chat_template",
+                        TEMPLATE + "{% for t in tools or [] %}<tool>{{ t['function']['name'] }}{% endfor %}")
+    text = text_of(llm, llm.apply_chat_template(CONVERSATION[:1], tools=tools))
+    assert text == "<user>Name a colour.<assistant><tool>get_weather"
+    [out] = llm.chat(CONVERSATION[:1], SamplingParams(temperature=0, max_tokens=2), tools=tools)
+    assert text_of(llm, out.prompt_token_ids) == text
+    with pytest.raises(ValueError, match="does not take tools"):
+        llm.apply_chat_template(CONVERSATION[:1], tools=tools, chat_template=TEMPLATE)
+
+
+def test_a_tokenizer_with_named_templates_takes_tools_where_one_does():
+    class Named:   # transformers keeps several templates as a dict, e.g. "default" and "tool_use"
+        chat_template = {"default": TEMPLATE, "tool_use": "{{ tools }}"}
+
+    assert template_takes_tools(Named()) and not template_takes_tools(Named(), TEMPLATE)

@@ -30,6 +30,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from specserve.entrypoints.chat_template import template_takes_tools
 from specserve.sampling_params import StructuredOutput
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -58,10 +59,6 @@ def mode(request) -> str | None:
     if request.tool_choice in (None, "auto"):
         return "auto"
     return "required" if request.tool_choice == "required" else "named"
-
-
-def template_takes_tools(tokenizer) -> bool:
-    return "tools" in (getattr(tokenizer, "chat_template", None) or "")
 
 
 def tool_dicts(request) -> list[dict]:
