@@ -199,6 +199,14 @@ class LLMEngine:
         """Prefix cache lookups since start-up, in tokens (vLLM's queries and hits)."""
         return self.kv_cache.prefix_cache_stats()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block, as vLLM's ``reset_prefix_cache``: only while no request
+        is unfinished (their blocks' bookkeeping would go with it); False, and nothing done, otherwise."""
+        if self.has_unfinished_requests():
+            return False
+        self.kv_cache.reset_prefix_cache()
+        return True
+
     # ---------------------------------------------------------------------- step
     @torch.inference_mode()
     def step(self, stream_outputs: bool = True) -> list[RequestOutput]:

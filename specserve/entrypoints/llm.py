@@ -121,6 +121,10 @@ class LLM:
         """Prefix cache lookups since start-up, in prompt tokens: queries, hits, hit_rate."""
         return self.engine.get_prefix_cache_stats()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's; False, and nothing done, while requests run)."""
+        return self.engine.reset_prefix_cache()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

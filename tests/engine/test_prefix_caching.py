@@ -101,6 +101,25 @@ def test_an_identical_prompt_reuses_every_full_block_but_the_last_token(tiny_lla
     assert tokens(first) == tokens(second)
 
 
+@pytest.mark.parametrize("spec", ["plain", "eagle"])
+def test_reset_prefix_cache_forgets_every_prefix_but_not_while_requests_run(tiny_llama_dir, spec):
+    """vLLM's ``LLM.reset_prefix_cache``: afterwards an identical prompt hits nothing and gets the
+    same tokens; while a request is unfinished it does nothing and says so (False)."""
+    llm = make_llm(tiny_llama_dir, spec, caching=True)
+    prompt = list(range(100, 150))
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    first = llm.generate(prompt, params, use_tqdm=False)
+    rid = llm.engine.add_request(prompt, params)
+    assert llm.reset_prefix_cache() is False
+    llm.engine.abort_request(rid)
+    assert llm.reset_prefix_cache() is True
+    hits = llm.engine.get_prefix_cache_stats()["hits"]
+    again = llm.generate(prompt, params, use_tqdm=False)
+    assert llm.engine.get_prefix_cache_stats()["hits"] == hits and tokens(again) == tokens(first)
+    llm.generate(prompt, params, use_tqdm=False)   # cached anew
+    assert llm.engine.get_prefix_cache_stats()["hits"] == hits + 48
+
+
 @pytest.mark.parametrize("spec", ["ngram", "draft", "eagle"])
 def test_no_block_is_registered_while_it_holds_an_unverified_draft_token(tiny_llama_dir, spec, monkeypatch):
     """Every call that registers blocks passes only tokens whose KV is final: at most
