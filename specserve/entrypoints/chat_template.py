@@ -58,6 +58,22 @@ def template_takes_tools(tokenizer, template: str | None = None) -> bool:
     return any("tools" in t for t in texts)
 
 
+def _with_text_content(conversation: list[dict]) -> list[dict]:
+    """Messages whose ``content`` is OpenAI's list of parts get the parts' text joined, as the
+    server's messages do (``ChatMessage.to_template_dict``): templates expect a string."""
+    out = []
+    for m in conversation:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise ChatTemplateError("a message's content parts must all be {'type': 'text', 'text': ...}: "
+                                        "specserve's models read text only", "messages")
+            m = {**m, "content": "".join(p["text"] for p in content)}
+        out.append(m)
+    return out
+
+
 def render_chat(tokenizer, conversation: list[dict], add_generation_prompt: bool = True,
                 continue_final_message: bool = False, tools: list[dict] | None = None,
                 template_kwargs: dict[str, Any] | None = None, model_name: str | None = None,
@@ -88,6 +104,7 @@ def render_chat(tokenizer, conversation: list[dict], add_generation_prompt: bool
         extra["tools"] = tools
     if continue_final_message:
         extra["continue_final_message"] = True
+    conversation = _with_text_content(conversation)
     try:
         return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
                                              **extra)

@@ -142,3 +142,10 @@ def test_a_tokenizer_with_named_templates_takes_tools_where_one_does():
         chat_template = {"default": TEMPLATE, "tool_use": "{{ tools }}"}
 
     assert template_takes_tools(Named()) and not template_takes_tools(Named(), TEMPLATE)
+
+
+def test_content_as_openais_list_of_text_parts_renders_as_its_text(llm):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Name a "}, {"type": "text", "text": "colour."}]}]
+    assert llm.apply_chat_template(parts) == llm.apply_chat_template(CONVERSATION[:1])
+    with pytest.raises(ValueError, match="content parts must all be"):
+        llm.apply_chat_template([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
