@@ -5,6 +5,8 @@ vLLM's options: ``continue_final_message`` leaves the last (assistant) message o
 answer goes on from its text ("prefilling" the answer) instead of starting a new turn;
 ``chat_template_kwargs`` reach the template as variables (Qwen3's ``enable_thinking``, for
 example). The template writes the special tokens, so its text is tokenized without adding any.
+A message's content may be OpenAI's list of text parts (joined); ``tools`` go only to a template
+that writes them (``template_takes_tools``; the server writes them itself for the others).
 
 A template of the user's own (vLLM's ``--chat-template`` and ``LLM.chat(chat_template=...)``)
 replaces the model's: ``load_chat_template`` reads it from a file or takes the text itself,
