@@ -201,8 +201,9 @@ class LLM:
         chat_template_kwargs, as in vLLM). ``tools`` (OpenAI's function definitions) go to a
         template that takes them; the answer's text is returned as generated, as vLLM's is."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.apply_chat_template(c, add_generation_prompt, continue_final_message, chat_template_kwargs,
-                                            chat_template, tools)
+        template = self._load_template(chat_template)   # once for every conversation
+        prompts = [self._chat_prompt(c, add_generation_prompt, continue_final_message, chat_template_kwargs,
+                                     template, tools)
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
@@ -210,7 +211,15 @@ class LLM:
                             continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
                             chat_template: str | None = None, tools: list[dict] | None = None) -> list[int]:
         """The conversation's prompt token ids (ValueError where the template cannot take it)."""
-        template = None if chat_template is None else load_chat_template(self.engine.tokenizer, chat_template)
+        return self._chat_prompt(conversation, add_generation_prompt, continue_final_message, chat_template_kwargs,
+                                 self._load_template(chat_template), tools)
+
+    def _load_template(self, chat_template: str | None) -> str | None:
+        return None if chat_template is None else load_chat_template(self.engine.tokenizer, chat_template)
+
+    def _chat_prompt(self, conversation: list[dict], add_generation_prompt: bool, continue_final_message: bool,
+                     chat_template_kwargs: dict | None, template: str | None, tools: list[dict] | None) -> list[int]:
+        """``apply_chat_template`` with the template already loaded (None: the model's)."""
         text = render_chat(self.engine.tokenizer, conversation, add_generation_prompt, continue_final_message,
                            tools=tools, template_kwargs=chat_template_kwargs, model_name=self.engine.model_name,
                            template=template)
@@ -270,4 +279,3 @@ def _unwrap_prompt(prompt):
         return prompt["prompt_token_ids"]
     raise ValueError(f"a prompt dict holds either 'prompt' (text) or 'prompt_token_ids', got keys {sorted(keys)} "
                      "(specserve takes no multimodal data or other prompt fields)")
-
