@@ -309,6 +309,11 @@ class EngineConfig:
     enforce_eager: run every step op by op. Otherwise, on a GPU, decode and verification steps
     (of the target and of a draft model) are captured as CUDA graphs per batch and query
     bucket and replayed (``worker/cuda_graphs.py``), as vLLM does; a CPU has no graphs.
+    generation_config: where requests' sampling defaults come from (vLLM's): "auto" (the
+    model's generation_config.json, or a GGUF file's general.sampling.* metadata), "vllm"
+    (none: SamplingParams' own) or a folder holding a generation_config.json (or the file);
+    override_generation_config sets fields on top ({"temperature": 0.5}).
+    (``model_executor/generation_config.py`` has which fields and how they are read.)
     overlap_grammar_masks: compute a step's structured-output masks in a background thread
     while the target's forward runs (``structured_output.step_masks``); None: on where the
     forward runs on a GPU (the host is idle then), off on a CPU, where the forward's threads
@@ -329,6 +334,8 @@ class EngineConfig:
     int8_activations: bool | int = False
     overlap_grammar_masks: bool | None = None
     enforce_eager: bool = False
+    generation_config: str = "auto"
+    override_generation_config: dict | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
@@ -354,6 +361,12 @@ class EngineConfig:
                              f"got {self.int8_activations!r}")
         if self.overlap_grammar_masks is not None and not isinstance(self.overlap_grammar_masks, bool):
             raise ValueError(f"overlap_grammar_masks must be True, False or None, got {self.overlap_grammar_masks!r}")
+        if not isinstance(self.generation_config, (str, os.PathLike)) or not os.fspath(self.generation_config):
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
+        self.generation_config = os.fspath(self.generation_config)
+        if self.override_generation_config is not None and not isinstance(self.override_generation_config, dict):
+            raise ValueError(f"override_generation_config must be a dict such as {{'temperature': 0.5}}, "
+                             f"got {self.override_generation_config!r}")
         _check_device(self.device)
 
 

@@ -34,6 +34,7 @@ from specserve.engine.start_up import (kv_cache_blocks, max_model_len_for, prefi
                                        resolve_device)
 from specserve.engine.step_inputs import drafts_per_depth, forward_input, tree_branch_moves
 from specserve.model_executor.layers.attention import cache_slot
+from specserve.model_executor.generation_config import sampling_defaults
 from specserve.model_executor.loader import keeps_quantized, load_model, resolve_dtype
 from specserve.outputs import RequestOutput, SpecDecodeStats
 from specserve.sample.penalties import bad_words_token_ids
@@ -65,6 +66,12 @@ class LLMEngine:
         loaded = load_model(config.model, self.dtype, keep_quantized=keeps_quantized(config.dtype, self.device),
                             int8_activations=config.int8_activations)
         self.model_name, self.tokenizer, self.hf_config = loaded.name, loaded.tokenizer, loaded.config
+        # {SamplingParams field: value}: what requests that do not set a field get (the model's advice)
+        self.sampling_defaults = sampling_defaults(loaded.source, config.generation_config,
+                                                   config.override_generation_config)
+        if self.sampling_defaults:
+            logger.info("requests that leave a field out take the model's generation config: %s (generation_config "
+                        "'vllm', --generation-config vllm, ignores it)", self.sampling_defaults)
         self.max_model_len = max_model_len_for(config, loaded.config)
         # A ModelRunner, or at tensor_parallel_size > 1 a TensorParallelExecutor with the same interface.
         self.runner = build_executor(config, loaded, self.dtype, self.device, self.max_model_len)
@@ -136,8 +143,9 @@ class LLMEngine:
         """Validate and queue a request; raises ValueError before any work starts.
 
         ``prepared`` is ``prepare_prompt(prompt)``'s result when the caller already has it.
+        Without ``params``: the model's defaults (``sampling_defaults``).
         """
-        params = params or SamplingParams()
+        params = params or SamplingParams(**self.sampling_defaults)
         text, token_ids = prepared if prepared is not None else self.prepare_prompt(prompt, params)
         input_checks.check_params(params, self.vocab_size)
         self.constraints.check(params)    # a schema, regex or grammar compiled (cached), or refused here

@@ -52,30 +52,13 @@ def structured_output_from_args(args):
 
 
 def cmd_generate(args) -> int:
-    from specserve import SamplingParams
-
     if args.beam_width is not None:
         return cmd_beam_search(args)
     if args.chat and args.suffix is not None:
         raise SystemExit("error: --suffix fills in the middle of a completion prompt; it cannot go with --chat")
-    params = SamplingParams(
-        structured_output=structured_output_from_args(args),
-        max_tokens=args.max_tokens,
-        min_tokens=args.min_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        seed=args.seed,
-        stop=args.stop,
-        logprobs=args.logprobs,
-        prompt_logprobs=args.prompt_logprobs,
-        n=args.n,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-        repetition_penalty=args.repetition_penalty,
-    )
+    _sampling_params(args, {})     # bad flags are refused before the model loads
     llm = build_llm(args)
+    params = _sampling_params(args, llm.engine.sampling_defaults)
     if args.compare_plain and llm.engine.spec_config is not None:
         _answer(llm, args, _warm_up(params))   # warm-up, as the plain engine gets
     started = time.perf_counter()
@@ -120,6 +103,39 @@ def cmd_generate(args) -> int:
     return 0
 
 
+# generate's own defaults for the sampling flags the model's generation config may set instead
+GENERATE_DEFAULTS = {"max_tokens": 128, "temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+                     "repetition_penalty": 1.0}
+
+
+def _sampling_params(args, model_defaults: dict):
+    """generate's SamplingParams: each flag given, else the model's default (its generation config:
+    ``LLMEngine.sampling_defaults``), else ``GENERATE_DEFAULTS`` (greedy, 128 tokens)."""
+    from specserve import SamplingParams
+
+    def value(name):
+        given = getattr(args, name)
+        return given if given is not None else model_defaults.get(name, GENERATE_DEFAULTS[name])
+
+    return SamplingParams(
+        structured_output=structured_output_from_args(args),
+        max_tokens=value("max_tokens"),
+        min_tokens=args.min_tokens,
+        temperature=value("temperature"),
+        top_p=value("top_p"),
+        top_k=value("top_k"),
+        min_p=value("min_p"),
+        seed=args.seed,
+        stop=args.stop,
+        logprobs=args.logprobs,
+        prompt_logprobs=args.prompt_logprobs,
+        n=args.n,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=value("repetition_penalty"),
+    )
+
+
 def prompt_summary(out) -> str:
     """--prompt-logprobs' line: the prompt's perplexity under the model (each token after the
     first given the tokens before it)."""
@@ -147,9 +163,14 @@ def cmd_beam_search(args) -> int:
     if given:
         raise ValueError(f"--beam-width takes none of {', '.join(given)}: beam search is deterministic and ranks "
                          f"whole beams by their cumulative log-probability")
-    params = BeamSearchParams(beam_width=args.beam_width, max_tokens=args.max_tokens,
-                              length_penalty=args.length_penalty)
+    def beam_params(model_defaults: dict) -> BeamSearchParams:
+        max_tokens = (args.max_tokens if args.max_tokens is not None
+                      else model_defaults.get("max_tokens", GENERATE_DEFAULTS["max_tokens"]))
+        return BeamSearchParams(beam_width=args.beam_width, max_tokens=max_tokens, length_penalty=args.length_penalty)
+
+    beam_params({})     # bad flags are refused before the model loads
     llm = build_llm(args)
+    params = beam_params(llm.engine.sampling_defaults)
     prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     speculative = llm.engine.spec_config is not None
     if args.compare_plain and speculative:
@@ -254,11 +275,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt")
     add_model_args(gen)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=-1)
-    gen.add_argument("--min-p", type=float, default=0.0)
+    # Sampling flags left out take the model's generation config (--generation-config), else GENERATE_DEFAULTS.
+    gen.add_argument("--max-tokens", type=int, default=None, help="default: the model's max_new_tokens, else 128")
+    gen.add_argument("--temperature", type=float, default=None, help="default: the model's, else 0 (greedy)")
+    gen.add_argument("--top-p", type=float, default=None, help="default: the model's, else 1")
+    gen.add_argument("--top-k", type=int, default=None, help="default: the model's, else -1 (off)")
+    gen.add_argument("--min-p", type=float, default=None, help="default: the model's, else 0")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen.add_argument("--suffix", default=None, metavar="TEXT",
@@ -273,7 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--n", type=int, default=1, help="samples of the prompt (they share its prefill)")
     gen.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]: once per token already in the output")
     gen.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]: per occurrence in the output")
-    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages prompt and output tokens")
+    gen.add_argument("--repetition-penalty", type=float, default=None,
+                     help="> 1 discourages prompt and output tokens (default: the model's, else 1)")
     gen.add_argument("--json", action="store_true", help="print the output as JSON, token ids included")
     gen.add_argument("--beam-width", type=int, default=None, metavar="B",
                      help="beam search: print the B best beams, best first, with their scores (with speculation: "

@@ -6,6 +6,7 @@ here, so neither command module imports the other.
 from __future__ import annotations
 
 import argparse
+import json
 
 from specserve.config import EngineConfig, SpeculativeConfig
 from specserve.entrypoints.chat_template import load_chat_template
@@ -31,6 +32,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="a Jinja chat template (a file, or the template's text) used instead of the model's own")
+    p.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                   help="sampling defaults for requests that leave a field out: auto (the model's "
+                        "generation_config.json or GGUF general.sampling.* metadata), vllm (none), or a folder "
+                        "holding a generation_config.json")
+    p.add_argument("--override-generation-config", type=_json_object, default=None, metavar="JSON",
+                   help="sampling defaults set on top, e.g. '{\"temperature\": 0.5, \"max_new_tokens\": 256}'")
     p.add_argument("--enforce-eager", action="store_true",
                    help="GPU: run every step op by op instead of replaying captured CUDA graphs")
     p.add_argument(NO_SPECULATION_FLAG, dest="no_speculation", action="store_true",
@@ -88,6 +95,16 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "the draft only guesses, output is unchanged)")
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {text!r}")
+    return value
+
+
 def speculative_config_from_args(args) -> dict | None:
     values = {
         "method": args.speculative_method,
@@ -141,6 +158,8 @@ def build_llm(args, plain: bool = False):
         speculative_config=None if plain else speculative_config_from_args(args),
         enable_prefix_caching=args.enable_prefix_caching,
         enforce_eager=getattr(args, "enforce_eager", False),
+        generation_config=getattr(args, "generation_config", "auto"),
+        override_generation_config=getattr(args, "override_generation_config", None),
         int8_activations=(args.int8_activation_pieces if getattr(args, "int8_activation_pieces", None)
                           else args.int8_activations),
     )

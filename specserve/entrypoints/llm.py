@@ -82,6 +82,8 @@ class LLM:
         enable_prefix_caching: bool = True,
         int8_activations: bool | int = False,
         enforce_eager: bool = False,
+        generation_config: str = "auto",
+        override_generation_config: dict | None = None,
         proposer=None,
         speculative_model_uses_tp_1: bool | None = None,
         speculative_draft_tensor_parallel_size: int | None = None,
@@ -107,11 +109,18 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             int8_activations=int8_activations,
             enforce_eager=enforce_eager,
+            generation_config=generation_config,
+            override_generation_config=override_generation_config,
         )
         self.engine = LLMEngine(config, spec, proposer=proposer)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's recommended defaults (its generation config; vLLM's),
+        what ``generate`` and ``chat`` use when given none."""
+        return SamplingParams(**self.engine.sampling_defaults)
 
     def get_spec_decode_stats(self) -> SpecDecodeStats:
         """Engine-wide speculation counts since start-up."""
@@ -141,7 +150,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")

@@ -9,6 +9,7 @@ honour (best_of > 1 without use_beam_search) are accepted only at their neutral 
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -25,6 +26,8 @@ TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 MAX_LOGPROBS = 20
 MAX_ALLOWED_TOKEN_IDS = 1 << 18   # the largest vocabularies (Gemma's 262,144)
 MAX_MIN_TOKENS = 1 << 20   # beyond any context; min_tokens above max_tokens is refused by SamplingParams
+# SamplingParams' own defaults: for a field neither the request nor the model's generation config sets
+SAMPLING_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
 
 
 class StrictModel(BaseModel):
@@ -119,7 +122,7 @@ class _SamplingFields(StrictModel):
     n: Annotated[int, Field(ge=1, le=MAX_N)] | None = 1
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = 1.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
     logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
                           Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
     user: str | None = None
@@ -235,14 +238,25 @@ class _SamplingFields(StrictModel):
                                 length_penalty=float(self.length_penalty), early_stopping=self.early_stopping)
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                         prompt_logprobs: int | None) -> SamplingParams:
+                         prompt_logprobs: int | None, defaults: dict | None) -> SamplingParams:
+        """``defaults``: the model's sampling defaults (``LLMEngine.sampling_defaults``), for the
+        fields the request leaves out; their max_tokens caps the request's, as in vLLM."""
+        defaults = defaults or {}
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        model_cap = defaults.get("max_tokens")
+        if model_cap is not None:
+            max_tokens = model_cap if max_tokens is None else min(max_tokens, model_cap)
+
+        def field(name: str):
+            value = getattr(self, name)
+            return value if value is not None else defaults.get(name, SAMPLING_DEFAULTS[name])
+
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else float(self.temperature),
-            top_p=1.0 if self.top_p is None else float(self.top_p),
-            top_k=-1 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else float(self.min_p),
+            temperature=float(field("temperature")),
+            top_p=float(field("top_p")),
+            top_k=field("top_k"),
+            min_p=float(field("min_p")),
             seed=self.seed,
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),
@@ -257,7 +271,7 @@ class _SamplingFields(StrictModel):
             n=self.n or 1,
             presence_penalty=float(self.presence_penalty or 0.0),
             frequency_penalty=float(self.frequency_penalty or 0.0),
-            repetition_penalty=1.0 if self.repetition_penalty is None else float(self.repetition_penalty),
+            repetition_penalty=float(field("repetition_penalty")),
             logit_bias=self.logit_bias,
             prompt_logprobs=prompt_logprobs,
         )
@@ -351,16 +365,16 @@ class CompletionRequest(_SamplingFields):
             return [list(p)]
         return list(p)
 
-    def to_sampling_params(self, default_max_tokens: int | None = None) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict | None = None) -> SamplingParams:
         """With echo and logprobs, the prompt's logprobs too (prompt_logprobs, when not given,
         takes logprobs' n). echo with max_tokens 0 samples one token, which the answer leaves
-        out (``serving.py``)."""
+        out (``serving.py``). ``defaults``: the model's (``_sampling_params``)."""
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens must be at least 1 (0 only with echo: the prompt alone)")
-        max_tokens = 1 if self.prompt_only else self.max_tokens if self.max_tokens is not None else default_max_tokens
+        max_tokens = 1 if self.prompt_only else self.max_tokens
         echoed = self.logprobs if self.echo else None
         return self._sampling_params(max_tokens, self.logprobs,
-                                     self.prompt_logprobs if self.prompt_logprobs is not None else echoed)
+                                     self.prompt_logprobs if self.prompt_logprobs is not None else echoed, defaults)
 
 
 class ContentPart(StrictModel):
@@ -439,10 +453,10 @@ class ChatCompletionRequest(_SamplingFields):
         return self._beam_search_params(self.n or 1,
                                         self.max_completion_tokens or self.max_tokens or default_max_tokens)
 
-    def to_sampling_params(self, default_max_tokens: int | None = None) -> SamplingParams:
-        max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
+    def to_sampling_params(self, defaults: dict | None = None) -> SamplingParams:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs, self.prompt_logprobs)
+        return self._sampling_params(self.max_completion_tokens or self.max_tokens, logprobs, self.prompt_logprobs,
+                                     defaults)
 
 
 class TokenizeRequest(StrictModel):

@@ -116,9 +116,10 @@ class OpenAIServing:
 
     # --------------------------------------------------------------- endpoints
     def sampling_params(self, request):
-        """The request's SamplingParams, checked against this model (vocabulary-sized fields)."""
+        """The request's SamplingParams (the model's defaults where it sets no value), checked against
+        this model (vocabulary-sized fields)."""
         try:
-            params = request.to_sampling_params()
+            params = request.to_sampling_params(self.engine.sampling_defaults)
         except ValueError as e:
             raise sampling_error(e) from None
         vocab = self.engine.vocab_size
