@@ -29,7 +29,7 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
           "specserve bench --configs plain,ngram:4,draft:3,eagle:4 --batch-sizes 1,8 --limit 1 --max-tokens 64"),
     Suite("batch-scaling", "spec_bench", "Batch scaling: plain against n-gram (dynamic_k) at batches 1 to 64",
           "specserve bench batch-scaling"),
-    Suite("serve-load", "serve_load", "Serving load: the OpenAI server under concurrent streams, plain against speculation",
+    Suite("serve-load", "serve_load", "Serving load: the OpenAI server under concurrent streams, plain against speculation and llama-server",
           "specserve bench serve-load"),
     Suite("llama-bench", "llama_bench", "Plain decoding against llama.cpp (llama-bench), same GGUF file and threads",
           "specserve bench llama-bench"),

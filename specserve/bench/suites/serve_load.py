@@ -3,23 +3,33 @@
 Sends ``--num-requests`` streaming chat requests, ``--concurrency`` in flight at once, to a
 ``specserve serve`` started here in a subprocess, once per configuration (``--configs``: ``plain``
 and ``METHOD:K`` for ngram, suffix, eagle or draft_model), one server after the other on the same
-prompts (the first turns of Spec-Bench's questions, cycled). Reported per configuration: output
-throughput, TTFT and TPOT percentiles, acceptance (from the server's ``/metrics``), and each
-configuration's throughput against plain. ``--url`` measures a server that is already running.
+prompts (the first turns of Spec-Bench's questions, cycled). ``llama.cpp`` among the configurations
+starts llama.cpp's ``llama-server`` instead (a peer measured from outside: the same GGUF file,
+``--concurrency`` slots of ``--max-model-len`` tokens each, ``--threads`` threads) and measures it
+with the same client and requests. Reported per configuration: output throughput, TTFT and TPOT
+percentiles, acceptance (from the server's ``/metrics``), and each configuration's throughput
+against plain (and against llama.cpp's, when it ran). ``--url`` measures a server that is already
+running.
 """
 from __future__ import annotations
 
 import json
 
+import os
+
 from specserve.bench.results import fmt
+from specserve.bench.suites.llama_bench import DEFAULT_LLAMA_BIN
 
 COLUMNS = ["configuration", "requests", "failed", "output tok/s", "vs plain", "TTFT p50 ms", "TTFT p90 ms",
            "TPOT p50 ms", "TPOT p90 ms", "acceptance", "tau"]
+PEER = "llama.cpp"    # the configuration that measures llama-server
 
 
 def add_arguments(p) -> None:
     p.add_argument("--configs", default="plain,ngram:4",
-                   help="comma-separated: plain and METHOD:K (ngram, suffix, eagle, draft_model)")
+                   help="comma-separated: plain, METHOD:K (ngram, suffix, eagle, draft_model) and llama.cpp "
+                        "(llama-server with --concurrency slots)")
+    p.add_argument("--llama-bin", default=DEFAULT_LLAMA_BIN, help="folder with llama.cpp's llama-server")
     p.add_argument("--url", default=None, help="an already running server (default: start one per configuration)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--prompts", default="spec-bench", help="Spec-Bench-format JSONL ('spec-bench': the shared copy)")
@@ -77,25 +87,65 @@ def run(args, doc: dict) -> None:
         reports.append(lc.measure("server", args.url.rstrip("/"), prompts, args))
     else:
         for config in [c.strip() for c in args.configs.split(",") if c.strip()]:
-            server = lc.ServerProcess(server_args(config, args), args)
-            try:
-                server.wait_ready(args.startup_timeout)
-                reports.append(lc.measure(config, server.url, prompts, args))
-            finally:
-                server.stop()
+            reports.append(_measure_llama_server(prompts, args) if config == PEER
+                           else _measure_specserve(config, prompts, args))
     summaries = [r.summary() for r in reports]
     plain = next((s["output_tok_per_s"] for s in summaries if s["label"] == "plain"), None)
+    peer = next((s["output_tok_per_s"] for s in summaries if s["label"] == PEER), None)
+    columns = COLUMNS + (["vs llama.cpp"] if peer else [])
     rows = []
     for s in summaries:
         up = s["output_tok_per_s"] / plain if plain and s["label"] != "plain" else None
-        rows.append([f"`{s['label']}`", str(s["requests"]), str(s["failed"]), fmt(s["output_tok_per_s"]),
-                     fmt(up, 2, "x"), fmt(s["ttft_p50_ms"], 0), fmt(s["ttft_p90_ms"], 0), fmt(s["tpot_p50_ms"]),
-                     fmt(s["tpot_p90_ms"]), fmt(s.get("acceptance_rate"), 2), fmt(s.get("mean_acceptance_length"), 2)])
-    doc["table"] = {"columns": COLUMNS, "rows": rows}
+        row = [f"`{s['label']}`", str(s["requests"]), str(s["failed"]), fmt(s["output_tok_per_s"]),
+               fmt(up, 2, "x"), fmt(s["ttft_p50_ms"], 0), fmt(s["ttft_p90_ms"], 0), fmt(s["tpot_p50_ms"]),
+               fmt(s["tpot_p90_ms"]), fmt(s.get("acceptance_rate"), 2), fmt(s.get("mean_acceptance_length"), 2)]
+        if peer:
+            row.append(fmt(s["output_tok_per_s"] / peer, 2, "x") if s["label"] != PEER else "—")
+        rows.append(row)
+    doc["table"] = {"columns": columns, "rows": rows}
     doc["notes"] = [f"{args.num_requests} streaming {args.endpoint} requests, {args.concurrency} in flight, "
                     f"{args.max_tokens} tokens each" + (" at most" if args.stop_at_eos else " (end-of-sequence ignored)")
                     + f", temperature {args.temperature:g}; one server per configuration, one after the other."]
+    if peer:
+        doc["notes"].append(f"llama.cpp: llama-server on the same GGUF file, {args.concurrency} slots of "
+                            f"{args.max_model_len} tokens, {_llama_threads(args)} threads (acceptance and tau are "
+                            f"specserve's speculation counters; llama-server does not speculate here).")
     doc["samples"] = {"summaries": summaries,
                       "requests": {r.label: [vars(x) for x in r.results] for r in reports}}
     if any(s["failed"] for s in summaries):
         raise RuntimeError(f"failed requests: {[(s['label'], s['failed']) for s in summaries]}")
+
+
+def _measure_specserve(config: str, prompts: list[str], args):
+    from specserve.bench import load_client as lc
+
+    server = lc.ServerProcess(server_args(config, args), args)
+    try:
+        server.wait_ready(args.startup_timeout)
+        return lc.measure(config, server.url, prompts, args)
+    finally:
+        server.stop()
+
+
+def _llama_threads(args) -> int:
+    return args.threads or os.cpu_count() or 1
+
+
+def _measure_llama_server(prompts: list[str], args):
+    """llama-server with one slot per request in flight (its continuous batching), same requests."""
+    from specserve.bench import load_client as lc
+    from specserve.bench.peers import gguf_path, start_llama_server, stop_process
+
+    exe = os.path.join(os.path.expanduser(args.llama_bin), "llama-server")
+    if not os.path.isfile(exe):
+        raise RuntimeError(f"{exe} not found: build llama.cpp's tools with ../shared/peers/build-llamacpp.sh, or "
+                           f"leave {PEER} out of --configs")
+    log = open(args.server_log, "a") if args.server_log else open(os.devnull, "w")
+    with log:
+        server, base = start_llama_server(exe, gguf_path(args.model), _llama_threads(args),
+                                          ctx_size=args.concurrency * args.max_model_len, slots=args.concurrency,
+                                          log=log, timeout_s=args.startup_timeout)
+        try:
+            return lc.measure(PEER, base, prompts, args)
+        finally:
+            stop_process(server)
