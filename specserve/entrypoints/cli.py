@@ -13,6 +13,7 @@ from specserve.entrypoints.fill_in_middle import fim_params, fim_prompt
 from specserve.entrypoints.engine_args import (  # speculative_config_from_args: still importable from here
     add_model_args,
     build_llm,
+    json_string_list,
     speculative_config_from_args,  # noqa: F401
 )
 from specserve.training.cli import add_train_draft_parser
@@ -324,6 +325,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECSERVE_API_KEY)")
     serve.add_argument("--served-model-name", action="append", default=None,
                        help="a name clients use in 'model' (repeatable; default: the model's own name)")
+    serve.add_argument("--allowed-origins", type=json_string_list, default=[], metavar="JSON",
+                       help="web origins whose pages may call the server, as vLLM's: '[\"http://localhost:3000\"]', "
+                            "'[\"*\"]' for any (default: none)")
+    serve.add_argument("--allowed-methods", type=json_string_list, default=["*"], metavar="JSON",
+                       help="with --allowed-origins: the HTTP methods allowed (default: all)")
+    serve.add_argument("--allowed-headers", type=json_string_list, default=["*"], metavar="JSON",
+                       help="with --allowed-origins: the request headers allowed (default: all)")
+    serve.add_argument("--allow-credentials", action="store_true",
+                       help="with --allowed-origins (named, not '*'): allow cookies and HTTP authentication")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     serve.add_argument("--seed", dest="engine_seed", type=int, default=EngineConfig.seed,
                        help="the engine's random seed, for requests without a seed of their own")

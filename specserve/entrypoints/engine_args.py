@@ -36,7 +36,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="sampling defaults for requests that leave a field out: auto (the model's "
                         "generation_config.json or GGUF general.sampling.* metadata), vllm (none), or a folder "
                         "holding a generation_config.json")
-    p.add_argument("--override-generation-config", type=_json_object, default=None, metavar="JSON",
+    p.add_argument("--override-generation-config", type=json_object, default=None, metavar="JSON",
                    help="sampling defaults set on top, e.g. '{\"temperature\": 0.5, \"max_new_tokens\": 256}'")
     p.add_argument("--enforce-eager", action="store_true",
                    help="GPU: run every step op by op instead of replaying captured CUDA graphs")
@@ -95,14 +95,27 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "the draft only guesses, output is unchanged)")
 
 
-def _json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+def json_object(text: str) -> dict:
+    """An argparse type: a JSON object (``{"temperature": 0.5}``)."""
+    value = _json(text)
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"a JSON object is needed, got {text!r}")
     return value
+
+
+def json_string_list(text: str) -> list[str]:
+    """An argparse type: a JSON list of strings (``["http://localhost:3000"]``), as vLLM's list flags take."""
+    value = _json(text)
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"a JSON list of strings is needed, got {text!r}")
+    return value
+
+
+def _json(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
 
 
 def speculative_config_from_args(args) -> dict | None:

@@ -29,8 +29,10 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
@@ -53,9 +55,26 @@ from specserve.entrypoints.openai.response_format import hold_back
 from specserve.entrypoints.openai.serving import OpenAIServing
 
 # Importable from here as before the split (tests import hold_back from this module).
-__all__ = ["build_app", "hold_back", "OpenAIServing", "ServerMetrics", "error_body", "error_response"]
+__all__ = ["build_app", "CORSOptions", "hold_back", "OpenAIServing", "ServerMetrics", "error_body", "error_response"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CORSOptions:
+    """Which web pages may call the server from a browser (vLLM's ``--allowed-origins`` and its
+    siblings). No origin by default, where vLLM allows every one: a server without an API key on
+    a laptop would otherwise answer any page its user opens."""
+
+    allowed_origins: list[str] = field(default_factory=list)    # ["*"]: every origin
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+
+    def __post_init__(self):
+        if self.allow_credentials and "*" in self.allowed_origins:
+            raise ValueError("allow_credentials needs the origins named: browsers refuse credentials with the "
+                             "wildcard origin '*'")
 
 
 class _APIKeyMiddleware:
@@ -81,13 +100,14 @@ class _APIKeyMiddleware:
 
 
 def build_app(llm_or_engine, served_model_name: str | list[str] | None = None, api_key: str | None = None,
-              limits: ServerLimits | None = None) -> FastAPI:
+              limits: ServerLimits | None = None, cors: CORSOptions | None = None) -> FastAPI:
     """The FastAPI app over an ``LLM``, ``LLMEngine`` or ``AsyncLLMEngine``.
 
     Apps built over the same engine share one engine loop (one step at a time).
     ``served_model_name``: the name (or names) requests may use in ``model``;
     default: the engine's model name. ``limits``: body size, read time, JSON
-    depth, prompts per request (default: ``ServerLimits.from_env()``).
+    depth, prompts per request (default: ``ServerLimits.from_env()``). ``cors``: the
+    web origins whose pages may call the server (default: none).
     """
     async_engine = AsyncLLMEngine.from_engine(llm_or_engine)
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
@@ -176,4 +196,7 @@ def build_app(llm_or_engine, served_model_name: str | list[str] | None = None, a
     add_chat_page(app)
     if api_key:
         app.add_middleware(_APIKeyMiddleware, api_key=api_key, on_reject=lambda: m.errors.labels(ln, "401").inc())
+    if cors is not None and cors.allowed_origins:   # outermost: a 401 carries the CORS headers too
+        app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins, allow_methods=cors.allowed_methods,
+                           allow_headers=cors.allowed_headers, allow_credentials=cors.allow_credentials)
     return app

@@ -7,7 +7,7 @@ import os
 import uvicorn
 
 from specserve.entrypoints.engine_args import build_llm
-from specserve.entrypoints.openai.api_server import build_app
+from specserve.entrypoints.openai.api_server import CORSOptions, build_app
 from specserve.entrypoints.openai.connection import uvicorn_config
 from specserve.entrypoints.openai.limits import OPTIONS as LIMIT_OPTIONS, ServerLimits
 
@@ -18,12 +18,13 @@ def run_server(args) -> int:
     """``specserve serve``: build the engine, then serve until interrupted."""
     api_key = args.api_key or os.environ.get("SPECSERVE_API_KEY") or None
     limits = ServerLimits.from_env(**{o.field: getattr(args, o.field, None) for o in LIMIT_OPTIONS})
+    cors = CORSOptions(args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials)
     llm = build_llm(args)
     engine = llm.engine
     names = list(args.served_model_name or []) or [engine.model_name]
     if args.model and args.model not in names:
         names.append(args.model)
-    app = build_app(llm, names, api_key=api_key, limits=limits)
+    app = build_app(llm, names, api_key=api_key, limits=limits, cors=cors)
     async_engine = app.state.async_engine
     async_engine.start()
     spec = engine.spec_config
