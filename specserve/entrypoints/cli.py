@@ -334,6 +334,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --allowed-origins: the request headers allowed (default: all)")
     serve.add_argument("--allow-credentials", action="store_true",
                        help="with --allowed-origins (named, not '*'): allow cookies and HTTP authentication")
+    serve.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (PEM), as vLLM's flag")
+    serve.add_argument("--ssl-certfile", default=None, help="... and this certificate (PEM)")
+    serve.add_argument("--ssl-ca-certs", default=None,
+                       help="with HTTPS: the authorities whose client certificates --ssl-cert-reqs asks for")
+    serve.add_argument("--ssl-cert-reqs", type=int, default=0, choices=[0, 1, 2],
+                       help="with HTTPS: client certificates 0 not asked for, 1 optional, 2 required (mutual TLS)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     serve.add_argument("--seed", dest="engine_seed", type=int, default=EngineConfig.seed,
                        help="the engine's random seed, for requests without a seed of their own")

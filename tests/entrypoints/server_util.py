@@ -34,18 +34,20 @@ def wait_until(predicate, timeout: float = 60.0, interval: float = 0.02) -> bool
 
 
 @contextlib.contextmanager
-def running_server(app):
-    """Yield the base URL of ``app`` served by uvicorn in a background thread."""
+def running_server(app, **config):
+    """Yield the base URL of ``app`` served by uvicorn in a background thread (``config``: more of
+    uvicorn's settings, such as ``connection.tls_options``'s: then the URL is https)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn_config(app, log_level="warning", lifespan="off"))
+    scheme = "https" if config.get("ssl_certfile") else "http"
+    server = uvicorn.Server(uvicorn_config(app, log_level="warning", lifespan="off", **config))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     assert wait_until(lambda: server.started, timeout=30), "uvicorn did not start"
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"{scheme}://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         thread.join(timeout=10)

@@ -15,11 +15,14 @@ over the cap that arrives in one read passes. So:
 
 ``uvicorn_config`` builds the ``uvicorn.Config`` that ``specserve serve`` and
 the tests use; it always picks this h11 protocol (httptools, if installed,
-would not have these limits).
+would not have these limits). ``tls_options`` checks ``serve``'s TLS files (vLLM's
+``--ssl-*`` flags) before the model loads and turns them into uvicorn's settings.
 """
 from __future__ import annotations
 
 import asyncio
+import os
+import ssl
 
 import h11
 import uvicorn
@@ -122,3 +125,39 @@ def uvicorn_config(app, limits: ServerLimits | None = None, **kwargs) -> uvicorn
     protocol = type("SpecserveH11Protocol", (LimitedH11Protocol,), {"limits": limits})
     kwargs.setdefault("timeout_keep_alive", 30)
     return uvicorn.Config(app, http=protocol, **kwargs)
+
+
+# --ssl-cert-reqs: Python's ssl.VerifyMode values, as vLLM and uvicorn take them
+CERT_REQS = {0: "none", 1: "optional", 2: "required"}
+
+
+def tls_options(keyfile: str | None, certfile: str | None, ca_certs: str | None = None,
+                cert_reqs: int = ssl.CERT_NONE) -> dict:
+    """uvicorn's ``ssl_*`` settings for HTTPS with this key and certificate (``{}``: plain HTTP).
+
+    Checked here, so a missing file or a key that does not match its certificate is a clear
+    ValueError before the model loads (uvicorn would fail only once it starts).
+    ``ca_certs`` and ``cert_reqs`` (1 optional, 2 required) ask clients for certificates signed
+    by those authorities (mutual TLS)."""
+    if keyfile is None and certfile is None:
+        if ca_certs is not None or cert_reqs != ssl.CERT_NONE:
+            raise ValueError("--ssl-ca-certs and --ssl-cert-reqs need --ssl-keyfile and --ssl-certfile")
+        return {}
+    if keyfile is None or certfile is None:
+        raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
+    if cert_reqs not in CERT_REQS:
+        raise ValueError(f"--ssl-cert-reqs must be 0 (none), 1 (optional) or 2 (required), got {cert_reqs}")
+    if cert_reqs != ssl.CERT_NONE and ca_certs is None:
+        raise ValueError("--ssl-cert-reqs 1 or 2 needs --ssl-ca-certs: the authorities client certificates must come from")
+    for flag, path in (("--ssl-keyfile", keyfile), ("--ssl-certfile", certfile), ("--ssl-ca-certs", ca_certs)):
+        if path is not None and not os.path.isfile(path):
+            raise ValueError(f"{flag} {path}: no such file")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(certfile, keyfile)
+        if ca_certs is not None:
+            context.load_verify_locations(ca_certs)
+    except (ssl.SSLError, OSError) as e:
+        raise ValueError(f"the TLS files cannot be used ({certfile}, {keyfile}"
+                         f"{', ' + ca_certs if ca_certs else ''}): {e}") from None
+    return {"ssl_keyfile": keyfile, "ssl_certfile": certfile, "ssl_ca_certs": ca_certs, "ssl_cert_reqs": cert_reqs}

@@ -8,7 +8,7 @@ import uvicorn
 
 from specserve.entrypoints.engine_args import build_llm
 from specserve.entrypoints.openai.api_server import CORSOptions, build_app
-from specserve.entrypoints.openai.connection import uvicorn_config
+from specserve.entrypoints.openai.connection import tls_options, uvicorn_config
 from specserve.entrypoints.openai.limits import OPTIONS as LIMIT_OPTIONS, ServerLimits
 
 logger = logging.getLogger(__name__)
@@ -19,6 +19,7 @@ def run_server(args) -> int:
     api_key = args.api_key or os.environ.get("SPECSERVE_API_KEY") or None
     limits = ServerLimits.from_env(**{o.field: getattr(args, o.field, None) for o in LIMIT_OPTIONS})
     cors = CORSOptions(args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials)
+    tls = tls_options(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs)
     llm = build_llm(args)
     engine = llm.engine
     names = list(args.served_model_name or []) or [engine.model_name]
@@ -29,11 +30,11 @@ def run_server(args) -> int:
     async_engine.start()
     spec = engine.spec_config
     logger.info(
-        "serving %s on http://%s:%d (speculation: %s)", names[0], args.host, args.port,
+        "serving %s on %s://%s:%d (speculation: %s)", names[0], "https" if tls else "http", args.host, args.port,
         f"{spec.method}, k={spec.num_speculative_tokens}" if spec else "off",
     )
     try:
-        uvicorn.Server(uvicorn_config(app, host=args.host, port=args.port, log_level=args.log_level)).run()
+        uvicorn.Server(uvicorn_config(app, host=args.host, port=args.port, log_level=args.log_level, **tls)).run()
     finally:
         async_engine.shutdown(timeout=5)
     return 0
