@@ -309,6 +309,9 @@ class EngineConfig:
     enforce_eager: run every step op by op. Otherwise, on a GPU, decode and verification steps
     (of the target and of a draft model) are captured as CUDA graphs per batch and query
     bucket and replayed (``worker/cuda_graphs.py``), as vLLM does; a CPU has no graphs.
+    scheduling_policy: "fcfs" (first come, first served) or "priority" (vLLM's): requests carry a
+    priority (lower first; ``LLM.generate(..., priority=[...])``, the API's ``priority`` field),
+    which orders the queue and chooses whom a full KV cache preempts (``core.scheduler``).
     generation_config: where requests' sampling defaults come from (vLLM's): "auto" (the
     model's generation_config.json, or a GGUF file's general.sampling.* metadata), "vllm"
     (none: SamplingParams' own) or a folder holding a generation_config.json (or the file);
@@ -334,8 +337,11 @@ class EngineConfig:
     int8_activations: bool | int = False
     overlap_grammar_masks: bool | None = None
     enforce_eager: bool = False
+    scheduling_policy: str = "fcfs"
     generation_config: str = "auto"
     override_generation_config: dict | None = None
+
+    SCHEDULING_POLICIES = ("fcfs", "priority")
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
@@ -361,6 +367,8 @@ class EngineConfig:
                              f"got {self.int8_activations!r}")
         if self.overlap_grammar_masks is not None and not isinstance(self.overlap_grammar_masks, bool):
             raise ValueError(f"overlap_grammar_masks must be True, False or None, got {self.overlap_grammar_masks!r}")
+        if self.scheduling_policy not in self.SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {self.SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         if not isinstance(self.generation_config, (str, os.PathLike)) or not os.fspath(self.generation_config):
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
         self.generation_config = os.fspath(self.generation_config)

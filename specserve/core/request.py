@@ -61,6 +61,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0             # of the prompt, found in the prefix cache at admission
         self.status = RequestStatus.WAITING
+        self.priority = 0                     # lower runs first under scheduling_policy "priority"
         self.num_preemptions = 0
         # Speculation: draft tokens proposed for this step, and how many of this
         # request's tokens the proposer's own KV cache holds (draft model / EAGLE).

@@ -9,6 +9,11 @@ join while budget and blocks last, each starting after the longest prefix of
 its tokens the KV cache already holds (prefix caching). When blocks run out, the most recently
 admitted running request is preempted: its blocks are freed and it is
 recomputed later from its tokens (same output, since nothing is lost).
+
+Priorities (vLLM's ``scheduling_policy="priority"``; every request 0 under FCFS): a request's
+``priority`` (lower first) orders both lists. Waiting requests queue by priority, and in arrival
+order within one; running ones are served in priority order, so the one preempted when blocks
+run out is the lowest-priority one admitted last. With equal priorities this is FCFS exactly.
 """
 from __future__ import annotations
 
@@ -17,6 +22,10 @@ from dataclasses import dataclass, field
 
 from specserve.core.kv_cache_manager import KVCacheManager
 from specserve.core.request import Request, RequestStatus
+
+
+def _priority(req: Request) -> int:
+    return req.priority
 
 
 # Prefill tokens a step computes for a request collecting prompt logprobs: each brings a
@@ -64,7 +73,19 @@ class Scheduler:
         self.running: list[Request] = []
 
     def add_request(self, request: Request) -> None:
-        self.waiting.append(request)
+        """Queue ``request`` behind every waiting request of its priority or a higher one."""
+        self._queue(request, front=False)
+
+    def _queue(self, req: Request, front: bool) -> None:
+        """Into the waiting queue at the front or the back of its priority's run of requests."""
+        waiting, p = self.waiting, req.priority
+        if not front and (not waiting or waiting[-1].priority <= p):
+            waiting.append(req)
+        elif front and (not waiting or waiting[0].priority >= p):
+            waiting.appendleft(req)
+        else:
+            at = next(j for j, w in enumerate(waiting) if (w.priority >= p if front else w.priority > p))
+            waiting.insert(at, req)
 
     def add_running(self, request: Request) -> None:
         """A request that already holds its KV blocks (a beam forked from another) runs from the
@@ -88,7 +109,9 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled_ids: set[str] = set()
 
-        # 1. Running requests, oldest first; preempt from the newest when out of blocks.
+        # 1. Running requests, oldest first (by priority first: a stable sort); preempt from the
+        # newest (of the lowest priority) when out of blocks.
+        self.running.sort(key=_priority)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -111,7 +134,7 @@ class Scheduler:
             budget -= num_new + lookahead
             i += 1
 
-        # 2. Waiting requests (new or preempted), in arrival order.
+        # 2. Waiting requests (new or preempted), in priority then arrival order.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             req = self.waiting[0]
             looked_up = req.num_computed_tokens == 0
@@ -150,7 +173,8 @@ class Scheduler:
         out.scheduled = [s for s in out.scheduled if s.request is not req]
 
     def requeue(self, req: Request, front: bool) -> None:
-        """Put a request back in the waiting queue, at its front or its back. A running one is
+        """Put a request back in the waiting queue, at the front or the back of its priority's
+        requests (all of them, under FCFS). A running one is
         preempted: it gives its blocks up and is computed again from its tokens when admitted."""
         if req in self.running:
             self.running.remove(req)
@@ -160,10 +184,7 @@ class Scheduler:
             req.num_preemptions += 1
         else:
             self.waiting.remove(req)
-        if front:
-            self.waiting.appendleft(req)
-        else:
-            self.waiting.append(req)
+        self._queue(req, front)
 
     def finish(self, req: Request, status: RequestStatus, free_blocks: bool = True) -> None:
         """Mark a request finished (stop, length or abort) and free its blocks (``free_blocks``

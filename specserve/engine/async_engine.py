@@ -156,10 +156,11 @@ class AsyncLLMEngine:
         prompt: str | list[int],
         params: SamplingParams | BeamSearchParams | None = None,
         request_id: str | None = None,
+        priority: int = 0,
     ) -> "_Stream":
         """Tokenize (on the tokenizer thread), then queue the request on the engine
         thread; raises ValueError for bad input. ``BeamSearchParams``: a beam search, whose
-        one output comes when it is done."""
+        one output comes when it is done. ``priority``: ``LLMEngine.add_request``'s."""
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine is dead: {self.dead_error!r}")
         if self._stopped:
@@ -171,7 +172,7 @@ class AsyncLLMEngine:
         stream = _Stream(request_id, loop)
         done: concurrent.futures.Future = concurrent.futures.Future()
         params = params or SamplingParams(**self.engine.sampling_defaults)
-        self._commands.put(("add", prompt, params, request_id, stream, done, prepared))
+        self._commands.put(("add", prompt, params, request_id, stream, done, prepared, priority))
         await asyncio.wrap_future(done)
         return stream
 
@@ -195,13 +196,14 @@ class AsyncLLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's cumulative outputs until it finishes.
 
         Leaving the loop early (break, cancellation, a client disconnect) aborts
         the request. Raises ValueError (bad input), EngineStepError, EngineDeadError.
         """
-        stream = await self.add_request(prompt, params, request_id)
+        stream = await self.add_request(prompt, params, request_id, priority)
         async for out in self.iterate(stream):
             yield out
 
@@ -292,14 +294,14 @@ class AsyncLLMEngine:
                     self.engine.abort_request(rid)
                 return False
             if kind == "add":
-                _, prompt, params, request_id, stream, done, prepared = cmd
+                _, prompt, params, request_id, stream, done, prepared, priority = cmd
                 try:
                     if request_id in self._streams:
                         raise ValueError(f"request id {request_id!r} is already in use")
                     if isinstance(params, BeamSearchParams):
                         self.engine.add_beam_search(prompt, params, request_id, prepared=prepared)
                     else:
-                        self.engine.add_request(prompt, params, request_id, prepared=prepared)
+                        self.engine.add_request(prompt, params, request_id, prepared=prepared, priority=priority)
                 except Exception as e:  # noqa: BLE001 - bad input goes back to the caller
                     done.set_exception(e)
                 else:

@@ -38,3 +38,16 @@ def check_params(params: SamplingParams, vocab_size: int) -> None:
         bad = [t for t in ids if t >= vocab_size]
         if bad:
             raise ValueError(f"{name} token ids out of range [0, {vocab_size}): {bad[:5]}")
+
+
+MAX_PRIORITY = (1 << 31) - 1
+
+
+def check_priority(priority, scheduling_policy: str) -> None:
+    """A request's priority: an integer (lower first), other than 0 only under the "priority" policy,
+    as vLLM has it."""
+    if not isinstance(priority, int) or isinstance(priority, bool) or abs(priority) > MAX_PRIORITY:
+        raise ValueError(f"priority must be an integer in [-2^31 + 1, 2^31 - 1], got {priority!r}")
+    if priority != 0 and scheduling_policy != "priority":
+        raise ValueError(f"priority {priority} needs the priority scheduling policy (scheduling_policy='priority', "
+                         f"--scheduling-policy priority); this engine serves first come, first served")

@@ -139,12 +139,15 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         prepared: tuple[str | None, list[int]] | None = None,
+        priority: int = 0,
     ) -> str:
         """Validate and queue a request; raises ValueError before any work starts.
 
         ``prepared`` is ``prepare_prompt(prompt)``'s result when the caller already has it.
-        Without ``params``: the model's defaults (``sampling_defaults``).
+        Without ``params``: the model's defaults (``sampling_defaults``). ``priority``: lower
+        runs first, with scheduling_policy "priority" only (``core.scheduler``).
         """
+        input_checks.check_priority(priority, self.config.scheduling_policy)
         params = params or SamplingParams(**self.sampling_defaults)
         text, token_ids = prepared if prepared is not None else self.prepare_prompt(prompt, params)
         input_checks.check_params(params, self.vocab_size)
@@ -153,9 +156,9 @@ class LLMEngine:
         if request_id in self.requests or request_id in self.groups or request_id in self.beams:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.n == 1:
-            self.scheduler.add_request(self._new_request(request_id, text, token_ids, params))
+            self.scheduler.add_request(self._new_request(request_id, text, token_ids, params, priority))
             return request_id
-        children = [self._new_request(child_id(request_id, i), text, token_ids, child_params(params, i))
+        children = [self._new_request(child_id(request_id, i), text, token_ids, child_params(params, i), priority)
                     for i in range(params.n)]
         group = SampleGroup(request_id, children, hold_siblings=self.kv_cache.enable_prefix_caching)
         self.groups.add(group)
@@ -177,10 +180,12 @@ class LLMEngine:
         self.beams.add(request_id, text, token_ids, params, max_tokens, self.eos_token_id)
         return request_id
 
-    def _new_request(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams) -> Request:
+    def _new_request(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams,
+                     priority: int = 0) -> Request:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         req = Request(request_id, text, token_ids, params, request_seed(params, self._seed_rng), self.eos_token_id)
+        req.priority = priority
         req.bad_words_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         self.requests[request_id] = req
         self.constraints.attach(req)

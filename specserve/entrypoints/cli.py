@@ -325,6 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECSERVE_API_KEY)")
     serve.add_argument("--served-model-name", action="append", default=None,
                        help="a name clients use in 'model' (repeatable; default: the model's own name)")
+    serve.add_argument("--scheduling-policy", choices=EngineConfig.SCHEDULING_POLICIES, default="fcfs",
+                       help="fcfs (first come, first served) or priority: requests' 'priority' field (lower first) "
+                            "orders the queue and chooses whom a full KV cache preempts")
     serve.add_argument("--allowed-origins", type=json_string_list, default=[], metavar="JSON",
                        help="web origins whose pages may call the server, as vLLM's: '[\"http://localhost:3000\"]', "
                             "'[\"*\"]' for any (default: none)")

@@ -172,6 +172,7 @@ def build_llm(args, plain: bool = False):
         enable_prefix_caching=args.enable_prefix_caching,
         enforce_eager=getattr(args, "enforce_eager", False),
         generation_config=getattr(args, "generation_config", "auto"),
+        scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
         override_generation_config=getattr(args, "override_generation_config", None),
         int8_activations=(args.int8_activation_pieces if getattr(args, "int8_activation_pieces", None)
                           else args.int8_activations),

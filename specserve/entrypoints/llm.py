@@ -8,6 +8,7 @@ from tqdm.auto import tqdm
 from specserve.beam_search_params import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from specserve.config import EngineConfig, SpeculativeConfig
 from specserve.engine.async_engine import running_driver
+from specserve.engine.input_checks import check_priority
 from specserve.engine.llm_engine import LLMEngine
 from specserve.entrypoints.chat_template import load_chat_template, render_chat
 from specserve.outputs import RequestOutput, SpecDecodeStats
@@ -84,6 +85,7 @@ class LLM:
         enforce_eager: bool = False,
         generation_config: str = "auto",
         override_generation_config: dict | None = None,
+        scheduling_policy: str = "fcfs",
         proposer=None,
         speculative_model_uses_tp_1: bool | None = None,
         speculative_draft_tensor_parallel_size: int | None = None,
@@ -111,6 +113,7 @@ class LLM:
             enforce_eager=enforce_eager,
             generation_config=generation_config,
             override_generation_config=override_generation_config,
+            scheduling_policy=scheduling_policy,
         )
         self.engine = LLMEngine(config, spec, proposer=proposer)
 
@@ -139,12 +142,14 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         """Run prompts (strings, token-id lists, or vLLM's ``{"prompt": ...}`` /
         ``{"prompt_token_ids": [...]}``) to completion; outputs keep input order.
 
         Every prompt is validated before any work starts, so one bad prompt raises
-        without running (or losing) the others.
+        without running (or losing) the others. ``priority``: one per prompt (lower first), with
+        ``scheduling_policy="priority"`` (vLLM's).
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -154,6 +159,11 @@ class LLM:
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(priorities)} priorities")
+        for p in priorities:
+            check_priority(p, self.engine.config.scheduling_policy)
         prepared = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
             try:
@@ -161,7 +171,8 @@ class LLM:
                 prepared.append((p, self.engine.prepare_prompt(p, sp)))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        ids = [self.engine.add_request(p, sp, prepared=pp) for (p, pp), sp in zip(prepared, params)]
+        ids = [self.engine.add_request(p, sp, prepared=pp, priority=prio)
+               for (p, pp), sp, prio in zip(prepared, params, priorities)]
         return self._run(ids, use_tqdm if use_tqdm is not None else len(ids) > 8)
 
     def beam_search(

@@ -388,6 +388,57 @@ def test_preemption_with_lookahead_slots():
     assert sched.kv_cache.num_free_blocks == 6
 
 
+# ---------------------------------------------------------------------------- priorities
+
+
+def prioritized(request_id: str, priority: int, **kw) -> Request:
+    req = make_request(request_id, 4, first=len(request_id) + ord(request_id[0]), **kw)
+    req.priority = priority
+    return req
+
+
+def test_waiting_requests_queue_by_priority_then_arrival():
+    sched = make_scheduler()
+    for name, p in [("a", 1), ("b", 0), ("c", 1), ("d", -2), ("e", 0)]:
+        sched.add_request(prioritized(name, p))
+    assert [r.request_id for r in sched.waiting] == ["d", "b", "e", "a", "c"]
+    f = prioritized("f", 0)
+    sched._queue(f, front=True)     # a preempted request goes back to the front of its priority's run
+    assert [r.request_id for r in sched.waiting] == ["d", "f", "b", "e", "a", "c"]
+
+
+def test_with_one_seat_the_higher_priority_runs_first():
+    sched = make_scheduler(max_num_seqs=1)
+    low, high = prioritized("low", 5, max_tokens=2), prioritized("high", 0, max_tokens=2)
+    sched.add_request(low)
+    sched.add_request(high)
+    order = []
+    while sched.has_unfinished():
+        order += [s.request.request_id for s in fake_step(sched).scheduled if s.request.request_id not in order]
+    assert order == ["high", "low"]
+    assert low.output_token_ids == reference_output(low, 64) and high.output_token_ids == reference_output(high, 64)
+
+
+def test_a_full_cache_preempts_the_lowest_priority_not_the_newest():
+    # 4 blocks of 4 slots: the low-priority request runs first, the others join it, then b needs a
+    # second block: under FCFS the newest (c) would go; here the lowest priority (a) goes.
+    sched = make_scheduler(num_blocks=4, block_size=4)
+    a, b, c = prioritized("a", 3, max_tokens=6), prioritized("bb", 0, max_tokens=3), prioritized("ccc", 0, max_tokens=3)
+    sched.add_request(a)
+    fake_step(sched)
+    sched.add_request(b)
+    sched.add_request(c)
+    fake_step(sched)                      # a grows into its 2nd block; b and c take one each
+    assert sched.kv_cache.num_free_blocks == 0
+    out = fake_step(sched)
+    assert out.preempted == [a] and a.status is RequestStatus.WAITING
+    assert [s.request for s in out.scheduled] == [b, c]
+    run_to_completion(sched)
+    for r in (a, b, c):
+        assert r.output_token_ids == reference_output(r, 64)
+    assert sched.kv_cache.num_free_blocks == 4
+
+
 # ---------------------------------------------------------------------------- finish / abort
 
 

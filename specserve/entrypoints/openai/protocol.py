@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from specserve.beam_search_params import BeamSearchParams
+from specserve.engine.input_checks import MAX_PRIORITY
 from specserve.sampling_params import (
     MAX_BAD_WORDS, MAX_LOGIT_BIAS_ENTRIES, MAX_N, MAX_SEED, MAX_TOKEN_ID, MAX_TOP_K, SamplingParams,
 )
@@ -126,6 +127,8 @@ class _SamplingFields(StrictModel):
     logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
                           Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
     user: str | None = None
+    # vLLM's extension: lower runs first, under --scheduling-policy priority (else only 0)
+    priority: Annotated[int, Field(ge=-MAX_PRIORITY, le=MAX_PRIORITY)] = 0
     # vLLM's extension: each prompt token's log-probability and the top n (choices[i].prompt_logprobs)
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     specserve: SpecserveOptions | None = None
@@ -154,7 +157,7 @@ class _SamplingFields(StrictModel):
                    "repetition_penalty": (1.0,), "response_format": (), "structured_outputs": (), "guided_json": (),
                    "guided_regex": (), "guided_choice": (), "guided_grammar": (), "specserve": (),
                    "prompt_logprobs": (), "min_tokens": (0,), "allowed_token_ids": (),
-                   "include_stop_str_in_output": (False,), "bad_words": ([],),
+                   "include_stop_str_in_output": (False,), "bad_words": ([],), "priority": (0,),
                    **self._beam_neutral_fields()}
         bad = [name for name, allowed in neutral.items() if getattr(self, name) not in (None, *allowed)]
         if bad:

@@ -19,12 +19,14 @@ from specserve.entrypoints.openai.response_format import ChoiceState
 from specserve.outputs import RequestOutput
 
 
-async def start_requests(async_engine: AsyncLLMEngine, prompts: list[str | list[int]], params, param_name: str) -> list:
-    """Queue every prompt; if one is rejected, abort the ones already queued."""
+async def start_requests(async_engine: AsyncLLMEngine, prompts: list[str | list[int]], params, param_name: str,
+                         priority: int = 0) -> list:
+    """Queue every prompt (at ``priority``; a beam search has none); if one is rejected, abort the
+    ones already queued."""
     streams = []
     try:
         for p in prompts:
-            streams.append(await async_engine.add_request(p, params))
+            streams.append(await async_engine.add_request(p, params, priority=priority))
     except ValueError as e:
         for s in streams:
             async_engine.abort(s.request_id)

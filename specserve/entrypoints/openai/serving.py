@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from specserve.beam_search_params import BeamSearchParams
 from specserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineStepError, RequestFailedError
 from specserve.engine.beam_groups import beam_capable_proposer
+from specserve.engine.input_checks import check_priority
 from specserve.entrypoints.chat_template import ChatTemplateError, render_chat
 from specserve.entrypoints.fill_in_middle import fim_params, fim_prompt
 from specserve.entrypoints.openai import structured, tool_calls
@@ -122,6 +123,10 @@ class OpenAIServing:
             params = request.to_sampling_params(self.engine.sampling_defaults)
         except ValueError as e:
             raise sampling_error(e) from None
+        try:
+            check_priority(request.priority, self.engine.config.scheduling_policy)
+        except ValueError as e:
+            raise APIError(400, str(e), param="priority", code="invalid_value") from None
         vocab = self.engine.vocab_size
         if params.top_k > vocab:
             raise APIError(400, f"top_k must be at most the vocabulary size {vocab} (or -1/0: off), got {params.top_k}",
@@ -179,7 +184,7 @@ class OpenAIServing:
                 raise APIError(400, str(e), param="suffix", code="invalid_value") from None
             params = fim_params(self.tokenizer, params)
         engine_params = self.beam_search_params(request) if request.use_beam_search else params
-        streams = await start_requests(self.async_engine, prompts, engine_params, "prompt")
+        streams = await start_requests(self.async_engine, prompts, engine_params, "prompt", request.priority)
         return await self._respond(request, raw, streams, params, arrival, chat=False)
 
     async def chat_completions(self, request: ChatCompletionRequest, raw: Request) -> Response:
@@ -188,7 +193,7 @@ class OpenAIServing:
         params = await self.constrained(request, self.sampling_params(request))
         engine_params = self.beam_search_params(request) if request.use_beam_search else params
         prompt = await self.async_engine.run_off_thread(self.chat_prompt, request)
-        streams = await start_requests(self.async_engine, [prompt], engine_params, "messages")
+        streams = await start_requests(self.async_engine, [prompt], engine_params, "messages", request.priority)
         return await self._respond(request, raw, streams, params, arrival, chat=True)
 
     async def _respond(self, request, raw: Request, streams, params, arrival: float, chat: bool) -> Response:
