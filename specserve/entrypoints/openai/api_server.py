@@ -3,7 +3,8 @@
     specserve serve --speculative-method ngram --num-speculative-tokens 4 --port 8000
 
 Routes: POST /v1/completions, POST /v1/chat/completions (``stream`` true or
-false; server-sent events ``data: {...}`` ending with ``data: [DONE]``),
+false; server-sent events ``data: {...}`` ending with ``data: [DONE]``), POST /v1/responses
+(OpenAI's Responses API over the chat handler: ``responses.py``),
 POST /tokenize and /detokenize (vLLM's), GET /v1/models, GET /v1/specserve/info (model and
 speculation), GET /health,
 GET /metrics (Prometheus), and the chat page at /. The request extension
@@ -27,6 +28,7 @@ check); the rest of the server, one role a module:
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 from dataclasses import dataclass, field
@@ -52,6 +54,7 @@ from specserve.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from specserve.entrypoints.openai.response_format import hold_back
+from specserve.entrypoints.openai.responses import ResponsesRequest, create_response
 from specserve.entrypoints.openai.serving import OpenAIServing
 
 # Importable from here as before the split (tests import hold_back from this module).
@@ -164,6 +167,10 @@ def build_app(llm_or_engine, served_model_name: str | list[str] | None = None, a
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request):
         return await handle(raw, ChatCompletionRequest, serving.chat_completions)
+
+    @app.post("/v1/responses")
+    async def responses(raw: Request):
+        return await handle(raw, ResponsesRequest, functools.partial(create_response, serving))
 
     @app.post("/tokenize")
     async def tokenize(raw: Request):
