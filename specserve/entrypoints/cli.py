@@ -9,6 +9,7 @@ import time
 
 from specserve.bench.command import add_bench_parser
 from specserve.config import EngineConfig
+from specserve.entrypoints.openai.responses_store import DEFAULT_MAX_STORED_RESPONSES
 from specserve.entrypoints.fill_in_middle import fim_params, fim_prompt
 from specserve.entrypoints.engine_args import (  # speculative_config_from_args: still importable from here
     add_model_args,
@@ -325,6 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECSERVE_API_KEY)")
     serve.add_argument("--served-model-name", action="append", default=None,
                        help="a name clients use in 'model' (repeatable; default: the model's own name)")
+    serve.add_argument("--max-stored-responses", type=int, default=DEFAULT_MAX_STORED_RESPONSES, metavar="N",
+                       help="the Responses API: responses kept in memory for previous_response_id and GET (the "
+                            "least recently used dropped first; 0: none)")
     serve.add_argument("--scheduling-policy", choices=EngineConfig.SCHEDULING_POLICIES, default="fcfs",
                        help="fcfs (first come, first served) or priority: requests' 'priority' field (lower first) "
                             "orders the queue and chooses whom a full KV cache preempts")

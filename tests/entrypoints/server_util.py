@@ -20,6 +20,7 @@ class local_http:
 
     post = staticmethod(functools.partial(httpx.post, verify=False))
     get = staticmethod(functools.partial(httpx.get, verify=False))
+    delete = staticmethod(functools.partial(httpx.delete, verify=False))
     stream = staticmethod(functools.partial(httpx.stream, verify=False))
     Client = staticmethod(functools.partial(httpx.Client, verify=False))
 

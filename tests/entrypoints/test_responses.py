@@ -60,7 +60,7 @@ def test_the_answer_is_the_equivalent_chat_completions(client, url):
     assert (r.usage.input_tokens, r.usage.output_tokens) == (want["usage"]["prompt_tokens"],
                                                              want["usage"]["completion_tokens"])
     assert r.status == ("incomplete" if want["choices"][0]["finish_reason"] == "length" else "completed")
-    assert r.metadata == {"run": "1"} and r.instructions == "Be brief." and r.store is False
+    assert r.metadata == {"run": "1"} and r.instructions == "Be brief." and r.store is True
     assert [o.type for o in r.output] == ["message"] and r.output[0].role == "assistant"
 
 
@@ -116,7 +116,6 @@ def test_text_format_json_schema(client):
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"include": ["reasoning.encrypted_content"]}, "include"),
     ({"background": True}, "background"),
     ({"truncation": "auto"}, "truncation"),
@@ -142,7 +141,8 @@ def test_to_chat_builds_the_conversation():
         {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "two"}]}],
         max_output_tokens=5, tool_choice={"type": "function", "name": "f"}, tools=[{"type": "function", "name": "f"}],
         text={"format": {"type": "json_object"}})
-    body = to_chat(req)
+    body, conversation = to_chat(req)
+    assert conversation == body["messages"][1:]         # without the instructions
     assert body["messages"] == [
         {"role": "system", "content": "sys"}, {"role": "developer", "content": "dev"},
         {"role": "assistant", "content": "ab", "tool_calls": [
@@ -154,6 +154,9 @@ def test_to_chat_builds_the_conversation():
     assert body["tools"] == [{"type": "function", "function": {"name": "f"}}]
     with pytest.raises(APIError, match="no message"):
         to_chat(ResponsesRequest(input=[]))
+    history = [{"role": "user", "content": "earlier"}, {"role": "assistant", "content": "answer"}]
+    body, conversation = to_chat(ResponsesRequest(instructions="new", input="next"), history)
+    assert body["messages"] == [{"role": "system", "content": "new"}, *history, {"role": "user", "content": "next"}]
 
 
 def test_leaving_a_stream_aborts_its_request(url, llm):
@@ -220,3 +223,38 @@ def test_an_error_in_the_stream_fails_the_response():
     events = events_of(chunks)
     assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
     assert events[-1]["response"]["status"] == "failed" and events[-1]["response"]["error"]["code"] == "engine_error"
+
+
+def test_kept_responses_continue_read_and_delete(client, url):
+    first = client.responses.create(model=MODEL, instructions="Be brief.", input="Name a color.",
+                                    max_output_tokens=5, temperature=0)
+    assert first.store is True
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    second = client.responses.create(model=MODEL, input="And another?", previous_response_id=first.id,
+                                     max_output_tokens=5, temperature=0)
+    assert second.previous_response_id == first.id
+    # the conversation goes on from the first one's, its instructions not carried over
+    want = chat(url, [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": first.output_text},
+                      {"role": "user", "content": "And another?"}], max_completion_tokens=5)
+    assert second.usage.input_tokens == want["usage"]["prompt_tokens"]
+    assert second.output_text == want["choices"][0]["message"]["content"]
+    streamed = list(client.responses.create(model=MODEL, input="More?", previous_response_id=second.id,
+                                            max_output_tokens=3, temperature=0, stream=True))[-1].response
+    assert client.responses.retrieve(streamed.id).output_text == streamed.output_text
+    assert local_http.delete(f"{url}/v1/responses/{first.id}", timeout=30).json()["deleted"] is True
+    for path in (f"/v1/responses/{first.id}",):
+        assert local_http.get(f"{url}{path}", timeout=30).status_code == 404
+    gone = local_http.post(f"{url}/v1/responses", timeout=30,
+                           json={"model": MODEL, "input": "x", "previous_response_id": first.id})
+    assert gone.status_code == 404 and gone.json()["error"]["param"] == "previous_response_id"
+
+
+def test_store_false_and_the_bound(llm):
+    with running_server(build_app(llm, MODEL, max_stored_responses=2)) as base:
+        c = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        unkept = c.responses.create(model=MODEL, input="x", max_output_tokens=2, store=False)
+        assert unkept.store is False
+        assert local_http.get(f"{base}/v1/responses/{unkept.id}", timeout=30).status_code == 404
+        ids = [c.responses.create(model=MODEL, input="x", max_output_tokens=2).id for _ in range(3)]
+        found = [local_http.get(f"{base}/v1/responses/{i}", timeout=30).status_code for i in ids]
+        assert found == [404, 200, 200]            # the least recently used went first

@@ -4,7 +4,8 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (``stream`` true or
 false; server-sent events ``data: {...}`` ending with ``data: [DONE]``), POST /v1/responses
-(OpenAI's Responses API over the chat handler: ``responses.py``),
+(OpenAI's Responses API over the chat handler: ``responses.py``; GET and DELETE
+/v1/responses/{id} for the kept ones),
 POST /tokenize and /detokenize (vLLM's), GET /v1/models, GET /v1/specserve/info (model and
 speculation), GET /health,
 GET /metrics (Prometheus), and the chat page at /. The request extension
@@ -55,6 +56,7 @@ from specserve.entrypoints.openai.protocol import (
 )
 from specserve.entrypoints.openai.response_format import hold_back
 from specserve.entrypoints.openai.responses import ResponsesRequest, create_response
+from specserve.entrypoints.openai.responses_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
 from specserve.entrypoints.openai.serving import OpenAIServing
 
 # Importable from here as before the split (tests import hold_back from this module).
@@ -103,14 +105,16 @@ class _APIKeyMiddleware:
 
 
 def build_app(llm_or_engine, served_model_name: str | list[str] | None = None, api_key: str | None = None,
-              limits: ServerLimits | None = None, cors: CORSOptions | None = None) -> FastAPI:
+              limits: ServerLimits | None = None, cors: CORSOptions | None = None,
+              max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> FastAPI:
     """The FastAPI app over an ``LLM``, ``LLMEngine`` or ``AsyncLLMEngine``.
 
     Apps built over the same engine share one engine loop (one step at a time).
     ``served_model_name``: the name (or names) requests may use in ``model``;
     default: the engine's model name. ``limits``: body size, read time, JSON
     depth, prompts per request (default: ``ServerLimits.from_env()``). ``cors``: the
-    web origins whose pages may call the server (default: none).
+    web origins whose pages may call the server (default: none). ``max_stored_responses``: the
+    Responses API's responses kept in memory (``responses_store.py``; 0: none).
     """
     async_engine = AsyncLLMEngine.from_engine(llm_or_engine)
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
@@ -118,6 +122,7 @@ def build_app(llm_or_engine, served_model_name: str | list[str] | None = None, a
         names = [async_engine.engine.model_name]
     limits = limits if limits is not None else ServerLimits.from_env()
     serving = OpenAIServing(async_engine, names, limits)
+    stored = ResponseStore(max_stored_responses)
     m, ln = serving.metrics, serving.model_name
 
     app = FastAPI(title="specserve OpenAI-compatible server", docs_url=None, redoc_url=None, openapi_url=None)
@@ -170,7 +175,20 @@ def build_app(llm_or_engine, served_model_name: str | list[str] | None = None, a
 
     @app.post("/v1/responses")
     async def responses(raw: Request):
-        return await handle(raw, ResponsesRequest, functools.partial(create_response, serving))
+        return await handle(raw, ResponsesRequest, functools.partial(create_response, serving, stored))
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(response_id: str):
+        entry = stored.get(response_id)
+        if entry is None:
+            return fail(APIError(404, f"response {response_id!r} not found", param="response_id", code="not_found"))
+        return JSONResponse(entry[0])
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        if not stored.delete(response_id):
+            return fail(APIError(404, f"response {response_id!r} not found", param="response_id", code="not_found"))
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     @app.post("/tokenize")
     async def tokenize(raw: Request):

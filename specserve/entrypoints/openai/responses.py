@@ -12,8 +12,10 @@ tool call a ``function_call`` item (``call_id`` the chat call's id); a stream's 
 Responses events (``ResponseEvents``: ``response.created``, ``response.output_item.added``,
 ``response.output_text.delta``, ..., ``response.completed``, each with its ``sequence_number``).
 
-What is not kept: responses are not stored (``store`` is answered false, and
-``previous_response_id`` is a 400: send the whole conversation as ``input``); ``reasoning`` is
+Responses are kept in memory (``responses_store.py``) unless a request sends ``store: false``:
+``previous_response_id`` goes on from a kept one's conversation (its instructions not carried
+over, as in OpenAI's API), and ``GET`` / ``DELETE /v1/responses/{id}`` read and forget one.
+What is not supported: ``reasoning`` is
 accepted and ignored (the families served write no reasoning items; such items in ``input`` are
 skipped); input images, files and audio, built-in tools (web search, file search, ...), ``include``
 values, ``truncation: "auto"``, ``background`` and ``top_logprobs`` are 400s naming the field.
@@ -32,26 +34,49 @@ from specserve.entrypoints.openai.errors import validation_error
 from specserve.entrypoints.openai.limits import APIError
 from specserve.entrypoints.openai.protocol import ChatCompletionRequest, StrictModel, now, random_id
 from specserve.entrypoints.openai.response_format import SSEResponse
+from specserve.entrypoints.openai.responses_store import ResponseStore
 from specserve.sampling_params import MAX_SEED, MAX_TOP_K
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 
 
-async def create_response(serving, req: "ResponsesRequest", raw: Request) -> Response:
+async def create_response(serving, store: ResponseStore, req: "ResponsesRequest", raw: Request) -> Response:
     """POST /v1/responses: ``req`` as a chat completion through ``serving`` (an ``OpenAIServing``),
-    its answer as a Response, or its stream as the Responses events."""
+    its answer as a Response, or its stream as the Responses events; kept in ``store`` unless
+    the request says ``store: false``."""
+    history = []
+    if req.previous_response_id is not None:
+        entry = store.get(req.previous_response_id)
+        if entry is None:
+            raise APIError(404, f"previous response {req.previous_response_id!r} not found (this server keeps the "
+                                f"latest {store.max_entries} responses, in memory)",
+                           param="previous_response_id", code="not_found")
+        history = entry[1]
+    body, conversation = to_chat(req, history)
     try:
-        chat_request = ChatCompletionRequest.model_validate(to_chat(req))
+        chat_request = ChatCompletionRequest.model_validate(body)
     except ValidationError as e:
         raise validation_error(e) from None
+    keep = store.enabled and req.store is not False
+
+    def finished(response: dict) -> None:
+        if keep and response["status"] != "failed":
+            response["store"] = True
+            answer: list[dict] = []
+            for i, item in enumerate(response["output"]):
+                _add_item(answer, item, f"output[{i}]")
+            store.put(response, conversation + answer)
+
     answer = await serving.chat_completions(chat_request, raw)
     if isinstance(answer, SSEResponse):
-        events = ResponseEvents(req, serving.model_name).translate(answer.body_iterator)
+        events = ResponseEvents(req, serving.model_name, finished).translate(answer.body_iterator)
         return SSEResponse(events, media_type="text/event-stream", on_close=answer.on_close,
                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     if answer.status_code != 200:
         return answer
-    return JSONResponse(response_body(req, json.loads(answer.body)))
+    response = response_body(req, json.loads(answer.body))
+    finished(response)
+    return JSONResponse(response)
 
 
 class ResponsesRequest(StrictModel):
@@ -94,10 +119,10 @@ def _refuse(param: str, message: str) -> APIError:
     return APIError(400, message, param=param, code="unsupported_value")
 
 
-def to_chat(req: ResponsesRequest) -> dict:
-    """The chat completions request body ``req`` means (module docstring); APIError for what it cannot."""
-    if req.previous_response_id is not None:
-        raise _refuse("previous_response_id", "responses are not stored here: send the whole conversation as input")
+def to_chat(req: ResponsesRequest, history: list[dict] | None = None) -> tuple[dict, list[dict]]:
+    """(the chat completions request body ``req`` means, its conversation without the instructions);
+    ``history``: the stored conversation of ``previous_response_id``, whose instructions are not
+    carried over (as in OpenAI's API). APIError for what it cannot mean."""
     if req.background:
         raise _refuse("background", "background responses are not supported")
     if req.include:
@@ -108,12 +133,13 @@ def to_chat(req: ResponsesRequest) -> dict:
         raise _refuse("top_logprobs", "top_logprobs is not supported on /v1/responses (chat completions has logprobs)")
     if req.max_tool_calls is not None:
         raise _refuse("max_tool_calls", "max_tool_calls is not supported")
-    messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    conversation = [dict(m) for m in history or []]
     items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
     for i, item in enumerate(items):
-        _add_item(messages, item, f"input[{i}]")
-    if not messages:
+        _add_item(conversation, item, f"input[{i}]")
+    if not conversation:
         raise APIError(400, "input holds no message", param="input", code="invalid_value")
+    messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + conversation
     body: dict[str, Any] = {"messages": messages, "stream": bool(req.stream), "priority": req.priority}
     if req.stream:
         body["stream_options"] = {"include_usage": True}
@@ -130,7 +156,7 @@ def to_chat(req: ResponsesRequest) -> dict:
     fmt = (req.text or {}).get("format")
     if fmt is not None and fmt.get("type") != "text":
         body["response_format"] = _response_format(fmt)
-    return body
+    return body, conversation
 
 
 def _add_item(messages: list[dict], item: dict, where: str) -> None:
@@ -219,7 +245,7 @@ def _shell(req: ResponsesRequest, rid: str, created: int, model: str) -> dict:
         "tool_choice": req.tool_choice if req.tool_choice is not None else "auto", "tools": req.tools or [],
         "parallel_tool_calls": req.parallel_tool_calls if req.parallel_tool_calls is not None else True,
         "text": req.text or {"format": {"type": "text"}}, "truncation": "disabled", "store": False,
-        "previous_response_id": None, "reasoning": None, "user": req.user, "error": None,
+        "previous_response_id": req.previous_response_id, "reasoning": None, "user": req.user, "error": None,
         "incomplete_details": None, "usage": None,
     }
 
@@ -262,8 +288,9 @@ def response_body(req: ResponsesRequest, chat: dict) -> dict:
 class ResponseEvents:
     """A chat completion's stream (its ``data:`` chunks) -> the Responses API's events."""
 
-    def __init__(self, req: ResponsesRequest, model: str):
+    def __init__(self, req: ResponsesRequest, model: str, on_finished=None):
         self.response = _shell(req, random_id("resp"), now(), model)
+        self.on_finished = on_finished      # called with the final response (completed or incomplete)
         self.seq = 0
         self.output: list[dict] = []
         self.item: dict | None = None        # the item being written: a message or a function call
@@ -302,6 +329,8 @@ class ResponseEvents:
         for event in self._close():
             yield event
         done = _finish(self.response, self.output, self.finish_reason, self.usage)
+        if self.on_finished is not None:
+            self.on_finished(done)
         kind = "response.incomplete" if done["status"] == "incomplete" else "response.completed"
         yield self._event(kind, response=self._snapshot())
 

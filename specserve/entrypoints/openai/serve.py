@@ -20,12 +20,15 @@ def run_server(args) -> int:
     limits = ServerLimits.from_env(**{o.field: getattr(args, o.field, None) for o in LIMIT_OPTIONS})
     cors = CORSOptions(args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials)
     tls = tls_options(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs)
+    if args.max_stored_responses < 0:
+        raise ValueError(f"--max-stored-responses must be >= 0, got {args.max_stored_responses}")
     llm = build_llm(args)
     engine = llm.engine
     names = list(args.served_model_name or []) or [engine.model_name]
     if args.model and args.model not in names:
         names.append(args.model)
-    app = build_app(llm, names, api_key=api_key, limits=limits, cors=cors)
+    app = build_app(llm, names, api_key=api_key, limits=limits, cors=cors,
+                    max_stored_responses=args.max_stored_responses)
     async_engine = app.state.async_engine
     async_engine.start()
     spec = engine.spec_config
