@@ -68,6 +68,11 @@ def test_health_and_models(base_url, client):
     assert local_http.get(f"{base_url}/health").json() == {"status": "ok"}
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other")
+    from specserve import __version__
+    assert local_http.get(f"{base_url}/version").json() == {"version": __version__}
 
 
 def test_completion(client, llm):

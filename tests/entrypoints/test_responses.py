@@ -258,3 +258,15 @@ def test_store_false_and_the_bound(llm):
         ids = [c.responses.create(model=MODEL, input="x", max_output_tokens=2).id for _ in range(3)]
         found = [local_http.get(f"{base}/v1/responses/{i}", timeout=30).status_code for i in ids]
         assert found == [404, 200, 200]            # the least recently used went first
+
+
+def test_metrics_count_responses_under_their_own_endpoint(client, url):
+    def count() -> float:
+        for line in local_http.get(f"{url}/metrics", timeout=30).text.splitlines():
+            if line.startswith("specserve_requests_total{") and 'endpoint="responses"' in line:
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    before = count()
+    client.responses.create(model=MODEL, input="x", max_output_tokens=2)
+    assert count() == before + 1

@@ -6,8 +6,8 @@ Routes: POST /v1/completions, POST /v1/chat/completions (``stream`` true or
 false; server-sent events ``data: {...}`` ending with ``data: [DONE]``), POST /v1/responses
 (OpenAI's Responses API over the chat handler: ``responses.py``; GET and DELETE
 /v1/responses/{id} for the kept ones),
-POST /tokenize and /detokenize (vLLM's), GET /v1/models, GET /v1/specserve/info (model and
-speculation), GET /health,
+POST /tokenize and /detokenize (vLLM's), GET /v1/models (and /v1/models/{id}), GET
+/v1/specserve/info (model and speculation), GET /version, GET /health,
 GET /metrics (Prometheus), and the chat page at /. The request extension
 ``"specserve": {"provenance": true}`` adds how each token came (``provenance.py``).
 Requests run on one ``AsyncLLMEngine`` (continuous batching); a client that goes away aborts its
@@ -41,6 +41,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specserve import __version__
 from specserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineStepError, RequestFailedError
 from specserve.entrypoints.openai.chat_page import add_chat_page
 from specserve.entrypoints.openai.errors import engine_error, error_body, error_response, validation_error
@@ -203,6 +204,18 @@ def build_app(llm_or_engine, served_model_name: str | list[str] | None = None, a
         engine = async_engine.engine
         cards = [ModelCard(id=n, root=engine.model_name, max_model_len=engine.max_model_len) for n in names]
         return JSONResponse(ModelList(data=cards).model_dump())
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id not in names:
+            return fail(APIError(404, f"the model {model_id!r} does not exist; this server serves {names}",
+                                 param="model", code="model_not_found"))
+        engine = async_engine.engine
+        return JSONResponse(ModelCard(id=model_id, root=engine.model_name, max_model_len=engine.max_model_len).model_dump())
+
+    @app.get("/version")
+    async def version():
+        return JSONResponse({"version": __version__})
 
     @app.get("/v1/specserve/info")
     async def info():

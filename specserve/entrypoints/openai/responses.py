@@ -67,7 +67,7 @@ async def create_response(serving, store: ResponseStore, req: "ResponsesRequest"
                 _add_item(answer, item, f"output[{i}]")
             store.put(response, conversation + answer)
 
-    answer = await serving.chat_completions(chat_request, raw)
+    answer = await serving.chat_completions(chat_request, raw, endpoint="responses")
     if isinstance(answer, SSEResponse):
         events = ResponseEvents(req, serving.model_name, finished).translate(answer.body_iterator)
         return SSEResponse(events, media_type="text/event-stream", on_close=answer.on_close,

@@ -187,18 +187,20 @@ class OpenAIServing:
         streams = await start_requests(self.async_engine, prompts, engine_params, "prompt", request.priority)
         return await self._respond(request, raw, streams, params, arrival, chat=False)
 
-    async def chat_completions(self, request: ChatCompletionRequest, raw: Request) -> Response:
+    async def chat_completions(self, request: ChatCompletionRequest, raw: Request, endpoint: str = "chat") -> Response:
+        """``endpoint``: the metrics' label (``responses`` when the Responses API asks)."""
         self.check_model(request.model)
         arrival = time.monotonic()
         params = await self.constrained(request, self.sampling_params(request))
         engine_params = self.beam_search_params(request) if request.use_beam_search else params
         prompt = await self.async_engine.run_off_thread(self.chat_prompt, request)
         streams = await start_requests(self.async_engine, [prompt], engine_params, "messages", request.priority)
-        return await self._respond(request, raw, streams, params, arrival, chat=True)
+        return await self._respond(request, raw, streams, params, arrival, chat=True, endpoint=endpoint)
 
-    async def _respond(self, request, raw: Request, streams, params, arrival: float, chat: bool) -> Response:
+    async def _respond(self, request, raw: Request, streams, params, arrival: float, chat: bool,
+                       endpoint: str | None = None) -> Response:
         m, ln = self.metrics, self.model_name
-        m.requests.labels(ln, "chat" if chat else "completions").inc()
+        m.requests.labels(ln, endpoint or ("chat" if chat else "completions")).inc()
         n = params.n
         prompt_only = getattr(request, "prompt_only", False)
         choices = [ChoiceState(i, list(params.stop), arrival, counts_prompt=i % n == 0, prompt_only=prompt_only)
