@@ -326,6 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECSERVE_API_KEY)")
     serve.add_argument("--served-model-name", action="append", default=None,
                        help="a name clients use in 'model' (repeatable; default: the model's own name)")
+    serve.add_argument("--reasoning-parser", choices=["deepseek_r1", "qwen3"], default=None,
+                       help="a thinking model's <think> reasoning returned apart from the answer (reasoning_content): "
+                            "deepseek_r1 when the chat template opens <think> in the prompt, qwen3 when the answer does")
     serve.add_argument("--max-stored-responses", type=int, default=DEFAULT_MAX_STORED_RESPONSES, metavar="N",
                        help="the Responses API: responses kept in memory for previous_response_id and GET (the "
                             "least recently used dropped first; 0: none)")

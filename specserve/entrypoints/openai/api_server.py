@@ -55,6 +55,7 @@ from specserve.entrypoints.openai.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from specserve.entrypoints.openai.reasoning import PARSERS
 from specserve.entrypoints.openai.response_format import hold_back
 from specserve.entrypoints.openai.responses import ResponsesRequest, create_response
 from specserve.entrypoints.openai.responses_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
@@ -107,7 +108,7 @@ class _APIKeyMiddleware:
 
 def build_app(llm_or_engine, served_model_name: str | list[str] | None = None, api_key: str | None = None,
               limits: ServerLimits | None = None, cors: CORSOptions | None = None,
-              max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> FastAPI:
+              max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES, reasoning_parser: str | None = None) -> FastAPI:
     """The FastAPI app over an ``LLM``, ``LLMEngine`` or ``AsyncLLMEngine``.
 
     Apps built over the same engine share one engine loop (one step at a time).
@@ -115,14 +116,17 @@ def build_app(llm_or_engine, served_model_name: str | list[str] | None = None, a
     default: the engine's model name. ``limits``: body size, read time, JSON
     depth, prompts per request (default: ``ServerLimits.from_env()``). ``cors``: the
     web origins whose pages may call the server (default: none). ``max_stored_responses``: the
-    Responses API's responses kept in memory (``responses_store.py``; 0: none).
+    Responses API's responses kept in memory (``responses_store.py``; 0: none). ``reasoning_parser``:
+    "deepseek_r1" or "qwen3", a thinking model's reasoning apart from its answer (``reasoning.py``).
     """
+    if reasoning_parser is not None and reasoning_parser not in PARSERS:
+        raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; choose from {sorted(PARSERS)}")
     async_engine = AsyncLLMEngine.from_engine(llm_or_engine)
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
     if not names:
         names = [async_engine.engine.model_name]
     limits = limits if limits is not None else ServerLimits.from_env()
-    serving = OpenAIServing(async_engine, names, limits)
+    serving = OpenAIServing(async_engine, names, limits, PARSERS.get(reasoning_parser))
     stored = ResponseStore(max_stored_responses)
     m, ln = serving.metrics, serving.model_name
 

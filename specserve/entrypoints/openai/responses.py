@@ -15,10 +15,12 @@ Responses events (``ResponseEvents``: ``response.created``, ``response.output_it
 Responses are kept in memory (``responses_store.py``) unless a request sends ``store: false``:
 ``previous_response_id`` goes on from a kept one's conversation (its instructions not carried
 over, as in OpenAI's API), and ``GET`` / ``DELETE /v1/responses/{id}`` read and forget one.
-What is not supported: ``reasoning`` is
-accepted and ignored (the families served write no reasoning items; such items in ``input`` are
-skipped); input images, files and audio, built-in tools (web search, file search, ...), ``include``
-values, ``truncation: "auto"``, ``background`` and ``top_logprobs`` are 400s naming the field.
+With ``serve --reasoning-parser``, a thinking model's reasoning comes first as a ``reasoning``
+item (``reasoning_text`` content; streamed as ``response.reasoning_text.delta``); ``reasoning``
+items sent back in ``input`` are skipped, as chat templates drop earlier turns' reasoning.
+What is not supported: the request's ``reasoning`` options are accepted and ignored; input
+images, files and audio, built-in tools (web search, file search, ...), ``include`` values,
+``truncation: "auto"``, ``background`` and ``top_logprobs`` are 400s naming the field.
 """
 from __future__ import annotations
 
@@ -269,6 +271,11 @@ def _message_item(text: str, status: str = "completed") -> dict:
             "content": [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []}
 
 
+def _reasoning_item(text: str, status: str = "completed") -> dict:
+    return {"id": random_id("rs"), "type": "reasoning", "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}] if status == "completed" else []}
+
+
 def _call_item(call: dict, status: str = "completed") -> dict:
     function = call["function"]
     return {"id": random_id("fc"), "type": "function_call", "status": status, "call_id": call["id"],
@@ -279,7 +286,8 @@ def response_body(req: ResponsesRequest, chat: dict) -> dict:
     """The Response for a chat completion's JSON answer."""
     choice = chat["choices"][0]
     message = choice["message"]
-    output = [_message_item(message["content"])] if message.get("content") else []
+    output = [_reasoning_item(message["reasoning_content"])] if message.get("reasoning_content") else []
+    output += [_message_item(message["content"])] if message.get("content") else []
     output += [_call_item(call) for call in message.get("tool_calls") or []]
     return _finish(_shell(req, random_id("resp"), chat["created"], chat["model"]), output, choice["finish_reason"],
                    chat.get("usage"))
@@ -339,24 +347,36 @@ class ResponseEvents:
             self.usage = chunk["usage"]
         for choice in chunk.get("choices", []):
             delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                yield from self._text(delta["reasoning_content"], "reasoning")
             if delta.get("content"):
-                yield from self._text(delta["content"])
+                yield from self._text(delta["content"], "message")
             for call in delta.get("tool_calls") or []:
                 yield from self._call(call)
             if choice.get("finish_reason"):
                 self.finish_reason = choice["finish_reason"]
 
-    def _text(self, piece: str):
-        if self.item is None or self.item["type"] != "message":
+    def _text(self, piece: str, kind: str):
+        """A piece of the answer's text (``kind`` "message") or of its reasoning ("reasoning")."""
+        if self.item is None or self.item["type"] != kind:
             yield from self._close()
-            self.item = _message_item("", status="in_progress")
             self.item_text = ""
-            yield self._event("response.output_item.added", output_index=len(self.output), item=self.item)
-            yield self._event("response.content_part.added", item_id=self.item["id"], output_index=len(self.output),
-                              content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+            if kind == "reasoning":
+                self.item = _reasoning_item("", status="in_progress")
+                yield self._event("response.output_item.added", output_index=len(self.output), item=self.item)
+            else:
+                self.item = _message_item("", status="in_progress")
+                yield self._event("response.output_item.added", output_index=len(self.output), item=self.item)
+                yield self._event("response.content_part.added", item_id=self.item["id"],
+                                  output_index=len(self.output), content_index=0,
+                                  part={"type": "output_text", "text": "", "annotations": []})
         self.item_text += piece
-        yield self._event("response.output_text.delta", item_id=self.item["id"], output_index=len(self.output),
-                          content_index=0, delta=piece, logprobs=[])
+        if kind == "reasoning":
+            yield self._event("response.reasoning_text.delta", item_id=self.item["id"], output_index=len(self.output),
+                              content_index=0, delta=piece)
+        else:
+            yield self._event("response.output_text.delta", item_id=self.item["id"], output_index=len(self.output),
+                              content_index=0, delta=piece, logprobs=[])
 
     def _call(self, call: dict):
         function = call.get("function") or {}
@@ -374,7 +394,11 @@ class ResponseEvents:
         item, index = self.item, len(self.output)
         if item is None:
             return
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            yield self._event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
+                              text=self.item_text)
+            item["content"] = [{"type": "reasoning_text", "text": self.item_text}]
+        elif item["type"] == "message":
             part = {"type": "output_text", "text": self.item_text, "annotations": []}
             yield self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
                               text=self.item_text, logprobs=[])

@@ -36,6 +36,7 @@ from specserve.entrypoints.openai.protocol import (
     random_id,
 )
 from specserve.entrypoints.openai.provenance import choice_extension, token_entries
+from specserve.entrypoints.openai.reasoning import ReasoningParser
 from specserve.entrypoints.openai.request_streams import choice_outputs, collect, start_requests
 from specserve.entrypoints.openai.response_format import (
     ChoiceState,
@@ -50,14 +51,21 @@ from specserve.entrypoints.openai.response_format import (
 class OpenAIServing:
     """The handlers of one app over one engine (``build_app`` makes one per app)."""
 
-    def __init__(self, async_engine: AsyncLLMEngine, served_model_names: list[str], limits: ServerLimits | None = None):
+    def __init__(self, async_engine: AsyncLLMEngine, served_model_names: list[str], limits: ServerLimits | None = None,
+                 reasoning: ReasoningParser | None = None):
         self.async_engine = async_engine
+        self.reasoning = reasoning          # chat answers' reasoning split from their content (reasoning.py)
         self.limits = limits or ServerLimits()
         self.engine = async_engine.engine
         self.tokenizer = self.engine.tokenizer
         self.served_model_names = served_model_names
         self.model_name = served_model_names[0]
         self.metrics = ServerMetrics(async_engine, self.model_name)
+
+    def _splits_reasoning(self, params) -> bool:
+        """A reasoning parser is set and the request has no structured output (whose constraint
+        governs the answer from its first token: no reasoning then)."""
+        return self.reasoning is not None and params.structured_output is None
 
     # ------------------------------------------------------- model facts, checks
     def info(self) -> dict:
@@ -231,12 +239,17 @@ class OpenAIServing:
             completion = c.output.outputs[0]
             n = len(completion.token_ids)
             if chat:
-                message, finish = {"role": "assistant", "content": completion.text}, completion.finish_reason
+                reasoning, text = None, completion.text
+                if self._splits_reasoning(params):
+                    reasoning, text = self.reasoning.split(text)
+                message, finish = {"role": "assistant", "content": text}, completion.finish_reason
                 if tool_calls.mode(request):
-                    content, calls = tool_calls.parse(completion.text, tool_names(request))
+                    content, calls = tool_calls.parse(text or "", tool_names(request))
                     if calls:
                         message = {"role": "assistant", "content": content, "tool_calls": [t.as_dict() for t in calls]}
                         finish = "tool_calls" if finish == "stop" else finish
+                if self.reasoning is not None:
+                    message["reasoning_content"] = message["reasoning"] = reasoning
                 choice = {
                     "index": c.index,
                     "message": message,
@@ -289,6 +302,8 @@ class OpenAIServing:
         # Chat with tools: each choice's text split into content and completed calls as it streams.
         parsers = ([ToolCallStream(tool_names(request)) for _ in choices]
                    if chat and tool_calls.mode(request) else None)
+        # A thinking model's reasoning split off first (reasoning.py): the tool calls are in the answer.
+        thinking = [self.reasoning.stream() for _ in choices] if chat and self._splits_reasoning(params) else None
 
         # vLLM's continuous_usage_stats: every chunk carries the usage so far, not only the last
         continuous = include_usage and bool(request.stream_options.continuous_usage_stats)
@@ -319,13 +334,17 @@ class OpenAIServing:
                 tokens = (token_entries(self.tokenizer, completion, start, end, params.skip_special_tokens)
                           if provenance else None)
                 if chat:
-                    call_deltas = []
+                    call_deltas, reasoning = [], ""
+                    if thinking is not None:
+                        reasoning, delta = thinking[i].feed(delta, final=finish is not None)
                     if parsers is not None:
                         delta, call_deltas = parsers[i].feed(delta, final=finish is not None)
                         if finish == "stop" and parsers[i].calls:
                             finish = "tool_calls"
-                    if delta or call_deltas or (start < end and (num_top is not None or provenance)):
-                        body_delta = {"content": delta} if delta or not call_deltas else {}
+                    if delta or call_deltas or reasoning or (start < end and (num_top is not None or provenance)):
+                        body_delta = {"content": delta} if delta or not (call_deltas or reasoning) else {}
+                        if reasoning:
+                            body_delta["reasoning_content"] = body_delta["reasoning"] = reasoning
                         if call_deltas:
                             body_delta["tool_calls"] = call_deltas
                         choice = {
