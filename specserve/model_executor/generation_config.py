@@ -20,10 +20,10 @@ Which fields, as vLLM reads them: ``temperature``, ``top_p``, ``top_k``, ``min_p
 ``repetition_penalty``, and ``max_new_tokens`` as ``max_tokens`` (the server caps each request's
 max_tokens at it), each where the file sets it (transformers writes only the values that differ
 from its defaults, and with transformers 5 every default is unset). ``do_sample`` is not read
-(vLLM does not either): a file with ``do_sample: false`` and ``temperature: 0.6`` samples at 0.6. From GGUF metadata: ``temp``, ``top_p``, ``top_k``,
-``min_p`` and ``penalty_repeat`` (llama.cpp applies it to the last ``penalty_last_n`` tokens,
-specserve's repetition_penalty to every prompt and output token, as vLLM's does). A top_k of 0
-(off, in both formats) becomes -1.
+(vLLM does not either): a file with ``do_sample: false`` and ``temperature: 0.6`` samples at
+0.6. From GGUF metadata: ``temp``, ``top_p``, ``top_k``, ``min_p`` and ``penalty_repeat``
+(llama.cpp applies it to the last ``penalty_last_n`` tokens, specserve's repetition_penalty to
+every prompt and output token, as vLLM's does). A top_k of 0 (off, in both formats) becomes -1.
 """
 from __future__ import annotations
 
