@@ -9,6 +9,7 @@ import time
 
 from specserve.bench.command import add_bench_parser
 from specserve.config import EngineConfig
+from specserve.entrypoints.chat_repl import run_chat
 from specserve.entrypoints.openai.responses_store import DEFAULT_MAX_STORED_RESPONSES
 from specserve.entrypoints.fill_in_middle import fim_params, fim_prompt
 from specserve.entrypoints.engine_args import (  # speculative_config_from_args: still importable from here
@@ -108,19 +109,32 @@ def cmd_generate(args) -> int:
 # generate's own defaults for the sampling flags the model's generation config may set instead
 GENERATE_DEFAULTS = {"max_tokens": 128, "temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
                      "repetition_penalty": 1.0}
+CHAT_DEFAULTS = {**GENERATE_DEFAULTS, "max_tokens": None}     # chat answers run to their end (or the context's)
 
 
-def _sampling_params(args, model_defaults: dict):
-    """generate's SamplingParams: each flag given, else the model's default (its generation config:
-    ``LLMEngine.sampling_defaults``), else ``GENERATE_DEFAULTS`` (greedy, 128 tokens)."""
+def cmd_chat(args) -> int:
+    """``specserve chat``: a conversation in the terminal (``chat_repl.py``)."""
+    _sampling_params(args, {}, CHAT_DEFAULTS)      # bad flags are refused before the model loads
+    llm = build_llm(args)
+    params = _sampling_params(args, llm.engine.sampling_defaults, CHAT_DEFAULTS)
+    spec = llm.engine.spec_config
+    summarize = None if spec is None else (
+        lambda stats, tokens, seconds: print_summary(spec.method, stats, tokens, seconds))
+    return run_chat(args, params, llm, summarize)
+
+
+def _sampling_params(args, model_defaults: dict, own_defaults: dict = GENERATE_DEFAULTS):
+    """generate's (and chat's) SamplingParams: each flag given, else the model's default (its
+    generation config: ``LLMEngine.sampling_defaults``), else ``own_defaults`` (generate's: greedy,
+    128 tokens)."""
     from specserve import SamplingParams
 
     def value(name):
         given = getattr(args, name)
-        return given if given is not None else model_defaults.get(name, GENERATE_DEFAULTS[name])
+        return given if given is not None else model_defaults.get(name, own_defaults[name])
 
     return SamplingParams(
-        structured_output=structured_output_from_args(args),
+        structured_output=structured_output_from_args(args) if hasattr(args, "json_schema") else None,
         max_tokens=value("max_tokens"),
         min_tokens=args.min_tokens,
         temperature=value("temperature"),
@@ -129,9 +143,9 @@ def _sampling_params(args, model_defaults: dict):
         min_p=value("min_p"),
         seed=args.seed,
         stop=args.stop,
-        logprobs=args.logprobs,
-        prompt_logprobs=args.prompt_logprobs,
-        n=args.n,
+        logprobs=getattr(args, "logprobs", None),
+        prompt_logprobs=getattr(args, "prompt_logprobs", None),
+        n=getattr(args, "n", 1),
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
         repetition_penalty=value("repetition_penalty"),
@@ -269,6 +283,25 @@ def print_stats(stats, file=sys.stderr) -> None:
     )
 
 
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """generate's and chat's sampling flags. Left out, they take the model's generation config
+    (--generation-config), else GENERATE_DEFAULTS."""
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="default: the model's max_new_tokens, else 128 (generate) or the context's end (chat)")
+    p.add_argument("--temperature", type=float, default=None, help="default: the model's, else 0 (greedy)")
+    p.add_argument("--top-p", type=float, default=None, help="default: the model's, else 1")
+    p.add_argument("--top-k", type=int, default=None, help="default: the model's, else -1 (off)")
+    p.add_argument("--min-p", type=float, default=None, help="default: the model's, else 0")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--min-tokens", type=int, default=0,
+                   help="no end of sequence, stop token or stop string before this many tokens")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]: once per token already in the output")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]: per occurrence in the output")
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help="> 1 discourages prompt and output tokens (default: the model's, else 1)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description="LLM inference with lossless speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -277,28 +310,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt")
     add_model_args(gen)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    # Sampling flags left out take the model's generation config (--generation-config), else GENERATE_DEFAULTS.
-    gen.add_argument("--max-tokens", type=int, default=None, help="default: the model's max_new_tokens, else 128")
-    gen.add_argument("--temperature", type=float, default=None, help="default: the model's, else 0 (greedy)")
-    gen.add_argument("--top-p", type=float, default=None, help="default: the model's, else 1")
-    gen.add_argument("--top-k", type=int, default=None, help="default: the model's, else -1 (off)")
-    gen.add_argument("--min-p", type=float, default=None, help="default: the model's, else 0")
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    add_sampling_args(gen)
     gen.add_argument("--suffix", default=None, metavar="TEXT",
                      help="fill in the middle: write what goes between the prompt and TEXT (code models trained "
                           "on it, such as Qwen2.5-Coder)")
-    gen.add_argument("--min-tokens", type=int, default=0,
-                     help="no end of sequence, stop token or stop string before this many tokens")
     gen.add_argument("--logprobs", type=int, default=None, help="return the top-n log-probabilities per token")
     gen.add_argument("--prompt-logprobs", type=int, default=None, metavar="N",
                      help="score the prompt: each prompt token's log-probability and the top N (--json), and its "
                           "perplexity (a line on stderr)")
     gen.add_argument("--n", type=int, default=1, help="samples of the prompt (they share its prefill)")
-    gen.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]: once per token already in the output")
-    gen.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]: per occurrence in the output")
-    gen.add_argument("--repetition-penalty", type=float, default=None,
-                     help="> 1 discourages prompt and output tokens (default: the model's, else 1)")
     gen.add_argument("--json", action="store_true", help="print the output as JSON, token ids included")
     gen.add_argument("--beam-width", type=int, default=None, metavar="B",
                      help="beam search: print the B best beams, best first, with their scores (with speculation: "
@@ -318,6 +338,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_train_draft_parser(sub)
     add_bench_parser(sub)
+
+    chat = sub.add_parser("chat", help="a conversation in the terminal with the model, run in-process")
+    add_model_args(chat)
+    add_sampling_args(chat)
+    chat.add_argument("--system-prompt", default=None, help="the conversation's system message")
+    chat.set_defaults(func=cmd_chat)
 
     serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     add_model_args(serve)
