@@ -73,6 +73,40 @@ def test_streaming_in_any_split_gives_the_whole_parse(step):
     assert len({i for i, _, _ in calls}) == 2
 
 
+BARE = ['{"name": "get_weather", "arguments": {"city": "Paris"}}',
+        '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```',
+        '  [{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "arguments": "{}"}]']
+NOT_BARE = ['{"name": "launch", "arguments": {}}', '{"name": "get_weather", "arguments": {"city": "Paris"}} and more',
+            '```json\n{"a": 1}\n```', '[{"name": "get_weather", "arguments": {}}, {"name": "launch"}]', '{not json']
+
+
+def test_an_answer_that_is_only_a_call_is_that_call():
+    """Without blocks, a whole answer that is a call of a known function as JSON (bare or fenced:
+    Llama 3.x's format, Qwen2.5-Coder-1.5B's habit) is a call; anything more or less stays text."""
+    for text in BARE:
+        content, calls = tool_calls.parse(text, NAMES)
+        assert content is None and calls and calls[0].name == "get_weather"
+        assert json.loads(calls[0].arguments) == {"city": "Paris"}
+    assert [c.name for c in tool_calls.parse(BARE[2], NAMES)[1]] == ["get_weather", "get_time"]
+    for text in NOT_BARE:
+        assert tool_calls.parse(text, NAMES) == (text, [])
+
+
+@pytest.mark.parametrize("step", [1, 3, 8, 500])
+def test_a_streamed_bare_answer_gives_the_whole_parse(step):
+    for text in BARE + NOT_BARE:
+        content, deltas = streamed(text, step, blocks_are_calls=False)
+        whole_content, whole_calls = tool_calls.parse(text, NAMES)
+        assert content == (whole_content or "")
+        assert [(name, args) for _, name, args in assembled(deltas)] == [(c.name, c.arguments) for c in whole_calls]
+
+
+def test_code_answers_still_stream_as_they_come():
+    stream = ToolCallStream(NAMES)
+    assert stream.feed("```py")[0] == "```py"          # not ```json: no reason to wait
+    assert stream.feed("thon\nprint(1)\n```")[0] == "thon\nprint(1)\n```"
+
+
 def test_arguments_stream_piece_by_piece_and_never_take_the_calls_closing_brace():
     text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa}ris \\" {", "n": [1, {"a": 2}]}}\n</tool_call>'
     content, deltas = streamed(text, 4)

@@ -17,6 +17,11 @@ of ``tool_calls`` (a JSON object in a ``<tool_call>`` block):
 A call whose arguments were streamed stays a call (the pieces are out): if its block is cut by
 ``max_tokens`` or breaks after the arguments, its arguments are the text the model wrote, as
 with OpenAI. Under ``tool_choice`` "required" or a named function the grammar rules that out.
+
+An answer that starts as JSON could be a call written without a block (``tool_calls.parse_bare``):
+one that starts with ``{``, ``[`` or ```` ```json ```` is held back whole and read at its end as
+the whole answer is (its calls whole, or its text as content), so a stream and a whole answer
+give the same calls.
 """
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from specserve.entrypoints.openai.tool_calls import CLOSE, OPEN, ToolCall, parse_block
+from specserve.entrypoints.openai.tool_calls import BARE_FENCE, CLOSE, OPEN, ToolCall, parse, parse_block
 
 _HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"(?P<name>[^"\\]+)"\s*,\s*"arguments"\s*:\s*(?=[\[{])')
 
@@ -74,10 +79,25 @@ class ToolCallStream:
         self.pending = ""          # received, not yet sent (an open block: from its ``<tool_call>``)
         self.calls: list[ToolCall] = []
         self._block: _Block | None = None
+        self._bare: bool | None = None       # the answer may be a call without a block (None: not known yet)
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
         """New text -> (content to send, ``delta.tool_calls`` entries to send)."""
         self.pending += text
+        if self._bare is None:
+            start = self.pending.lstrip()
+            if start.startswith(("{", "[", BARE_FENCE)):
+                self._bare = True
+            elif not final and (not start or BARE_FENCE.startswith(start)):
+                return "", []                 # too soon to tell
+            else:
+                self._bare = False
+        if self._bare:
+            if not final:
+                return "", []
+            content, calls = parse(self.pending, self.names)
+            self.pending, self.calls = "", calls
+            return (content or "") if not calls else "", [c.as_delta(i) for i, c in enumerate(calls)]
         content, deltas = [], []
         while True:
             if self._block is None:

@@ -14,7 +14,9 @@ and earlier calls and tool results in the conversation are written in the same f
 
 - ``tool_choice`` "none": no tools in the prompt, nothing parsed.
 - "auto" (the default with tools): the model writes what it wants; blocks that hold a call of
-  a known function become ``tool_calls``, the rest stays ``content``.
+  a known function become ``tool_calls``, the rest stays ``content``. An answer without blocks
+  that is nothing but such a call as JSON (bare, or in a ```json fence: ``parse_bare``) is that
+  call too.
 - "required" or ``{"type": "function", "function": {"name": ...}}``: the output is constrained
   (a Lark grammar embedding each function's parameters as a JSON schema) to one call, or with
   ``parallel_tool_calls`` (the default) one or more, so it always parses.
@@ -35,6 +37,8 @@ from specserve.sampling_params import StructuredOutput
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
+BARE_FENCE = "```json"
+_FENCE = re.compile(r"```(?:json)?\s*\n(.*?)\n?```", re.DOTALL)
 
 TOOLS_PROMPT = """# Tools
 
@@ -151,6 +155,10 @@ def parse_block(body: str, names: set[str]) -> ToolCall | None:
         value = json.loads(body)
     except ValueError:
         return None
+    return _call(value, names)
+
+
+def _call(value, names: set[str]) -> ToolCall | None:
     if not isinstance(value, dict) or value.get("name") not in names:
         return None
     args = value.get("arguments", value.get("parameters", {}))
@@ -164,8 +172,27 @@ def parse_block(body: str, names: set[str]) -> ToolCall | None:
     return ToolCall(value["name"], json.dumps(args, ensure_ascii=False), f"call_{uuid.uuid4().hex[:24]}")
 
 
+def parse_bare(text: str, names: set[str]) -> list[ToolCall]:
+    """The calls of an answer that is nothing but a call of a known function (or a list of such
+    calls) as JSON, bare or in a ```json fence; else []. Models that answer so instead of writing
+    blocks: Llama 3.x's tool format, Qwen2.5-Coder-1.5B's habit."""
+    body = text.strip()
+    fenced = _FENCE.fullmatch(body)
+    if fenced:
+        body = fenced.group(1).strip()
+    if not body.startswith(("{", "[")):
+        return []
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return []
+    calls = [_call(v, names) for v in (value if isinstance(value, list) else [value])]
+    return calls if calls and all(calls) else []
+
+
 def parse(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
-    """(content outside the call blocks or None, the calls) of a whole answer."""
+    """(content outside the call blocks or None, the calls) of a whole answer; an answer with no
+    block that is only a call (``parse_bare``) is that call."""
     calls, content, at = [], [], 0
     for match in _BLOCK.finditer(text):
         call = parse_block(match.group(1), names)
@@ -175,5 +202,7 @@ def parse(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
         calls.append(call)
         at = match.end()
     content.append(text[at:])
+    if not calls and (bare := parse_bare(text, names)):
+        return None, bare
     rest = "".join(content).strip() if calls else text
     return (rest or None), calls
