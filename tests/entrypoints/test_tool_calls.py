@@ -75,7 +75,9 @@ def test_streaming_in_any_split_gives_the_whole_parse(step):
 
 BARE = ['{"name": "get_weather", "arguments": {"city": "Paris"}}',
         '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```',
-        '  [{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "arguments": "{}"}]']
+        '  [{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "arguments": "{}"}]',
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}',
+        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]']
 NOT_BARE = ['{"name": "launch", "arguments": {}}', '{"name": "get_weather", "arguments": {"city": "Paris"}} and more',
             '```json\n{"a": 1}\n```', '[{"name": "get_weather", "arguments": {}}, {"name": "launch"}]', '{not json']
 

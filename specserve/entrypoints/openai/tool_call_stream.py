@@ -29,7 +29,9 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from specserve.entrypoints.openai.tool_calls import BARE_FENCE, CLOSE, OPEN, ToolCall, parse, parse_block
+from specserve.entrypoints.openai.tool_calls import (
+    BARE_FENCE, CALL_MARKERS, CLOSE, OPEN, ToolCall, parse, parse_block,
+)
 
 _HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"(?P<name>[^"\\]+)"\s*,\s*"arguments"\s*:\s*(?=[\[{])')
 
@@ -86,9 +88,9 @@ class ToolCallStream:
         self.pending += text
         if self._bare is None:
             start = self.pending.lstrip()
-            if start.startswith(("{", "[", BARE_FENCE)):
+            if start.startswith(("{", "[", BARE_FENCE, *CALL_MARKERS)):
                 self._bare = True
-            elif not final and (not start or BARE_FENCE.startswith(start)):
+            elif not final and (not start or any(m.startswith(start) for m in (BARE_FENCE, *CALL_MARKERS))):
                 return "", []                 # too soon to tell
             else:
                 self._bare = False

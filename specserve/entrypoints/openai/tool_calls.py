@@ -38,6 +38,7 @@ from specserve.sampling_params import StructuredOutput
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
 BARE_FENCE = "```json"
+CALL_MARKERS = ("<|python_tag|>", "[TOOL_CALLS]")     # Llama 3.x's and Mistral's special tokens before calls
 _FENCE = re.compile(r"```(?:json)?\s*\n(.*?)\n?```", re.DOTALL)
 
 TOOLS_PROMPT = """# Tools
@@ -177,6 +178,8 @@ def parse_bare(text: str, names: set[str]) -> list[ToolCall]:
     calls) as JSON, bare or in a ```json fence; else []. Models that answer so instead of writing
     blocks: Llama 3.x's tool format, Qwen2.5-Coder-1.5B's habit."""
     body = text.strip()
+    for marker in CALL_MARKERS:        # kept when skip_special_tokens is off
+        body = body.removeprefix(marker).lstrip()
     fenced = _FENCE.fullmatch(body)
     if fenced:
         body = fenced.group(1).strip()
