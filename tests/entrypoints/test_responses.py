@@ -172,7 +172,7 @@ def test_leaving_a_stream_aborts_its_request(url, llm):
 def events_of(chunks: list[dict], req: ResponsesRequest | None = None) -> list[dict]:
     import asyncio
 
-    from specserve.entrypoints.openai.responses import ResponseEvents
+    from specserve.entrypoints.openai.response_answers import ResponseEvents
 
     async def source():
         for c in chunks:

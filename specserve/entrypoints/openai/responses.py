@@ -7,10 +7,9 @@ with text content, earlier ``function_call`` items as the assistant's tool calls
 ones, ``text.format`` the ``response_format``, ``max_output_tokens`` ``max_completion_tokens``.
 The chat handler (``serving.py``) then runs it, so sampling, the model's defaults, speculation,
 tools, structured output, priorities and every limit are the same code. Its answer is rewritten
-as a Response (``response_body``): the text an ``output_text`` part of one ``message`` item, each
-tool call a ``function_call`` item (``call_id`` the chat call's id); a stream's chunks become the
-Responses events (``ResponseEvents``: ``response.created``, ``response.output_item.added``,
-``response.output_text.delta``, ..., ``response.completed``, each with its ``sequence_number``).
+as a Response (``response_answers.response_body``): the text an ``output_text`` part of one
+``message`` item, each tool call a ``function_call`` item (``call_id`` the chat call's id); a
+stream's chunks become the Responses events (``response_answers.ResponseEvents``).
 
 Responses are kept in memory (``responses_store.py``) unless a request sends ``store: false``:
 ``previous_response_id`` goes on from a kept one's conversation (its instructions not carried
@@ -25,7 +24,7 @@ images, files and audio, built-in tools (web search, file search, ...), ``includ
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, AsyncIterator, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -34,7 +33,8 @@ from pydantic import Field, ValidationError
 from specserve.engine.input_checks import MAX_PRIORITY
 from specserve.entrypoints.openai.errors import validation_error
 from specserve.entrypoints.openai.limits import APIError
-from specserve.entrypoints.openai.protocol import ChatCompletionRequest, StrictModel, now, random_id
+from specserve.entrypoints.openai.protocol import ChatCompletionRequest, StrictModel
+from specserve.entrypoints.openai.response_answers import ResponseEvents, response_body
 from specserve.entrypoints.openai.response_format import SSEResponse
 from specserve.entrypoints.openai.responses_store import ResponseStore
 from specserve.sampling_params import MAX_SEED, MAX_TOP_K
@@ -233,188 +233,3 @@ def _response_format(fmt: dict) -> dict:
         return {"type": "json_schema", "json_schema": schema}
     raise _refuse("text.format.type", f"text.format.type must be text, json_object or json_schema, got "
                                       f"{fmt.get('type')!r}")
-
-
-# ------------------------------------------------------------------------------------ answers
-
-
-def _shell(req: ResponsesRequest, rid: str, created: int, model: str) -> dict:
-    """The Response object's fields that do not depend on the answer."""
-    return {
-        "id": rid, "object": "response", "created_at": created, "model": model, "status": "in_progress",
-        "output": [], "instructions": req.instructions, "metadata": req.metadata or {},
-        "temperature": req.temperature, "top_p": req.top_p, "max_output_tokens": req.max_output_tokens,
-        "tool_choice": req.tool_choice if req.tool_choice is not None else "auto", "tools": req.tools or [],
-        "parallel_tool_calls": req.parallel_tool_calls if req.parallel_tool_calls is not None else True,
-        "text": req.text or {"format": {"type": "text"}}, "truncation": "disabled", "store": False,
-        "previous_response_id": req.previous_response_id, "reasoning": None, "user": req.user, "error": None,
-        "incomplete_details": None, "usage": None,
-    }
-
-
-def _finish(response: dict, output: list[dict], finish_reason: str | None, usage: dict | None) -> dict:
-    response["output"] = output
-    response["status"] = "incomplete" if finish_reason == "length" else "completed"
-    if finish_reason == "length":
-        response["incomplete_details"] = {"reason": "max_output_tokens"}
-    if usage is not None:
-        response["usage"] = {
-            "input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
-            "total_tokens": usage["total_tokens"], "input_tokens_details": {"cached_tokens": 0},
-            "output_tokens_details": {"reasoning_tokens": 0},
-        }
-    return response
-
-
-def _message_item(text: str, status: str = "completed") -> dict:
-    return {"id": random_id("msg"), "type": "message", "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []}
-
-
-def _reasoning_item(text: str, status: str = "completed") -> dict:
-    return {"id": random_id("rs"), "type": "reasoning", "status": status, "summary": [],
-            "content": [{"type": "reasoning_text", "text": text}] if status == "completed" else []}
-
-
-def _call_item(call: dict, status: str = "completed") -> dict:
-    function = call["function"]
-    return {"id": random_id("fc"), "type": "function_call", "status": status, "call_id": call["id"],
-            "name": function["name"], "arguments": function.get("arguments") or ""}
-
-
-def response_body(req: ResponsesRequest, chat: dict) -> dict:
-    """The Response for a chat completion's JSON answer."""
-    choice = chat["choices"][0]
-    message = choice["message"]
-    output = [_reasoning_item(message["reasoning_content"])] if message.get("reasoning_content") else []
-    output += [_message_item(message["content"])] if message.get("content") else []
-    output += [_call_item(call) for call in message.get("tool_calls") or []]
-    return _finish(_shell(req, random_id("resp"), chat["created"], chat["model"]), output, choice["finish_reason"],
-                   chat.get("usage"))
-
-
-class ResponseEvents:
-    """A chat completion's stream (its ``data:`` chunks) -> the Responses API's events."""
-
-    def __init__(self, req: ResponsesRequest, model: str, on_finished=None):
-        self.response = _shell(req, random_id("resp"), now(), model)
-        self.on_finished = on_finished      # called with the final response (completed or incomplete)
-        self.seq = 0
-        self.output: list[dict] = []
-        self.item: dict | None = None        # the item being written: a message or a function call
-        self.item_text = ""                  # the message item's text so far
-        self.finish_reason = None
-        self.usage = None
-
-    def _event(self, kind: str, **fields) -> str:
-        body = {"type": kind, "sequence_number": self.seq, **fields}
-        self.seq += 1
-        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-    def _snapshot(self) -> dict:
-        return json.loads(json.dumps(self.response))
-
-    async def translate(self, chunks: AsyncIterator) -> AsyncIterator[str]:
-        yield self._event("response.created", response=self._snapshot())
-        yield self._event("response.in_progress", response=self._snapshot())
-        try:
-            async for raw in chunks:
-                text = raw.decode() if isinstance(raw, bytes) else raw
-                for line in text.split("\n"):
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[len("data: "):])
-                    if "error" in chunk:
-                        for event in self._failed(chunk["error"]):
-                            yield event
-                        return
-                    for event in self._chunk(chunk):
-                        yield event
-        finally:
-            aclose = getattr(chunks, "aclose", None)
-            if aclose is not None:
-                await aclose()
-        for event in self._close():
-            yield event
-        done = _finish(self.response, self.output, self.finish_reason, self.usage)
-        if self.on_finished is not None:
-            self.on_finished(done)
-        kind = "response.incomplete" if done["status"] == "incomplete" else "response.completed"
-        yield self._event(kind, response=self._snapshot())
-
-    def _chunk(self, chunk: dict):
-        if chunk.get("usage"):
-            self.usage = chunk["usage"]
-        for choice in chunk.get("choices", []):
-            delta = choice.get("delta") or {}
-            if delta.get("reasoning_content"):
-                yield from self._text(delta["reasoning_content"], "reasoning")
-            if delta.get("content"):
-                yield from self._text(delta["content"], "message")
-            for call in delta.get("tool_calls") or []:
-                yield from self._call(call)
-            if choice.get("finish_reason"):
-                self.finish_reason = choice["finish_reason"]
-
-    def _text(self, piece: str, kind: str):
-        """A piece of the answer's text (``kind`` "message") or of its reasoning ("reasoning")."""
-        if self.item is None or self.item["type"] != kind:
-            yield from self._close()
-            self.item_text = ""
-            if kind == "reasoning":
-                self.item = _reasoning_item("", status="in_progress")
-                yield self._event("response.output_item.added", output_index=len(self.output), item=self.item)
-            else:
-                self.item = _message_item("", status="in_progress")
-                yield self._event("response.output_item.added", output_index=len(self.output), item=self.item)
-                yield self._event("response.content_part.added", item_id=self.item["id"],
-                                  output_index=len(self.output), content_index=0,
-                                  part={"type": "output_text", "text": "", "annotations": []})
-        self.item_text += piece
-        if kind == "reasoning":
-            yield self._event("response.reasoning_text.delta", item_id=self.item["id"], output_index=len(self.output),
-                              content_index=0, delta=piece)
-        else:
-            yield self._event("response.output_text.delta", item_id=self.item["id"], output_index=len(self.output),
-                              content_index=0, delta=piece, logprobs=[])
-
-    def _call(self, call: dict):
-        function = call.get("function") or {}
-        if call.get("id"):                   # a new call: its name comes first, then its arguments
-            yield from self._close()
-            self.item = _call_item({"id": call["id"], "function": {"name": function.get("name", "")}},
-                                   status="in_progress")
-            yield self._event("response.output_item.added", output_index=len(self.output), item=self.item)
-        if function.get("arguments") and self.item is not None and self.item["type"] == "function_call":
-            self.item["arguments"] += function["arguments"]
-            yield self._event("response.function_call_arguments.delta", item_id=self.item["id"],
-                              output_index=len(self.output), delta=function["arguments"])
-
-    def _close(self):
-        item, index = self.item, len(self.output)
-        if item is None:
-            return
-        if item["type"] == "reasoning":
-            yield self._event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
-                              text=self.item_text)
-            item["content"] = [{"type": "reasoning_text", "text": self.item_text}]
-        elif item["type"] == "message":
-            part = {"type": "output_text", "text": self.item_text, "annotations": []}
-            yield self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                              text=self.item_text, logprobs=[])
-            yield self._event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
-                              part=part)
-            item["content"] = [part]
-        else:
-            yield self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                              arguments=item["arguments"])
-        item["status"] = "completed"
-        yield self._event("response.output_item.done", output_index=index, item=item)
-        self.output.append(item)
-        self.item = None
-
-    def _failed(self, error: dict):
-        yield self._event("error", code=error.get("code"), message=error.get("message", ""), param=error.get("param"))
-        self.response.update(status="failed", output=self.output,
-                             error={"code": error.get("code") or "server_error", "message": error.get("message", "")})
-        yield self._event("response.failed", response=self._snapshot())

@@ -1,0 +1,200 @@
+"""A chat completion's answer as an OpenAI Responses API response, and its stream as the
+Responses events (``responses.py`` rewrites the request; this module the answer).
+
+``response_body``: the chat answer's reasoning (with a reasoning parser), text and tool calls as
+``reasoning``, ``message`` and ``function_call`` items, ``status`` incomplete when
+``max_output_tokens`` cut it, ``usage`` in the Responses names. ``ResponseEvents``: the chat
+stream's ``data:`` chunks read as they come, each item opened, filled by deltas and closed
+(``response.output_item.added``, ``...delta``, ``...done``, ``response.output_item.done``)
+between ``response.created`` / ``response.in_progress`` and ``response.completed`` (or
+``response.incomplete``; ``error`` and ``response.failed`` when the chat stream reports one),
+every event numbered by ``sequence_number``.
+"""
+from __future__ import annotations
+
+import json
+from typing import AsyncIterator
+
+from specserve.entrypoints.openai.protocol import now, random_id
+
+
+def _shell(req, rid: str, created: int, model: str) -> dict:
+    """The Response object's fields that do not depend on the answer."""
+    return {
+        "id": rid, "object": "response", "created_at": created, "model": model, "status": "in_progress",
+        "output": [], "instructions": req.instructions, "metadata": req.metadata or {},
+        "temperature": req.temperature, "top_p": req.top_p, "max_output_tokens": req.max_output_tokens,
+        "tool_choice": req.tool_choice if req.tool_choice is not None else "auto", "tools": req.tools or [],
+        "parallel_tool_calls": req.parallel_tool_calls if req.parallel_tool_calls is not None else True,
+        "text": req.text or {"format": {"type": "text"}}, "truncation": "disabled", "store": False,
+        "previous_response_id": req.previous_response_id, "reasoning": None, "user": req.user, "error": None,
+        "incomplete_details": None, "usage": None,
+    }
+
+
+def _finish(response: dict, output: list[dict], finish_reason: str | None, usage: dict | None) -> dict:
+    response["output"] = output
+    response["status"] = "incomplete" if finish_reason == "length" else "completed"
+    if finish_reason == "length":
+        response["incomplete_details"] = {"reason": "max_output_tokens"}
+    if usage is not None:
+        response["usage"] = {
+            "input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
+            "total_tokens": usage["total_tokens"], "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": 0},
+        }
+    return response
+
+
+def _message_item(text: str, status: str = "completed") -> dict:
+    return {"id": random_id("msg"), "type": "message", "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []}
+
+
+def _reasoning_item(text: str, status: str = "completed") -> dict:
+    return {"id": random_id("rs"), "type": "reasoning", "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}] if status == "completed" else []}
+
+
+def _call_item(call: dict, status: str = "completed") -> dict:
+    function = call["function"]
+    return {"id": random_id("fc"), "type": "function_call", "status": status, "call_id": call["id"],
+            "name": function["name"], "arguments": function.get("arguments") or ""}
+
+
+def response_body(req, chat: dict) -> dict:
+    """The Response for a chat completion's JSON answer (``req``: the ResponsesRequest)."""
+    choice = chat["choices"][0]
+    message = choice["message"]
+    output = [_reasoning_item(message["reasoning_content"])] if message.get("reasoning_content") else []
+    output += [_message_item(message["content"])] if message.get("content") else []
+    output += [_call_item(call) for call in message.get("tool_calls") or []]
+    return _finish(_shell(req, random_id("resp"), chat["created"], chat["model"]), output, choice["finish_reason"],
+                   chat.get("usage"))
+
+
+class ResponseEvents:
+    """A chat completion's stream (its ``data:`` chunks) -> the Responses API's events."""
+
+    def __init__(self, req, model: str, on_finished=None):
+        self.response = _shell(req, random_id("resp"), now(), model)
+        self.on_finished = on_finished      # called with the final response (completed or incomplete)
+        self.seq = 0
+        self.output: list[dict] = []
+        self.item: dict | None = None        # the item being written: a message or a function call
+        self.item_text = ""                  # the message item's text so far
+        self.finish_reason = None
+        self.usage = None
+
+    def _event(self, kind: str, **fields) -> str:
+        body = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+    def _snapshot(self) -> dict:
+        return json.loads(json.dumps(self.response))
+
+    async def translate(self, chunks: AsyncIterator) -> AsyncIterator[str]:
+        yield self._event("response.created", response=self._snapshot())
+        yield self._event("response.in_progress", response=self._snapshot())
+        try:
+            async for raw in chunks:
+                text = raw.decode() if isinstance(raw, bytes) else raw
+                for line in text.split("\n"):
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[len("data: "):])
+                    if "error" in chunk:
+                        for event in self._failed(chunk["error"]):
+                            yield event
+                        return
+                    for event in self._chunk(chunk):
+                        yield event
+        finally:
+            aclose = getattr(chunks, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        for event in self._close():
+            yield event
+        done = _finish(self.response, self.output, self.finish_reason, self.usage)
+        if self.on_finished is not None:
+            self.on_finished(done)
+        kind = "response.incomplete" if done["status"] == "incomplete" else "response.completed"
+        yield self._event(kind, response=self._snapshot())
+
+    def _chunk(self, chunk: dict):
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        for choice in chunk.get("choices", []):
+            delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                yield from self._text(delta["reasoning_content"], "reasoning")
+            if delta.get("content"):
+                yield from self._text(delta["content"], "message")
+            for call in delta.get("tool_calls") or []:
+                yield from self._call(call)
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+
+    def _text(self, piece: str, kind: str):
+        """A piece of the answer's text (``kind`` "message") or of its reasoning ("reasoning")."""
+        if self.item is None or self.item["type"] != kind:
+            yield from self._close()
+            self.item_text = ""
+            if kind == "reasoning":
+                self.item = _reasoning_item("", status="in_progress")
+                yield self._event("response.output_item.added", output_index=len(self.output), item=self.item)
+            else:
+                self.item = _message_item("", status="in_progress")
+                yield self._event("response.output_item.added", output_index=len(self.output), item=self.item)
+                yield self._event("response.content_part.added", item_id=self.item["id"],
+                                  output_index=len(self.output), content_index=0,
+                                  part={"type": "output_text", "text": "", "annotations": []})
+        self.item_text += piece
+        if kind == "reasoning":
+            yield self._event("response.reasoning_text.delta", item_id=self.item["id"], output_index=len(self.output),
+                              content_index=0, delta=piece)
+        else:
+            yield self._event("response.output_text.delta", item_id=self.item["id"], output_index=len(self.output),
+                              content_index=0, delta=piece, logprobs=[])
+
+    def _call(self, call: dict):
+        function = call.get("function") or {}
+        if call.get("id"):                   # a new call: its name comes first, then its arguments
+            yield from self._close()
+            self.item = _call_item({"id": call["id"], "function": {"name": function.get("name", "")}},
+                                   status="in_progress")
+            yield self._event("response.output_item.added", output_index=len(self.output), item=self.item)
+        if function.get("arguments") and self.item is not None and self.item["type"] == "function_call":
+            self.item["arguments"] += function["arguments"]
+            yield self._event("response.function_call_arguments.delta", item_id=self.item["id"],
+                              output_index=len(self.output), delta=function["arguments"])
+
+    def _close(self):
+        item, index = self.item, len(self.output)
+        if item is None:
+            return
+        if item["type"] == "reasoning":
+            yield self._event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
+                              text=self.item_text)
+            item["content"] = [{"type": "reasoning_text", "text": self.item_text}]
+        elif item["type"] == "message":
+            part = {"type": "output_text", "text": self.item_text, "annotations": []}
+            yield self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
+                              text=self.item_text, logprobs=[])
+            yield self._event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                              part=part)
+            item["content"] = [part]
+        else:
+            yield self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                              arguments=item["arguments"])
+        item["status"] = "completed"
+        yield self._event("response.output_item.done", output_index=index, item=item)
+        self.output.append(item)
+        self.item = None
+
+    def _failed(self, error: dict):
+        yield self._event("error", code=error.get("code"), message=error.get("message", ""), param=error.get("param"))
+        self.response.update(status="failed", output=self.output,
+                             error={"code": error.get("code") or "server_error", "message": error.get("message", "")})
+        yield self._event("response.failed", response=self._snapshot())
