@@ -14,7 +14,24 @@ import sys
 import time
 from typing import Callable
 
+from specserve.entrypoints.engine_args import build_llm
+from specserve.entrypoints.generate_cmd import GENERATE_DEFAULTS, print_summary, sampling_params_from_args
+
 COMMANDS = "/reset forgets the conversation, /exit ends it"
+
+
+CHAT_DEFAULTS = {**GENERATE_DEFAULTS, "max_tokens": None}     # chat answers run to their end (or the context's)
+
+
+def cmd_chat(args) -> int:
+    """``specserve chat``: a conversation in the terminal (``chat_repl.py``)."""
+    sampling_params_from_args(args, {}, CHAT_DEFAULTS)      # bad flags are refused before the model loads
+    llm = build_llm(args)
+    params = sampling_params_from_args(args, llm.engine.sampling_defaults, CHAT_DEFAULTS)
+    spec = llm.engine.spec_config
+    summarize = None if spec is None else (
+        lambda stats, tokens, seconds: print_summary(spec.method, stats, tokens, seconds))
+    return run_chat(args, params, llm, summarize)
 
 
 def run_chat(args, params, llm, summarize: Callable | None = None, stdin=None, stdout=None, stderr=None) -> int:

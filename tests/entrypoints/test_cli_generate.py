@@ -145,7 +145,7 @@ def test_beam_width_refuses_sampling_flags(tiny_llama_dir, capsys):
 def test_how_beams_compare_with_plain_beam_search():
     from types import SimpleNamespace
 
-    from specserve.entrypoints.cli import _same_beams
+    from specserve.entrypoints.generate_cmd import _same_beams
 
     def out(*beams):
         return SimpleNamespace(sequences=[SimpleNamespace(tokens=t, cum_logprob=c) for t, c in beams])
