@@ -36,8 +36,20 @@ def run_server(args) -> int:
         "serving %s on %s://%s:%d (speculation: %s)", names[0], "https" if tls else "http", args.host, args.port,
         f"{spec.method}, k={spec.num_speculative_tokens}" if spec else "off",
     )
+    logger.info(capacity_line(engine))
     try:
         uvicorn.Server(uvicorn_config(app, host=args.host, port=args.port, log_level=args.log_level, **tls)).run()
     finally:
         async_engine.shutdown(timeout=5)
     return 0
+
+
+def capacity_line(engine) -> str:
+    """How much the KV cache holds, in the terms that size a deployment (vLLM logs the same: its
+    "maximum concurrency" at the model's length)."""
+    kv, seqs = engine.kv_cache, engine.config.max_num_seqs
+    tokens = kv.num_blocks * kv.block_size
+    at_full_length = tokens / engine.max_model_len
+    return (f"KV cache: {kv.num_blocks} blocks of {kv.block_size} tokens = {tokens:,} tokens; "
+            f"{at_full_length:.1f} requests of max_model_len {engine.max_model_len} at once "
+            f"(--max-num-seqs {seqs}; more wait, or are preempted and resumed: --kv-cache-memory sizes it)")
