@@ -19,6 +19,10 @@ from specserve.entrypoints.generate_cmd import add_generate_args, add_sampling_a
 from specserve.training.cli import add_train_draft_parser
 
 
+# vLLM's --tool-call-parser names for the formats specserve reads (openai/tool_calls.py)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "llama4_json", "mistral")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description="LLM inference with lossless speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -43,6 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECSERVE_API_KEY)")
     serve.add_argument("--served-model-name", action="append", default=None,
                        help="a name clients use in 'model' (repeatable; default: the model's own name)")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="accepted for vLLM's command lines: tool_choice 'auto' is always on")
+    serve.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                       help="accepted for vLLM's command lines: every one of these formats is read whatever is named "
+                            "(<tool_call> blocks; a whole answer that is a JSON call, after <|python_tag|> or "
+                            "[TOOL_CALLS] too)")
     serve.add_argument("--reasoning-parser", choices=["deepseek_r1", "qwen3"], default=None,
                        help="a thinking model's <think> reasoning returned apart from the answer (reasoning_content): "
                             "deepseek_r1 when the chat template opens <think> in the prompt, qwen3 when the answer does")

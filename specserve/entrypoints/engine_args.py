@@ -32,6 +32,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="a Jinja chat template (a file, or the template's text) used instead of the model's own")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted for vLLM's command lines and changes nothing: specserve runs its own model code, "
+                        "never code from a model's folder")
     p.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
                    help="sampling defaults for requests that leave a field out: auto (the model's "
                         "generation_config.json or GGUF general.sampling.* metadata), vllm (none), or a folder "
@@ -42,6 +45,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="GPU: run every step op by op instead of replaying captured CUDA graphs")
     p.add_argument(NO_SPECULATION_FLAG, dest="no_speculation", action="store_true",
                    help="plain decoding, whatever the default speculation is")
+    p.add_argument("--speculative-config", type=json_object, default=None, metavar="JSON",
+                   help="the speculative config as one JSON object, as vLLM's flag takes it: "
+                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' (SpeculativeConfig's keys); "
+                        "the flags below may add keys, not contradict it")
     p.add_argument("--speculative-model", default=None, help="draft model (anything --model accepts)")
     p.add_argument("--speculative-method", default=None, choices=["draft_model", "ngram", "eagle", "suffix", "grammar"],
                    help="grammar: no proposer, only the forced tokens of constrained requests' grammars as drafts")
@@ -142,6 +149,11 @@ def speculative_config_from_args(args) -> dict | None:
         "grammar_drafts": getattr(args, "grammar_drafts", None),
     }
     values = {k: v for k, v in values.items() if v is not None}
+    given = getattr(args, "speculative_config", None) or {}
+    clash = sorted(k for k in values if k in given and given[k] != values[k])
+    if clash:
+        raise SystemExit(f"error: --speculative-config and the speculation flags disagree on {', '.join(clash)}")
+    values = {**given, **values}
     if getattr(args, "no_speculation", False):
         if values:
             raise SystemExit(f"error: {NO_SPECULATION_FLAG} with speculation flags ({', '.join(sorted(values))})")

@@ -86,13 +86,16 @@ class LLM:
         generation_config: str = "auto",
         override_generation_config: dict | None = None,
         scheduling_policy: str = "fcfs",
+        trust_remote_code: bool = False,
         proposer=None,
         speculative_model_uses_tp_1: bool | None = None,
         speculative_draft_tensor_parallel_size: int | None = None,
     ):
         """``speculative_model_uses_tp_1`` (vLLM's original draft-model spelling) and
         ``speculative_draft_tensor_parallel_size`` (its later one) set the speculative config's
-        ``draft_tensor_parallel_size``: the draft at TP 1 while the target runs at TP N."""
+        ``draft_tensor_parallel_size``: the draft at TP 1 while the target runs at TP N.
+        ``trust_remote_code`` is accepted as vLLM's ``LLM`` takes it and changes nothing:
+        specserve runs its own model code, never code from a model's folder."""
         draft_tp = _draft_tp_from_vllm_spellings(speculative_model_uses_tp_1, speculative_draft_tensor_parallel_size,
                                                  tensor_parallel_size)
         spec = build_speculative_config(speculative_model, num_speculative_tokens, speculative_config,

@@ -167,3 +167,30 @@ def test_prompt_logprobs_print_the_prompts_perplexity_and_its_entries_in_json(ti
     assert entries[0] is None and len(entries) == len(doc["prompt_token_ids"])
     lps = [entry[str(t)] for entry, t in zip(entries[1:], doc["prompt_token_ids"][1:])]
     assert f"{len(lps)} tokens scored: perplexity {math.exp(-sum(lps) / len(lps)):.3f}" in line
+
+
+def test_speculative_config_json_as_vllm_takes_it():
+    from specserve.entrypoints.engine_args import speculative_config_from_args
+
+    def config(*flags):
+        return speculative_config_from_args(build_parser().parse_args(["generate", "x", *flags]))
+
+    whole = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}'
+    assert config("--speculative-config", whole) == {"method": "ngram", "num_speculative_tokens": 3,
+                                                     "prompt_lookup_max": 2}
+    assert config("--speculative-config", whole, "--prompt-lookup-min", "2")["prompt_lookup_min"] == 2
+    assert config("--speculative-config", whole, "--num-speculative-tokens", "3")["num_speculative_tokens"] == 3
+    with pytest.raises(SystemExit, match="disagree on num_speculative_tokens"):
+        config("--speculative-config", whole, "--num-speculative-tokens", "4")
+    with pytest.raises(SystemExit):
+        config("--speculative-config", whole, "--no-speculation")
+
+
+def test_vllms_serve_flags_are_accepted(tiny_llama_dir):
+    args = build_parser().parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json",
+                                      "--trust-remote-code"])
+    assert args.enable_auto_tool_choice and args.tool_call_parser == "llama3_json" and args.trust_remote_code
+    from specserve import LLM
+
+    assert LLM(model=tiny_llama_dir, dtype="float32", max_model_len=64, kv_cache_memory=1 << 20,
+               trust_remote_code=True).engine is not None
