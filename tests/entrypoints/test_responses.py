@@ -116,7 +116,7 @@ def test_text_format_json_schema(client):
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"include": ["reasoning.encrypted_content"]}, "include"),
+    ({"include": ["message.output_text.logprobs"]}, "include"),
     ({"background": True}, "background"),
     ({"truncation": "auto"}, "truncation"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input[0].content[0]"),
@@ -270,3 +270,9 @@ def test_metrics_count_responses_under_their_own_endpoint(client, url):
     before = count()
     client.responses.create(model=MODEL, input="x", max_output_tokens=2)
     assert count() == before + 1
+
+
+def test_include_of_encrypted_reasoning_adds_nothing(client):
+    r = client.responses.create(model=MODEL, input="x", max_output_tokens=2, include=["reasoning.encrypted_content"],
+                                store=False)
+    assert r.status in ("completed", "incomplete")

@@ -18,8 +18,9 @@ With ``serve --reasoning-parser``, a thinking model's reasoning comes first as a
 item (``reasoning_text`` content; streamed as ``response.reasoning_text.delta``); ``reasoning``
 items sent back in ``input`` are skipped, as chat templates drop earlier turns' reasoning.
 What is not supported: the request's ``reasoning`` options are accepted and ignored; input
-images, files and audio, built-in tools (web search, file search, ...), ``include`` values,
-``truncation: "auto"``, ``background`` and ``top_logprobs`` are 400s naming the field.
+images, files and audio, built-in tools (web search, file search, ...), ``include`` values
+(but ``reasoning.encrypted_content``: nothing to add), ``truncation: "auto"``, ``background``
+and ``top_logprobs`` are 400s naming the field.
 """
 from __future__ import annotations
 
@@ -40,6 +41,9 @@ from specserve.entrypoints.openai.responses_store import ResponseStore
 from specserve.sampling_params import MAX_SEED, MAX_TOP_K
 
 TEXT_PARTS = ("input_text", "output_text", "text")
+# include values answered with nothing more: reasoning items carry their text in the clear, so there is
+# no encrypted reasoning to add (agent clients that keep no state, such as Codex, ask for it)
+INCLUDE_NOTHING_TO_ADD = ("reasoning.encrypted_content",)
 
 
 async def create_response(serving, store: ResponseStore, req: "ResponsesRequest", raw: Request) -> Response:
@@ -127,8 +131,9 @@ def to_chat(req: ResponsesRequest, history: list[dict] | None = None) -> tuple[d
     carried over (as in OpenAI's API). APIError for what it cannot mean."""
     if req.background:
         raise _refuse("background", "background responses are not supported")
-    if req.include:
-        raise _refuse("include", f"no include values are produced here, got {req.include}")
+    unknown = [v for v in req.include or [] if v not in INCLUDE_NOTHING_TO_ADD]
+    if unknown:
+        raise _refuse("include", f"these include values are not produced here: {unknown}")
     if req.truncation == "auto":
         raise _refuse("truncation", "truncation 'auto' is not supported: a prompt too long is a 400")
     if req.top_logprobs:
