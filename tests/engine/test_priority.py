@@ -52,3 +52,27 @@ def test_first_come_first_served_refuses_priorities(tiny_llama_dir, llm):
             check_priority(bad, "priority")
     with pytest.raises(ValueError, match="scheduling_policy must be one of"):
         LLM(model=tiny_llama_dir, dtype="float32", scheduling_policy="lifo")
+
+
+def test_priorities_under_preemption_and_speculation_keep_every_output(tiny_llama_dir):
+    """A cache too small for the batch: the lowest priorities are preempted and recomputed, and every
+    greedy answer is still what it is alone (n-gram drafts on)."""
+    prompts = [[300 + 7 * i + j for j in range(40)] for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=24)
+    alone = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=128, kv_cache_memory=8 << 20)
+    want = [o.outputs[0].token_ids for o in alone.generate(prompts, params, use_tqdm=False)]
+    small = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=128, scheduling_policy="priority",
+                kv_cache_memory=22 * 16 * alone.engine.runner.bytes_per_block // 16,
+                speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    engine = small.engine
+    ids = [engine.add_request(p, params, priority=prio) for p, prio in zip(prompts, [3, 0, 2, 1, 0, 3])]
+    preempted, got = {}, {}
+    while engine.has_unfinished_requests():
+        for r in engine.scheduler.running + list(engine.scheduler.waiting):
+            preempted[r.request_id] = r.num_preemptions
+        for o in engine.step():
+            if o.finished:
+                got[o.request_id] = o.outputs[0].token_ids
+    assert [got[i] for i in ids] == want
+    assert sum(preempted.values()) > 0
+    assert preempted[ids[1]] == preempted[ids[4]] == 0       # priority 0 is never the one preempted
