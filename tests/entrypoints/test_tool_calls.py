@@ -77,8 +77,9 @@ BARE = ['{"name": "get_weather", "arguments": {"city": "Paris"}}',
         '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```',
         '  [{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "arguments": "{}"}]',
         '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}',
-        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]']
-NOT_BARE = ['{"name": "launch", "arguments": {}}', '{"name": "get_weather", "arguments": {"city": "Paris"}} and more',
+        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {}}']
+NOT_BARE = ['{"name": "launch", "arguments": {}}', '{"name": "get_time", "arguments": {}};; x', '{"name": "get_weather", "arguments": {"city": "Paris"}} and more',
             '```json\n{"a": 1}\n```', '[{"name": "get_weather", "arguments": {}}, {"name": "launch"}]', '{not json']
 
 
@@ -90,6 +91,7 @@ def test_an_answer_that_is_only_a_call_is_that_call():
         assert content is None and calls and calls[0].name == "get_weather"
         assert json.loads(calls[0].arguments) == {"city": "Paris"}
     assert [c.name for c in tool_calls.parse(BARE[2], NAMES)[1]] == ["get_weather", "get_time"]
+    assert [c.name for c in tool_calls.parse(BARE[5], NAMES)[1]] == ["get_weather", "get_time"]
     for text in NOT_BARE:
         assert tool_calls.parse(text, NAMES) == (text, [])
 

@@ -175,8 +175,8 @@ def _call(value, names: set[str]) -> ToolCall | None:
 
 def parse_bare(text: str, names: set[str]) -> list[ToolCall]:
     """The calls of an answer that is nothing but a call of a known function (or a list of such
-    calls) as JSON, bare or in a ```json fence; else []. Models that answer so instead of writing
-    blocks: Llama 3.x's tool format, Qwen2.5-Coder-1.5B's habit."""
+    calls, or several separated by ";") as JSON, bare or in a ```json fence; else []. Models that
+    answer so instead of writing blocks: Llama 3.x's tool format, Qwen2.5-Coder-1.5B's habit."""
     body = text.strip()
     for marker in CALL_MARKERS:        # kept when skip_special_tokens is off
         body = body.removeprefix(marker).lstrip()
@@ -185,11 +185,20 @@ def parse_bare(text: str, names: set[str]) -> list[ToolCall]:
         body = fenced.group(1).strip()
     if not body.startswith(("{", "[")):
         return []
-    try:
-        value = json.loads(body)
-    except ValueError:
-        return []
-    calls = [_call(v, names) for v in (value if isinstance(value, list) else [value])]
+    values, at, decoder = [], 0, json.JSONDecoder()
+    while at < len(body):          # one value, a list, or objects separated by ";" (Llama 3.x's parallel calls)
+        try:
+            value, at = decoder.raw_decode(body, at)
+        except ValueError:
+            return []
+        values += value if isinstance(value, list) else [value]
+        rest = body[at:].lstrip()
+        if rest.startswith(";"):
+            rest = rest[1:].lstrip()
+        elif rest:
+            return []
+        at = len(body) - len(rest)
+    calls = [_call(v, names) for v in values]
     return calls if calls and all(calls) else []
 
 
