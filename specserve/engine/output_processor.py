@@ -104,6 +104,8 @@ class OutputProcessor:
                 "first_token_time": req.first_token_time,
                 "finish_time": req.finish_time,
                 "num_preemptions": req.num_preemptions,
+                # prompt tokens found in the prefix cache when the request was (last) admitted
+                "num_cached_tokens": min(req.num_cached_tokens, len(req.prompt_token_ids)),
             },
             prompt_logprobs=req.prompt_logprobs,
         )

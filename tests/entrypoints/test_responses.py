@@ -276,3 +276,18 @@ def test_include_of_encrypted_reasoning_adds_nothing(client):
     r = client.responses.create(model=MODEL, input="x", max_output_tokens=2, include=["reasoning.encrypted_content"],
                                 store=False)
     assert r.status in ("completed", "incomplete")
+
+
+def test_cached_prompt_tokens_are_reported(client, url):
+    """The prefix cache's hits: the first time a prompt is seen only what it shares with earlier
+    prompts (the chat template's start), all its whole blocks when it is sent again
+    (usage.prompt_tokens_details / input_tokens_details.cached_tokens)."""
+    words = "cached prefix probe " * 12
+    body = {"model": MODEL, "messages": [{"role": "user", "content": words}], "max_tokens": 2, "temperature": 0}
+    first = local_http.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()["usage"]
+    again = local_http.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()["usage"]
+    cached = again["prompt_tokens_details"]["cached_tokens"]
+    assert first["prompt_tokens_details"]["cached_tokens"] < again["prompt_tokens"] - 16
+    assert again["prompt_tokens"] - 16 <= cached < again["prompt_tokens"] and cached % 16 == 0
+    r = client.responses.create(model=MODEL, input=words, max_output_tokens=2, temperature=0)
+    assert r.usage.input_tokens_details.cached_tokens == cached

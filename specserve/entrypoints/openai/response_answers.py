@@ -40,7 +40,8 @@ def _finish(response: dict, output: list[dict], finish_reason: str | None, usage
     if usage is not None:
         response["usage"] = {
             "input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
-            "total_tokens": usage["total_tokens"], "input_tokens_details": {"cached_tokens": 0},
+            "total_tokens": usage["total_tokens"],
+            "input_tokens_details": {"cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)},
             "output_tokens_details": {"reasoning_tokens": 0},
         }
     return response

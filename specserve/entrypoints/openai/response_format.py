@@ -137,9 +137,14 @@ def chat_logprobs(tokenizer, completion, start: int, end: int, num_top: int | No
 
 
 def usage(choices: list[ChoiceState]) -> dict:
-    prompt = sum(len(c.output.prompt_token_ids) for c in choices if c.output is not None and c.counts_prompt)
+    """OpenAI's usage, with ``prompt_tokens_details.cached_tokens``: the prompt tokens the prefix
+    cache held, not computed again."""
+    counted = [c.output for c in choices if c.output is not None and c.counts_prompt]
+    prompt = sum(len(o.prompt_token_ids) for o in counted)
+    cached = sum(o.metrics.get("num_cached_tokens", 0) for o in counted)
     completion = sum(len(c.output.outputs[0].token_ids) for c in choices if c.output is not None)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def sse(obj: Any) -> str:
