@@ -51,6 +51,23 @@ def test_a_stream_cut_anywhere_joins_to_the_split(name):
             assert (reasoning or None, content or None) == parser.split(answer), (answer, pieces)
 
 
+@pytest.mark.parametrize("pieces, deepseek, qwen3", [
+    (["<think>", "ab", "</th", "ink>", "x"], 4, 4),   # through the token that completes the tag
+    (["ab", "</think>", "x"], 2, 0),
+    (["<think>", "a"], 2, 2),                          # cut while thinking: all of it
+    (["a", "b"], 2, 0),
+    ([], 0, 0),
+])
+def test_reasoning_token_counts(pieces, deepseek, qwen3):
+    ids = list(range(len(pieces)))
+
+    def decode(token_ids):
+        return "".join(pieces[i] for i in token_ids)
+
+    assert PARSERS["deepseek_r1"].reasoning_tokens(ids, decode) == deepseek
+    assert PARSERS["qwen3"].reasoning_tokens(ids, decode) == qwen3
+
+
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
     return LLM(model=tiny_llama_dir, dtype="float32", max_model_len=256, kv_cache_memory=8 << 20)
@@ -67,6 +84,8 @@ def test_the_server_returns_reasoning_apart(llm, parser):
         want = PARSERS[parser].split(text)
         assert (message["reasoning_content"], message["content"]) == want
         assert message["reasoning"] == message["reasoning_content"]
+        counts = local_http.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()["usage"]
+        assert counts["completion_tokens_details"]["reasoning_tokens"] == (counts["completion_tokens"] if want[0] else 0)
         reasoning = content = ""
         with local_http.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
             for line in r.iter_lines():

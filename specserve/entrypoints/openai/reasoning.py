@@ -42,6 +42,25 @@ class ReasoningParser:
     def stream(self) -> "ReasoningStream":
         return ReasoningStream(self)
 
+    def reasoning_tokens(self, token_ids: list[int], decode) -> int:
+        """How many of an answer's tokens are reasoning: through the token that completes
+        ``</think>`` (all of them when the answer ends first; none when it has no reasoning).
+        ``decode(ids)`` -> their text, as the answer's text was made; a binary search, since a
+        prefix that holds the tag is followed by longer ones that hold it too."""
+        text = decode(token_ids)
+        if not (self.starts_inside or text.startswith(OPEN)):
+            return 0
+        if CLOSE not in text:
+            return len(token_ids)
+        lo, hi = 1, len(token_ids)            # the smallest i whose prefix holds the tag is in [lo, hi]
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if CLOSE in decode(token_ids[:mid]):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
 
 PARSERS = {"deepseek_r1": ReasoningParser("deepseek_r1", starts_inside=True),
            "qwen3": ReasoningParser("qwen3", starts_inside=False)}

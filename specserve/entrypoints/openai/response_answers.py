@@ -42,7 +42,8 @@ def _finish(response: dict, output: list[dict], finish_reason: str | None, usage
             "input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
             "total_tokens": usage["total_tokens"],
             "input_tokens_details": {"cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)},
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {
+                "reasoning_tokens": (usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)},
         }
     return response
 

@@ -67,6 +67,19 @@ class OpenAIServing:
         governs the answer from its first token: no reasoning then)."""
         return self.reasoning is not None and params.structured_output is None
 
+    def _usage(self, choices, params) -> dict:
+        """``usage(choices)``, with ``completion_tokens_details.reasoning_tokens`` when a reasoning
+        parser splits the answers (OpenAI's field: the tokens of the reasoning)."""
+        counts = usage(choices)
+        if self._splits_reasoning(params):
+            def decode(ids):
+                return self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
+
+            counts["completion_tokens_details"] = {"reasoning_tokens": sum(
+                self.reasoning.reasoning_tokens(list(c.output.outputs[0].token_ids), decode)
+                for c in choices if c.output is not None)}
+        return counts
+
     # ------------------------------------------------------- model facts, checks
     def info(self) -> dict:
         """``GET /v1/specserve/info``: the served model and how it speculates (the chat page shows it)."""
@@ -283,7 +296,7 @@ class OpenAIServing:
             "created": created,
             "model": self.model_name,
             "choices": body_choices,
-            "usage": usage(choices),
+            "usage": self._usage(choices, params),
         }
         if chat and request.prompt_logprobs is not None:   # vLLM's place for them in chat: the response's
             body["prompt_logprobs"] = prompt_logprobs_json(choices[0].output)
@@ -383,7 +396,7 @@ class OpenAIServing:
                 if out.finished:
                     m.record_finish(c)
             if include_usage:
-                yield chunk([], usage(choices), with_usage=True)
+                yield chunk([], self._usage(choices, params), with_usage=True)
         except (EngineStepError, EngineDeadError, RequestFailedError) as e:
             err = engine_error(e)
             m.errors.labels(ln, str(err.status)).inc()
