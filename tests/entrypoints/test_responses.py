@@ -123,6 +123,11 @@ def test_text_format_json_schema(client):
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
+    ({"text": {"format": {"type": "json_schema", "name": "p"}}}, "text.format.schema"),
+    ({"tools": [{"type": "function"}]}, "tools[0].name"),
+    ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}}, "tool_choice"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input[0].content[0].text"),
+    ({"input": "word " * 600}, "input"),                      # longer than max_model_len
 ])
 def test_what_is_not_supported_is_a_400_naming_the_field(url, fields, param):
     r = local_http.post(f"{url}/v1/responses", json={"model": MODEL, "input": "x", **fields}, timeout=60)

@@ -73,7 +73,12 @@ async def create_response(serving, store: ResponseStore, req: "ResponsesRequest"
                 _add_item(answer, item, f"output[{i}]")
             store.put(response, conversation + answer)
 
-    answer = await serving.chat_completions(chat_request, raw, endpoint="responses")
+    try:
+        answer = await serving.chat_completions(chat_request, raw, endpoint="responses")
+    except APIError as e:            # the chat handler names its own fields: the conversation is the input here
+        if e.param and e.param.startswith("messages"):
+            e.param = "input"
+        raise
     if isinstance(answer, SSEResponse):
         events = ResponseEvents(req, serving.model_name, finished).translate(answer.body_iterator)
         return SSEResponse(events, media_type="text/event-stream", on_close=answer.on_close,
@@ -160,6 +165,10 @@ def to_chat(req: ResponsesRequest, history: list[dict] | None = None) -> tuple[d
         body["tools"] = [_chat_tool(t, f"tools[{i}]") for i, t in enumerate(req.tools)]
     if req.tool_choice is not None:
         body["tool_choice"] = _chat_tool_choice(req.tool_choice)
+        named = body["tool_choice"]["function"]["name"] if isinstance(body["tool_choice"], dict) else None
+        if named is not None and named not in {t.get("name") for t in req.tools or []}:
+            raise APIError(400, f"tool_choice names the function {named!r}, which is not among the tools",
+                           param="tool_choice", code="invalid_value")
     fmt = (req.text or {}).get("format")
     if fmt is not None and fmt.get("type") != "text":
         body["response_format"] = _response_format(fmt)
@@ -207,9 +216,11 @@ def _text(content, where: str) -> str:
         raise APIError(400, f"{where} must be a string or a list of text parts", param=where, code="invalid_value")
     texts = []
     for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
+        if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS:
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise _refuse(f"{where}[{j}]", f"only text parts are supported (input_text, output_text), got {kind!r}")
+        if not isinstance(part.get("text"), str):
+            raise APIError(400, f"{where}[{j}].text must be a string", param=f"{where}[{j}].text", code="invalid_value")
         texts.append(part["text"])
     return "".join(texts)
 
@@ -217,6 +228,8 @@ def _text(content, where: str) -> str:
 def _chat_tool(tool: dict, where: str) -> dict:
     if tool.get("type") != "function":
         raise _refuse(f"{where}.type", f"only function tools are supported, got {tool.get('type')!r}")
+    if not isinstance(tool.get("name"), str):
+        raise APIError(400, f"{where}.name must be a string", param=f"{where}.name", code="invalid_value")
     function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
     return {"type": "function", "function": function}
 
@@ -234,6 +247,9 @@ def _response_format(fmt: dict) -> dict:
     if fmt.get("type") == "json_object":
         return {"type": "json_object"}
     if fmt.get("type") == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise APIError(400, "text.format.schema must be a JSON schema (an object)", param="text.format.schema",
+                           code="invalid_value")
         schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
         return {"type": "json_schema", "json_schema": schema}
     raise _refuse("text.format.type", f"text.format.type must be text, json_object or json_schema, got "
