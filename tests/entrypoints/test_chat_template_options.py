@@ -149,3 +149,31 @@ def test_content_as_openais_list_of_text_parts_renders_as_its_text(llm):
     assert llm.apply_chat_template(parts) == llm.apply_chat_template(CONVERSATION[:1])
     with pytest.raises(ValueError, match="content parts must all be"):
         llm.apply_chat_template([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+
+
+def test_reasoning_effort_reaches_the_template(tiny_llama_dir):
+    """OpenAI's reasoning_effort (and the Responses API's reasoning.effort) is the template's
+    reasoning_effort variable, as in vLLM; chat_template_kwargs may set it instead."""
+    from specserve.entrypoints.openai.protocol import ChatCompletionRequest
+
+    served = tiny_engine(tiny_llama_dir, max_model_len=256)
+    served.get_tokenizer().chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                                            "{% if reasoning_effort %} effort {{ reasoning_effort }}{% endif %}")
+    with running_server(build_app(served, MODEL)) as base:
+        def prompt_tokens(path, **fields):
+            body = {"model": MODEL, "temperature": 0, **fields}
+            body.update({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+                        if path == "chat/completions" else {"input": "hi", "max_output_tokens": 1})
+            r = local_http.post(f"{base}/v1/{path}", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            usage = r.json()["usage"]
+            return usage.get("prompt_tokens", usage.get("input_tokens"))
+
+        plain = prompt_tokens("chat/completions")
+        high = prompt_tokens("chat/completions", reasoning_effort="high")
+        assert high > plain
+        assert prompt_tokens("responses", reasoning={"effort": "high"}) == high
+        assert prompt_tokens("responses") == plain
+    both = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], reasoning_effort="low",
+                                 chat_template_kwargs={"reasoning_effort": "high"})
+    assert both.template_kwargs() == {"reasoning_effort": "high"}

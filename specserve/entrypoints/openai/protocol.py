@@ -416,6 +416,15 @@ class ChatCompletionRequest(_SamplingFields):
     # vLLM's: the last (assistant) message left open for the answer to go on from; template variables
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's: reaches the chat template as the variable reasoning_effort (as in vLLM: templates
+    # that read it, gpt-oss's for one, change the prompt; the others ignore it)
+    reasoning_effort: Annotated[str, Field(max_length=32)] | None = None
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """chat_template_kwargs, with reasoning_effort unless they set it themselves."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
 
     @field_validator("max_completion_tokens")
     @classmethod

@@ -17,7 +17,8 @@ over, as in OpenAI's API), and ``GET`` / ``DELETE /v1/responses/{id}`` read and 
 With ``serve --reasoning-parser``, a thinking model's reasoning comes first as a ``reasoning``
 item (``reasoning_text`` content; streamed as ``response.reasoning_text.delta``); ``reasoning``
 items sent back in ``input`` are skipped, as chat templates drop earlier turns' reasoning.
-What is not supported: the request's ``reasoning`` options are accepted and ignored; input
+``reasoning.effort`` reaches the chat template as chat's ``reasoning_effort`` does; its other
+options are ignored. What is not supported: input
 images, files and audio, built-in tools (web search, file search, ...), ``include`` values
 (but ``reasoning.encrypted_content``: nothing to add), ``truncation: "auto"``, ``background``
 and ``top_logprobs`` are 400s naming the field.
@@ -161,6 +162,9 @@ def to_chat(req: ResponsesRequest, history: list[dict] | None = None) -> tuple[d
             body[name] = getattr(req, name)
     if req.max_output_tokens is not None:
         body["max_completion_tokens"] = req.max_output_tokens
+    effort = (req.reasoning or {}).get("effort")
+    if isinstance(effort, str):
+        body["reasoning_effort"] = effort      # the chat template's variable, as chat's reasoning_effort
     if req.tools:
         body["tools"] = [_chat_tool(t, f"tools[{i}]") for i, t in enumerate(req.tools)]
     if req.tool_choice is not None:

@@ -109,7 +109,7 @@ class OpenAIServing:
         conversation, tools = tool_calls.conversation(request, tok)
         try:
             text = render_chat(tok, conversation, request.add_generation_prompt, request.continue_final_message, tools,
-                               request.chat_template_kwargs, self.model_name)
+                               request.template_kwargs(), self.model_name)
         except ChatTemplateError as e:
             raise APIError(400, str(e), param=e.param) from None
         return self.engine.tokenize(text, add_special_tokens=False)
