@@ -96,9 +96,14 @@ def test_an_answer_that_is_only_a_call_is_that_call():
         assert tool_calls.parse(text, NAMES) == (text, [])
 
 
+# starts as JSON, yet holds a block: its call, and the JSON before it stays content
+JSON_THEN_BLOCK = '{"note": 1}\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
+
+
 @pytest.mark.parametrize("step", [1, 3, 8, 500])
 def test_a_streamed_bare_answer_gives_the_whole_parse(step):
-    for text in BARE + NOT_BARE:
+    assert tool_calls.parse(JSON_THEN_BLOCK, NAMES)[0] == '{"note": 1}'
+    for text in BARE + NOT_BARE + [JSON_THEN_BLOCK]:
         content, deltas = streamed(text, step, blocks_are_calls=False)
         whole_content, whole_calls = tool_calls.parse(text, NAMES)
         assert content == (whole_content or "")

@@ -99,7 +99,7 @@ class ToolCallStream:
                 return "", []
             content, calls = parse(self.pending, self.names)
             self.pending, self.calls = "", calls
-            return (content or "") if not calls else "", [c.as_delta(i) for i, c in enumerate(calls)]
+            return content or "", [c.as_delta(i) for i, c in enumerate(calls)]
         content, deltas = [], []
         while True:
             if self._block is None:
