@@ -171,7 +171,6 @@ class AsyncLLMEngine:
         request_id = request_id if request_id is not None else self.new_request_id()
         stream = _Stream(request_id, loop)
         done: concurrent.futures.Future = concurrent.futures.Future()
-        params = params or SamplingParams(**self.engine.sampling_defaults)
         self._commands.put(("add", prompt, params, request_id, stream, done, prepared, priority))
         await asyncio.wrap_future(done)
         return stream

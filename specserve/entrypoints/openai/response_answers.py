@@ -16,6 +16,7 @@ import json
 from typing import AsyncIterator
 
 from specserve.entrypoints.openai.protocol import now, random_id
+from specserve.entrypoints.openai.response_format import sse
 
 
 def _shell(req, rid: str, created: int, model: str) -> dict:
@@ -91,7 +92,7 @@ class ResponseEvents:
     def _event(self, kind: str, **fields) -> str:
         body = {"type": kind, "sequence_number": self.seq, **fields}
         self.seq += 1
-        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+        return f"event: {kind}\n" + sse(body)
 
     def _snapshot(self) -> dict:
         return json.loads(json.dumps(self.response))

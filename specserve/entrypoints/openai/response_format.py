@@ -152,12 +152,13 @@ def sse(obj: Any) -> str:
 
 
 class SSEResponse(StreamingResponse):
-    """A streaming response that always closes its generator and then calls
-    ``on_close``, so an early end (client gone, even before the first chunk;
-    server shutting down) aborts the requests at once, not at garbage collection."""
+    """A stream of server-sent events (uncached, unbuffered by proxies) that always closes its
+    generator and then calls ``on_close``, so an early end (client gone, even before the first
+    chunk; server shutting down) aborts the requests at once, not at garbage collection."""
 
-    def __init__(self, *args, on_close=None, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, content, on_close=None):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:

@@ -82,8 +82,7 @@ async def create_response(serving, store: ResponseStore, req: "ResponsesRequest"
         raise
     if isinstance(answer, SSEResponse):
         events = ResponseEvents(req, serving.model_name, finished).translate(answer.body_iterator)
-        return SSEResponse(events, media_type="text/event-stream", on_close=answer.on_close,
-                           headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return SSEResponse(events, on_close=answer.on_close)
     if answer.status_code != 200:
         return answer
     response = response_body(req, json.loads(answer.body))

@@ -232,8 +232,7 @@ class OpenAIServing:
                     if not s.finished:
                         self.async_engine.abort(s.request_id)
 
-            return SSEResponse(self._stream(request, streams, choices, params, chat, n), media_type="text/event-stream",
-                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}, on_close=abort_unfinished)
+            return SSEResponse(self._stream(request, streams, choices, params, chat, n), on_close=abort_unfinished)
         m.running.labels(ln).inc(len(streams))
         try:
             completed = await collect(self.async_engine, streams, choices, raw, m.record_finish, n)
