@@ -23,6 +23,11 @@ from specserve.sampling_params import (
 )
 
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+# Bounded fields that the Responses API's request (responses.py) takes too
+TopK = Annotated[int, Field(ge=-1, le=MAX_TOP_K)]
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
+RepetitionPenalty = Annotated[float, Field(gt=0.0, le=10.0)]
+Priority = Annotated[int, Field(ge=-MAX_PRIORITY, le=MAX_PRIORITY)]
 
 MAX_LOGPROBS = 20
 MAX_ALLOWED_TOKEN_IDS = 1 << 18   # the largest vocabularies (Gemma's 262,144)
@@ -105,9 +110,9 @@ class _SamplingFields(StrictModel):
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: Annotated[int, Field(ge=-1, le=MAX_TOP_K)] | None = None
+    top_k: TopK | None = None
     min_p: float | None = None
-    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=1024)] | None = None
     ignore_eos: bool = False
@@ -123,12 +128,12 @@ class _SamplingFields(StrictModel):
     n: Annotated[int, Field(ge=1, le=MAX_N)] | None = 1
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
+    repetition_penalty: RepetitionPenalty | None = None
     logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
                           Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
     user: str | None = None
     # vLLM's extension: lower runs first, under --scheduling-policy priority (else only 0)
-    priority: Annotated[int, Field(ge=-MAX_PRIORITY, le=MAX_PRIORITY)] = 0
+    priority: Priority = 0
     # vLLM's extension: each prompt token's log-probability and the top n (choices[i].prompt_logprobs)
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     specserve: SpecserveOptions | None = None

@@ -32,14 +32,14 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field, ValidationError
 
-from specserve.engine.input_checks import MAX_PRIORITY
 from specserve.entrypoints.openai.errors import validation_error
 from specserve.entrypoints.openai.limits import APIError
-from specserve.entrypoints.openai.protocol import ChatCompletionRequest, StrictModel
+from specserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest, Priority, RepetitionPenalty, Seed, StrictModel, TopK,
+)
 from specserve.entrypoints.openai.response_answers import ResponseEvents, response_body
 from specserve.entrypoints.openai.response_format import SSEResponse
 from specserve.entrypoints.openai.responses_store import ResponseStore
-from specserve.sampling_params import MAX_SEED, MAX_TOP_K
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 # include values answered with nothing more: reasoning items carry their text in the clear, so there is
@@ -119,11 +119,11 @@ class ResponsesRequest(StrictModel):
     top_logprobs: int | None = None
     max_tool_calls: int | None = None
     # vLLM's extensions
-    top_k: Annotated[int, Field(ge=-1, le=MAX_TOP_K)] | None = None
+    top_k: TopK | None = None
     min_p: float | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
-    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
-    priority: Annotated[int, Field(ge=-MAX_PRIORITY, le=MAX_PRIORITY)] = 0
+    repetition_penalty: RepetitionPenalty | None = None
+    seed: Seed | None = None
+    priority: Priority = 0
 
 
 def _refuse(param: str, message: str) -> APIError:
