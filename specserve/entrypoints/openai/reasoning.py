@@ -30,14 +30,9 @@ class ReasoningParser:
     starts_inside: bool      # the prompt opened the reasoning (deepseek_r1)
 
     def split(self, text: str) -> tuple[str | None, str | None]:
-        """(reasoning or None, content or None) of a whole answer."""
-        inside = self.starts_inside
-        if text.startswith(OPEN):
-            text, inside = text[len(OPEN):], True
-        if not inside:
-            return None, text or None
-        reasoning, found, content = text.partition(CLOSE)
-        return (reasoning or None), (content or None) if found else None
+        """(reasoning or None, content or None) of a whole answer: the stream's rule, fed at once."""
+        reasoning, content = self.stream().feed(text, final=True)
+        return reasoning or None, content or None
 
     def stream(self) -> "ReasoningStream":
         return ReasoningStream(self)
