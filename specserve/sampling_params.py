@@ -12,6 +12,8 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from specserve.reasoning_formats import STARTS_INSIDE
+
 _MAX_LOGPROBS = 20
 MAX_BAD_WORDS = 1024
 # Temperatures below this are greedy (argmax), exactly like temperature 0: dividing
@@ -46,6 +48,12 @@ class StructuredOutput:
     - ``grammar``: a context-free grammar, in llguidance's Lark dialect or in llama.cpp's GBNF
       (a ``root ::= ...`` rule), detected from its text.
 
+    ``after_reasoning`` ("deepseek_r1" or "qwen3", ``specserve.reasoning_formats``): the model
+    reasons first, between ``<think>`` and ``</think>`` by that format's rule, and the constraint
+    governs the answer right after ``</think>``; the reasoning is left free (and may end the
+    output, as an unconstrained model may). The chat API sets it when the server has a
+    ``--reasoning-parser``, as vLLM does.
+
     Checked here for shape only; whether the schema, regex or grammar is valid is decided when the
     engine compiles it (``structured_output.compiler``), before the request is queued. Sampling
     under a constraint is plain constrained sampling: every position's distribution is the
@@ -57,10 +65,14 @@ class StructuredOutput:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    after_reasoning: str | None = None
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> ValueError:
             return ValueError(f"invalid StructuredOutput: {msg}")
+
+        if self.after_reasoning is not None and self.after_reasoning not in STARTS_INSIDE:
+            raise bad(f"after_reasoning must be one of {sorted(STARTS_INSIDE)} or None, got {self.after_reasoning!r}")
 
         if not isinstance(self.json_object, bool):
             raise bad(f"json_object must be True or False, got {self.json_object!r}")

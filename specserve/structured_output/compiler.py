@@ -16,14 +16,18 @@ costs a lookup.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
+import re
 import threading
 from dataclasses import dataclass
 
 import torch
 
+from specserve.reasoning_formats import CLOSE, OPEN, STARTS_INSIDE
 from specserve.sampling_params import StructuredOutput
 from specserve.structured_output.bitmask import allowed_tokens, words_for
+from specserve.structured_output.ll_tokenizer import InvalidTokenizerError, ll_tokenizer
 
 CACHE_ENTRIES = 256
 PROBE_TOKENS = 4     # tokens walked at compile time (``GrammarCompiler._probe``)
@@ -75,21 +79,50 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 
 
 def grammar_text(so: StructuredOutput) -> str:
-    """The llguidance grammar (its JSON form) of a constraint; raises InvalidConstraintError
-    where the text cannot even be turned into one (a GBNF grammar that does not convert)."""
+    """The llguidance grammar (its JSON form, or Lark) of a constraint; raises
+    InvalidConstraintError where the text cannot even be turned into one (a GBNF grammar that
+    does not convert). With ``after_reasoning``, the constraint follows free reasoning."""
     import llguidance
 
     kind = so.kind
     try:
         if kind in ("json_schema", "json_object"):
-            return llguidance.LLMatcher.grammar_from_json_schema(so.source, defaults=JSON_OPTIONS)
-        if kind == "regex":
-            return llguidance.LLMatcher.grammar_from_regex(so.regex)
-        if kind == "choice":
-            return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in so.choice))
-        return llguidance.grammar_from("grammar", so.grammar)   # Lark, or GBNF converted to Lark
+            text = llguidance.LLMatcher.grammar_from_json_schema(so.source, defaults=JSON_OPTIONS)
+        elif kind == "regex":
+            text = llguidance.LLMatcher.grammar_from_regex(so.regex)
+        elif kind == "choice":
+            text = llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in so.choice))
+        else:
+            text = llguidance.grammar_from("grammar", so.grammar)   # Lark, or GBNF converted to Lark
     except ValueError as e:
         raise InvalidConstraintError(f"invalid {kind}: {e}", kind) from None
+    return text if so.after_reasoning is None else after_reasoning(text, so.after_reasoning)
+
+
+# The reasoning, free text up to the first </think> (lazy: it ends there), and reasoning never
+# closed, which may end the output (an unconstrained model may stop while thinking). llguidance
+# Lark; "@answer" is the constraint's own grammar, a subgrammar with its own lexer.
+_CLOSE_RE = re.escape(CLOSE).replace("/", "\\/")          # as written inside Lark's /.../
+_THOUGHT = f"""thought[lazy]: /(?s:.*){_CLOSE_RE}/
+UNFINISHED: /(?s:.*)/ & ~/(?s:.*){_CLOSE_RE}(?s:.*)/
+OPEN: {json.dumps(OPEN)}
+"""
+_REASONING_FIRST = {
+    True: "start: thought @answer | UNFINISHED\n" + _THOUGHT,                                # deepseek_r1
+    False: "start: @answer | OPEN thought @answer | OPEN UNFINISHED\n" + _THOUGHT,           # qwen3
+}
+
+
+def after_reasoning(answer_grammar: str, reasoning_format: str) -> str:
+    """A grammar (llguidance JSON or Lark) -> one that lets the model reason first, by the
+    format's rule (``reasoning_formats``), and then follows it from right after ``</think>``."""
+    if answer_grammar.lstrip().startswith("{"):
+        top = json.loads(answer_grammar)
+        answer, others = top["grammars"][0], top["grammars"][1:]
+    else:
+        answer, others = {"lark_grammar": answer_grammar}, []
+    first = {"name": "reasoning_first", "lark_grammar": _REASONING_FIRST[STARTS_INSIDE[reasoning_format]]}
+    return json.dumps({"grammars": [first, {**answer, "name": "answer"}, *others]})
 
 
 class CompiledGrammar:
@@ -115,19 +148,16 @@ class GrammarCompiler:
         self.limits = limits or GrammarLimits()
         self._ll_tokenizer = None
         self._lock = threading.Lock()
-        self._cache: collections.OrderedDict[tuple[str, str], CompiledGrammar | InvalidConstraintError] = \
-            collections.OrderedDict()
+        # (kind, source, after_reasoning) -> the grammar or its refusal
+        self._cache: collections.OrderedDict[tuple, CompiledGrammar | InvalidConstraintError] = collections.OrderedDict()
 
     def ll_tokenizer(self):
-        """The tokenizer as llguidance sees it (built once, on first use)."""
+        """The tokenizer as llguidance sees it (``ll_tokenizer.py``; built once, on first use)."""
         with self._lock:
             if self._ll_tokenizer is None:
-                import llguidance.hf
-
                 try:
-                    self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
-                                                                      eos_token=self.eos_token_id)
-                except ValueError as e:   # a slow (Python) tokenizer
+                    self._ll_tokenizer = ll_tokenizer(self.tokenizer, self.vocab_size, self.eos_token_id)
+                except InvalidTokenizerError as e:   # a slow (Python) tokenizer
                     raise InvalidConstraintError(f"structured output needs a fast tokenizer: {e}", "tokenizer",
                                                  code="unsupported") from None
             return self._ll_tokenizer
@@ -139,7 +169,7 @@ class GrammarCompiler:
         if size > self.limits.max_source_bytes:
             raise InvalidConstraintError(f"the {so.kind} is {size} bytes, more than the limit of "
                                          f"{self.limits.max_source_bytes}", so.kind, code="structured_output_too_large")
-        key = (so.kind, source)
+        key = (so.kind, source, so.after_reasoning)
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
@@ -161,6 +191,8 @@ class GrammarCompiler:
         import llguidance
         import llguidance.torch as llt
 
+        if so.after_reasoning is not None:    # the answer's grammar checked (and probed) on its own first
+            self.compile(dataclasses.replace(so, after_reasoning=None))
         tok = self.ll_tokenizer()
         text = grammar_text(so)
         limits = self.limits.parser_limits()
@@ -174,7 +206,8 @@ class GrammarCompiler:
         llt.fill_next_token_bitmask(matcher, mask, 0)
         if matcher.is_error():
             raise InvalidConstraintError(f"invalid {so.kind}: {_first_line(matcher.get_error())}", so.kind)
-        self._probe(so, matcher.deep_copy(), mask)
+        if so.after_reasoning is None:        # a probe would walk the reasoning
+            self._probe(so, matcher.deep_copy(), mask)
         return CompiledGrammar(matcher, self.vocab_size)
 
     def _probe(self, so: StructuredOutput, matcher, mask: torch.Tensor) -> None:

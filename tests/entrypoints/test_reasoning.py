@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import openai
 import pytest
@@ -94,10 +95,12 @@ def test_the_server_returns_reasoning_apart(llm, parser):
                         reasoning += choice["delta"].get("reasoning_content") or ""
                         content += choice["delta"].get("content") or ""
         assert (reasoning or None, content or None) == want
-        # structured output: the constraint governs the answer from its first token, nothing is reasoning
+        # structured output leaves the reasoning free: this model writes no tag, so under
+        # deepseek_r1 its answer is the unconstrained one, all reasoning (the test below has a tag)
         constrained = local_http.post(f"{url}/v1/chat/completions", timeout=60, json={
-            **body, "max_tokens": 40, "response_format": {"type": "json_object"}}).json()["choices"][0]["message"]
-        assert constrained["reasoning_content"] is None and constrained["content"]
+            **body, "response_format": {"type": "json_object"}}).json()["choices"][0]["message"]
+        if parser == "deepseek_r1":
+            assert (constrained["reasoning_content"], constrained["content"]) == want
         # the Responses API: a reasoning item before the message
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         response = client.responses.create(model="tiny", input="hi", max_output_tokens=6, temperature=0)
@@ -108,6 +111,29 @@ def test_the_server_returns_reasoning_apart(llm, parser):
             events = list(client.responses.create(model="tiny", input="hi", max_output_tokens=6, temperature=0,
                                                   stream=True))
             assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == want[0]
+
+
+def test_structured_output_governs_the_answer_after_the_reasoning(llm):
+    """A bias of 100 on the pieces of "</think>" makes the model write the tag by chance; the
+    regex then holds for the answer: ">"s as content, the reasoning before the tag apart, in
+    whole answers and streams alike, with the reasoning tokens counted."""
+    pieces = llm.engine.tokenizer.encode("</think>", add_special_tokens=False)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 80, "temperature": 1.0,
+            "seed": 3, "logit_bias": {str(t): 100 for t in pieces}, "structured_outputs": {"regex": ">+"}}
+    with running_server(build_app(llm, "tiny", reasoning_parser="deepseek_r1")) as url:
+        answer = local_http.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
+        message = answer["choices"][0]["message"]
+        assert message["reasoning_content"] is not None and "</think>" not in message["reasoning_content"]
+        assert re.fullmatch(">+", message["content"]), message
+        assert 0 < answer["usage"]["completion_tokens_details"]["reasoning_tokens"] < answer["usage"]["completion_tokens"]
+        reasoning = content = ""
+        with local_http.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    for choice in json.loads(line[6:])["choices"]:
+                        reasoning += choice["delta"].get("reasoning_content") or ""
+                        content += choice["delta"].get("content") or ""
+        assert (reasoning, content) == (message["reasoning_content"], message["content"])
 
 
 def test_an_unknown_parser_is_refused(llm):

@@ -2,6 +2,7 @@
 that names the problem, limits hold, and compiled grammars (and refusals) are cached."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -117,3 +118,66 @@ def test_sampling_params_take_a_dict_too():
     assert json.loads(StructuredOutput(json_schema={"b": 1, "a": 2}).source) == {"b": 1, "a": 2}
     with pytest.raises(ValueError, match="StructuredOutput"):
         SamplingParams(structured_output="a+")
+
+
+# ---------------------------------------------------------------- after reasoning
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}
+
+
+def grammar_after(compiler, so: StructuredOutput, text: str):
+    """The request's grammar after ``text`` (tokenized as the model does), or None if it refused a token."""
+    g = request_grammar(compiler, so)
+    ids = compiler.tokenizer.encode(text, add_special_tokens=False)
+    if g.valid_prefix(ids) < len(ids):
+        return None
+    g.advance(ids)
+    return g
+
+
+@pytest.mark.parametrize("answer", [
+    StructuredOutput(json_schema=SCHEMA), StructuredOutput(regex="[0-9]+"), StructuredOutput(choice=["yes", "no"]),
+    StructuredOutput(grammar='root ::= "a" root | "b"'),
+])
+@pytest.mark.parametrize("fmt", ["deepseek_r1", "qwen3"])
+def test_the_answer_after_reasoning_follows_the_constraint(compiler, answer, fmt):
+    good = {"json_schema": '{"a": 12}', "regex": "42", "choice": "no", "grammar": "aab"}[answer.kind]
+    so = dataclasses.replace(answer, after_reasoning=fmt)
+    opened = "<think>" if fmt == "qwen3" else ""
+    reasoning = opened + 'Free text: {"a": "x"} is not it, </thinking> is no tag.\n</think>'
+    assert accepts(compiler, so, reasoning + good)
+    assert not accepts(compiler, so, reasoning + "\n\n" + good)      # the answer starts right after the tag
+    assert not accepts(compiler, so, reasoning + good + "</think>")
+    assert not accepts(compiler, so, reasoning + "maybe")
+    g = grammar_after(compiler, so, reasoning)
+    assert g is not None and not g._m.is_accepting()                  # no end of sequence before the answer
+    assert accepts(compiler, so, opened + "cut off while thinking, no tag")   # the reasoning may end the output
+    assert accepts(compiler, so, good)       # qwen3: an answer without reasoning; deepseek_r1: reasoning cut off
+    if fmt == "qwen3":
+        assert not accepts(compiler, so, "Free text</think>" + good)  # reasoning only after an opening <think>
+
+
+def test_the_reasoning_is_free(compiler):
+    """While reasoning, every token is allowed but the special ones other than the end of sequence,
+    and the byte tokens that cannot start UTF-8 (a continuation byte, 0xC0, 0xC1, 0xF5-0xFF)."""
+    so = StructuredOutput(json_schema=SCHEMA, after_reasoning="deepseek_r1")
+    g = grammar_after(compiler, so, "Let me see: {")
+    mask = g._m.compute_bitmask()
+    allowed = {t for t in range(compiler.vocab_size) if mask[t // 8] >> (t % 8) & 1}
+    tok = compiler.ll_tokenizer()
+    def starts_utf8(t: int) -> bool:
+        first = tok.decode_bytes([t])[0]
+        return first < 0x80 or 0xC2 <= first <= 0xF4
+
+    expected = {t for t in range(compiler.vocab_size) if not tok.is_special_token(t) and starts_utf8(t)}
+    assert allowed == expected | {compiler.eos_token_id} and len(allowed) > 0.99 * compiler.vocab_size
+
+
+def test_after_reasoning_is_its_own_cache_entry_and_checks_the_answer(compiler):
+    so = StructuredOutput(json_schema=SCHEMA)
+    assert compiler.compile(so) is not compiler.compile(dataclasses.replace(so, after_reasoning="qwen3"))
+    with pytest.raises(InvalidConstraintError, match="regex"):
+        compiler.compile(StructuredOutput(regex="(a|b", after_reasoning="deepseek_r1"))
+    with pytest.raises(InvalidConstraintError, match="too complex"):   # the answer's probe runs on its own
+        compiler.compile(StructuredOutput(regex="a{1000}{1000}", after_reasoning="deepseek_r1"))
+    with pytest.raises(ValueError, match="after_reasoning must be one of"):
+        StructuredOutput(json_object=True, after_reasoning="o1")

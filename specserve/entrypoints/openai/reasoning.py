@@ -1,27 +1,27 @@
 """A thinking model's reasoning split from its answer (vLLM's ``--reasoning-parser``).
 
 Models such as DeepSeek-R1 and Qwen3 write their reasoning between ``<think>`` and ``</think>``
-and the answer after it. With a parser the chat API returns the reasoning as
-``message.reasoning_content`` (and ``reasoning``, vLLM's newer name; ``delta.*`` when
-streamed) and only the answer as ``content``; the tool-call parser then reads the answer alone.
+and the answer after it (the formats: ``specserve/reasoning_formats.py``). With a parser the
+chat API returns the reasoning as ``message.reasoning_content`` (and ``reasoning``, vLLM's
+newer name; ``delta.*`` when streamed) and only the answer as ``content``; the tool-call
+parser then reads the answer alone.
 
-- ``deepseek_r1``: the chat template opens ``<think>`` in the prompt, so the output starts inside
-  the reasoning: everything before ``</think>`` is reasoning (all of it, when the output ends
-  before the tag: cut off while thinking).
-- ``qwen3``: the output is reasoning only when it starts with ``<think>`` (Qwen3 with
-  ``enable_thinking`` off, or another model, writes none: all content).
+- ``deepseek_r1``: the output starts inside the reasoning: everything before ``</think>`` is
+  reasoning (all of it, when the output ends before the tag: cut off while thinking).
+- ``qwen3``: the output is reasoning only when it starts with ``<think>`` (else all content).
 
 Either way a leading ``<think>`` is dropped, and the text after ``</think>`` is the content as
 written (its leading newlines included, as vLLM gives it). Streamed, a piece that may be the
 start of a tag is held back until the next piece tells, so a stream's pieces join to what the
-whole answer splits into. A request with structured output is not split: its constraint
-governs the output from the first token, so there is no reasoning.
+whole answer splits into. A request with structured output (``response_format``, a forced
+tool call) is split too: its constraint governs the answer after ``</think>`` and leaves the
+reasoning free (``StructuredOutput.after_reasoning``), as in vLLM.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-OPEN, CLOSE = "<think>", "</think>"
+from specserve.reasoning_formats import CLOSE, OPEN, STARTS_INSIDE
 
 
 @dataclass(frozen=True)
@@ -57,8 +57,7 @@ class ReasoningParser:
         return lo
 
 
-PARSERS = {"deepseek_r1": ReasoningParser("deepseek_r1", starts_inside=True),
-           "qwen3": ReasoningParser("qwen3", starts_inside=False)}
+PARSERS = {name: ReasoningParser(name, starts_inside) for name, starts_inside in STARTS_INSIDE.items()}
 
 
 class ReasoningStream:

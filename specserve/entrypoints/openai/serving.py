@@ -9,6 +9,8 @@ stream becomes one error event (``errors.py``) before ``[DONE]``.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import time
 from typing import Any, AsyncIterator
 
@@ -62,16 +64,11 @@ class OpenAIServing:
         self.model_name = served_model_names[0]
         self.metrics = ServerMetrics(async_engine, self.model_name)
 
-    def _splits_reasoning(self, params) -> bool:
-        """A reasoning parser is set and the request has no structured output (whose constraint
-        governs the answer from its first token: no reasoning then)."""
-        return self.reasoning is not None and params.structured_output is None
-
     def _usage(self, choices, params) -> dict:
         """``usage(choices)``, with ``completion_tokens_details.reasoning_tokens`` when a reasoning
         parser splits the answers (OpenAI's field: the tokens of the reasoning)."""
         counts = usage(choices)
-        if self._splits_reasoning(params):
+        if self.reasoning is not None:
             def decode(ids):
                 return self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
 
@@ -173,6 +170,9 @@ class OpenAIServing:
             so, field = tool_so, "tool_choice"
         if so is None:
             return params
+        if self.reasoning is not None and isinstance(request, ChatCompletionRequest):
+            # a thinking model reasons freely first; the constraint governs the answer after </think>
+            so = dataclasses.replace(so, after_reasoning=self.reasoning.name)
         params = structured.with_constraint(params, so)
         await structured.check(self.async_engine, params, field, self.limits.max_structured_output_bytes)
         return params
@@ -252,7 +252,7 @@ class OpenAIServing:
             n = len(completion.token_ids)
             if chat:
                 reasoning, text = None, completion.text
-                if self._splits_reasoning(params):
+                if self.reasoning is not None:
                     reasoning, text = self.reasoning.split(text)
                 message, finish = {"role": "assistant", "content": text}, completion.finish_reason
                 if tool_calls.mode(request):
@@ -315,7 +315,7 @@ class OpenAIServing:
         parsers = ([ToolCallStream(tool_names(request)) for _ in choices]
                    if chat and tool_calls.mode(request) else None)
         # A thinking model's reasoning split off first (reasoning.py): the tool calls are in the answer.
-        thinking = [self.reasoning.stream() for _ in choices] if chat and self._splits_reasoning(params) else None
+        thinking = [self.reasoning.stream() for _ in choices] if chat and self.reasoning is not None else None
 
         # vLLM's continuous_usage_stats: every chunk carries the usage so far, not only the last
         continuous = include_usage and bool(request.stream_options.continuous_usage_stats)
