@@ -47,8 +47,8 @@ class _TokensAsText:
         size = min(len(tokenizer), vocab_size)
         # a special's bytes are its name; the model's padding rows past the tokenizer have none
         self.tokens = [ll.decode_bytes([i]) for i in range(size)] + [b""] * (vocab_size - size)
-        self.special_token_ids = [i for i, t in added.items() if t.special and i < size]
         self.eos_token_id = ll.eos_token      # never None: the wrapper would add a token for it
+        self.special_token_ids = sorted({i for i, t in added.items() if t.special and i < size} | {self.eos_token_id})
         self.bos_token_id = tokenizer.bos_token_id
 
     def __call__(self, text: str) -> list[int]:
