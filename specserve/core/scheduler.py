@@ -71,6 +71,7 @@ class Scheduler:
         self.num_lookahead_slots = num_lookahead_slots
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.num_preemptions = 0          # running requests sent back to wait, since start-up (metrics)
 
     def add_request(self, request: Request) -> None:
         """Queue ``request`` behind every waiting request of its priority or a higher one."""
@@ -182,6 +183,7 @@ class Scheduler:
             req.status = RequestStatus.WAITING
             req.discard_kv()
             req.num_preemptions += 1
+            self.num_preemptions += 1
         else:
             self.waiting.remove(req)
         self._queue(req, front)

@@ -343,6 +343,7 @@ def test_preemption_of_the_newest_running_request():
     assert out.preempted == [c]
     assert c.status is RequestStatus.WAITING and c.num_computed_tokens == 0
     assert c.num_preemptions == 1 and sched.kv_cache.block_table("c") == []
+    assert sched.num_preemptions == 1          # the count the metrics report
     assert sched.waiting[0] is c and c.all_token_ids == c_tokens   # tokens kept, KV dropped
     # c resumes once a and b finish, recomputes prompt + output, and finishes.
     while not c.is_finished():
@@ -382,7 +383,7 @@ def test_preemption_with_lookahead_slots():
     for r in reqs:
         sched.add_request(r)
     run_to_completion(sched, accept=lambda s: s.num_lookahead - 1 if s.num_lookahead else 0)
-    assert sum(r.num_preemptions for r in reqs) > 0
+    assert sched.num_preemptions == sum(r.num_preemptions for r in reqs) > 0
     for r in reqs:
         assert r.output_token_ids == reference_output(r, 20)
     assert sched.kv_cache.num_free_blocks == 6

@@ -2,7 +2,9 @@
 
 ``ServerMetrics`` counts requests, errors, tokens and latencies as the handlers
 report them (``record_finish`` for each finished choice); ``_EngineCollector``
-reads the engine's speculation counts and KV-cache pool at scrape time.
+reads the engine's speculation counts, scheduler queues and KV-cache pool at scrape
+time. Each metric vLLM also has is exported under vLLM's name too
+(``vllm_metric_names.py``), for the dashboards and routers that read those.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from specserve.engine.async_engine import AsyncLLMEngine
 from specserve.entrypoints.openai.response_format import ChoiceState
+from specserve.entrypoints.openai.vllm_metric_names import VllmNames
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
@@ -59,6 +62,24 @@ class _EngineCollector:
         g = GaugeMetricFamily("specserve_num_speculative_tokens", "k, draft tokens per step (0: no speculation).", labels=labels)
         g.add_metric(values, engine.num_speculative_tokens)
         yield g
+        c = CounterMetricFamily("specserve_spec_decode_num_accepted_tokens_per_pos",
+                                "Draft tokens accepted at the i-th draft position.", labels=labels + ["position"])
+        for i, count in enumerate(s.accepted_per_position):
+            c.add_metric(values + [str(i)], count)
+        yield c
+        scheduler = engine.scheduler
+        for name, value, doc in (
+            ("specserve_scheduler_requests_running", len(scheduler.running), "Requests the scheduler is running."),
+            ("specserve_scheduler_requests_waiting", len(scheduler.waiting),
+             "Requests waiting to be scheduled (queued, or preempted)."),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric(values, value)
+            yield g
+        c = CounterMetricFamily("specserve_num_preemptions", "Running requests preempted (computed again later).",
+                                labels=labels)
+        c.add_metric(values, scheduler.num_preemptions)
+        yield c
         kv = engine.kv_cache
         g = GaugeMetricFamily("specserve_kv_cache_free_blocks", "Free KV-cache blocks.", labels=labels)
         g.add_metric(values, kv.num_free_blocks)
@@ -94,7 +115,11 @@ class ServerMetrics:
             "specserve_time_per_output_token_seconds", "Per request: (finish - first token) / (output tokens - 1).", ln, buckets=TPOT_BUCKETS, registry=r
         )
         self.e2e = Histogram("specserve_e2e_request_latency_seconds", "Time from arrival to the last token.", ln, buckets=E2E_BUCKETS, registry=r)
-        r.register(_EngineCollector(async_engine, model_name))
+        engine_metrics = _EngineCollector(async_engine, model_name)
+        r.register(engine_metrics)
+        own = [self.requests, self.finished, self.errors, self.prompt_tokens, self.generation_tokens, self.running,
+               self.ttft, self.tpot, self.e2e, engine_metrics]
+        r.register(VllmNames(lambda: [m for c in own for m in c.collect()]))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
