@@ -9,7 +9,8 @@ specials, so a grammar's text ``"<tool_call>"`` would tokenize to a token it the
 free text could never contain ``</think>`` written as the model writes it.
 
 So where a tokenizer has such tokens, llguidance gets it as a ``TokenizerWrapper``: the same
-bytes for every token, special only where the tokenizer says so, and the tokenizer's own
+bytes for every token, special only where the tokenizer says so (its added specials, and the
+tokens it names: end of sequence, padding, ...), and the tokenizer's own
 encoding for the text a grammar forces (so ``<tool_call>`` is forced as its one token).
 Other tokenizers are used as llguidance reads them.
 """
@@ -31,7 +32,9 @@ def ll_tokenizer(tokenizer, vocab_size: int, eos_token_id: int | None):
     except ValueError as e:
         raise InvalidTokenizerError(str(e)) from None
     added = getattr(tokenizer, "added_tokens_decoder", {})
-    text_tokens = [i for i, t in added.items() if not t.special and i < vocab_size and ll.is_special_token(i)]
+    named = set(tokenizer.all_special_ids)      # eos, bos, pad, ...: special whatever their flag says
+    text_tokens = [i for i, t in added.items()
+                   if not t.special and i not in named and i < vocab_size and ll.is_special_token(i)]
     if not text_tokens:
         return ll
     return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_TokensAsText(tokenizer, ll, added, vocab_size)),
@@ -48,7 +51,8 @@ class _TokensAsText:
         # a special's bytes are its name; the model's padding rows past the tokenizer have none
         self.tokens = [ll.decode_bytes([i]) for i in range(size)] + [b""] * (vocab_size - size)
         self.eos_token_id = ll.eos_token      # never None: the wrapper would add a token for it
-        self.special_token_ids = sorted({i for i, t in added.items() if t.special and i < size} | {self.eos_token_id})
+        specials = {i for i, t in added.items() if t.special} | set(tokenizer.all_special_ids) | {self.eos_token_id}
+        self.special_token_ids = sorted(i for i in specials if i < size)
         self.bos_token_id = tokenizer.bos_token_id
 
     def __call__(self, text: str) -> list[int]:

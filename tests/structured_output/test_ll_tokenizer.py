@@ -21,8 +21,9 @@ TEXT_TOKENS = ["<tool_call>", "</tool_call>", "<think>", "</think>"]
 def tokenizer(default_model_tokenizer):
     """The default model's tokenizer with Qwen's text tokens added, and one added special."""
     tok = copy.deepcopy(default_model_tokenizer)
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TEXT_TOKENS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TEXT_TOKENS + ["<pad_here>"]])
     tok.add_special_tokens({"additional_special_tokens": ["<|tool_role|>"]})
+    tok.pad_token = "<pad_here>"        # added as text, named as the padding: special all the same
     return tok
 
 
@@ -42,8 +43,8 @@ def test_added_text_tokens_are_text_and_specials_stay_special(tokenizer):
     assert all(own.is_special_token(i) for i in text_ids)              # llguidance's own reading
     assert not any(ll.is_special_token(i) for i in text_ids)
     assert [ll.decode_bytes([i]) for i in text_ids] == [t.encode() for t in TEXT_TOKENS]
-    special = tokenizer.convert_tokens_to_ids("<|tool_role|>")
-    assert ll.is_special_token(special) and ll.is_special_token(tokenizer.eos_token_id)
+    special, pad = tokenizer.convert_tokens_to_ids(["<|tool_role|>", "<pad_here>"])
+    assert ll.is_special_token(special) and ll.is_special_token(pad) and ll.is_special_token(tokenizer.eos_token_id)
     others = [i for i in range(len(tokenizer)) if i not in text_ids]
     assert [ll.decode_bytes([i]) for i in others] == [own.decode_bytes([i]) for i in others]
     assert [ll.is_special_token(i) for i in others] == [own.is_special_token(i) for i in others]
