@@ -12,6 +12,8 @@ import pytest
 
 from specserve import LLM
 from specserve.entrypoints.openai.api_server import build_app
+from specserve.entrypoints.openai.reasoning import PARSERS
+from specserve.entrypoints.openai.response_answers import AnswerLogprobs
 from specserve.entrypoints.openai.limits import APIError
 from specserve.entrypoints.openai.responses import ResponsesRequest, to_chat
 
@@ -116,7 +118,8 @@ def test_text_format_json_schema(client):
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"include": ["file_search_call.results"]}, "include"),
+    ({"top_logprobs": 21}, "top_logprobs"),
     ({"background": True}, "background"),
     ({"truncation": "auto"}, "truncation"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input[0].content[0]"),
@@ -174,7 +177,7 @@ def test_leaving_a_stream_aborts_its_request(url, llm):
     assert wait_until(lambda: not llm.engine.has_unfinished_requests(), timeout=30)
 
 
-def events_of(chunks: list[dict], req: ResponsesRequest | None = None) -> list[dict]:
+def events_of(chunks: list[dict], req: ResponsesRequest | None = None, **kw) -> list[dict]:
     import asyncio
 
     from specserve.entrypoints.openai.response_answers import ResponseEvents
@@ -185,7 +188,7 @@ def events_of(chunks: list[dict], req: ResponsesRequest | None = None) -> list[d
         yield "data: [DONE]\n\n"
 
     async def run():
-        return [e async for e in ResponseEvents(req or ResponsesRequest(input="x"), MODEL).translate(source())]
+        return [e async for e in ResponseEvents(req or ResponsesRequest(input="x"), MODEL, **kw).translate(source())]
 
     out = []
     for text in asyncio.run(run()):
@@ -296,3 +299,73 @@ def test_cached_prompt_tokens_are_reported(client, url):
     assert again["prompt_tokens"] - 16 <= cached < again["prompt_tokens"] and cached % 16 == 0
     r = client.responses.create(model=MODEL, input=words, max_output_tokens=2, temperature=0)
     assert r.usage.input_tokens_details.cached_tokens == cached
+
+
+def test_logprobs_of_the_answer_whole_and_streamed(client, url):
+    """include message.output_text.logprobs: the chat completion's logprobs on the output_text
+    part, the same entries spread over the stream's deltas; top_logprobs alternatives too."""
+    kw = dict(model=MODEL, input="Name a color.", max_output_tokens=8, temperature=0, top_logprobs=2,
+              include=["message.output_text.logprobs"])
+    whole = client.responses.create(**kw).model_dump()
+    want = chat(url, [{"role": "user", "content": "Name a color."}], max_completion_tokens=8, logprobs=True,
+                top_logprobs=2)["choices"][0]["logprobs"]["content"]
+    part = whole["output"][0]["content"][0]
+
+    def same(entries) -> bool:       # equal tokens; log-probabilities equal to float noise (the prefix cache)
+        def flat(es):
+            return [(e["token"], e["bytes"], [(t["token"], t["bytes"]) for t in e["top_logprobs"]]) for e in es]
+
+        def values(es):
+            return [v for e in es for v in [e["logprob"]] + [t["logprob"] for t in e["top_logprobs"]]]
+        return flat(entries) == flat(want) and values(entries) == pytest.approx(values(want), abs=1e-4)
+
+    assert len(want) == 8 and same(part["logprobs"])
+    assert all(len(e["top_logprobs"]) == 2 for e in part["logprobs"])
+    events = [e.model_dump() for e in client.responses.create(**kw, stream=True)]
+    streamed = [entry for e in events if e["type"] == "response.output_text.delta" for entry in e["logprobs"]]
+    done = next(e for e in events if e["type"] == "response.output_text.done")
+    assert streamed == done["logprobs"] == events[-1]["response"]["output"][0]["content"][0]["logprobs"]
+    assert same(streamed)
+    plain = local_http.post(f"{url}/v1/responses", timeout=60, json={
+        "model": MODEL, "input": "Name a color.", "max_output_tokens": 8, "temperature": 0}).json()
+    assert "logprobs" not in plain["output"][0]["content"][0]          # not asked for
+
+
+@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
+def test_answer_logprobs_leave_the_reasoning_out(parser):
+    """The answer's entries start after the token that completes </think>, fed whole or a few at
+    a time (as a stream's chunks come), and none are handed out while the reasoning may go on."""
+    tokens = (["<think>"] if parser == "qwen3" else []) + ["17", " *", " 23", "</", "think", ">", "\n", "391"]
+    entries = [{"token": t, "logprob": -0.1 * i} for i, t in enumerate(tokens)]
+    whole = AnswerLogprobs(PARSERS[parser])
+    whole.add(entries)
+    assert whole.answer() == entries[-2:]
+    for cut in range(1, len(entries)):
+        stream = AnswerLogprobs(PARSERS[parser])
+        got = []
+        for a in range(0, len(entries), cut):
+            stream.add(entries[a:a + cut])
+            got += stream.take()
+        assert got == stream.answer() == entries[-2:], cut
+    unthinking = AnswerLogprobs(PARSERS["qwen3"])
+    unthinking.add([{"token": "<", "logprob": 0.0}])
+    assert unthinking.take() == []                       # "<" may begin <think>: undecided
+    unthinking.add([{"token": "b>bold", "logprob": 0.0}])
+    assert len(unthinking.take()) == 2 and AnswerLogprobs(None).answer() == []
+
+
+def test_the_logprobs_of_tokens_without_text_are_streamed_too():
+    """The end of sequence shows no text: its entry comes in a delta of no text before the done
+    event, so the deltas' entries join to the done event's (the whole answer's)."""
+    def entry(token):
+        return {"token": token, "logprob": -1.0, "bytes": list(token.encode()), "top_logprobs": []}
+
+    chunks = [{"choices": [{"index": 0, "delta": {"content": "Paris"}, "logprobs": {"content": [entry("Paris")]},
+                            "finish_reason": None}]},
+              {"choices": [{"index": 0, "delta": {}, "logprobs": {"content": [entry("<|im_end|>")]},
+                            "finish_reason": "stop"}]}]
+    events = events_of(chunks, logprobs=True)
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    done = next(e for e in events if e["type"] == "response.output_text.done")
+    assert [d["delta"] for d in deltas] == ["Paris", ""]
+    assert [x for d in deltas for x in d["logprobs"]] == done["logprobs"] == [entry("Paris"), entry("<|im_end|>")]

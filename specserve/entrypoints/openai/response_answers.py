@@ -17,6 +17,7 @@ from typing import AsyncIterator
 
 from specserve.entrypoints.openai.protocol import now, random_id
 from specserve.entrypoints.openai.response_format import sse
+from specserve.reasoning_formats import CLOSE, OPEN
 
 
 def _shell(req, rid: str, created: int, model: str) -> dict:
@@ -49,9 +50,55 @@ def _finish(response: dict, output: list[dict], finish_reason: str | None, usage
     return response
 
 
-def _message_item(text: str, status: str = "completed") -> dict:
+def _text_part(text: str, logprobs: list | None) -> dict:
+    part = {"type": "output_text", "text": text, "annotations": []}
+    if logprobs is not None:
+        part["logprobs"] = logprobs
+    return part
+
+
+def _message_item(text: str, status: str = "completed", logprobs: list | None = None) -> dict:
     return {"id": random_id("msg"), "type": "message", "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []}
+            "content": [_text_part(text, logprobs)] if status == "completed" else []}
+
+
+class AnswerLogprobs:
+    """The log-probabilities of the answer's tokens, the message's (``include:
+    ["message.output_text.logprobs"]``), from the chat answer's entries, which cover every
+    token: with a reasoning parser the reasoning's are left out, the tokens through the one
+    that completes ``</think>`` (``ReasoningParser.reasoning_tokens``' rule, on the entries'
+    text). Fed a stream's entries as they come, or a whole answer's at once: the same split."""
+
+    def __init__(self, reasoning=None):
+        self.reasoning = reasoning            # the server's ReasoningParser, or None
+        self.entries: list[dict] = []
+        self.start = None if reasoning is not None else 0     # the answer's first entry, once known
+        self.sent = 0                         # entries handed out by ``take``
+
+    def add(self, entries: list[dict]) -> None:
+        self.entries += entries
+        if self.start is None:
+            text = self._text(range(len(self.entries)))
+            undecided = not self.reasoning.starts_inside and OPEN.startswith(text)
+            if not undecided and (CLOSE in text or not (self.reasoning.starts_inside or text.startswith(OPEN))):
+                self.start = self.reasoning.reasoning_tokens(list(range(len(self.entries))), self._text)
+
+    def _text(self, ids) -> str:
+        return "".join(self.entries[i]["token"] for i in ids)
+
+    def take(self) -> list[dict]:
+        """The answer's entries not handed out yet (none while the reasoning may go on)."""
+        if self.start is None:
+            return []
+        new = self.entries[max(self.start, self.sent):]
+        self.sent = len(self.entries)
+        return new
+
+    def answer(self) -> list[dict]:
+        """All the answer's entries, the output finished (reasoning never closed: none)."""
+        if self.start is None:
+            self.start = self.reasoning.reasoning_tokens(list(range(len(self.entries))), self._text)
+        return self.entries[self.start:]
 
 
 def _reasoning_item(text: str, status: str = "completed") -> dict:
@@ -65,12 +112,18 @@ def _call_item(call: dict, status: str = "completed") -> dict:
             "name": function["name"], "arguments": function.get("arguments") or ""}
 
 
-def response_body(req, chat: dict) -> dict:
-    """The Response for a chat completion's JSON answer (``req``: the ResponsesRequest)."""
+def response_body(req, chat: dict, reasoning=None) -> dict:
+    """The Response for a chat completion's JSON answer (``req``: the ResponsesRequest;
+    ``reasoning``: the server's ReasoningParser, which the logprobs are split by)."""
     choice = chat["choices"][0]
     message = choice["message"]
+    logprobs = None
+    if choice.get("logprobs") is not None:
+        entries = AnswerLogprobs(reasoning)
+        entries.add(choice["logprobs"]["content"])
+        logprobs = entries.answer()
     output = [_reasoning_item(message["reasoning_content"])] if message.get("reasoning_content") else []
-    output += [_message_item(message["content"])] if message.get("content") else []
+    output += [_message_item(message["content"], logprobs=logprobs)] if message.get("content") else []
     output += [_call_item(call) for call in message.get("tool_calls") or []]
     return _finish(_shell(req, random_id("resp"), chat["created"], chat["model"]), output, choice["finish_reason"],
                    chat.get("usage"))
@@ -79,8 +132,9 @@ def response_body(req, chat: dict) -> dict:
 class ResponseEvents:
     """A chat completion's stream (its ``data:`` chunks) -> the Responses API's events."""
 
-    def __init__(self, req, model: str, on_finished=None):
+    def __init__(self, req, model: str, on_finished=None, reasoning=None, logprobs: bool = False):
         self.response = _shell(req, random_id("resp"), now(), model)
+        self.logprobs = AnswerLogprobs(reasoning) if logprobs else None   # asked for: the answer's, by delta
         self.on_finished = on_finished      # called with the final response (completed or incomplete)
         self.seq = 0
         self.output: list[dict] = []
@@ -130,6 +184,8 @@ class ResponseEvents:
             self.usage = chunk["usage"]
         for choice in chunk.get("choices", []):
             delta = choice.get("delta") or {}
+            if self.logprobs is not None and choice.get("logprobs"):
+                self.logprobs.add(choice["logprobs"]["content"])
             if delta.get("reasoning_content"):
                 yield from self._text(delta["reasoning_content"], "reasoning")
             if delta.get("content"):
@@ -152,14 +208,15 @@ class ResponseEvents:
                 yield self._event("response.output_item.added", output_index=len(self.output), item=self.item)
                 yield self._event("response.content_part.added", item_id=self.item["id"],
                                   output_index=len(self.output), content_index=0,
-                                  part={"type": "output_text", "text": "", "annotations": []})
+                                  part=_text_part("", [] if self.logprobs is not None else None))
         self.item_text += piece
         if kind == "reasoning":
             yield self._event("response.reasoning_text.delta", item_id=self.item["id"], output_index=len(self.output),
                               content_index=0, delta=piece)
         else:
             yield self._event("response.output_text.delta", item_id=self.item["id"], output_index=len(self.output),
-                              content_index=0, delta=piece, logprobs=[])
+                              content_index=0, delta=piece,
+                              logprobs=self.logprobs.take() if self.logprobs is not None else [])
 
     def _call(self, call: dict):
         function = call.get("function") or {}
@@ -182,9 +239,14 @@ class ResponseEvents:
                               text=self.item_text)
             item["content"] = [{"type": "reasoning_text", "text": self.item_text}]
         elif item["type"] == "message":
-            part = {"type": "output_text", "text": self.item_text, "annotations": []}
+            logprobs = self.logprobs.answer() if self.logprobs is not None else None
+            rest = self.logprobs.take() if self.logprobs is not None else []
+            if rest:        # tokens that showed no text (the end of sequence): a delta of no text carries them
+                yield self._event("response.output_text.delta", item_id=item["id"], output_index=index,
+                                  content_index=0, delta="", logprobs=rest)
+            part = _text_part(self.item_text, logprobs)
             yield self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                              text=self.item_text, logprobs=[])
+                              text=self.item_text, logprobs=logprobs or [])
             yield self._event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
                               part=part)
             item["content"] = [part]

@@ -18,10 +18,12 @@ With ``serve --reasoning-parser``, a thinking model's reasoning comes first as a
 item (``reasoning_text`` content; streamed as ``response.reasoning_text.delta``); ``reasoning``
 items sent back in ``input`` are skipped, as chat templates drop earlier turns' reasoning.
 ``reasoning.effort`` reaches the chat template as chat's ``reasoning_effort`` does; its other
-options are ignored. What is not supported: input
-images, files and audio, built-in tools (web search, file search, ...), ``include`` values
-(but ``reasoning.encrypted_content``: nothing to add), ``truncation: "auto"``, ``background``
-and ``top_logprobs`` are 400s naming the field.
+options are ignored. ``include: ["message.output_text.logprobs"]`` (or ``top_logprobs``, 0-20
+alternatives) adds the answer's log-probabilities to its ``output_text`` part and to each
+``response.output_text.delta`` (``response_answers.AnswerLogprobs``). What is not supported: input
+images, files and audio, built-in tools (web search, file search, ...), other ``include`` values
+(but ``reasoning.encrypted_content``: nothing to add), ``truncation: "auto"`` and ``background``
+are 400s naming the field.
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ TEXT_PARTS = ("input_text", "output_text", "text")
 # include values answered with nothing more: reasoning items carry their text in the clear, so there is
 # no encrypted reasoning to add (agent clients that keep no state, such as Codex, ask for it)
 INCLUDE_NOTHING_TO_ADD = ("reasoning.encrypted_content",)
+INCLUDE_LOGPROBS = "message.output_text.logprobs"     # the answer's tokens' log-probabilities
 
 
 async def create_response(serving, store: ResponseStore, req: "ResponsesRequest", raw: Request) -> Response:
@@ -81,11 +84,12 @@ async def create_response(serving, store: ResponseStore, req: "ResponsesRequest"
             e.param = "input"
         raise
     if isinstance(answer, SSEResponse):
-        events = ResponseEvents(req, serving.model_name, finished).translate(answer.body_iterator)
+        events = ResponseEvents(req, serving.model_name, finished, serving.reasoning,
+                                logprobs=wants_logprobs(req)).translate(answer.body_iterator)
         return SSEResponse(events, on_close=answer.on_close)
     if answer.status_code != 200:
         return answer
-    response = response_body(req, json.loads(answer.body))
+    response = response_body(req, json.loads(answer.body), serving.reasoning)
     finished(response)
     return JSONResponse(response)
 
@@ -116,7 +120,7 @@ class ResponsesRequest(StrictModel):
     reasoning: dict[str, Any] | None = None
     previous_response_id: str | None = None
     background: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     max_tool_calls: int | None = None
     # vLLM's extensions
     top_k: TopK | None = None
@@ -124,6 +128,11 @@ class ResponsesRequest(StrictModel):
     repetition_penalty: RepetitionPenalty | None = None
     seed: Seed | None = None
     priority: Priority = 0
+
+
+def wants_logprobs(req: "ResponsesRequest") -> bool:
+    """The answer's log-probabilities asked for: ``include`` names them, or ``top_logprobs`` is set."""
+    return INCLUDE_LOGPROBS in (req.include or []) or bool(req.top_logprobs)
 
 
 def _refuse(param: str, message: str) -> APIError:
@@ -136,13 +145,11 @@ def to_chat(req: ResponsesRequest, history: list[dict] | None = None) -> tuple[d
     carried over (as in OpenAI's API). APIError for what it cannot mean."""
     if req.background:
         raise _refuse("background", "background responses are not supported")
-    unknown = [v for v in req.include or [] if v not in INCLUDE_NOTHING_TO_ADD]
+    unknown = [v for v in req.include or [] if v not in INCLUDE_NOTHING_TO_ADD + (INCLUDE_LOGPROBS,)]
     if unknown:
         raise _refuse("include", f"these include values are not produced here: {unknown}")
     if req.truncation == "auto":
         raise _refuse("truncation", "truncation 'auto' is not supported: a prompt too long is a 400")
-    if req.top_logprobs:
-        raise _refuse("top_logprobs", "top_logprobs is not supported on /v1/responses (chat completions has logprobs)")
     if req.max_tool_calls is not None:
         raise _refuse("max_tool_calls", "max_tool_calls is not supported")
     conversation = [dict(m) for m in history or []]
@@ -161,6 +168,8 @@ def to_chat(req: ResponsesRequest, history: list[dict] | None = None) -> tuple[d
             body[name] = getattr(req, name)
     if req.max_output_tokens is not None:
         body["max_completion_tokens"] = req.max_output_tokens
+    if wants_logprobs(req):
+        body["logprobs"], body["top_logprobs"] = True, req.top_logprobs or 0
     effort = (req.reasoning or {}).get("effort")
     if isinstance(effort, str):
         body["reasoning_effort"] = effort      # the chat template's variable, as chat's reasoning_effort
