@@ -5,8 +5,9 @@
 Routes: POST /v1/completions, POST /v1/chat/completions (``stream`` true or
 false; server-sent events ``data: {...}`` ending with ``data: [DONE]``), POST /v1/responses
 (OpenAI's Responses API over the chat handler: ``responses.py``; GET and DELETE
-/v1/responses/{id} for the kept ones),
-POST /tokenize and /detokenize (vLLM's), GET /v1/models (and /v1/models/{id}), GET
+/v1/responses/{id} for the kept ones), POST /v1/messages and /v1/messages/count_tokens
+(Anthropic's Messages API over the chat handler: ``anthropic_messages.py``; its errors in
+Anthropic's shape, and its clients' ``x-api-key`` taken as the key), POST /tokenize and /detokenize (vLLM's), GET /v1/models (and /v1/models/{id}), GET
 /v1/specserve/info (model and speculation), GET /version, GET /health,
 GET /metrics (Prometheus), and the chat page at /. The request extension
 ``"specserve": {"provenance": true}`` adds how each token came (``provenance.py``).
@@ -58,6 +59,9 @@ from specserve.entrypoints.openai.protocol import (
 from specserve.entrypoints.openai.reasoning import PARSERS
 from specserve.entrypoints.openai.response_format import hold_back
 from specserve.entrypoints.openai.responses import ResponsesRequest, create_response
+from specserve.entrypoints.openai.anthropic_messages import (
+    CountTokensRequest, MessagesRequest, anthropic_error, count_tokens, create_message,
+)
 from specserve.entrypoints.openai.responses_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
 from specserve.entrypoints.openai.serving import OpenAIServing
 
@@ -94,13 +98,19 @@ class _APIKeyMiddleware:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].startswith("/v1") and scope.get("method") != "OPTIONS":
-            auth = dict(scope["headers"]).get(b"authorization", b"")
+            headers = dict(scope["headers"])
+            auth = headers.get(b"authorization", b"")
             scheme, _, key = auth.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(), self.api_key):
+            if scheme.lower() != b"bearer":
+                key = headers.get(b"x-api-key", b"")      # Anthropic's clients send the key so
+            if not hmac.compare_digest(key.strip(), self.api_key):
                 if self.on_reject is not None:
                     self.on_reject()
-                message = "missing API key (send 'Authorization: Bearer <key>')" if not auth else "invalid API key"
-                response = error_response(401, message, "authentication_error", code="invalid_api_key")
+                message = "missing API key (send 'Authorization: Bearer <key>')" if not key else "invalid API key"
+                if scope["path"].startswith("/v1/messages"):
+                    response = JSONResponse(anthropic_error(401, message), status_code=401)
+                else:
+                    response = error_response(401, message, "authentication_error", code="invalid_api_key")
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -135,8 +145,10 @@ def build_app(llm_or_engine, served_model_name: str | list[str] | None = None, a
     app.state.async_engine = async_engine
     app.state.limits = limits                 # uvicorn_config() reads the header limits from here
 
-    def fail(e: APIError) -> JSONResponse:
+    def fail(e: APIError, anthropic: bool = False) -> JSONResponse:
         m.errors.labels(ln, str(e.status)).inc()
+        if anthropic:     # Anthropic's error shape, for its Messages API's clients
+            return JSONResponse(anthropic_error(e.status, e.message), status_code=e.status)
         return error_response(e.status, e.message, e.type, e.param, e.code)
 
     @app.exception_handler(StarletteHTTPException)
@@ -153,22 +165,23 @@ def build_app(llm_or_engine, served_model_name: str | list[str] | None = None, a
         except ValidationError as e:
             raise validation_error(e) from None
 
-    async def handle(raw: Request, model_cls, endpoint) -> Response:
+    async def handle(raw: Request, model_cls, endpoint, anthropic: bool = False) -> Response:
         try:
             request = await parse(raw, model_cls)
             return await endpoint(request, raw)
         except APIError as e:
-            return fail(e)
+            return fail(e, anthropic)
         except ClientGone:  # disconnected mid-upload: nobody to answer, nothing to log
             m.errors.labels(ln, "499").inc()
             return Response(status_code=499)
         except (EngineDeadError, EngineStepError, RequestFailedError) as e:
-            return fail(engine_error(e))
+            return fail(engine_error(e), anthropic)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - never crash the server on one request
             logger.exception("request failed")
-            return fail(APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error", code="internal_error"))
+            return fail(APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error", code="internal_error"),
+                        anthropic)
 
     @app.post("/v1/completions")
     async def completions(raw: Request):
@@ -181,6 +194,14 @@ def build_app(llm_or_engine, served_model_name: str | list[str] | None = None, a
     @app.post("/v1/responses")
     async def responses(raw: Request):
         return await handle(raw, ResponsesRequest, functools.partial(create_response, serving, stored))
+
+    @app.post("/v1/messages")
+    async def messages(raw: Request):
+        return await handle(raw, MessagesRequest, functools.partial(create_message, serving), anthropic=True)
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(raw: Request):
+        return await handle(raw, CountTokensRequest, functools.partial(count_tokens, serving), anthropic=True)
 
     @app.get("/v1/responses/{response_id}")
     async def stored_response(response_id: str):
