@@ -8,7 +8,7 @@ import json
 import pytest
 
 from specserve.entrypoints.openai import tool_calls
-from specserve.entrypoints.openai.tool_call_stream import ToolCallStream
+from specserve.entrypoints.openai.tool_call_stream import ToolCallStream, parse_whole
 from specserve.entrypoints.openai.protocol import ChatCompletionRequest
 
 NAMES = {"get_weather", "get_time"}
@@ -187,3 +187,18 @@ def test_the_constraint_by_tool_choice():
     assert one.startswith("start: call\n")
     named = tool_calls.constraint(request(tool_choice={"type": "function", "function": {"name": "get_time"}})).grammar
     assert "get_time" in named and "get_weather" not in named and named.startswith("start: call\n")
+
+
+@pytest.mark.parametrize("step", [1, 2, 5, 13])
+def test_a_whole_answer_and_its_stream_agree_even_when_cut(step):
+    """The server reads a whole answer by the stream's rule fed at once (``parse_whole``): every
+    prefix of an answer (cut anywhere by max_tokens) gives the same content, calls and arguments
+    whole as streamed in any split. A block cut after its arguments began is a call in both."""
+    texts = [TWO_CALLS[:n] for n in range(0, len(TWO_CALLS) + 1, 3)] + [TWO_CALLS] + BARE + NOT_BARE + [JSON_THEN_BLOCK]
+    for text in texts:
+        content, deltas = streamed(text, step, blocks_are_calls=False)
+        whole_content, whole_calls = parse_whole(text, NAMES)
+        assert content == (whole_content or ""), text
+        assert [(name, args) for _, name, args in assembled(deltas)] == [(c.name, c.arguments) for c in whole_calls]
+    content, calls = parse_whole(TWO_CALLS[:TWO_CALLS.index("CET") + 5], NAMES)     # the second block cut
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Paris"}'), ("get_time", '{"zone": "CET"}')]

@@ -25,7 +25,7 @@ from specserve.entrypoints.chat_template import ChatTemplateError, render_chat
 from specserve.entrypoints.fill_in_middle import fim_params, fim_prompt
 from specserve.entrypoints.openai import structured, tool_calls
 from specserve.entrypoints.openai.echo import echo_logprobs, joined, prompt_logprobs_json, prompt_text
-from specserve.entrypoints.openai.tool_call_stream import ToolCallStream
+from specserve.entrypoints.openai.tool_call_stream import ToolCallStream, parse_whole
 from specserve.entrypoints.openai.errors import engine_error, error_body, sampling_error
 from specserve.entrypoints.openai.limits import APIError, ServerLimits
 from specserve.entrypoints.openai.metrics import ServerMetrics
@@ -256,7 +256,7 @@ class OpenAIServing:
                     reasoning, text = self.reasoning.split(text)
                 message, finish = {"role": "assistant", "content": text}, completion.finish_reason
                 if tool_calls.mode(request):
-                    content, calls = tool_calls.parse(text or "", tool_names(request))
+                    content, calls = parse_whole(text or "", tool_names(request))
                     if calls:
                         message = {"role": "assistant", "content": content, "tool_calls": [t.as_dict() for t in calls]}
                         finish = "tool_calls" if finish == "stop" else finish

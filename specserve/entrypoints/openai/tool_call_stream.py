@@ -18,6 +18,11 @@ A call whose arguments were streamed stays a call (the pieces are out): if its b
 ``max_tokens`` or breaks after the arguments, its arguments are the text the model wrote, as
 with OpenAI. Under ``tool_choice`` "required" or a named function the grammar rules that out.
 
+Text between calls (or before the first, after the last) that is only whitespace is not
+content: a run of text's leading whitespace is held until text follows it. The server reads a
+whole answer with the same rule fed at once (``parse_whole``), so a whole answer and its stream
+give the same content and calls, even cut by ``max_tokens``.
+
 An answer that starts as JSON could be a call written without a block (``tool_calls.parse_bare``):
 one that starts with ``{``, ``[`` or ```` ```json ```` is held back whole and read at its end as
 the whole answer is (its calls whole, or its text as content), so a stream and a whole answer
@@ -82,6 +87,8 @@ class ToolCallStream:
         self.calls: list[ToolCall] = []
         self._block: _Block | None = None
         self._bare: bool | None = None       # the answer may be a call without a block (None: not known yet)
+        self._held = ""                      # whitespace that begins a run of text, not sent yet (``_text``)
+        self._run_has_text = False           # the current run of text (since the last call) has text
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
         """New text -> (content to send, ``delta.tool_calls`` entries to send)."""
@@ -106,10 +113,10 @@ class ToolCallStream:
                 start = self.pending.find(OPEN)
                 if start < 0:
                     keep = 0 if final else _open_prefix_len(self.pending)
-                    content.append(self.pending[: len(self.pending) - keep])
+                    self._text(self.pending[: len(self.pending) - keep], content)
                     self.pending = self.pending[len(self.pending) - keep:]
                     break
-                content.append(self.pending[:start])
+                self._text(self.pending[:start], content)
                 self.pending = self.pending[start:]
                 self._block = _Block()
             end = self.pending.find(CLOSE)
@@ -118,22 +125,39 @@ class ToolCallStream:
             if end < 0:
                 if final:
                     if self._block.call is None:
-                        content.append(self.pending)      # a cut block that never became a call: text
+                        self._text(self.pending, content)      # a cut block that never became a call: text
                     self.pending, self._block = "", None
                 break
             block_end = end + len(CLOSE)
             if self._block.call is None:
                 call = parse_block(body.strip(), self.names)
                 if call is None:
-                    content.append(self.pending[:block_end])
+                    self._text(self.pending[:block_end], content)
                 else:
+                    self._call_begins()
                     deltas.append(call.as_delta(len(self.calls)))
                     self.calls.append(call)
             self.pending, self._block = self.pending[block_end:], None
-        text_out = "".join(content)
-        if self.calls and not text_out.strip():   # whitespace between and around calls is not content
-            text_out = ""
-        return text_out, deltas
+        if final and not self.calls:          # no call after all: held whitespace is content
+            content.append(self._held)
+            self._held = ""
+        return "".join(content), deltas
+
+    def _text(self, text: str, out: list[str]) -> None:
+        """Content text, in order. Text between calls (or before the first, after the last) that
+        is only whitespace is not content when the answer has calls, so a run's leading
+        whitespace is held until text follows it (sent with it) or a call does (dropped)."""
+        if not text:
+            return
+        if not self._run_has_text and not text.strip():
+            self._held += text
+            return
+        out.append(self._held + text)
+        self._held, self._run_has_text = "", True
+
+    def _call_begins(self) -> None:
+        """A call's block: the run of text before it ends, its held whitespace dropped."""
+        self._held, self._run_has_text = "", False
 
     def _stream_arguments(self, body: str) -> list[dict]:
         b = self._block
@@ -147,6 +171,7 @@ class ToolCallStream:
             if m.group("name") not in self.names:
                 b.whole = True
                 return []
+            self._call_begins()
             b.call = ToolCall(m.group("name"), "", f"call_{uuid.uuid4().hex[:24]}")
             b.index, b.arguments_at = len(self.calls), m.end()
             self.calls.append(b.call)
@@ -157,6 +182,16 @@ class ToolCallStream:
             b.call.arguments += piece
             out.append({"index": b.index, "function": {"arguments": piece}})
         return out
+
+
+def parse_whole(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
+    """(content or None, the calls) of a whole answer: the stream's rule fed at once, so a whole
+    answer and its stream always give the same calls and content (a block cut by ``max_tokens``
+    whose arguments had begun is a call in both; a streamed call's arguments are the text the
+    model wrote in both)."""
+    stream = ToolCallStream(names)
+    content, _ = stream.feed(text, final=True)
+    return content or None, stream.calls
 
 
 def _open_prefix_len(text: str) -> int:
