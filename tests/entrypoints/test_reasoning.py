@@ -69,6 +69,18 @@ def test_reasoning_token_counts(pieces, deepseek, qwen3):
     assert PARSERS["qwen3"].reasoning_tokens(ids, decode) == qwen3
 
 
+def streamed_split(url: str, body: dict) -> tuple[str, str]:
+    """(the reasoning, the content) of the chat request ``body`` streamed, its pieces joined."""
+    reasoning = content = ""
+    with local_http.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    reasoning += choice["delta"].get("reasoning_content") or ""
+                    content += choice["delta"].get("content") or ""
+    return reasoning, content
+
+
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
     return LLM(model=tiny_llama_dir, dtype="float32", max_model_len=256, kv_cache_memory=8 << 20)
@@ -87,13 +99,7 @@ def test_the_server_returns_reasoning_apart(llm, parser):
         assert message["reasoning"] == message["reasoning_content"]
         counts = local_http.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()["usage"]
         assert counts["completion_tokens_details"]["reasoning_tokens"] == (counts["completion_tokens"] if want[0] else 0)
-        reasoning = content = ""
-        with local_http.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    for choice in json.loads(line[6:])["choices"]:
-                        reasoning += choice["delta"].get("reasoning_content") or ""
-                        content += choice["delta"].get("content") or ""
+        reasoning, content = streamed_split(url, body)
         assert (reasoning or None, content or None) == want
         # structured output leaves the reasoning free: this model writes no tag, so under
         # deepseek_r1 its answer is the unconstrained one, all reasoning (the test below has a tag)
@@ -126,14 +132,7 @@ def test_structured_output_governs_the_answer_after_the_reasoning(llm):
         assert message["reasoning_content"] is not None and "</think>" not in message["reasoning_content"]
         assert re.fullmatch(">+", message["content"]), message
         assert 0 < answer["usage"]["completion_tokens_details"]["reasoning_tokens"] < answer["usage"]["completion_tokens"]
-        reasoning = content = ""
-        with local_http.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    for choice in json.loads(line[6:])["choices"]:
-                        reasoning += choice["delta"].get("reasoning_content") or ""
-                        content += choice["delta"].get("content") or ""
-        assert (reasoning, content) == (message["reasoning_content"], message["content"])
+        assert streamed_split(url, body) == (message["reasoning_content"], message["content"])
 
 
 def test_an_unknown_parser_is_refused(llm):

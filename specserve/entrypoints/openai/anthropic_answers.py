@@ -14,10 +14,11 @@ is an ``error`` event.
 from __future__ import annotations
 
 import json
+from contextlib import aclosing
 from typing import AsyncIterator
 
 from specserve.entrypoints.openai.protocol import random_id
-from specserve.entrypoints.openai.response_format import sse
+from specserve.entrypoints.openai.response_format import chat_chunks, sse
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
@@ -79,22 +80,13 @@ class MessageEvents:
         self.usage: dict | None = None
 
     async def translate(self, chunks: AsyncIterator) -> AsyncIterator[str]:
-        try:
-            async for raw in chunks:
-                text = raw.decode() if isinstance(raw, bytes) else raw
-                for line in text.split("\n"):
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[len("data: "):])
-                    if "error" in chunk:
-                        yield _event("error", error={"type": "api_error", "message": chunk["error"].get("message", "")})
-                        return
-                    for event in self._chunk(chunk):
-                        yield event
-        finally:
-            aclose = getattr(chunks, "aclose", None)
-            if aclose is not None:
-                await aclose()
+        async with aclosing(chat_chunks(chunks)) as parsed:
+            async for chunk in parsed:
+                if "error" in chunk:
+                    yield _event("error", error={"type": "api_error", "message": chunk["error"].get("message", "")})
+                    return
+                for event in self._chunk(chunk):
+                    yield event
         for event in self._start():
             yield event
         for event in self._close():

@@ -33,6 +33,9 @@ from specserve.entrypoints.openai.errors import validation_error
 from specserve.entrypoints.openai.limits import APIError
 from specserve.entrypoints.openai.protocol import ChatCompletionRequest, Seed, StrictModel, TokenizeRequest, TopK
 from specserve.entrypoints.openai.response_format import SSEResponse
+from specserve.entrypoints.openai.responses import joined_text
+
+TEXT = ("text",)      # Anthropic's text blocks
 
 
 class MessagesRequest(StrictModel):
@@ -141,7 +144,7 @@ def to_chat(req: MessagesRequest) -> dict:
         raise _refuse("mcp_servers", "MCP servers are not supported")
     messages: list[dict] = []
     if req.system:
-        messages.append({"role": "system", "content": _text(req.system, "system")})
+        messages.append({"role": "system", "content": joined_text(req.system, "system", TEXT)})
     for i, message in enumerate(req.messages):
         _add_message(messages, message, f"messages[{i}]")
     body: dict[str, Any] = {"messages": messages, "max_completion_tokens": req.max_tokens, "stream": bool(req.stream)}
@@ -176,22 +179,6 @@ def to_chat(req: MessagesRequest) -> dict:
     return body
 
 
-def _text(content, where: str) -> str:
-    """A string, or text blocks joined; anything else is a 400 naming where it is."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise APIError(400, f"{where} must be a string or a list of content blocks", param=where, code="invalid_value")
-    parts = []
-    for j, block in enumerate(content):
-        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
-            raise APIError(400, f"{where}[{j}]: only text blocks are supported here, got {kind!r}",
-                           param=f"{where}[{j}]", code="unsupported_value")
-        parts.append(block["text"])
-    return "".join(parts)
-
-
 def _add_message(messages: list[dict], message: dict, where: str) -> None:
     role, content = message.get("role"), message.get("content")
     if role not in ("user", "assistant"):
@@ -221,7 +208,7 @@ def _add_message(messages: list[dict], message: dict, where: str) -> None:
                 raise APIError(400, f"{at}: a tool_result block needs its tool_use_id", param=f"{at}.tool_use_id",
                                code="invalid_value")
             result = block.get("content", "")
-            output = _text(result, f"{at}.content") if result else ""
+            output = joined_text(result, f"{at}.content", TEXT) if result else ""
             if block.get("is_error"):
                 output = f"Error: {output}"
             messages.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": output})

@@ -13,10 +13,11 @@ every event numbered by ``sequence_number``.
 from __future__ import annotations
 
 import json
+from contextlib import aclosing
 from typing import AsyncIterator
 
 from specserve.entrypoints.openai.protocol import now, random_id
-from specserve.entrypoints.openai.response_format import sse
+from specserve.entrypoints.openai.response_format import chat_chunks, sse
 from specserve.reasoning_formats import CLOSE, OPEN
 
 
@@ -154,23 +155,14 @@ class ResponseEvents:
     async def translate(self, chunks: AsyncIterator) -> AsyncIterator[str]:
         yield self._event("response.created", response=self._snapshot())
         yield self._event("response.in_progress", response=self._snapshot())
-        try:
-            async for raw in chunks:
-                text = raw.decode() if isinstance(raw, bytes) else raw
-                for line in text.split("\n"):
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[len("data: "):])
-                    if "error" in chunk:
-                        for event in self._failed(chunk["error"]):
-                            yield event
-                        return
-                    for event in self._chunk(chunk):
+        async with aclosing(chat_chunks(chunks)) as parsed:
+            async for chunk in parsed:
+                if "error" in chunk:
+                    for event in self._failed(chunk["error"]):
                         yield event
-        finally:
-            aclose = getattr(chunks, "aclose", None)
-            if aclose is not None:
-                await aclose()
+                    return
+                for event in self._chunk(chunk):
+                    yield event
         for event in self._close():
             yield event
         done = _finish(self.response, self.output, self.finish_reason, self.usage)

@@ -12,7 +12,7 @@ import dataclasses
 import json
 import math
 import time
-from typing import Any
+from typing import Any, AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
@@ -145,6 +145,22 @@ def usage(choices: list[ChoiceState]) -> dict:
     completion = sum(len(c.output.outputs[0].token_ids) for c in choices if c.output is not None)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+async def chat_chunks(chunks: AsyncIterator) -> AsyncIterator[dict]:
+    """A chat completion stream's ``data:`` chunks, parsed, in order (an ``{"error": ...}`` chunk
+    too), for the handlers that answer in another API's events (Responses, Anthropic's). Read it
+    under ``contextlib.aclosing``: the chat stream is closed when the reader stops, early or not."""
+    try:
+        async for raw in chunks:
+            text = raw.decode() if isinstance(raw, bytes) else raw
+            for line in text.split("\n"):
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    yield json.loads(line[len("data: "):])
+    finally:
+        aclose = getattr(chunks, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
 
 def sse(obj: Any) -> str:

@@ -194,7 +194,7 @@ def _add_item(messages: list[dict], item: dict, where: str) -> None:
         if role not in ("user", "system", "developer", "assistant"):
             raise APIError(400, f"{where}.role must be user, system, developer or assistant, got {role!r}",
                            param=f"{where}.role", code="invalid_value")
-        messages.append({"role": role, "content": _text(item.get("content"), f"{where}.content")})
+        messages.append({"role": role, "content": joined_text(item.get("content"), f"{where}.content")})
     elif kind == "function_call":
         call = {"id": _field(item, "call_id", where), "type": "function",
                 "function": {"name": _field(item, "name", where), "arguments": _field(item, "arguments", where)}}
@@ -205,7 +205,7 @@ def _add_item(messages: list[dict], item: dict, where: str) -> None:
             messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
     elif kind == "function_call_output":
         messages.append({"role": "tool", "tool_call_id": _field(item, "call_id", where),
-                         "content": _text(item.get("output"), f"{where}.output")})
+                         "content": joined_text(item.get("output"), f"{where}.output")})
     elif kind == "reasoning":
         return      # no family served here reads its own reasoning back
     else:
@@ -220,17 +220,18 @@ def _field(item: dict, name: str, where: str) -> str:
     return value
 
 
-def _text(content, where: str) -> str:
-    """A string, or text parts joined (as chat joins them); any other part is a 400."""
+def joined_text(content, where: str, kinds: tuple[str, ...] = TEXT_PARTS) -> str:
+    """A string, or the text of its parts of ``kinds`` joined (as chat joins them); any other part
+    is a 400 naming where it is (the Responses API's and Anthropic's content alike)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise APIError(400, f"{where} must be a string or a list of text parts", param=where, code="invalid_value")
     texts = []
     for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS:
+        if not isinstance(part, dict) or part.get("type") not in kinds:
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise _refuse(f"{where}[{j}]", f"only text parts are supported (input_text, output_text), got {kind!r}")
+            raise _refuse(f"{where}[{j}]", f"only text parts are supported ({', '.join(kinds)}), got {kind!r}")
         if not isinstance(part.get("text"), str):
             raise APIError(400, f"{where}[{j}].text must be a string", param=f"{where}[{j}].text", code="invalid_value")
         texts.append(part["text"])
