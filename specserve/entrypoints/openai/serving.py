@@ -189,7 +189,8 @@ class OpenAIServing:
                            code="invalid_value") from None
         return params
 
-    async def completions(self, request: CompletionRequest, raw: Request) -> Response:
+    async def completions(self, request: CompletionRequest, raw: Request, endpoint: str = "completions") -> Response:
+        """``endpoint``: the metrics' label (``completion`` / ``infill`` when llama-server's endpoints ask)."""
         self.check_model(request.model)
         arrival = time.monotonic()
         params = await self.constrained(request, self.sampling_params(request))
@@ -206,7 +207,7 @@ class OpenAIServing:
             params = fim_params(self.tokenizer, params)
         engine_params = self.beam_search_params(request) if request.use_beam_search else params
         streams = await start_requests(self.async_engine, prompts, engine_params, "prompt", request.priority)
-        return await self._respond(request, raw, streams, params, arrival, chat=False)
+        return await self._respond(request, raw, streams, params, arrival, chat=False, endpoint=endpoint)
 
     async def chat_completions(self, request: ChatCompletionRequest, raw: Request, endpoint: str = "chat") -> Response:
         """``endpoint``: the metrics' label (``responses`` when the Responses API asks)."""
