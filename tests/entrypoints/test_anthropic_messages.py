@@ -163,6 +163,11 @@ def test_to_chat_builds_the_conversation():
     ({"output_config": {"format": {"type": "yaml"}}}, "output_config.format"),
     ({"max_tokens": None}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "word " * 600}]}, "max_model_len"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "a text block needs its text"),
+    ({"messages": [{"role": "user", "content": [5]}]}, "must be a content block"),
+    # errors of the chat request it becomes name the Messages API's fields
+    ({"stop_sequences": [""]}, "stop_sequences: "),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "strin"}}}}, "output_config.format: "),
 ])
 def test_what_is_refused_is_a_400_in_anthropics_shape(url, fields, words):
     body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "x"}], **fields}

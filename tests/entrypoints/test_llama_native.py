@@ -119,10 +119,14 @@ def test_n_predict_zero_warms_the_cache(client):
     ({"mirostat": 2}, "mirostat"), ({"dry_multiplier": 0.8}, "dry_multiplier"), ({"typical_p": 0.5}, "typical_p"),
     ({"input_prefix": "x"}, "input_prefix"), ({"grammar": "root ::= \"a\"", "json_schema": {}}, "json_schema"),
     ({"prompt": ""}, "prompt"), ({"n_indent": -1}, "n_indent"),
+    # errors of the completions request it becomes name llama-server's fields
+    ({"n_probs": 1000}, "n_probs"), ({"repeat_penalty": 0}, "repeat_penalty"), ({"grammar": "root ::= ("}, "grammar"),
+    ({"json_schema": {"type": "strin"}}, "json_schema"),
 ])
 def test_what_cannot_be_honoured_is_a_400_naming_it(client, fields, param):
     r = client.post("/completion", json={"prompt": PROMPT, **fields})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert not r.json()["error"]["message"].startswith(("logprobs", "repetition_penalty", "structured_outputs"))
 
 
 def test_infill_needs_a_fill_in_the_middle_model(client):

@@ -30,7 +30,7 @@ from pydantic import Field, ValidationError
 
 from specserve.entrypoints.openai.anthropic_answers import MessageEvents, message_body
 from specserve.entrypoints.openai.errors import validation_error
-from specserve.entrypoints.openai.limits import APIError
+from specserve.entrypoints.openai.limits import APIError, with_names
 from specserve.entrypoints.openai.protocol import ChatCompletionRequest, Seed, StrictModel, TokenizeRequest, TopK
 from specserve.entrypoints.openai.response_format import SSEResponse
 from specserve.entrypoints.openai.responses import joined_text
@@ -120,13 +120,18 @@ def _validated(body: dict) -> ChatCompletionRequest:
         raise _input_error(validation_error(e)) from None
 
 
+# the chat request's fields -> the Messages API's, for the errors
+NAMES = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences", "response_format": "output_config.format",
+         "chat_template_kwargs": "thinking"}
+
+
 def _input_error(e: APIError) -> APIError:
-    """The chat handler names its own fields; here the conversation is ``messages`` as sent."""
+    """The chat handler names its own fields; here they are the Messages request's, and the
+    conversation is ``messages`` as sent."""
     if e.param and e.param.startswith("messages"):
         e.param = "messages"
-    if e.param == "max_completion_tokens":
-        e.param = "max_tokens"
-    return e
+        return e
+    return with_names(e, NAMES)
 
 
 THINKING_TYPES = ("enabled", "disabled", "adaptive", "between_tools")
@@ -193,8 +198,12 @@ def _add_message(messages: list[dict], message: dict, where: str) -> None:
     text, calls = [], []
     for j, block in enumerate(content):
         at = f"{where}.content[{j}]"
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind == "text" and isinstance(block.get("text"), str):
+        if not isinstance(block, dict):
+            raise APIError(400, f"{at} must be a content block (an object with a type)", param=at, code="invalid_value")
+        kind = block.get("type")
+        if kind == "text":
+            if not isinstance(block.get("text"), str):
+                raise APIError(400, f"{at}.text: a text block needs its text", param=f"{at}.text", code="invalid_value")
             text.append(block["text"])
         elif kind == "tool_use" and role == "assistant":
             args = block.get("input", {})

@@ -34,6 +34,18 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
 
+def with_names(e: APIError, names: dict[str, str]) -> APIError:
+    """``e`` naming the fields as the client sent them: an API that is rewritten as another
+    (``names``: the rewritten request's field -> the client's) reports its own fields."""
+    for inner, outer in names.items():
+        if e.param == inner or (e.param or "").startswith(inner + "[") or (e.param or "").startswith(inner + "."):
+            e.param = outer + e.param[len(inner):] if e.param != inner else outer
+            if e.message.startswith(inner):
+                e.message = outer + e.message[len(inner):]
+            break
+    return e
+
+
 class ClientGone(Exception):
     """The client went away before its request was read: answer nobody, log nothing."""
 

@@ -33,7 +33,7 @@ from pydantic import Field, ValidationError
 
 from specserve.entrypoints.fill_in_middle import fim_tokens, infill_prompt
 from specserve.entrypoints.openai.errors import validation_error
-from specserve.entrypoints.openai.limits import APIError
+from specserve.entrypoints.openai.limits import APIError, with_names
 from specserve.entrypoints.openai.protocol import CompletionRequest, StrictModel
 from specserve.entrypoints.openai.response_format import SSEResponse, chat_chunks, sse
 
@@ -89,6 +89,8 @@ class NativeRequest(StrictModel):
     timings_per_token: bool = False
 
 
+# the completions request's fields -> llama-server's, for the errors
+NAMES = {"logprobs": "n_probs", "repetition_penalty": "repeat_penalty", "max_tokens": "n_predict"}
 # options whose only supported value is their default (the sampler is off)
 _OFF = {"typical_p": 1.0, "post_sampling_probs": False, "dry_multiplier": 0.0, "xtc_probability": 0.0,
         "mirostat": 0, "dynatemp_range": 0.0}
@@ -97,11 +99,14 @@ _OFF = {"typical_p": 1.0, "post_sampling_probs": False, "dry_multiplier": 0.0, "
 async def native_completion(serving, req: NativeRequest, raw: Request, infill: bool) -> Response:
     """POST /completion (``infill`` False) or /infill: ``req`` through the completions handler."""
     body, prompt_ids = to_completions(serving, req, infill)
+    names = {**NAMES, "structured_outputs": "grammar" if req.grammar is not None else "json_schema"}
     try:
         completion_request = CompletionRequest.model_validate(body)
+        answer = await serving.completions(completion_request, raw, endpoint="infill" if infill else "completion")
     except ValidationError as e:
-        raise validation_error(e) from None
-    answer = await serving.completions(completion_request, raw, endpoint="infill" if infill else "completion")
+        raise with_names(validation_error(e), names) from None
+    except APIError as e:
+        raise with_names(e, names) from None
     if not isinstance(answer, SSEResponse):
         return answer                                 # an error the handler answered itself
     state = NativeAnswer(serving, req, prompt_ids)
