@@ -53,6 +53,9 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
     Suite("fill-in-middle", "spec_bench", "Fill in the middle: Qwen2.5-Coder-1.5B writing the code between a prefix "
           "and a suffix (12 Python tasks), plain against n-gram and its 0.5B draft",
           "specserve bench fill-in-middle"),
+    Suite("editor-infill", "editor_infill", "Code completion as an editor asks for it: /infill on Qwen2.5-Coder-1.5B, "
+          "plain and with its 0.5B draft, against llama-server's /infill plain and with the same draft",
+          "specserve bench editor-infill"),
     Suite("gpu", "spec_bench", "On a GPU: plain, n-gram and EAGLE against transformers",
           "specserve bench gpu"),
     Suite("gpu-steps", "forward_rows", "On a GPU: decode, verification and draft steps of published shapes (random "
