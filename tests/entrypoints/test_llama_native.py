@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from specserve import LLM
 from specserve.entrypoints.fill_in_middle import fim_prompt, infill_prompt
 from specserve.entrypoints.openai.api_server import build_app
-from specserve.entrypoints.openai.llama_native import NativeAnswer, NativeRequest, _logit_bias, _only
+from specserve.entrypoints.openai.llama_native import NativeAnswer, NativeAnswers, NativeRequest, _logit_bias, _only
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -137,7 +137,7 @@ def test_infill_needs_a_fill_in_the_middle_model(client):
 def answer_of(req: NativeRequest, pieces: list[str], times: list[float]) -> NativeAnswer:
     """Feed ``pieces`` (one token each) at ``times`` (seconds) through NativeAnswer."""
     clock = iter([0.0] + times)
-    state = NativeAnswer(serving=None, req=req, prompt="", clock=lambda: next(clock))
+    state = NativeAnswers(serving=None, req=req, prompt="", clock=lambda: next(clock))
 
     async def source():
         for i, piece in enumerate(pieces):
@@ -146,7 +146,7 @@ def answer_of(req: NativeRequest, pieces: list[str], times: list[float]) -> Nati
     async def run():
         return [p async for p in state.pieces(source())]
     asyncio.run(run())
-    return state
+    return state.answers[0]
 
 
 def test_n_indent_ends_at_a_line_indented_less():
@@ -170,3 +170,21 @@ def test_logit_bias_forms_and_response_fields(default_model_tokenizer):
     assert _logit_bias({"15": 2.0}, tok) == {"15": 2.0}
     body = {"content": "x", "timings": {"predicted_n": 3}, "stop": True}
     assert _only(body, ["content", "timings/predicted_n", "missing"]) == {"content": "x", "timings/predicted_n": 3}
+
+
+def test_n_cmpl_answers_several_completions(client):
+    """llama.vscode asks for 3 (``n_cmpl``): the answer is a list, one object per completion,
+    their texts the OpenAI completion's n samples; streamed, pieces and finals carry their index."""
+    body = {"prompt": PROMPT, "n_predict": 6, "temperature": 1.0, "seed": 11, "n_cmpl": 3}
+    answers = client.post("/completion", json=body).json()
+    want = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 6, "temperature": 1.0, "seed": 11,
+                                                "n": 3, "top_k": 40, "top_p": 0.95, "min_p": 0.05}).json()   # llama's defaults
+    assert isinstance(answers, list) and [a["index"] for a in answers] == [0, 1, 2]
+    assert [a["content"] for a in answers] == [c["text"] for c in sorted(want["choices"], key=lambda c: c["index"])]
+    chunks = streamed(client, "/completion", body)
+    finals = [c for c in chunks if c["stop"]]
+    assert [f["index"] for f in finals] == [0, 1, 2] and [f["content"] for f in finals] == [a["content"] for a in answers]
+    for i in range(3):
+        assert "".join(c["content"] for c in chunks if not c["stop"] and c["index"] == i) == answers[i]["content"]
+    lora = client.post("/infill", json={"input_prefix": "x", "lora": [{"id": 0, "scale": 0.5}]})
+    assert lora.status_code == 400 and lora.json()["error"]["param"] == "lora"

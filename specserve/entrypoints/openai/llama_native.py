@@ -17,7 +17,8 @@ Leaving early aborts the request.
 
 Options specserve cannot honour exactly are refused with a 400 naming them (DRY, XTC,
 Mirostat, dynamic temperature, locally typical sampling, post-sampling probabilities, several
-prompts); ``cache_prompt`` (the prefix cache always reuses), ``samplers`` (specserve's order:
+prompts, LoRA adapters); ``model`` (as llama-server, one model whatever is named), ``cache_prompt``
+(the prefix cache always reuses), ``samplers`` (specserve's order:
 penalties, top-k, top-p, min-p, temperature), ``t_max_prompt_ms``, ``id_slot``, ``n_keep``,
 ``n_cache_reuse``, ``min_keep`` and ``timings_per_token`` are accepted and change nothing.
 """
@@ -52,6 +53,7 @@ class NativeRequest(StrictModel):
     input_suffix: str = ""
     input_extra: Annotated[list[ExtraChunk], Field(max_length=1024)] = []
     n_predict: int = -1
+    n_cmpl: Annotated[int, Field(ge=1, le=16)] = 1      # completions of the prompt (an array of answers)
     temperature: float = 0.8
     top_k: int = 40
     top_p: float = 0.95
@@ -87,6 +89,7 @@ class NativeRequest(StrictModel):
     n_cache_reuse: int = 0
     min_keep: int = 0
     timings_per_token: bool = False
+    lora: list[Any] | None = None
 
 
 # the completions request's fields -> llama-server's, for the errors
@@ -109,7 +112,7 @@ async def native_completion(serving, req: NativeRequest, raw: Request, infill: b
         raise with_names(e, names) from None
     if not isinstance(answer, SSEResponse):
         return answer                                 # an error the handler answered itself
-    state = NativeAnswer(serving, req, prompt_ids)
+    state = NativeAnswers(serving, req, prompt_ids)
     if req.stream:
         return SSEResponse(state.events(answer.body_iterator), on_close=answer.on_close)
     try:
@@ -128,17 +131,22 @@ def to_completions(serving, req: NativeRequest, infill: bool) -> tuple[dict, lis
         if getattr(req, name) != off:
             raise APIError(400, f"{name} is not supported here (only {off!r}, the sampler off)", param=name,
                            code="unsupported_value")
+    if req.lora:
+        raise APIError(400, "LoRA adapters are not supported", param="lora", code="unsupported_value")
     if req.grammar is not None and req.json_schema is not None:
         raise APIError(400, "grammar and json_schema cannot go together", param="json_schema", code="invalid_value")
     engine = serving.engine
     tokenizer = serving.tokenizer
     max_tokens = req.n_predict if req.n_predict > 0 else None
-    body: dict[str, Any] = {"model": req.model, "temperature": req.temperature, "top_p": req.top_p,
+    # ``model`` is not checked: llama-server serves one model whatever a request names (editors send theirs)
+    body: dict[str, Any] = {"temperature": req.temperature, "top_p": req.top_p,
                             "top_k": req.top_k if req.top_k > 0 else -1, "min_p": req.min_p,
                             "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
                             "ignore_eos": req.ignore_eos, "stream": True,
                             "stream_options": {"include_usage": True, "continuous_usage_stats": True},
                             "specserve": {"provenance": True}}
+    if req.n_cmpl > 1:
+        body["n"] = req.n_cmpl
     if req.repeat_penalty != 1.0:
         body["repetition_penalty"] = req.repeat_penalty
     if req.stop:
@@ -198,11 +206,53 @@ def _logit_bias(bias, tokenizer) -> dict[str, float]:
     return out
 
 
-class NativeAnswer:
-    """The completions handler's stream -> llama-server's answer, piece by piece and whole."""
+class NativeAnswers:
+    """The completions handler's stream -> llama-server's answers (``n_cmpl`` of them), piece by
+    piece and whole: each chunk's choices go to their answer, and reading stops once every answer
+    has ended (the engine's end, or a cut-off), which aborts the request."""
 
     def __init__(self, serving, req: NativeRequest, prompt, clock=time.monotonic):
-        self.serving, self.req = serving, req
+        self.answers = [NativeAnswer(serving, req, prompt, clock, index=i) for i in range(req.n_cmpl)]
+
+    async def pieces(self, chunks):
+        """(index, text, tokens) of each new piece of an answer, as the engine verifies them."""
+        async with aclosing(chat_chunks(chunks)) as parsed:
+            async for chunk in parsed:
+                if "error" in chunk:
+                    raise APIError(500, chunk["error"].get("message", "engine error"), "server_error",
+                                   code=chunk["error"].get("code"))
+                for answer in self.answers:
+                    answer.usage = chunk.get("usage") or answer.usage
+                for choice in chunk.get("choices", []):
+                    answer = self.answers[choice.get("index", 0)]
+                    piece = answer.take(choice)
+                    if piece is not None:
+                        yield (answer.index, *piece)
+                if all(a.cut or a.finish for a in self.answers):
+                    return
+
+    async def events(self, chunks):
+        """llama-server's stream: a ``data:`` object per piece, then each answer's whole fields."""
+        async with aclosing(self.pieces(chunks)) as pieces:
+            async for index, text, new_tokens in pieces:
+                answer = self.answers[index]
+                yield sse({"index": index, "content": text, "tokens": new_tokens, "stop": False, "id_slot": 0,
+                           "tokens_predicted": len(answer.tokens),
+                           "tokens_evaluated": answer.usage.get("prompt_tokens", 0)})
+        for answer in self.answers:
+            yield sse(answer.final())
+
+    def final(self) -> dict | list[dict]:
+        """The answer, or with ``n_cmpl`` above 1 the list of them (llama-server's shape)."""
+        finals = [a.final() for a in self.answers]
+        return finals[0] if len(finals) == 1 else finals
+
+
+class NativeAnswer:
+    """One answer: its text, tokens and timings as its pieces come, and llama-server's fields."""
+
+    def __init__(self, serving, req: NativeRequest, prompt, clock=time.monotonic, index: int = 0):
+        self.serving, self.req, self.index = serving, req, index
         self.clock = clock                # seconds (the tests' own clock replaces it)
         self.prompt = prompt
         self.warm_only = req.n_predict == 0
@@ -215,23 +265,10 @@ class NativeAnswer:
         self.has_new_line = False
         self.line_start = None            # where the current line starts in content, after a new line
 
-    async def pieces(self, chunks):
-        """Each new piece of the answer's text (and its tokens), as the engine verifies them."""
-        async with aclosing(chat_chunks(chunks)) as parsed:
-            async for chunk in parsed:
-                if "error" in chunk:
-                    raise APIError(500, chunk["error"].get("message", "engine error"), "server_error",
-                                   code=chunk["error"].get("code"))
-                if chunk.get("usage"):
-                    self.usage = chunk["usage"]
-                for choice in chunk.get("choices", []):
-                    piece = self._take(choice)
-                    if piece is not None:
-                        yield piece
-                if self.cut:
-                    return
-
-    def _take(self, choice: dict):
+    def take(self, choice: dict):
+        """A chunk's choice for this answer -> its new (text, tokens), or None."""
+        if self.cut:
+            return None
         ext = choice.get("specserve") or {}
         new_tokens = [t["id"] for t in ext.get("tokens", [])]
         if ext.get("stats"):
@@ -275,14 +312,6 @@ class NativeAnswer:
             out = out[: max(0, whole.rfind("\n") + 1 - len(self.content))]
         return out
 
-    async def events(self, chunks):
-        """llama-server's stream: a ``data:`` object per piece, then the whole answer's fields."""
-        async with aclosing(self.pieces(chunks)) as pieces:
-            async for text, new_tokens in pieces:
-                yield sse({"index": 0, "content": text, "tokens": new_tokens, "stop": False, "id_slot": 0,
-                           "tokens_predicted": len(self.tokens), "tokens_evaluated": self.usage.get("prompt_tokens", 0)})
-        yield sse(self.final())
-
     def final(self) -> dict:
         usage, req = self.usage, self.req
         prompt_n = usage.get("prompt_tokens", 0)
@@ -305,7 +334,7 @@ class NativeAnswer:
             timings["draft_n"] = self.stats["num_draft_tokens"]
             timings["draft_n_accepted"] = self.stats["num_accepted_tokens"]
         body = {
-            "index": 0, "content": self.content, "tokens": self.tokens if req.return_tokens else [],
+            "index": self.index, "content": self.content, "tokens": self.tokens if req.return_tokens else [],
             "id_slot": 0, "stop": True, "model": self.serving.model_name,
             "tokens_predicted": predicted, "tokens_evaluated": prompt_n,
             "generation_settings": {"n_predict": req.n_predict, "temperature": req.temperature, "top_k": req.top_k,
