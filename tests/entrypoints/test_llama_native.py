@@ -188,3 +188,11 @@ def test_n_cmpl_answers_several_completions(client):
         assert "".join(c["content"] for c in chunks if not c["stop"] and c["index"] == i) == answers[i]["content"]
     lora = client.post("/infill", json={"input_prefix": "x", "lora": [{"id": 0, "scale": 0.5}]})
     assert lora.status_code == 400 and lora.json()["error"]["param"] == "lora"
+
+
+def test_props_tell_the_context_size(client):
+    props = client.get("/props").json()
+    engine = client.app.state.async_engine.engine
+    assert props["default_generation_settings"]["n_ctx"] == engine.max_model_len == 512
+    assert props["total_slots"] == engine.config.max_num_seqs and props["model_alias"] == "tiny"
+    assert props["default_generation_settings"]["params"]["temperature"] == 0.8

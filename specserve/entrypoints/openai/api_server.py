@@ -8,7 +8,7 @@ false; server-sent events ``data: {...}`` ending with ``data: [DONE]``), POST /v
 /v1/responses/{id} for the kept ones), POST /v1/messages and /v1/messages/count_tokens
 (Anthropic's Messages API over the chat handler: ``anthropic_messages.py``; its errors in
 Anthropic's shape, and its clients' ``x-api-key`` taken as the key), POST /completion and
-/infill (llama-server's own API: ``llama_native.py``), POST /tokenize and /detokenize (vLLM's), GET /v1/models (and /v1/models/{id}), GET
+/infill and GET /props (llama-server's own API: ``llama_native.py``), POST /tokenize and /detokenize (vLLM's), GET /v1/models (and /v1/models/{id}), GET
 /v1/specserve/info (model and speculation), GET /version, GET /health,
 GET /metrics (Prometheus), and the chat page at /. The request extension
 ``"specserve": {"provenance": true}`` adds how each token came (``provenance.py``).
@@ -60,7 +60,7 @@ from specserve.entrypoints.openai.protocol import (
 from specserve.entrypoints.openai.reasoning import PARSERS
 from specserve.entrypoints.openai.response_format import hold_back
 from specserve.entrypoints.openai.responses import ResponsesRequest, create_response
-from specserve.entrypoints.openai.llama_native import NativeRequest, native_completion
+from specserve.entrypoints.openai.llama_native import NativeRequest, native_completion, props
 from specserve.entrypoints.openai.anthropic_messages import (
     CountTokensRequest, MessagesRequest, anthropic_error, count_tokens, create_message,
 )
@@ -212,6 +212,10 @@ def build_app(llm_or_engine, served_model_name: str | list[str] | None = None, a
     @app.post("/infill")
     async def native_infill(raw: Request):
         return await handle(raw, NativeRequest, functools.partial(native_completion, serving, infill=True))
+
+    @app.get("/props")
+    async def llama_props():
+        return JSONResponse(props(serving))
 
     @app.get("/v1/responses/{response_id}")
     async def stored_response(response_id: str):

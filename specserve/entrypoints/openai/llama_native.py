@@ -1,4 +1,4 @@
-"""llama-server's own endpoints, ``POST /completion`` and ``POST /infill``, over the completions
+"""llama-server's own endpoints, ``POST /completion`` and ``POST /infill`` (and ``GET /props``), over the completions
 handler: the native API that llama.cpp's clients call (editor code completion such as
 llama.vscode sends ``/infill``), so they can use a speculating specserve server as they are.
 
@@ -123,6 +123,21 @@ async def native_completion(serving, req: NativeRequest, raw: Request, infill: b
     finally:
         answer.on_close()
     return JSONResponse(state.final())
+
+
+def props(serving) -> dict:
+    """GET /props: llama-server's server properties that its clients read (the context size
+    above all: llama.vscode sizes its prompts by ``default_generation_settings.n_ctx``)."""
+    from specserve import __version__
+
+    engine = serving.engine
+    defaults = NativeRequest()
+    settings = {k: getattr(defaults, k) for k in ("n_predict", "temperature", "top_k", "top_p", "min_p",
+                                                    "repeat_penalty", "presence_penalty", "frequency_penalty")}
+    return {"default_generation_settings": {"n_ctx": engine.max_model_len, "params": settings},
+            "total_slots": engine.config.max_num_seqs, "model_alias": serving.model_name,
+            "model_path": engine.model_name, "chat_template": getattr(serving.tokenizer, "chat_template", None) or "",
+            "modalities": {"vision": False, "audio": False}, "build_info": f"specserve {__version__}"}
 
 
 def to_completions(serving, req: NativeRequest, infill: bool) -> tuple[dict, list[int] | str]:
