@@ -14,7 +14,8 @@ from fastapi.testclient import TestClient
 from specserve import LLM
 from specserve.entrypoints.fill_in_middle import fim_prompt, infill_prompt
 from specserve.entrypoints.openai.api_server import build_app
-from specserve.entrypoints.openai.llama_native import NativeAnswer, NativeAnswers, NativeRequest, _logit_bias, _only
+from specserve.entrypoints.openai.llama_native import NativeRequest, _logit_bias
+from specserve.entrypoints.openai.llama_native_answers import NativeAnswer, NativeAnswers, _only
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
