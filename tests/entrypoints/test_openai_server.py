@@ -308,7 +308,12 @@ def test_api_key(llm, server):
             err = r.json()["error"]
             assert set(err) == {"message", "type", "param", "code"} and err["code"] == "invalid_api_key"
         assert tc.get("/v1/models").status_code == 401
-        assert tc.get("/health").status_code == 200
+        for path in ("/completion", "/infill", "/tokenize", "/detokenize"):       # llama-server's and vLLM's routes too
+            assert tc.post(path, json={"prompt": "Hi"}).status_code == 401, path
+        assert tc.get("/props").status_code == 401
+        r = tc.post("/completion", json={"prompt": "Hi", "n_predict": 2}, headers={"Authorization": "Bearer s3cret"})
+        assert r.status_code == 200 and r.json()["tokens_predicted"] == 2
+        assert tc.get("/health").status_code == 200 and tc.get("/version").status_code == 200
         r = tc.post("/v1/completions", json=body, headers={"Authorization": "Bearer s3cret"})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
     c = openai.OpenAI(base_url="http://testserver/v1", api_key="s3cret", http_client=TestClient(app), max_retries=0)

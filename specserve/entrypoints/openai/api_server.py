@@ -90,8 +90,14 @@ class CORSOptions:
                              "wildcard origin '*'")
 
 
+# Routes outside /v1 that generate or read the model, guarded by the key too (llama-server guards its
+# own so; the chat page, its static files, /health, /metrics and /version stay open)
+KEYED_ROUTES = ("/completion", "/infill", "/props", "/tokenize", "/detokenize")
+
+
 class _APIKeyMiddleware:
-    """401 for /v1/* without ``Authorization: Bearer <key>`` (pure ASGI: streaming-safe)."""
+    """401 for /v1/* and ``KEYED_ROUTES`` without ``Authorization: Bearer <key>`` (or ``x-api-key``)
+    (pure ASGI: streaming-safe)."""
 
     def __init__(self, app, api_key: str, on_reject=None):
         self.app = app
@@ -99,7 +105,9 @@ class _APIKeyMiddleware:
         self.on_reject = on_reject
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope.get("method") != "OPTIONS":
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path.startswith("/v1") or path in KEYED_ROUTES) \
+                and scope.get("method") != "OPTIONS":
             headers = dict(scope["headers"])
             auth = headers.get(b"authorization", b"")
             scheme, _, key = auth.partition(b" ")
