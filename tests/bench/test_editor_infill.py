@@ -64,4 +64,4 @@ def test_a_missing_llama_server_is_a_clear_error(tmp_path):
     with pytest.raises(RuntimeError, match="llama-server not found: build llama.cpp's tools"):
         editor_infill._start("llama.cpp", args_for("llama.cpp", tmp_path))
     with pytest.raises(ValueError, match="unknown configuration"):
-        editor_infill._start("ngram:4", args_for("ngram:4", tmp_path))
+        editor_infill._start("eagle:4", args_for("eagle:4", tmp_path))

@@ -3,7 +3,8 @@
 The 12 fill-in-the-middle tasks (``benchmarks/prompts/fill_in_middle.jsonl``: a Python
 function's prefix and the code after the gap) are sent one at a time, as an editor does, to
 ``POST /infill`` of each configuration's server, all started here on the same GGUF files: a
-``specserve serve`` per specserve configuration (``plain``, ``draft:K`` with the draft model)
+``specserve serve`` per specserve configuration (``plain``, ``draft:K`` with the draft model,
+``ngram:K``, ``suffix:K``)
 and llama.cpp's ``llama-server`` (``llama.cpp``: plain; ``llama.cpp+draft:K``: with the same
 draft, ``--spec-type draft-simple --spec-draft-n-max K``), each measured from outside over
 HTTP. Greedy, ``n_predict`` at most ``--max-tokens``, answers ending at the end of the middle.
@@ -28,8 +29,9 @@ COLUMNS = ["configuration", "median latency ms", "p90 latency ms", "tok/s", "vs 
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--configs", default="plain,draft:4,llama.cpp,llama.cpp+draft:3",
-                   help="comma-separated: plain, draft:K (specserve), llama.cpp, llama.cpp+draft:K (llama-server)")
+    p.add_argument("--configs", default="plain,draft:4,ngram:4,llama.cpp,llama.cpp+draft:3",
+                   help="comma-separated: plain, draft:K, ngram:K, suffix:K (specserve), llama.cpp, "
+                        "llama.cpp+draft:K (llama-server)")
     p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     p.add_argument("--draft-model", default="qwen2.5-coder-0.5b-instruct")
     p.add_argument("--llama-bin", default=DEFAULT_LLAMA_BIN, help="folder with llama.cpp's llama-server")
@@ -150,14 +152,20 @@ def _start(config: str, args):
         proc, url = start_llama_server(exe, gguf_path(args.model), args.threads, ctx_size=args.max_model_len,
                                        slots=1, log=log, timeout_s=args.startup_timeout, extra_args=extra)
         return _LlamaServer(proc, url, log)
-    if name not in ("plain", "draft"):
-        raise ValueError(f"unknown configuration {config!r}: plain, draft:K, {PEER} or {PEER}+draft:K")
+    if name not in ("plain", "draft", "ngram", "suffix"):
+        raise ValueError(f"unknown configuration {config!r}: plain, draft:K, ngram:K, suffix:K, {PEER} or "
+                         f"{PEER}+draft:K")
     from types import SimpleNamespace
 
     from specserve.entrypoints.engine_args import NO_SPECULATION_FLAG
 
     plain = [NO_SPECULATION_FLAG] if NO_SPECULATION_FLAG else []
-    extra = plain if name == "plain" else ["--speculative-model", args.draft_model, "--num-speculative-tokens", k or "4"]
+    if name == "plain":
+        extra = plain
+    elif name == "draft":
+        extra = ["--speculative-model", args.draft_model, "--num-speculative-tokens", k or "4"]
+    else:
+        extra = ["--speculative-method", name, "--num-speculative-tokens", k or "4"]
 
     process = lc.ServerProcess(extra, SimpleNamespace(model=args.model, max_model_len=args.max_model_len,
                                                       dtype=args.dtype, server_log=args.server_log))
