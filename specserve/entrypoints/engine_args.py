@@ -17,6 +17,14 @@ DEFAULT_SPECULATION: dict | None = None
 NO_SPECULATION_FLAG = "--no-speculation"
 
 
+def fraction(text: str) -> float:
+    """A number in (0, 1] (argparse type)."""
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """Options shared by every subcommand that builds an engine."""
     p.add_argument("--model", default=None, help="a .gguf file, a Hugging Face folder, a catalog name (`specserve models`) or a cached hub id (default: SmolLM2-135M-Instruct)")
@@ -35,6 +43,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-remote-code", action="store_true",
                    help="accepted for vLLM's command lines and changes nothing: specserve runs its own model code, "
                         "never code from a model's folder")
+    p.add_argument("--gpu-memory-utilization", type=fraction, default=None, metavar="FRACTION",
+                   help="accepted for vLLM's command lines and not applied: specserve sizes the KV cache by "
+                        "--kv-cache-memory (bytes); a warning says so")
     p.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
                    help="sampling defaults for requests that leave a field out: auto (the model's "
                         "generation_config.json or GGUF general.sampling.* metadata), vllm (none), or a folder "
@@ -174,6 +185,7 @@ def build_llm(args, plain: bool = False):
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None),
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size,

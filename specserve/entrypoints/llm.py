@@ -1,6 +1,8 @@
 """The ``LLM`` facade: vLLM's offline interface over specserve's engine."""
 from __future__ import annotations
 
+import logging
+
 from typing import Sequence
 
 from tqdm.auto import tqdm
@@ -15,6 +17,8 @@ from specserve.outputs import RequestOutput, SpecDecodeStats
 from specserve.sampling_params import SamplingParams
 
 Prompt = str | list[int]
+
+logger = logging.getLogger(__name__)
 
 
 def build_speculative_config(
@@ -71,6 +75,7 @@ class LLM:
         dtype: str = "auto",
         max_model_len: int | None = None,
         kv_cache_memory: int = 1 << 30,
+        gpu_memory_utilization: float | None = None,
         seed: int = 0,
         speculative_model: str | None = None,
         num_speculative_tokens: int | None = None,
@@ -95,7 +100,15 @@ class LLM:
         ``speculative_draft_tensor_parallel_size`` (its later one) set the speculative config's
         ``draft_tensor_parallel_size``: the draft at TP 1 while the target runs at TP N.
         ``trust_remote_code`` is accepted as vLLM's ``LLM`` takes it and changes nothing:
-        specserve runs its own model code, never code from a model's folder."""
+        specserve runs its own model code, never code from a model's folder.
+        ``gpu_memory_utilization`` (vLLM's memory budget, in (0, 1]) is accepted so vLLM's scripts
+        run, and is not applied: the KV cache is ``kv_cache_memory`` bytes; a warning says so."""
+        if gpu_memory_utilization is not None:
+            if isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, (int, float)) \
+                    or not 0 < gpu_memory_utilization <= 1:
+                raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+            logger.warning("gpu_memory_utilization=%s is not applied: specserve sizes the KV cache by "
+                           "kv_cache_memory (%d bytes)", gpu_memory_utilization, kv_cache_memory)
         draft_tp = _draft_tp_from_vllm_spellings(speculative_model_uses_tp_1, speculative_draft_tensor_parallel_size,
                                                  tensor_parallel_size)
         spec = build_speculative_config(speculative_model, num_speculative_tokens, speculative_config,

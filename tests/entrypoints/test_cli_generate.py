@@ -186,11 +186,18 @@ def test_speculative_config_json_as_vllm_takes_it():
         config("--speculative-config", whole, "--no-speculation")
 
 
-def test_vllms_serve_flags_are_accepted(tiny_llama_dir):
+def test_vllms_serve_flags_are_accepted(tiny_llama_dir, caplog):
     args = build_parser().parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json",
-                                      "--trust-remote-code"])
+                                      "--trust-remote-code", "--gpu-memory-utilization", "0.85"])
     assert args.enable_auto_tool_choice and args.tool_call_parser == "llama3_json" and args.trust_remote_code
+    assert args.gpu_memory_utilization == 0.85
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--gpu-memory-utilization", "1.5"])
     from specserve import LLM
 
-    assert LLM(model=tiny_llama_dir, dtype="float32", max_model_len=64, kv_cache_memory=1 << 20,
-               trust_remote_code=True).engine is not None
+    with caplog.at_level("WARNING"):
+        llm = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=64, kv_cache_memory=1 << 20,
+                  trust_remote_code=True, gpu_memory_utilization=0.85)
+    assert llm.engine is not None and "gpu_memory_utilization=0.85 is not applied" in caplog.text
+    with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
+        LLM(model=tiny_llama_dir, gpu_memory_utilization=0)
