@@ -16,6 +16,7 @@ from specserve.entrypoints.engine_args import (  # speculative_config_from_args:
     speculative_config_from_args,  # noqa: F401
 )
 from specserve.entrypoints.generate_cmd import add_generate_args, add_sampling_args, cmd_generate
+from specserve.entrypoints.vllm_flags import add_vllm_serve_flags
 from specserve.training.cli import add_train_draft_parser
 
 
@@ -81,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--seed", dest="engine_seed", type=int, default=EngineConfig.seed,
                        help="the engine's random seed, for requests without a seed of their own")
     add_server_limit_args(serve)
+    add_vllm_serve_flags(serve)
     serve.set_defaults(func=cmd_serve)
 
     models = sub.add_parser("models", help="list the catalog: models PyPI packages ship, usable by name")
