@@ -123,6 +123,7 @@ def test_n_predict_zero_warms_the_cache(client):
     # errors of the completions request it becomes name llama-server's fields
     ({"n_probs": 1000}, "n_probs"), ({"repeat_penalty": 0}, "repeat_penalty"), ({"grammar": "root ::= ("}, "grammar"),
     ({"json_schema": {"type": "strin"}}, "json_schema"),
+    ({"logit_bias": [[]]}, "logit_bias"), ({"logit_bias": [5]}, "logit_bias"), ({"logit_bias": [[[1], 2]]}, "logit_bias"),
 ])
 def test_what_cannot_be_honoured_is_a_400_naming_it(client, fields, param):
     r = client.post("/completion", json={"prompt": PROMPT, **fields})

@@ -101,7 +101,8 @@ _OFF = {"typical_p": 1.0, "post_sampling_probs": False, "dry_multiplier": 0.0, "
 
 async def native_completion(serving, req: NativeRequest, raw: Request, infill: bool) -> Response:
     """POST /completion (``infill`` False) or /infill: ``req`` through the completions handler."""
-    body, prompt_ids = to_completions(serving, req, infill)
+    # tokenizing an editor's context files takes a while: off the event loop
+    body, prompt_ids = await serving.async_engine.run_off_thread(to_completions, serving, req, infill)
     names = {**NAMES, "structured_outputs": "grammar" if req.grammar is not None else "json_schema"}
     try:
         completion_request = CompletionRequest.model_validate(body)
@@ -207,8 +208,8 @@ def _logit_bias(bias, tokenizer) -> dict[str, float]:
     pairs = bias.items() if isinstance(bias, dict) else bias
     out: dict[str, float] = {}
     for pair in pairs:
-        key, value = pair if isinstance(pair, tuple) else (pair[0] if len(pair) == 2 else None, pair[-1])
-        if key is None or not isinstance(value, (bool, int, float)):
+        key, value = tuple(pair) if isinstance(pair, (tuple, list)) and len(pair) == 2 else (None, None)
+        if not isinstance(key, (int, str)) or not isinstance(value, (bool, int, float)):
             raise APIError(400, "logit_bias entries are [token id or text, bias or false]", param="logit_bias",
                            code="invalid_value")
         value = -100.0 if value is False else float(value)
