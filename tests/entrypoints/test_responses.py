@@ -126,6 +126,7 @@ def test_text_format_json_schema(client):
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
+    ({"text": {"format": 5}}, "text.format"),
     ({"text": {"format": {"type": "json_schema", "name": "p"}}}, "text.format.schema"),
     ({"tools": [{"type": "function"}]}, "tools[0].name"),
     ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}}, "tool_choice"),

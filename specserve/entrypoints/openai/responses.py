@@ -182,6 +182,8 @@ def to_chat(req: ResponsesRequest, history: list[dict] | None = None) -> tuple[d
             raise APIError(400, f"tool_choice names the function {named!r}, which is not among the tools",
                            param="tool_choice", code="invalid_value")
     fmt = (req.text or {}).get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise APIError(400, "text.format must be an object with a type", param="text.format", code="invalid_value")
     if fmt is not None and fmt.get("type") != "text":
         body["response_format"] = _response_format(fmt)
     return body, conversation
