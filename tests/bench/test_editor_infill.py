@@ -65,3 +65,24 @@ def test_a_missing_llama_server_is_a_clear_error(tmp_path):
         editor_infill._start("llama.cpp", args_for("llama.cpp", tmp_path))
     with pytest.raises(ValueError, match="unknown configuration"):
         editor_infill._start("eagle:4", args_for("eagle:4", tmp_path))
+
+
+def test_int8_configurations_start_servers_with_int8_activations(tmp_path, monkeypatch):
+    seen = []
+
+    class Process:
+        url = "u"
+
+        def __init__(self, extra, args):
+            seen.append(extra)
+
+        def wait_ready(self, timeout):
+            pass
+
+    monkeypatch.setattr("specserve.bench.load_client.ServerProcess", Process)
+    args = args_for("plain", tmp_path)
+    editor_infill._start("draft:3:int8", args)
+    editor_infill._start("plain:int8", args)
+    editor_infill._start("ngram:4", args)
+    assert seen[0] == ["--speculative-model", args.draft_model, "--num-speculative-tokens", "3", "--int8-activations"]
+    assert seen[1][-1] == "--int8-activations" and "--int8-activations" not in seen[2]

@@ -4,7 +4,7 @@ The 12 fill-in-the-middle tasks (``benchmarks/prompts/fill_in_middle.jsonl``: a 
 function's prefix and the code after the gap) are sent one at a time, as an editor does, to
 ``POST /infill`` of each configuration's server, all started here on the same GGUF files: a
 ``specserve serve`` per specserve configuration (``plain``, ``draft:K`` with the draft model,
-``ngram:K``, ``suffix:K``)
+``ngram:K``, ``suffix:K``; ``:int8`` after any of them runs it with ``--int8-activations``)
 and llama.cpp's ``llama-server`` (``llama.cpp``: plain; ``llama.cpp+draft:K``: with the same
 draft, ``--spec-type draft-simple --spec-draft-n-max K``), each measured from outside over
 HTTP. Greedy, ``n_predict`` at most ``--max-tokens``, answers ending at the end of the middle.
@@ -30,8 +30,8 @@ COLUMNS = ["configuration", "median latency ms", "p90 latency ms", "tok/s", "vs 
 
 def add_arguments(p) -> None:
     p.add_argument("--configs", default="plain,draft:4,ngram:4,llama.cpp,llama.cpp+draft:3",
-                   help="comma-separated: plain, draft:K, ngram:K, suffix:K (specserve), llama.cpp, "
-                        "llama.cpp+draft:K (llama-server)")
+                   help="comma-separated: plain, draft:K, ngram:K, suffix:K (specserve; ':int8' adds "
+                        "--int8-activations, e.g. draft:4:int8), llama.cpp, llama.cpp+draft:K (llama-server)")
     p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     p.add_argument("--draft-model", default="qwen2.5-coder-0.5b-instruct")
     p.add_argument("--llama-bin", default=DEFAULT_LLAMA_BIN, help="folder with llama.cpp's llama-server")
@@ -139,7 +139,9 @@ def _start(config: str, args):
     from specserve.bench import load_client as lc
     from specserve.bench.peers import gguf_path, start_llama_server
 
-    name, _, k = config.partition(":")
+    name, *rest = config.split(":")
+    int8 = "int8" in rest                 # specserve with --int8-activations (llama.cpp's arithmetic)
+    k = next((r for r in rest if r.isdigit()), "")
     if name.startswith(PEER):
         exe = os.path.join(os.path.expanduser(args.llama_bin), "llama-server")
         if not os.path.isfile(exe):
@@ -161,11 +163,13 @@ def _start(config: str, args):
 
     plain = [NO_SPECULATION_FLAG] if NO_SPECULATION_FLAG else []
     if name == "plain":
-        extra = plain
+        extra = list(plain)
     elif name == "draft":
         extra = ["--speculative-model", args.draft_model, "--num-speculative-tokens", k or "4"]
     else:
         extra = ["--speculative-method", name, "--num-speculative-tokens", k or "4"]
+    if int8:
+        extra.append("--int8-activations")
 
     process = lc.ServerProcess(extra, SimpleNamespace(model=args.model, max_model_len=args.max_model_len,
                                                       dtype=args.dtype, server_log=args.server_log))
