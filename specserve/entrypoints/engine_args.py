@@ -186,6 +186,7 @@ def build_llm(args, plain: bool = False):
         max_model_len=args.max_model_len,
         kv_cache_memory=args.kv_cache_memory,
         gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None),
+        tokenizer=getattr(args, "tokenizer", None),
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size,

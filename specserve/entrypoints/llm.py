@@ -77,6 +77,7 @@ class LLM:
         kv_cache_memory: int = 1 << 30,
         gpu_memory_utilization: float | None = None,
         seed: int = 0,
+        tokenizer: str | None = None,
         speculative_model: str | None = None,
         num_speculative_tokens: int | None = None,
         speculative_config: dict | SpeculativeConfig | None = None,
@@ -102,13 +103,18 @@ class LLM:
         ``trust_remote_code`` is accepted as vLLM's ``LLM`` takes it and changes nothing:
         specserve runs its own model code, never code from a model's folder.
         ``gpu_memory_utilization`` (vLLM's memory budget, in (0, 1]) is accepted so vLLM's scripts
-        run, and is not applied: the KV cache is ``kv_cache_memory`` bytes; a warning says so."""
+        run, and is not applied: the KV cache is ``kv_cache_memory`` bytes; a warning says so. So is
+        ``tokenizer`` (vLLM's GGUF recipe names the model's Hugging Face tokenizer): specserve reads
+        the tokenizer from the model, a GGUF file's own included."""
         if gpu_memory_utilization is not None:
             if isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, (int, float)) \
                     or not 0 < gpu_memory_utilization <= 1:
                 raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
             logger.warning("gpu_memory_utilization=%s is not applied: specserve sizes the KV cache by "
                            "kv_cache_memory (%d bytes)", gpu_memory_utilization, kv_cache_memory)
+        if tokenizer is not None:     # vLLM's GGUF recipe names the Hugging Face tokenizer
+            logger.warning("tokenizer=%r is not used: specserve reads the tokenizer from the model (a GGUF "
+                           "file's own included)", tokenizer)
         draft_tp = _draft_tp_from_vllm_spellings(speculative_model_uses_tp_1, speculative_draft_tensor_parallel_size,
                                                  tensor_parallel_size)
         spec = build_speculative_config(speculative_model, num_speculative_tokens, speculative_config,

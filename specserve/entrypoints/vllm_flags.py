@@ -30,6 +30,10 @@ def add_vllm_serve_flags(p: argparse.ArgumentParser) -> None:
                        help="the KV cache's type follows the activations' (auto is the only value)")
     group.add_argument("--quantization", choices=["gguf"], default=None,
                        help="weights are quantized as their file says (GGUF blocks kept as they are)")
+    group.add_argument("--tokenizer", default=None, metavar="NAME_OR_FOLDER",
+                       help="accepted for vLLM's command lines (its GGUF recipe names the model's Hugging Face "
+                            "tokenizer): specserve reads the tokenizer from the model, a GGUF file's own included; "
+                            "a warning says so")
     group.add_argument("--uvicorn-log-level", dest="log_level",
                        choices=["critical", "error", "warning", "info", "debug"],
                        help="vLLM's name for --log-level")

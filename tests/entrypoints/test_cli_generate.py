@@ -197,8 +197,9 @@ def test_vllms_serve_flags_are_accepted(tiny_llama_dir, caplog):
 
     with caplog.at_level("WARNING"):
         llm = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=64, kv_cache_memory=1 << 20,
-                  trust_remote_code=True, gpu_memory_utilization=0.85)
+                  trust_remote_code=True, gpu_memory_utilization=0.85, tokenizer="some/hf-tokenizer")
     assert llm.engine is not None and "gpu_memory_utilization=0.85 is not applied" in caplog.text
+    assert "tokenizer='some/hf-tokenizer' is not used" in caplog.text
     with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
         LLM(model=tiny_llama_dir, gpu_memory_utilization=0)
 
@@ -209,7 +210,7 @@ def test_a_vllm_serve_command_line_runs_as_it_is():
     line = ("serve --host 0.0.0.0 --port 8000 --gpu-memory-utilization 0.9 --max-model-len 4096 --enable-prefix-caching "
             "--disable-log-requests --disable-log-stats --enable-chunked-prefill --swap-space 4 --kv-cache-dtype auto "
             "--quantization gguf --uvicorn-log-level warning --disable-fastapi-docs --served-model-name m "
-            "--enable-auto-tool-choice --tool-call-parser hermes --trust-remote-code")
+            "--enable-auto-tool-choice --tool-call-parser hermes --trust-remote-code --tokenizer Qwen/Qwen2.5-0.5B")
     args = build_parser().parse_args(line.split())
     assert args.log_level == "warning" and args.max_model_len == 4096 and args.served_model_name == ["m"]
     for bad in ("--kv-cache-dtype fp8", "--quantization awq"):
