@@ -1,6 +1,7 @@
 """vLLM's ``serve`` flags that specserve accepts so vLLM's command lines run as they are.
 
-Each either changes nothing here, with the reason in its help (what vLLM turns on or off is
+``--enable-log-requests`` logs each request's settings (``request_streams.REQUEST_LOG``). The
+others either change nothing here, with the reason in their help (what vLLM turns on or off is
 always so in specserve, or does not exist in it), or allows only the value that is so here
 (``--kv-cache-dtype auto``, ``--quantization gguf``): another value stops the start with
 argparse's message naming the values allowed. Flags that change behaviour (``--api-key``,
@@ -23,6 +24,9 @@ def add_vllm_serve_flags(p: argparse.ArgumentParser) -> None:
     group = p.add_argument_group("vLLM's flags, accepted (docs/serving.md)")
     for flag, why in NO_OP_SWITCHES.items():
         group.add_argument(flag, action="store_true", help=f"accepted for vLLM's command lines: {why}")
+    group.add_argument("--enable-log-requests", action="store_true",
+                       help="log each request as it is queued (logger specserve.requests): its id, endpoint, "
+                            "prompt length, priority and sampling settings; never its text")
     group.add_argument("--swap-space", type=float, default=None, metavar="GIB",
                        help="accepted for vLLM's command lines: preempted requests are computed again, never "
                             "swapped")

@@ -7,6 +7,8 @@ whatever is left unfinished when the caller stops listening.
 """
 from __future__ import annotations
 
+import logging
+
 import asyncio
 import dataclasses
 from typing import AsyncIterator, Callable
@@ -19,14 +21,23 @@ from specserve.entrypoints.openai.response_format import ChoiceState
 from specserve.outputs import RequestOutput
 
 
+# Each queued request, at INFO, where ``serve --enable-log-requests`` turns it on (vLLM's flag):
+# its settings, never its text.
+REQUEST_LOG = logging.getLogger("specserve.requests")
+
+
 async def start_requests(async_engine: AsyncLLMEngine, prompts: list[str | list[int]], params, param_name: str,
-                         priority: int = 0) -> list:
+                         priority: int = 0, endpoint: str = "") -> list:
     """Queue every prompt (at ``priority``; a beam search has none); if one is rejected, abort the
     ones already queued."""
     streams = []
     try:
         for p in prompts:
             streams.append(await async_engine.add_request(p, params, priority=priority))
+            if REQUEST_LOG.isEnabledFor(logging.INFO):
+                REQUEST_LOG.info("request %s (%s): prompt of %d %s, priority %d, %s", streams[-1].request_id,
+                                 endpoint or param_name, len(p), "characters" if isinstance(p, str) else "tokens",
+                                 priority, _settings(params))
     except ValueError as e:
         for s in streams:
             async_engine.abort(s.request_id)
@@ -36,6 +47,12 @@ async def start_requests(async_engine: AsyncLLMEngine, prompts: list[str | list[
             async_engine.abort(s.request_id)
         raise
     return streams
+
+
+def _settings(params) -> str:
+    """The sampling settings worth a log line (SamplingParams or BeamSearchParams)."""
+    names = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "beam_width")
+    return ", ".join(f"{n}={getattr(params, n)!r}" for n in names if getattr(params, n, None) is not None)
 
 
 async def merged(async_engine: AsyncLLMEngine, streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -10,6 +10,7 @@ from specserve.entrypoints.engine_args import build_llm
 from specserve.entrypoints.openai.api_server import CORSOptions, build_app
 from specserve.entrypoints.openai.connection import tls_options, uvicorn_config
 from specserve.entrypoints.openai.limits import OPTIONS as LIMIT_OPTIONS, ServerLimits
+from specserve.entrypoints.openai.request_streams import REQUEST_LOG
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +23,8 @@ def run_server(args) -> int:
     tls = tls_options(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs)
     if args.max_stored_responses < 0:
         raise ValueError(f"--max-stored-responses must be >= 0, got {args.max_stored_responses}")
+    # vLLM's --enable-log-requests: one line a queued request (request_streams.REQUEST_LOG)
+    REQUEST_LOG.setLevel(logging.INFO if getattr(args, "enable_log_requests", False) else logging.WARNING)
     llm = build_llm(args)
     engine = llm.engine
     names = list(args.served_model_name or []) or [engine.model_name]

@@ -206,7 +206,7 @@ class OpenAIServing:
                 raise APIError(400, str(e), param="suffix", code="invalid_value") from None
             params = fim_params(self.tokenizer, params)
         engine_params = self.beam_search_params(request) if request.use_beam_search else params
-        streams = await start_requests(self.async_engine, prompts, engine_params, "prompt", request.priority)
+        streams = await start_requests(self.async_engine, prompts, engine_params, "prompt", request.priority, endpoint)
         return await self._respond(request, raw, streams, params, arrival, chat=False, endpoint=endpoint)
 
     async def chat_completions(self, request: ChatCompletionRequest, raw: Request, endpoint: str = "chat") -> Response:
@@ -216,7 +216,8 @@ class OpenAIServing:
         params = await self.constrained(request, self.sampling_params(request))
         engine_params = self.beam_search_params(request) if request.use_beam_search else params
         prompt = await self.async_engine.run_off_thread(self.chat_prompt, request)
-        streams = await start_requests(self.async_engine, [prompt], engine_params, "messages", request.priority)
+        streams = await start_requests(self.async_engine, [prompt], engine_params, "messages", request.priority,
+                                       endpoint)
         return await self._respond(request, raw, streams, params, arrival, chat=True, endpoint=endpoint)
 
     async def _respond(self, request, raw: Request, streams, params, arrival: float, chat: bool,
