@@ -33,7 +33,8 @@ class SpeculativeConfig:
     method: "draft_model" (a smaller model with the target's vocabulary),
     "ngram" (prompt lookup: no model), "suffix" (suffix decoding: counted
     continuations of the request's own tokens and of recent requests', no model)
-    or "eagle" (a head over the target's hidden states), or "grammar" (no proposer:
+    or "eagle" (a head over the target's hidden states: specserve's EAGLE-1 heads, and vLLM's
+    EAGLE-3 checkpoints, told apart by their folder; "eagle3" is the same), or "grammar" (no proposer:
     only the forced tokens of constrained requests' grammars, below). ``model`` is
     anything the loader accepts.
     """
@@ -110,7 +111,7 @@ class SpeculativeConfig:
     # is num_speculative_tokens deep at most unless max_depth says otherwise. None: a chain.
     tree: "TreeConfig | dict | None" = None
 
-    METHODS = ("draft_model", "ngram", "eagle", "suffix", "grammar")
+    METHODS = ("draft_model", "ngram", "eagle", "eagle3", "suffix", "grammar")
     CROSS_VOCAB_METHODS = ("slem", "tli")           # spec_decode/cross_vocab.py's METHODS (config sits below it)
     DYNAMIC_K_BY_DEFAULT = ("ngram", "suffix")   # the methods whose dynamic_k default (None) means on
     # the names of quantized.REQUANTIZE_FORMATS (config sits below model_executor)
@@ -121,6 +122,10 @@ class SpeculativeConfig:
             self.method = "draft_model" if self.model is not None else None
         if self.method not in self.METHODS:
             raise ValueError(f"unknown speculative method {self.method!r}; choose one of {list(self.METHODS)}")
+        if self.method == "eagle3":       # vLLM's name: the eagle proposer reads either kind of head
+            if self.model is None:
+                raise ValueError("method 'eagle3' needs the EAGLE-3 head's folder as its model")
+            self.method = "eagle"
         k = self.num_speculative_tokens
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not (1 <= k <= MAX_SPECULATIVE_TOKENS)):
             raise ValueError(

@@ -40,6 +40,7 @@ from specserve.outputs import RequestOutput, SpecDecodeStats
 from specserve.sample.penalties import bad_words_token_ids
 from specserve.sample.verify import Verifier
 from specserve.sampling_params import SamplingParams
+from specserve.spec_decode.eagle import target_feature_layers
 from specserve.spec_decode.factory import build_proposer, resolve_speculative_config
 from specserve.spec_decode.k_policy import DraftLengthPolicy
 from specserve.spec_decode.proposer import Proposer
@@ -82,6 +83,10 @@ class LLMEngine:
         # lookahead slots per decoding request: k for a chain; a draft tree's nodes or expansions
         self.num_speculative_tokens = k = spec_config.num_lookahead_slots if spec_config else 0
         num_blocks = kv_cache_blocks(config, self.runner.bytes_per_block, self.max_model_len, k)
+        # an EAGLE-3 head reads the residual stream before some target layers too: set before graphs
+        feature_layers = target_feature_layers(spec_config, self.hf_config.num_hidden_layers)
+        if feature_layers:
+            self.runner.set_feature_layers(feature_layers)
         # CUDA graphs for decode and verification steps (k + 1 rows; a tree's nodes + 1) on GPUs
         self.uses_graphs = allocate_kv_cache(self.runner, num_blocks, not config.enforce_eager, config.max_num_seqs,
                                              max_query_len=k + 1, max_tree_span=k + 1 if spec_config else 0)

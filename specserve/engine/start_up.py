@@ -70,6 +70,7 @@ def proposer_context(config: EngineConfig, runner, dtype: torch.dtype, hf_config
         max_model_len=max_model_len,
         target_vocab_size=hf_config.vocab_size,
         target_hidden_size=hf_config.hidden_size,
+        target_num_layers=hf_config.num_hidden_layers,
         kv_cache=kv_cache,
         block_size=config.block_size,
         tensor_parallel_size=tp,

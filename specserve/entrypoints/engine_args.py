@@ -61,7 +61,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' (SpeculativeConfig's keys); "
                         "the flags below may add keys, not contradict it")
     p.add_argument("--speculative-model", default=None, help="draft model (anything --model accepts)")
-    p.add_argument("--speculative-method", default=None, choices=["draft_model", "ngram", "eagle", "suffix", "grammar"],
+    p.add_argument("--speculative-method", default=None, choices=["draft_model", "ngram", "eagle", "eagle3", "suffix", "grammar"],
                    help="grammar: no proposer, only the forced tokens of constrained requests' grammars as drafts")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="k, draft tokens per step (default: an EAGLE head's own k; suffix: its tree depth, 16; else 4)")

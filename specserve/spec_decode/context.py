@@ -22,6 +22,7 @@ class ProposerContext:
     max_model_len: int
     target_vocab_size: int
     target_hidden_size: int
+    target_num_layers: int
     # The target's block tables: proposers with a KV cache of their own (draft model, EAGLE)
     # allocate ``kv_cache.num_blocks`` blocks of ``block_size`` tokens and index them with these.
     kv_cache: KVCacheManager

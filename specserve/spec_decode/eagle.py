@@ -49,6 +49,7 @@ from specserve.model_executor.layers.fp16_gemm import compute_dtype_for, round_t
 from specserve.model_executor.layers.linear import ColumnParallelLinear
 from specserve.model_executor.layers.quantized import QuantizedMatrix
 from specserve.model_executor.models.eagle import EagleHead
+from specserve.model_executor.models.eagle3 import Eagle3Head
 from specserve.sample.penalties import adjust_request_rows
 from specserve.sample.sampler import CHOICE, choose_tokens, keyed_generator, row_argmax
 from specserve.spec_decode.checks import check_vocab
@@ -116,19 +117,23 @@ class EagleProposer(Proposer):
         (``cuda_graphs.graphs_possible``), for up to ``max_num_seqs`` requests."""
         self.dtype = dtype = compute_dtype_for(weight_dtype, device)
         self.head = head.to(device).eval()
-        self.embed_tokens = embed_tokens
+        # an EAGLE-3 head may carry its own embedding; else the target's
+        self.embed_tokens = getattr(head, "embed_tokens", None) or embed_tokens
         self.kv_cache = kv_cache
         self.vocab_size = vocab_size
         self.device = device
         self.block_size = block_size
         vocab = head.draft_vocab
         self.draft_vocab = vocab.to(device) if vocab is not None else None            # [Vd] target ids
-        if isinstance(lm_head_weight, QuantizedMatrix):   # the target's GGUF blocks, rows taken as they are
-            rows = lm_head_weight.row_slice(0, vocab_size) if vocab is None else lm_head_weight.take_rows(vocab)
-        else:
-            rows = lm_head_weight[: vocab_size] if vocab is None else lm_head_weight[vocab.to(lm_head_weight.device)]
-        self.lm_head = ColumnParallelLinear(rows.shape[1], [rows.shape[0]], bias=False)   # [Vd, H], not sharded
-        self.lm_head.load([rows.to(dtype=dtype)])
+        if isinstance(head, Eagle3Head):      # its own LM head over its draft vocabulary
+            self.lm_head = head.lm_head
+        else:                                 # the target's LM head, its draft vocabulary's rows
+            if isinstance(lm_head_weight, QuantizedMatrix):   # the target's GGUF blocks, rows taken as they are
+                rows = lm_head_weight.row_slice(0, vocab_size) if vocab is None else lm_head_weight.take_rows(vocab)
+            else:
+                rows = lm_head_weight[: vocab_size] if vocab is None else lm_head_weight[vocab.to(lm_head_weight.device)]
+            self.lm_head = ColumnParallelLinear(rows.shape[1], [rows.shape[0]], bias=False)   # [Vd, H], not sharded
+            self.lm_head.load([rows.to(dtype=dtype)])
         self.lm_head.to(device)
         round_to_weight_dtype(self.head, weight_dtype, dtype, device)
         round_to_weight_dtype(self.lm_head, weight_dtype, dtype, device)
@@ -219,7 +224,7 @@ class EagleProposer(Proposer):
         """hidden [n, H] of requests ``rows`` -> (tokens, probs [n, V] or None when all greedy).
 
         ``drafts``: every request's draft tokens so far (penalties count them)."""
-        logits = self.lm_head(hidden).float()                                           # [n, Vd]
+        logits = self.lm_head(self.head.logits_input(hidden)).float()                   # [n, Vd]
         params = [reqs[i].sampling_params for i in rows]
         adjusts = any(p.adjusts_logits for p in params)
         constrained = any(reqs[i].grammar is not None for i in rows)
@@ -244,7 +249,7 @@ class EagleProposer(Proposer):
 
     def _full_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, H] -> logits [n, V] over the target's vocabulary (-inf outside a reduced draft vocabulary)."""
-        logits = self.lm_head(hidden).float()                                            # [n, Vd]
+        logits = self.lm_head(self.head.logits_input(hidden)).float()                    # [n, Vd]
         if self.draft_vocab is None:
             return logits
         full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
@@ -312,7 +317,7 @@ class EagleProposer(Proposer):
         """One greedy draft on the device: the head at the fed token with the last output as its
         feature, then the argmax of the LM head (ids, state [B], [B, H] -> the next ones)."""
         state = self.head(state.to(self.dtype), self.embed_tokens(ids).to(self.dtype), positions, self.kv, meta)
-        best = row_argmax(self.lm_head(state).float())
+        best = row_argmax(self.lm_head(self.head.logits_input(state)).float())
         return (self.draft_vocab[best] if self.draft_vocab is not None else best), state
 
     def _propose_trees(self, reqs: list[Request], budgets: list[int]) -> Proposal:
@@ -428,11 +433,15 @@ def _path_rows(own: int, path: list[int], kept: int) -> torch.Tensor:
 
 
 def build_eagle_proposer(spec, ctx: ProposerContext) -> EagleProposer:
-    """SpeculativeConfig(method="eagle", model=FOLDER) + the target's context -> an EagleProposer."""
+    """SpeculativeConfig(method="eagle", model=FOLDER) + the target's context -> an EagleProposer
+    over specserve's EAGLE head or a vLLM-format EAGLE-3 head, as the folder holds."""
     from specserve.model_executor.loader import resolve_dtype
     from specserve.model_executor.models.eagle import EagleConfig, is_eagle_folder, load_eagle_head
+    from specserve.model_executor.models.eagle3 import is_eagle3_folder
 
     folder = spec.model
+    if is_eagle3_folder(folder):
+        return _build_eagle3(spec, ctx)
     if not is_eagle_folder(folder):
         raise ValueError(
             f"speculative method 'eagle' needs an EAGLE head folder (with eagle_config.json), got {folder!r}; "
@@ -455,3 +464,33 @@ def build_eagle_proposer(spec, ctx: ProposerContext) -> EagleProposer:
                          ctx.target_vocab_size, ctx.device, weight_dtype, ctx.block_size, spec.tree,
                          spec.num_speculative_tokens, graphs=ctx.graphs, max_num_seqs=ctx.max_num_seqs,
                          max_model_len=ctx.max_model_len + spec.num_speculative_tokens)
+
+
+def target_feature_layers(spec, target_num_layers: int) -> tuple[int, ...]:
+    """The target layers whose inputs the proposer reads beside the final hidden state (an EAGLE-3
+    head's; none for other proposers): set on the target before its CUDA graphs are captured."""
+    from specserve.model_executor.models.eagle3 import Eagle3Config, is_eagle3_folder
+
+    if spec is None or spec.method != "eagle" or not is_eagle3_folder(spec.model):
+        return ()
+    return Eagle3Config.load(spec.model, target_num_layers).feature_layers
+
+
+def _build_eagle3(spec, ctx: ProposerContext) -> EagleProposer:
+    from specserve.model_executor.loader import resolve_dtype
+    from specserve.model_executor.models.eagle3 import Eagle3Config, load_eagle3_head
+
+    folder = spec.model
+    if ctx.tensor_parallel_size != 1 or ctx.target_embed_tokens is None:
+        raise ValueError("the EAGLE proposer does not support tensor_parallel_size > 1 yet")
+    config = Eagle3Config.load(folder, ctx.target_num_layers)
+    check_vocab(ctx.target_vocab_size, config.vocab_size, folder)
+    if config.target_hidden_size != ctx.target_hidden_size:
+        raise ValueError(f"the EAGLE-3 head {folder!r} reads features of width {config.target_hidden_size} but the "
+                         f"target's are {ctx.target_hidden_size}; it was trained for another target")
+    weight_dtype = resolve_dtype(spec.draft_dtype, ctx.device) if spec.draft_dtype else ctx.dtype
+    head = load_eagle3_head(folder, compute_dtype_for(weight_dtype, ctx.device), ctx.target_num_layers,
+                            max_positions=ctx.max_model_len + spec.num_speculative_tokens)
+    return EagleProposer(head, ctx.target_embed_tokens, None, ctx.kv_cache, ctx.target_vocab_size, ctx.device,
+                         weight_dtype, ctx.block_size, spec.tree, spec.num_speculative_tokens, graphs=ctx.graphs,
+                         max_num_seqs=ctx.max_num_seqs, max_model_len=ctx.max_model_len + spec.num_speculative_tokens)

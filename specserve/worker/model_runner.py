@@ -127,6 +127,12 @@ class ModelRunner:
                                  capture=torch.device(self.device).type == "cuda", max_chain_steps=max_chain_steps)
 
     @torch.inference_mode()
+    def set_feature_layers(self, layers: tuple[int, ...]) -> None:
+        """Every row ``execute`` returns in ``all_hidden`` carries, after the final hidden state,
+        the residual stream before these layers (an EAGLE-3 head's features). Set before the KV
+        cache is allocated, so CUDA graphs capture the wider output."""
+        self.model.set_feature_layers(layers)
+
     def copy_kv_slots(self, src: list[int], dst: list[int]) -> None:
         """K/V of cache slot src[i] -> slot dst[i], in every layer (all sources read first).
 
@@ -140,9 +146,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inputs: list[ForwardInput], return_all_hidden: bool = False) -> ForwardOutput:
         bucket = self.graphs.bucket_for(inputs) if self.graphs is not None else None
+        width = self.model.config.hidden_size      # the rows' first columns; then any feature layers' (EAGLE-3)
         if bucket is not None:
-            rows, logit_rows, token_rows = self.graphs.run(bucket, inputs)    # [bucket rows, hidden]
-            hidden = rows[torch.tensor(logit_rows, dtype=torch.long).to(self.device, non_blocking=True)]
+            rows, logit_rows, token_rows = self.graphs.run(bucket, inputs)    # [bucket rows, hidden (+ features)]
+            hidden = rows[torch.tensor(logit_rows, dtype=torch.long).to(self.device, non_blocking=True), :width]
             all_hidden = None
             if return_all_hidden:
                 all_hidden = rows[torch.tensor(token_rows, dtype=torch.long).to(self.device, non_blocking=True)]
@@ -182,9 +189,9 @@ class ModelRunner:
         )
         ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
-        all_hidden = self.model(ids, pos, self.kv_caches, meta)  # [T, hidden]
+        all_hidden = self.model(ids, pos, self.kv_caches, meta)  # [T, hidden (+ features)]
         idx = torch.tensor(logit_indices, dtype=torch.long).to(self.device, non_blocking=True)
-        hidden = all_hidden[idx]
+        hidden = all_hidden[idx, :width]
         return ForwardOutput(
             logits=self.model.compute_logits(hidden),
             hidden=hidden,

@@ -184,6 +184,9 @@ class DecoderForCausalLM(nn.Module):
             for key in spec.rope_layer_types})
         self.layer_kernels: list[QuantizedLayerKernel] | None = None   # set by use_cpu_layer_kernels
         self.layer_stack: QuantizedLayerStack | None = None            # ... and all of them in one call
+        # Layers whose input (the residual stream before them) ``forward`` also returns, after the
+        # final hidden state: an EAGLE-3 head's features (``set_feature_layers``).
+        self.feature_layers: tuple[int, ...] = ()
 
     def rotary(self, key: str) -> RotaryEmbedding:
         return self.rotaries[key or "default"]
@@ -205,42 +208,61 @@ class DecoderForCausalLM(nn.Module):
             x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
         return x
 
+    def set_feature_layers(self, layers: tuple[int, ...]) -> None:
+        """``forward`` returns, after the final hidden state, the residual stream before each of
+        ``layers`` (an EAGLE-3 head's features): [T, hidden * (1 + len(layers))]."""
+        bad = [i for i in layers if not 0 <= i < len(self.layers)]
+        if bad:
+            raise ValueError(f"feature layers {bad} are not among the target's {len(self.layers)} layers")
+        self.feature_layers = tuple(layers)
+
     def forward(
         self,
         input_ids: torch.Tensor,   # [T]
         positions: torch.Tensor,   # [T]
         kv_caches: list[torch.Tensor],  # per layer [2, Hk, num_blocks, block_size, hd]
         meta: AttentionMetadata,
-    ) -> torch.Tensor:             # [T, hidden] after the final norm
+    ) -> torch.Tensor:             # [T, hidden] after the final norm (then the feature layers' inputs)
         x = self.embed(input_ids)
+        features: list[torch.Tensor] = []
         if self.layer_kernels is not None and x.device.type == "cpu":
-            return self.norm(self._forward_layer_kernels(x, positions, kv_caches, meta))
-        if positions.device.type == "cpu":   # elsewhere the check would wait for the device
-            self._check_positions(positions)    # (ModelRunner checks its host copy)
-        ropes = {key: table.lookup(positions, x.dtype) for key, table in self.rotaries.items()}
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            rope = None if layer.rope_key is None else ropes[layer.rope_key or "default"]
-            x = layer(rope, x, kv_cache, meta)
-        return self.norm(x)
+            x = self._forward_layer_kernels(x, positions, kv_caches, meta, features)
+        else:
+            if positions.device.type == "cpu":   # elsewhere the check would wait for the device
+                self._check_positions(positions)    # (ModelRunner checks its host copy)
+            ropes = {key: table.lookup(positions, x.dtype) for key, table in self.rotaries.items()}
+            for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+                if i in self.feature_layers:
+                    features.append(x)
+                rope = None if layer.rope_key is None else ropes[layer.rope_key or "default"]
+                x = layer(rope, x, kv_cache, meta)
+        out = self.norm(x)
+        if not self.feature_layers:
+            return out
+        by_layer = dict(zip(sorted(set(self.feature_layers)), features))
+        return torch.cat([out, *(by_layer[i].to(out.dtype) for i in self.feature_layers)], dim=-1)
 
     def _check_positions(self, positions: torch.Tensor) -> None:
         for table in self.rotaries.values():
             if positions.numel() and int(positions.max()) >= table.cos.shape[0]:
                 raise ValueError(f"position {int(positions.max())} beyond the rotary table ({table.cos.shape[0]})")
 
-    def _forward_layer_kernels(self, x, positions, kv_caches, meta) -> torch.Tensor:
-        """The layers as quant_layer's compiled halves around attention; x [T, hidden] float32."""
+    def _forward_layer_kernels(self, x, positions, kv_caches, meta, features: list) -> torch.Tensor:
+        """The layers as quant_layer's compiled halves around attention; x [T, hidden] float32
+        (updated in place: the feature layers' inputs are copied into ``features``)."""
         self._check_positions(positions)
         x = x.float().contiguous()
         positions = positions.to(torch.int64).contiguous()
         tokens = x.shape[0]
         scratch = torch.empty_like(x)                                              # [T, hidden]
         gate_up = torch.empty(tokens, 2 * self.config.intermediate_size)   # [T, 2 I] (TP 1 only)
-        if self.layer_stack is not None and meta.kernel is not None:
+        if self.layer_stack is not None and meta.kernel is not None and not self.feature_layers:
             # every layer, attention included, in one call
             self.layer_stack.run(x, positions, kv_caches, meta, self.layers[0].self_attn.scale, scratch, gate_up)
             return x
-        for layer, kernel, kv_cache in zip(self.layers, self.layer_kernels, kv_caches):
+        for i, (layer, kernel, kv_cache) in enumerate(zip(self.layers, self.layer_kernels, kv_caches)):
+            if i in self.feature_layers:
+                features.append(x.clone())
             attn = layer.self_attn
             qkv = kernel.attn_in(x, positions, scratch)                                 # [T, (Hq + 2 Hk) hd]
             qk, v = qkv.split([(attn.num_heads + attn.num_kv_heads) * attn.head_dim, attn.num_kv_heads * attn.head_dim],

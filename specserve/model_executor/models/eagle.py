@@ -161,6 +161,11 @@ class EagleHead(nn.Module):
         rope = self.rotary.lookup(positions, x.dtype)
         return self.norm(self.layer(rope, x, kv_cache, meta))
 
+    def logits_input(self, rows: torch.Tensor) -> torch.Tensor:
+        """The rows ``forward`` returned, as the LM head reads them (here: as they are; an EAGLE-3
+        head returns its state beside them)."""
+        return rows
+
     def forward_train(
         self,
         features: torch.Tensor,      # [B, L, H]
