@@ -84,7 +84,8 @@ class LLMEngine:
         self.num_speculative_tokens = k = spec_config.num_lookahead_slots if spec_config else 0
         num_blocks = kv_cache_blocks(config, self.runner.bytes_per_block, self.max_model_len, k)
         # an EAGLE-3 head reads the residual stream before some target layers too: set before graphs
-        feature_layers = target_feature_layers(spec_config, self.hf_config.num_hidden_layers)
+        feature_layers = target_feature_layers(spec_config, self.hf_config.num_hidden_layers) \
+            or tuple(getattr(proposer, "target_feature_layers", ()))      # a proposer passed in (training's recorder)
         if feature_layers:
             self.runner.set_feature_layers(feature_layers)
         # CUDA graphs for decode and verification steps (k + 1 rows; a tree's nodes + 1) on GPUs

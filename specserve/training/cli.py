@@ -28,7 +28,7 @@ def add_train_draft_parser(sub) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--target", default=None, help="the target: .gguf, HF folder or cached hub id (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--method", required=True, choices=["draft_model", "eagle"])
+    p.add_argument("--method", required=True, choices=["draft_model", "eagle", "eagle3"])
     p.add_argument("--out", required=True, help="output folder (HF folder for draft_model, EAGLE folder for eagle)")
     p.add_argument("--work-dir", default=None, help="data and checkpoints (default: OUT/train-work)")
     p.add_argument("--data-dir", default=None, help="generated data, reusable across methods (default: WORK_DIR/data)")
@@ -54,8 +54,10 @@ def add_train_draft_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--kl-weight", type=float, default=1.0, help="eagle: distribution (KL) weight")
     p.add_argument("--feature-noise", type=float, default=0.0, help="eagle: uniform noise width added to input features")
     p.add_argument("--unroll-steps", type=int, default=1, choices=[1, 2],
-                   help="eagle: 2 also trains each position on the head's own previous output, as when it drafts "
-                        "a second token (EAGLE's training-time test; about 2x the training time)")
+                   help="eagle, eagle3: 2 also trains each position on the head's own previous output, as when it "
+                        "drafts a second token (EAGLE's training-time test; about 2x the training time)")
+    p.add_argument("--feature-layers", default=None, metavar="I,J,K",
+                   help="eagle3: the target layers whose inputs the head reads (default: vLLM's 2, L/2, L-3)")
     p.add_argument("--max-train-minutes", type=float, default=None, help="stop training after this long (resumable)")
     p.add_argument("--save-every", type=int, default=50, help="steps between checkpoints")
     p.add_argument("--resume", action="store_true", help="continue training from WORK_DIR/checkpoint.pt")
@@ -83,11 +85,18 @@ def cmd_train_draft(args) -> int:
     data_dir = args.data_dir or os.path.join(work_dir, "data")
     temperatures = tuple(float(t) for t in args.temperatures.split(",") if t.strip())
     prompts = load_prompts(args.prompts, args.num_prompts)
+    feature_layers: tuple[int, ...] = ()
+    if args.method == "eagle3":
+        from specserve.model_executor.models.eagle3 import default_feature_layers
+
+        layers = load_model(args.target, torch.float32, load_weights=False).config.num_hidden_layers
+        feature_layers = (tuple(int(i) for i in args.feature_layers.split(",")) if args.feature_layers
+                          else default_feature_layers(layers))
     t0 = time.monotonic()
     meta = generate_dataset(
         args.target, prompts, data_dir, max_tokens=args.max_tokens, temperatures=temperatures,
         batch_size=args.gen_batch_size, dtype=args.gen_dtype, device=device, seed=args.seed,
-        max_minutes=args.max_gen_minutes,
+        max_minutes=args.max_gen_minutes, feature_layers=feature_layers,
     )
     gen_minutes = (time.monotonic() - t0) / 60
     records = load_dataset(data_dir)
@@ -106,6 +115,10 @@ def cmd_train_draft(args) -> int:
 
         task = EagleTask(loaded.config, loaded.state_dict, vocab, loaded.name, args.reg_weight, args.kl_weight,
                          args.feature_noise, args.unroll_steps)
+    elif args.method == "eagle3":
+        from specserve.training.train_eagle3 import Eagle3Task
+
+        task = Eagle3Task(loaded.config, loaded.state_dict, vocab, feature_layers, args.unroll_steps)
     else:
         from specserve.training.train_draft_model import DraftModelTask
 
@@ -128,14 +141,15 @@ def cmd_train_draft(args) -> int:
         "draft_vocab_size": len(vocab) if vocab is not None else loaded.config.vocab_size,
         "draft_vocab_coverage": round(coverage, 4),
         "epochs": args.epochs, "lr": args.lr, "batch_tokens": args.batch_tokens,
-        **({"unroll_steps": args.unroll_steps} if args.method == "eagle" else {}),
+        **({"unroll_steps": args.unroll_steps} if args.method in ("eagle", "eagle3") else {}),
+        **({"feature_layers": list(feature_layers)} if feature_layers else {}),
         "train_minutes": round((time.monotonic() - t1) / 60, 2),
         "history": result["history"], "best_epoch": result["best_epoch"], "complete": result["complete"],
     }
     if profile:
         info["profile"] = profile
     os.makedirs(args.out, exist_ok=True)
-    if args.method == "eagle":
+    if args.method in ("eagle", "eagle3"):
         task.export(args.out, info)
     else:
         task.export(args.out, loaded.tokenizer, info)

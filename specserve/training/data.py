@@ -43,9 +43,12 @@ class FeatureRecorder(Proposer):
 
     needs_target_hidden = True
 
-    def __init__(self, dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, dtype: torch.dtype = torch.bfloat16, feature_layers: tuple[int, ...] = ()):
         self.dtype = dtype
         self.chunks: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        # also the residual stream before these target layers (an EAGLE-3 head's features), after the
+        # final hidden state in each row: the engine sets them on the target (llm_engine.py)
+        self.target_feature_layers = tuple(feature_layers)
 
     def propose(self, scheduled: list[ScheduledRequest]) -> Proposal:
         return Proposal(token_ids=[[] for _ in scheduled], probs=[None] * len(scheduled))
@@ -107,10 +110,13 @@ def generate_dataset(
     max_minutes: float | None = None,
     max_model_len: int | None = None,
     kv_cache_memory: int | None = None,
+    feature_layers: tuple[int, ...] = (),
 ) -> dict:
     """Generate (or resume generating) the dataset; returns its meta (also saved as meta.json).
 
     One shard per ``batch_size`` prompts; each prompt is answered once per temperature.
+    ``feature_layers``: each row also holds the residual stream before these target layers
+    (after the final hidden state: [H * (1 + len)], an EAGLE-3 head's training data).
     """
     from specserve import LLM, SamplingParams
 
@@ -120,7 +126,11 @@ def generate_dataset(
     meta_path = os.path.join(data_dir, META_FILE)
     if not todo and os.path.isfile(meta_path):
         with open(meta_path) as f:
-            return json.load(f)
+            meta = json.load(f)
+        if tuple(meta.get("feature_layers", ())) != tuple(feature_layers):
+            raise ValueError(f"the data in {data_dir} holds the features of layers {meta.get('feature_layers', [])}, "
+                             f"not {list(feature_layers)}: use another --data-dir")
+        return meta
     if kv_cache_memory is None:  # room for the whole batch at full length (no preemption), +25%
         from specserve.model_executor.layers.fp16_gemm import compute_dtype_for
         from specserve.model_executor.loader import load_model, resolve_dtype
@@ -132,7 +142,7 @@ def generate_dataset(
         per_token *= torch.finfo(kv_dtype).bits // 8
         longest = max(len(p["prompt"]) for p in prompts) // 2 + 64 + max_tokens  # generous tokens per prompt
         kv_cache_memory = max(16 << 20, int(1.25 * per_token * longest * batch_size * len(temperatures)))
-    recorder = FeatureRecorder()
+    recorder = FeatureRecorder(feature_layers=feature_layers)
     llm = LLM(
         model=target,
         dtype=dtype,
@@ -158,6 +168,7 @@ def generate_dataset(
         "num_prompts": len(prompts),
         "batch_size": batch_size,
         "dtype": dtype,
+        "feature_layers": list(feature_layers),
     }
     started = time.monotonic()
     bar = tqdm(total=num_shards, initial=num_shards - len(todo), desc="Generating training data", unit="shard")

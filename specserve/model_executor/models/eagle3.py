@@ -26,12 +26,13 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from specserve.model_executor.layers.attention import AttentionMetadata
 from specserve.model_executor.layers.linear import ColumnParallelLinear
 from specserve.model_executor.layers.norm import RMSNorm
-from specserve.model_executor.layers.rotary import RotaryEmbedding
+from specserve.model_executor.layers.rotary import RotaryEmbedding, apply_rotary
 from specserve.model_executor.models.decoder import DecoderLayer
 from specserve.model_executor.models.decoder_spec import eagle_layer_spec
 
@@ -61,7 +62,7 @@ class Eagle3Config:
         heads = hf["num_attention_heads"]
         eagle = hf.get("eagle_config") or {}
         layers = eagle.get("eagle_aux_hidden_state_layer_ids") or hf.get("eagle_aux_hidden_state_layer_ids") \
-            or (2, target_num_layers // 2, target_num_layers - 3)
+            or default_feature_layers(target_num_layers)
         return cls(
             hidden_size=hf["hidden_size"], num_attention_heads=heads,
             num_key_value_heads=hf.get("num_key_value_heads", heads),
@@ -70,6 +71,30 @@ class Eagle3Config:
             draft_vocab_size=hf.get("draft_vocab_size") or hf["vocab_size"],
             target_hidden_size=hf.get("target_hidden_size") or hf["hidden_size"],
             feature_layers=tuple(int(i) for i in layers), hf=hf)
+
+
+def target_config_dict(target_config) -> dict:
+    """The rope settings of the target's config (a head trained for it uses the same table)."""
+    d = target_config.to_dict() if hasattr(target_config, "to_dict") else dict(vars(target_config))
+    return {k: d[k] for k in ("rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings") if k in d}
+
+
+def eagle3_config_for(target_config, draft_vocab_size: int | None, feature_layers: tuple[int, ...]) -> Eagle3Config:
+    """The shape of an EAGLE-3 head for ``target_config`` (its layer's sizes are the target's)."""
+    heads = target_config.num_attention_heads
+    return Eagle3Config(
+        hidden_size=target_config.hidden_size, num_attention_heads=heads,
+        num_key_value_heads=target_config.num_key_value_heads,
+        head_dim=getattr(target_config, "head_dim", None) or target_config.hidden_size // heads,
+        intermediate_size=target_config.intermediate_size, rms_norm_eps=target_config.rms_norm_eps,
+        vocab_size=target_config.vocab_size, draft_vocab_size=draft_vocab_size or target_config.vocab_size,
+        target_hidden_size=target_config.hidden_size, feature_layers=tuple(feature_layers),
+        hf={"model_type": "llama", **target_config_dict(target_config)})
+
+
+def default_feature_layers(num_layers: int) -> tuple[int, ...]:
+    """vLLM's choice: low, middle and high (2, L/2, L-3)."""
+    return (2, num_layers // 2, num_layers - 3)
 
 
 def is_eagle3_folder(path: str | None) -> bool:
@@ -104,9 +129,9 @@ class Eagle3Head(nn.Module):
         self.norm = RMSNorm(h, eps)
         self.lm_head = ColumnParallelLinear(h, [config.draft_vocab_size], bias=False)   # [Vd, H]
         self.embed_tokens: nn.Embedding | None = None                                 # its own, if it has one
-        rope_config = LlamaConfig(**{k: v for k, v in config.hf.items() if k in (
-            "hidden_size", "num_attention_heads", "head_dim", "rope_theta", "rope_scaling", "rope_parameters",
-            "max_position_embeddings")})
+        rope_config = LlamaConfig(hidden_size=h, num_attention_heads=config.num_attention_heads,
+                                  head_dim=config.head_dim, **{k: v for k, v in config.hf.items() if k in (
+                                      "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings")})
         self.rotary = RotaryEmbedding.from_config(rope_config, max_positions)
         self.num_kv_heads_local = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -161,7 +186,95 @@ class Eagle3Head(nn.Module):
         return torch.cat([self.norm(state), state], dim=-1)
 
     def logits_input(self, rows: torch.Tensor) -> torch.Tensor:   # [n, 2H] -> [n, H]
-        return rows[:, : self.config.hidden_size]
+        return rows[..., : self.config.hidden_size]
+
+    # ------------------------------------------------------------ training
+    def forward_train(self, features: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
+        """[B, L, 3 Ht] the target's features, [B, L, H] embeddings -> [B, L, 2H], as ``forward``
+        over whole padded sequences with causal attention (no KV cache)."""
+        state = self.fc(features)
+        q, k, v = self._train_qkv(state, token_embeds)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        return self._train_finish(state, out)
+
+    def forward_train_unrolled(self, features, token_embeds) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pass 1 as ``forward_train``; pass 2 where position j's feature is the head's own
+        state from pass 1 at j - 1, keys before j keeping the target's): what the head sees when
+        it drafts a second token (EAGLE's training-time test)."""
+        state1 = self.fc(features)
+        q1, k1, v1 = self._train_qkv(state1, token_embeds)
+        gqa = q1.shape[1] != k1.shape[1]
+        out1 = self._train_finish(state1, F.scaled_dot_product_attention(q1, k1, v1, is_causal=True, enable_gqa=gqa))
+        h = self.config.hidden_size
+        state2 = torch.cat([state1[:, :1], out1[:, :-1, h:]], dim=1)            # position 0 has no own feature
+        q2, k2, v2 = self._train_qkv(state2, token_embeds)
+        length = features.shape[1]
+        pos = torch.arange(length, device=features.device)
+        mask = torch.cat([pos[None, :] < pos[:, None], pos[None, :] == pos[:, None]], dim=1)     # [L, 2L]
+        out2 = F.scaled_dot_product_attention(q2, torch.cat([k1, k2], dim=2), torch.cat([v1, v2], dim=2),
+                                              attn_mask=mask, enable_gqa=gqa)
+        return out1, self._train_finish(state2, out2)
+
+    def _train_qkv(self, state, token_embeds):
+        """-> q [B, hq, L, hd], k and v [B, hk, L, hd] of [embedding ; feature] at positions 0..L-1."""
+        b, length, _ = state.shape
+        attn = self.layer.self_attn
+        hq, hk, hd = self.config.num_attention_heads, self.config.num_key_value_heads, self.head_dim
+        x = torch.cat([self.embed_norm(token_embeds), self.hidden_norm(state)], dim=-1)
+        qkv = attn.qkv_proj(x)                                                     # [B, L, (hq + 2hk) hd]
+        qk, v = qkv.split([(hq + hk) * hd, hk * hd], dim=-1)
+        cos, sin = self.rotary.lookup(torch.arange(length, device=state.device), state.dtype)
+        qk = apply_rotary(qk.reshape(b, length, hq + hk, hd), cos, sin)
+        q, k = qk.split([hq, hk], dim=2)
+        return q.transpose(1, 2), k.transpose(1, 2), v.reshape(b, length, hk, hd).transpose(1, 2)
+
+    def _train_finish(self, state, attn_out):
+        """the feature [B, L, H], attention's output [B, hq, L, hd] -> [B, L, 2H]."""
+        b, hq, length, hd = attn_out.shape
+        r = state + self.layer.self_attn.o_proj(attn_out.transpose(1, 2).reshape(b, length, hq * hd))
+        state = r + self.layer.mlp(self.layer.mlp_norm(r))
+        return torch.cat([self.norm(state), state], dim=-1)
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """vLLM's names (the inverse of ``load_weights``)."""
+        cfg, layer = self.config, self.layer
+        q_size, kv_size = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        q, k, v = layer.self_attn.qkv_proj.weight.detach().split([q_size, kv_size, kv_size])
+        gate, up = layer.mlp.gate_up_proj.weight.detach().chunk(2)
+        p = "midlayer."
+        sd = {"fc.weight": self.fc.weight.detach(), "norm.weight": self.norm.weight.detach(),
+              "lm_head.weight": self.lm_head.weight.detach(),
+              f"{p}input_layernorm.weight": self.embed_norm.weight.detach(),
+              f"{p}hidden_norm.weight": self.hidden_norm.weight.detach(),
+              f"{p}post_attention_layernorm.weight": layer.mlp_norm.weight.detach(),
+              f"{p}self_attn.q_proj.weight": q, f"{p}self_attn.k_proj.weight": k, f"{p}self_attn.v_proj.weight": v,
+              f"{p}self_attn.o_proj.weight": layer.self_attn.o_proj.weight.detach(),
+              f"{p}mlp.gate_proj.weight": gate, f"{p}mlp.up_proj.weight": up,
+              f"{p}mlp.down_proj.weight": layer.mlp.down_proj.weight.detach()}
+        if self.draft_vocab is not None:
+            sd["d2t"] = self.draft_vocab - torch.arange(len(self.draft_vocab), device=self.draft_vocab.device)
+            t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+            t2d[self.draft_vocab.cpu()] = True
+            sd["t2d"] = t2d
+        return {k: t.contiguous() for k, t in sd.items()}
+
+
+def save_eagle3_head(folder: str, head: Eagle3Head, dtype: torch.dtype = torch.bfloat16) -> None:
+    """The head as vLLM reads it: ``config.json`` (an ``LlamaForCausalLMEagle3``) and ``model.safetensors``."""
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    sd = {k: (t.to(dtype) if t.is_floating_point() else t).cpu() for k, t in head.export_weights().items()}
+    save_file(sd, os.path.join(folder, WEIGHT_FILES[0]))
+    cfg = head.config
+    hf = {**cfg.hf, "architectures": ["LlamaForCausalLMEagle3"], "hidden_size": cfg.hidden_size,
+          "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+          "head_dim": cfg.head_dim, "intermediate_size": cfg.intermediate_size, "rms_norm_eps": cfg.rms_norm_eps,
+          "vocab_size": cfg.vocab_size, "draft_vocab_size": cfg.draft_vocab_size,
+          "target_hidden_size": cfg.target_hidden_size, "num_hidden_layers": 1,
+          "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(cfg.feature_layers)}}
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2)
 
 
 def load_eagle3_head(folder: str, dtype: torch.dtype, target_num_layers: int,
