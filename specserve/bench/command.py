@@ -116,6 +116,8 @@ def add_spec_bench_options(p: argparse.ArgumentParser, d: dict) -> None:
                         "(trees against chains); plain is always run (speedups are against it)")
     p.add_argument("--draft-model", default=d.get("draft_model"), help="the draft for draft:K configurations")
     p.add_argument("--eagle-model", default=None, help="the EAGLE head folder for eagle:K configurations")
+    p.add_argument("--eagle3-model", default=None, help="the EAGLE-3 head folder (vLLM's format) for eagle3:K "
+                                                        "configurations")
     p.add_argument("--peer", action="append", default=d["peer"],
                    choices=["transformers", "transformers-assisted", "transformers-ngram", "llama.cpp"],
                    help="also measure a peer engine on the same prompts (repeatable): transformers' generate "
@@ -164,7 +166,8 @@ def options_from_args(args, argv: list[str] | None = None):
     argv = sys.argv[1:] if argv is None else argv
     return BenchOptions(
         model=args.model, dtype=args.dtype, device=args.device,
-        configs=parse_configs(args.configs, args.draft_model, args.eagle_model),
+        configs=parse_configs(args.configs, args.draft_model, args.eagle_model,
+                              eagle3_model=getattr(args, "eagle3_model", None)),
         peers=list(dict.fromkeys(args.peer or [])), draft_model=args.draft_model, llama_cpp_bin=args.llama_cpp_bin,
         transformers_dtype=args.transformers_dtype,
         prompts_path=args.prompts,

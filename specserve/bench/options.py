@@ -106,7 +106,8 @@ class Config:
         return {"name": self.name, "kind": self.kind, "speculative_config": self.speculative_config}
 
 
-METHODS = {"ngram": "ngram", "draft": "draft_model", "draft_model": "draft_model", "eagle": "eagle", "suffix": "suffix"}
+METHODS = {"ngram": "ngram", "draft": "draft_model", "draft_model": "draft_model", "eagle": "eagle", "eagle3": "eagle3",
+           "suffix": "suffix"}
 
 
 # the :OPTION words of a configuration and the SpeculativeConfig field and value each sets
@@ -114,7 +115,7 @@ KEYWORDS = {"dynamic": ("dynamic_k", "true"), "fixed": ("dynamic_k", "false"), "
 
 
 def parse_configs(text: str, draft_model: str | None = None, eagle_model: str | None = None,
-                  add_plain: bool = True) -> list[Config]:
+                  add_plain: bool = True, eagle3_model: str | None = None) -> list[Config]:
     """``plain,ngram:4,draft:3,eagle:4`` -> configurations; ``plain`` is added first when missing
     (unless ``add_plain`` is False: a suite that compares each configuration with itself).
 
@@ -124,7 +125,7 @@ def parse_configs(text: str, draft_model: str | None = None, eagle_model: str | 
     off), ``tree`` proposes n-gram trees (``prompt_lookup_tree``), and
     ``KEY=VALUE`` sets any other ``SpeculativeConfig`` field (``ngram:5:prompt_lookup_max=5``;
     VALUE true/false, a number or text). ``draft``/``eagle`` use ``draft_model``/``eagle_model``,
-    else the default model's shipped draft.
+    else the default model's shipped draft; ``eagle3`` uses ``eagle3_model`` (an EAGLE-3 head's folder).
     """
     from specserve.config import SpeculativeConfig
 
@@ -137,7 +138,8 @@ def parse_configs(text: str, draft_model: str | None = None, eagle_model: str | 
         else:
             method, *parts = item.split(":")
             if method not in METHODS:
-                raise ValueError(f"unknown configuration {item!r}: use plain, ngram:K, draft:K, eagle:K or suffix:K")
+                raise ValueError(f"unknown configuration {item!r}: use plain, ngram:K, draft:K, eagle:K, eagle3:K or "
+                                 "suffix:K")
             spec: dict = {"method": METHODS[method]}
             if parts and parts[0] not in KEYWORDS and "=" not in parts[0]:
                 try:
@@ -154,7 +156,7 @@ def parse_configs(text: str, draft_model: str | None = None, eagle_model: str | 
                     raise ValueError(f"configuration {item!r}: {part!r} is not dynamic, fixed, tree or KEY=VALUE "
                                      "(a SpeculativeConfig field; K goes right after the method)")
                 spec[key] = _option_value(value)
-            model = {"draft_model": draft_model, "eagle": eagle_model}.get(spec["method"])
+            model = {"draft_model": draft_model, "eagle": eagle_model, "eagle3": eagle3_model}.get(spec["method"])
             if model is not None and "model" not in spec:
                 spec["model"] = model
             try:

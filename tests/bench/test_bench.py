@@ -161,9 +161,12 @@ def test_parse_configs():
     assert dynamic[2].speculative_config == {"method": "suffix", "num_speculative_tokens": 8}
     assert parse_configs("ngram:4:fixed")[1].speculative_config == {"method": "ngram", "num_speculative_tokens": 4,
                                                                     "dynamic_k": False}
-    for bad in ("medusa:3", "ngram:x", "ngram:0", "plain,plain"):
+    for bad in ("medusa:3", "ngram:x", "ngram:0", "plain,plain", "eagle3:2"):   # eagle3 needs its head's folder
         with pytest.raises(ValueError):
             parse_configs(bad)
+    both = parse_configs("eagle:1,eagle3:3", eagle_model="/e1", eagle3_model="/e3")
+    assert both[1].speculative_config == {"method": "eagle", "num_speculative_tokens": 1, "model": "/e1"}
+    assert both[2].speculative_config == {"method": "eagle3", "num_speculative_tokens": 3, "model": "/e3"}
 
 
 def test_int8_activations_option_reaches_every_configurations_engine(monkeypatch):

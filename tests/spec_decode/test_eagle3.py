@@ -162,3 +162,23 @@ def test_the_loader_takes_vllms_names_and_refuses_misfits(tmp_path, target_dir, 
             speculative_config={"method": "eagle3", "model": wide})
     with pytest.raises(ValueError, match="needs the EAGLE-3 head's folder"):
         LLM(model=target_dir, speculative_config={"method": "eagle3"})
+
+
+def test_training_forward_is_the_drafting_forward(target_dir, head_dir):
+    """``forward_train`` (what train-draft optimizes) gives the first draft ``forward`` gives."""
+    from transformers import AutoModelForCausalLM
+
+    from specserve.model_executor.models.eagle3 import load_eagle3_head
+
+    tok_ids = list(range(300, 320))
+    target = AutoModelForCausalLM.from_pretrained(target_dir, torch_dtype=torch.float32).eval()
+    head = load_eagle3_head(head_dir, torch.float32, 6)
+    with torch.no_grad():
+        states = target(torch.tensor([tok_ids[:-1]]), output_hidden_states=True).hidden_states
+        aux = torch.cat([states[i] for i in FEATURE_LAYERS], dim=-1)              # [1, n, 3H]
+        embeds = target.get_input_embeddings()(torch.tensor([tok_ids[1:]]))
+        out = head.forward_train(aux, embeds)                                     # [1, n, 2H]
+        out2 = head.forward_train_unrolled(aux, embeds)[0]
+        best = int((head.logits_input(out[0, -1]) @ head.lm_head.weight.T).argmax())
+    assert torch.equal(out, out2)
+    assert int(head.draft_vocab[best]) == reference_first_draft(target_dir, head_dir, tok_ids)

@@ -89,6 +89,41 @@ def test_train_eagle_end_to_end_and_resume(tiny_target, tmp_path):
     assert llm.get_spec_decode_stats().num_draft_tokens > 0
 
 
+def test_train_eagle3_end_to_end(tmp_path, default_model_tokenizer):
+    """An EAGLE-3 head trained on a 6-layer tiny target (its feature layers recorded beside the final
+    hidden state), saved in vLLM's format; it drafts for the target and greedy output is the target's."""
+    from safetensors.torch import load_file
+
+    from tiny_models import write_tiny_llama
+
+    target = write_tiny_llama(str(tmp_path / "target"), seed=3, tokenizer=default_model_tokenizer,
+                              embedding_scale=8.0, num_layers=6)
+    out = str(tmp_path / "eagle3")
+    rc = cli_main(["train-draft", "--target", target, "--method", "eagle3", "--out", out, "--unroll-steps", "2",
+                   "--feature-layers", "1,3,4", *COMMON])
+    assert rc == 0
+    info = json.load(open(os.path.join(out, "training.json")))
+    assert info["complete"] and info["feature_layers"] == [1, 3, 4] and "eval_agree2" in info["history"][-1]
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    weights = load_file(os.path.join(out, "model.safetensors"))
+    assert weights["fc.weight"].shape == (64, 3 * 64) and weights["midlayer.self_attn.q_proj.weight"].shape[1] == 128
+    assert weights["lm_head.weight"].shape[0] == 512 == weights["d2t"].shape[0]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    kw = dict(model=target, dtype="float32", device="cpu", kv_cache_memory=16 << 20)
+    plain = LLM(**kw).generate("Hello there", params)[0]
+    spec_llm = LLM(**kw, speculative_config={"method": "eagle3", "model": out, "num_speculative_tokens": 3})
+    assert spec_llm.engine.runner.model.feature_layers == (1, 3, 4)
+    assert spec_llm.generate("Hello there", params)[0].outputs[0].token_ids == plain.outputs[0].token_ids
+    with pytest.raises(ValueError, match="holds the features of layers"):    # eagle's data is not eagle3's
+        from specserve.training.data import generate_dataset
+        from specserve.training.prompts import load_prompts as prompts_of
+
+        generate_dataset(target, prompts_of(None, 4), os.path.join(out, "train-work", "data"), max_tokens=12,
+                         batch_size=2, device="cpu")
+
+
 def test_speculation_without_a_draft_on_another_target_is_a_clear_error(tiny_target):
     for method in ("eagle", "draft_model"):
         with pytest.raises(ValueError, match="train-draft"):
