@@ -38,8 +38,8 @@ EAGLE_WEIGHTS_NAME = "model.safetensors"
 
 
 @dataclass
-class EagleConfig:
-    """The head's shape; the attention/MLP sizes are a Llama decoder layer's."""
+class HeadLayerShape:
+    """An EAGLE head's one Llama layer: what ``DecoderLayer`` reads of a config (EAGLE and EAGLE-3 alike)."""
 
     hidden_size: int
     num_attention_heads: int
@@ -47,6 +47,12 @@ class EagleConfig:
     head_dim: int
     intermediate_size: int
     rms_norm_eps: float
+
+
+@dataclass
+class EagleConfig(HeadLayerShape):
+    """The head's shape; the attention/MLP sizes are a Llama decoder layer's."""
+
     rope_theta: float
     vocab_size: int                    # the target's vocabulary (checked at load)
     draft_vocab_size: int              # rows of the LM head the head drafts from (<= vocab_size)

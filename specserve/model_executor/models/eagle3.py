@@ -35,20 +35,15 @@ from specserve.model_executor.layers.norm import RMSNorm
 from specserve.model_executor.layers.rotary import RotaryEmbedding, apply_rotary
 from specserve.model_executor.models.decoder import DecoderLayer
 from specserve.model_executor.models.decoder_spec import eagle_layer_spec
+from specserve.model_executor.models.eagle import HeadLayerShape
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
 @dataclass
-class Eagle3Config:
+class Eagle3Config(HeadLayerShape):
     """The head's shape (the attention's and MLP's are a Llama layer's), from its ``config.json``."""
 
-    hidden_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
     vocab_size: int                    # the target's vocabulary
     draft_vocab_size: int
     target_hidden_size: int
