@@ -187,6 +187,7 @@ class DecoderForCausalLM(nn.Module):
         # Layers whose input (the residual stream before them) ``forward`` also returns, after the
         # final hidden state: an EAGLE-3 head's features (``set_feature_layers``).
         self.feature_layers: tuple[int, ...] = ()
+        self._segments: list | None = None       # the layer stack cut at the feature layers (_stack_segments)
 
     def rotary(self, key: str) -> RotaryEmbedding:
         return self.rotaries[key or "default"]
@@ -199,6 +200,7 @@ class DecoderForCausalLM(nn.Module):
                    for layer in self.layers]
         self.layer_kernels = kernels if kernels and all(k is not None for k in kernels) else None
         self.layer_stack = QuantizedLayerStack.build(kernels) if self.layer_kernels is not None else None
+        self._segments = None
         return self.layer_kernels is not None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:   # [T] -> [T, hidden]
@@ -208,6 +210,17 @@ class DecoderForCausalLM(nn.Module):
             x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
         return x
 
+    def _stack_segments(self) -> list[tuple[int, int, QuantizedLayerStack | None]]:
+        """The compiled layer stack cut at the feature layers: (first layer, end, the stack of
+        layers first..end-1, None when empty); one segment when there are none."""
+        if self._segments is None:
+            cuts = sorted(set(self.feature_layers))
+            spans = list(zip([0, *cuts], [*cuts, len(self.layers)]))
+            self._segments = [(a, b, (self.layer_stack if (a, b) == (0, len(self.layers))
+                                      else QuantizedLayerStack.build(self.layer_kernels[a:b]) if b > a else None))
+                              for a, b in spans]
+        return self._segments
+
     def set_feature_layers(self, layers: tuple[int, ...]) -> None:
         """``forward`` returns, after the final hidden state, the residual stream before each of
         ``layers`` (an EAGLE-3 head's features): [T, hidden * (1 + len(layers))]."""
@@ -215,6 +228,7 @@ class DecoderForCausalLM(nn.Module):
         if bad:
             raise ValueError(f"feature layers {bad} are not among the target's {len(self.layers)} layers")
         self.feature_layers = tuple(layers)
+        self._segments = None
 
     def forward(
         self,
@@ -256,9 +270,15 @@ class DecoderForCausalLM(nn.Module):
         tokens = x.shape[0]
         scratch = torch.empty_like(x)                                              # [T, hidden]
         gate_up = torch.empty(tokens, 2 * self.config.intermediate_size)   # [T, 2 I] (TP 1 only)
-        if self.layer_stack is not None and meta.kernel is not None and not self.feature_layers:
-            # every layer, attention included, in one call
-            self.layer_stack.run(x, positions, kv_caches, meta, self.layers[0].self_attn.scale, scratch, gate_up)
+        if self.layer_stack is not None and meta.kernel is not None:
+            # every layer, attention included, in one call (with feature layers: one call a run of layers
+            # between them, each feature layer's input copied before its run)
+            scale = self.layers[0].self_attn.scale
+            for start, end, stack in self._stack_segments():
+                if start in self.feature_layers:
+                    features.append(x.clone())
+                if stack is not None:
+                    stack.run(x, positions, kv_caches[start:end], meta, scale, scratch, gate_up)
             return x
         for i, (layer, kernel, kv_cache) in enumerate(zip(self.layers, self.layer_kernels, kv_caches)):
             if i in self.feature_layers:
