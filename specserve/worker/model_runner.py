@@ -126,13 +126,13 @@ class ModelRunner:
         self.graphs = StepGraphs(self, max_num_reqs, max_query_len, max_tree_span,
                                  capture=torch.device(self.device).type == "cuda", max_chain_steps=max_chain_steps)
 
-    @torch.inference_mode()
     def set_feature_layers(self, layers: tuple[int, ...]) -> None:
         """Every row ``execute`` returns in ``all_hidden`` carries, after the final hidden state,
         the residual stream before these layers (an EAGLE-3 head's features). Set before the KV
         cache is allocated, so CUDA graphs capture the wider output."""
         self.model.set_feature_layers(layers)
 
+    @torch.inference_mode()
     def copy_kv_slots(self, src: list[int], dst: list[int]) -> None:
         """K/V of cache slot src[i] -> slot dst[i], in every layer (all sources read first).
 
