@@ -437,33 +437,36 @@ def build_eagle_proposer(spec, ctx: ProposerContext) -> EagleProposer:
     over specserve's EAGLE head or a vLLM-format EAGLE-3 head, as the folder holds."""
     from specserve.model_executor.loader import resolve_dtype
     from specserve.model_executor.models.eagle import EagleConfig, is_eagle_folder, load_eagle_head
-    from specserve.model_executor.models.eagle3 import is_eagle3_folder
+    from specserve.model_executor.models.eagle3 import Eagle3Config, is_eagle3_folder, load_eagle3_head
 
     folder = spec.model
-    if is_eagle3_folder(folder):
-        return _build_eagle3(spec, ctx)
-    if not is_eagle_folder(folder):
+    eagle3 = is_eagle3_folder(folder)
+    if not eagle3 and not is_eagle_folder(folder):
         raise ValueError(
             f"speculative method 'eagle' needs an EAGLE head folder (with eagle_config.json), got {folder!r}; "
             "train one with `specserve train-draft --target MODEL --method eagle --out DIR`"
         )
     if ctx.tensor_parallel_size != 1 or ctx.target_embed_tokens is None:
         raise ValueError("the EAGLE proposer does not support tensor_parallel_size > 1 yet")
-    config = EagleConfig.load(folder)
+    if eagle3:       # the width of the target's features it reads, not its own
+        config = Eagle3Config.load(folder, ctx.target_num_layers)
+        width, what = config.target_hidden_size, "reads features of width"
+    else:
+        config = EagleConfig.load(folder)
+        width, what = config.hidden_size, "has hidden size"
     check_vocab(ctx.target_vocab_size, config.vocab_size, folder)
-    if config.hidden_size != ctx.target_hidden_size:
-        raise ValueError(
-            f"the EAGLE head {folder!r} has hidden size {config.hidden_size} but the target has "
-            f"{ctx.target_hidden_size}; it was trained for another target"
-        )
+    if width != ctx.target_hidden_size:
+        raise ValueError(f"the EAGLE head {folder!r} {what} {width} but the target has {ctx.target_hidden_size}; "
+                         f"it was trained for another target")
     weight_dtype = resolve_dtype(spec.draft_dtype, ctx.device) if spec.draft_dtype else ctx.dtype
-    head = load_eagle_head(
-        folder, compute_dtype_for(weight_dtype, ctx.device), max_positions=ctx.max_model_len + spec.num_speculative_tokens
-    )
+    max_positions = ctx.max_model_len + spec.num_speculative_tokens
+    dtype = compute_dtype_for(weight_dtype, ctx.device)
+    head = (load_eagle3_head(folder, dtype, ctx.target_num_layers, max_positions=max_positions) if eagle3
+            else load_eagle_head(folder, dtype, max_positions=max_positions))
     return EagleProposer(head, ctx.target_embed_tokens, ctx.target_lm_head_weight, ctx.kv_cache,
                          ctx.target_vocab_size, ctx.device, weight_dtype, ctx.block_size, spec.tree,
                          spec.num_speculative_tokens, graphs=ctx.graphs, max_num_seqs=ctx.max_num_seqs,
-                         max_model_len=ctx.max_model_len + spec.num_speculative_tokens)
+                         max_model_len=max_positions)
 
 
 def target_feature_layers(spec, target_num_layers: int) -> tuple[int, ...]:
@@ -474,23 +477,3 @@ def target_feature_layers(spec, target_num_layers: int) -> tuple[int, ...]:
     if spec is None or spec.method != "eagle" or not is_eagle3_folder(spec.model):
         return ()
     return Eagle3Config.load(spec.model, target_num_layers).feature_layers
-
-
-def _build_eagle3(spec, ctx: ProposerContext) -> EagleProposer:
-    from specserve.model_executor.loader import resolve_dtype
-    from specserve.model_executor.models.eagle3 import Eagle3Config, load_eagle3_head
-
-    folder = spec.model
-    if ctx.tensor_parallel_size != 1 or ctx.target_embed_tokens is None:
-        raise ValueError("the EAGLE proposer does not support tensor_parallel_size > 1 yet")
-    config = Eagle3Config.load(folder, ctx.target_num_layers)
-    check_vocab(ctx.target_vocab_size, config.vocab_size, folder)
-    if config.target_hidden_size != ctx.target_hidden_size:
-        raise ValueError(f"the EAGLE-3 head {folder!r} reads features of width {config.target_hidden_size} but the "
-                         f"target's are {ctx.target_hidden_size}; it was trained for another target")
-    weight_dtype = resolve_dtype(spec.draft_dtype, ctx.device) if spec.draft_dtype else ctx.dtype
-    head = load_eagle3_head(folder, compute_dtype_for(weight_dtype, ctx.device), ctx.target_num_layers,
-                            max_positions=ctx.max_model_len + spec.num_speculative_tokens)
-    return EagleProposer(head, ctx.target_embed_tokens, None, ctx.kv_cache, ctx.target_vocab_size, ctx.device,
-                         weight_dtype, ctx.block_size, spec.tree, spec.num_speculative_tokens, graphs=ctx.graphs,
-                         max_num_seqs=ctx.max_num_seqs, max_model_len=ctx.max_model_len + spec.num_speculative_tokens)

@@ -54,6 +54,26 @@ def _last_layer_as_llama(target_config, target_sd: dict) -> dict[str, torch.Tens
     return {"layer." + k: v for k, v in out.items()}
 
 
+def head_loss(module, batch: Batch, f_in, emb, target, unroll_steps: int, position_loss):
+    """An EAGLE-style head's loss over a batch (EAGLE and EAGLE-3 alike): its output at head
+    position t (``f_in`` [B, n, F] and ``emb`` [B, n, H] in) against ``target`` [B, n, ...] by
+    ``position_loss(out, target, mask)``, at the positions whose predicted token is part of a
+    response; with ``unroll_steps`` 2 also the pass on the head's own previous output
+    (``forward_train_unrolled``; position 0 has no own feature)."""
+    n = f_in.shape[1]
+    t = torch.arange(n, device=f_in.device)[None, :]
+    mask = (t >= (batch.prompt_lens[:, None] - 2)) & (t < (batch.lengths[:, None] - 2))
+    if unroll_steps == 1:
+        loss, metrics = position_loss(module.forward_train(f_in, emb), target, mask)
+        return loss, {**metrics, "positions": int(mask.sum())}
+    out1, out2 = module.forward_train_unrolled(f_in, emb)
+    loss1, m1 = position_loss(out1, target, mask)
+    loss2, m2 = position_loss(out2, target, mask & (t >= 1))
+    loss = loss1 + loss2
+    return loss, {"loss": loss.item(), "kl": m1["kl"], "agree": m1["agree"], "agree2": m2["agree"],
+                  "positions": int(mask.sum())}
+
+
 class EagleTask:
     def __init__(self, target_config, target_sd: dict, draft_vocab: torch.Tensor | None, target_name: str,
                  reg_weight: float = 1.0, kl_weight: float = 1.0, feature_noise: float = 0.0,
@@ -98,19 +118,7 @@ class EagleTask:
         if self.feature_noise and self.module.training:
             f_in = f_in + self.feature_noise * (torch.rand_like(f_in) - 0.5)
         emb = F.embedding(tokens[:, 1 : n + 1], self.embed)
-        target = feats[:, 1 : n + 1]
-        t = torch.arange(n, device=tokens.device)[None, :]
-        mask = (t >= (batch.prompt_lens[:, None] - 2)) & (t < (batch.lengths[:, None] - 2))
-        if self.unroll_steps == 1:
-            h = self.module.forward_train(f_in, emb)            # [B, n, H]
-            loss, metrics = self._position_loss(h, target, mask)
-            return loss, {**metrics, "positions": int(mask.sum())}
-        h1, h2 = self.module.forward_train_unrolled(f_in, emb)   # [B, n, H] each
-        loss1, m1 = self._position_loss(h1, target, mask)
-        loss2, m2 = self._position_loss(h2, target, mask & (t >= 1))   # position 0 has no own feature
-        loss = loss1 + loss2
-        return loss, {"loss": loss.item(), "kl": m1["kl"], "agree": m1["agree"],
-                      "agree2": m2["agree"], "positions": int(mask.sum())}
+        return head_loss(self.module, batch, f_in, emb, feats[:, 1 : n + 1], self.unroll_steps, self._position_loss)
 
     def _position_loss(self, h, target, mask):
         hs, ts = h[mask], target[mask]

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.model_executor.models.eagle3 import Eagle3Head, eagle3_config_for, save_eagle3_head
-from specserve.training.train_eagle import _last_layer_as_llama, _plain_norm
+from specserve.training.train_eagle import _last_layer_as_llama, _plain_norm, head_loss
 from specserve.training.trainer import Batch, distill_loss
 
 
@@ -73,17 +73,7 @@ class Eagle3Task:
         f_in = feats[:, :n, h:]                                # the feature layers' inputs at t
         emb = F.embedding(tokens[:, 1 : n + 1], self.embed)
         teacher = feats[:, 1 : n + 1, :h]                      # the final hidden state at t + 1
-        t = torch.arange(n, device=tokens.device)[None, :]
-        mask = (t >= (batch.prompt_lens[:, None] - 2)) & (t < (batch.lengths[:, None] - 2))
-        if self.unroll_steps == 1:
-            loss, m = self._position_loss(self.module.forward_train(f_in, emb), teacher, mask)
-            return loss, {**m, "positions": int(mask.sum())}
-        out1, out2 = self.module.forward_train_unrolled(f_in, emb)
-        loss1, m1 = self._position_loss(out1, teacher, mask)
-        loss2, m2 = self._position_loss(out2, teacher, mask & (t >= 1))
-        loss = loss1 + loss2
-        return loss, {"loss": loss.item(), "kl": m1["kl"], "agree": m1["agree"], "agree2": m2["agree"],
-                      "positions": int(mask.sum())}
+        return head_loss(self.module, batch, f_in, emb, teacher, self.unroll_steps, self._position_loss)
 
     def _position_loss(self, out, teacher, mask):
         student = self.module.logits_input(out)[mask]

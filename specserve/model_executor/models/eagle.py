@@ -198,14 +198,7 @@ class EagleHead(nn.Module):
         h1 = self._train_finish(x1, F.scaled_dot_product_attention(q1, k1, v1, is_causal=True, enable_gqa=gqa))
         own = torch.cat([features[:, :1], h1[:, :-1].detach()], dim=1)   # [B, L, H] position 0 has no prediction
         x2, q2, k2, v2 = self._train_qkv(own, token_embeds)
-        length = features.shape[1]
-        pos = torch.arange(length, device=features.device)
-        # Query j sees the target-feature keys before j and its own-feature key at j.
-        mask = torch.cat([pos[None, :] < pos[:, None], pos[None, :] == pos[:, None]], dim=1)  # [L, 2L]
-        out2 = F.scaled_dot_product_attention(
-            q2, torch.cat([k1, k2], dim=2), torch.cat([v1, v2], dim=2), attn_mask=mask, enable_gqa=gqa
-        )
-        return h1, self._train_finish(x2, out2)
+        return h1, self._train_finish(x2, attend_own_step(q2, k1, v1, k2, v2))
 
     def _train_qkv(self, features, token_embeds):
         """-> x [B, L, H] (the layer's input), q [B, hq, L, hd], k and v [B, hk, L, hd]."""
@@ -227,6 +220,17 @@ class EagleHead(nn.Module):
         x = x + layer.self_attn.o_proj(attn_out.transpose(1, 2).reshape(b, length, hq * hd))
         x = x + layer.mlp(layer.mlp_norm(x))
         return self.norm(x)
+
+
+def attend_own_step(q2, k1, v1, k2, v2) -> torch.Tensor:
+    """The training-time test's second pass (EAGLE and EAGLE-3 heads): query j of the pass on the
+    head's own features (q2, k2, v2 [B, h, L, hd]) sees the first pass's keys (the target's
+    features: k1, v1) before j and its own key at j, as its KV cache holds them when drafting."""
+    length = q2.shape[2]
+    pos = torch.arange(length, device=q2.device)
+    mask = torch.cat([pos[None, :] < pos[:, None], pos[None, :] == pos[:, None]], dim=1)  # [L, 2L]
+    return F.scaled_dot_product_attention(q2, torch.cat([k1, k2], dim=2), torch.cat([v1, v2], dim=2),
+                                          attn_mask=mask, enable_gqa=q2.shape[1] != k1.shape[1])
 
 
 def _single_tp():

@@ -35,7 +35,7 @@ from specserve.model_executor.layers.norm import RMSNorm
 from specserve.model_executor.layers.rotary import RotaryEmbedding, apply_rotary
 from specserve.model_executor.models.decoder import DecoderLayer
 from specserve.model_executor.models.decoder_spec import eagle_layer_spec
-from specserve.model_executor.models.eagle import HeadLayerShape
+from specserve.model_executor.models.eagle import HeadLayerShape, attend_own_step
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
@@ -201,14 +201,11 @@ class Eagle3Head(nn.Module):
         gqa = q1.shape[1] != k1.shape[1]
         out1 = self._train_finish(state1, F.scaled_dot_product_attention(q1, k1, v1, is_causal=True, enable_gqa=gqa))
         h = self.config.hidden_size
-        state2 = torch.cat([state1[:, :1], out1[:, :-1, h:]], dim=1)            # position 0 has no own feature
+        # position 0 has no own feature; not detached, unlike the EAGLE-1 head's: the second pass's
+        # loss reaches the first pass's state too
+        state2 = torch.cat([state1[:, :1], out1[:, :-1, h:]], dim=1)
         q2, k2, v2 = self._train_qkv(state2, token_embeds)
-        length = features.shape[1]
-        pos = torch.arange(length, device=features.device)
-        mask = torch.cat([pos[None, :] < pos[:, None], pos[None, :] == pos[:, None]], dim=1)     # [L, 2L]
-        out2 = F.scaled_dot_product_attention(q2, torch.cat([k1, k2], dim=2), torch.cat([v1, v2], dim=2),
-                                              attn_mask=mask, enable_gqa=gqa)
-        return out1, self._train_finish(state2, out2)
+        return out1, self._train_finish(state2, attend_own_step(q2, k1, v1, k2, v2))
 
     def _train_qkv(self, state, token_embeds):
         """-> q [B, hq, L, hd], k and v [B, hk, L, hd] of [embedding ; feature] at positions 0..L-1."""
