@@ -124,13 +124,14 @@ def generate_dataset(
     num_shards = -(-len(prompts) // batch_size)
     todo = [i for i in range(num_shards) if not os.path.isfile(shard_path(data_dir, i))]
     meta_path = os.path.join(data_dir, META_FILE)
-    if not todo and os.path.isfile(meta_path):
+    if os.path.isfile(meta_path):       # data from a run before, whole or stopped early: the same rows?
         with open(meta_path) as f:
             meta = json.load(f)
         if tuple(meta.get("feature_layers", ())) != tuple(feature_layers):
             raise ValueError(f"the data in {data_dir} holds the features of layers {meta.get('feature_layers', [])}, "
                              f"not {list(feature_layers)}: use another --data-dir")
-        return meta
+        if not todo:
+            return meta
     if kv_cache_memory is None:  # room for the whole batch at full length (no preemption), +25%
         from specserve.model_executor.layers.fp16_gemm import compute_dtype_for
         from specserve.model_executor.loader import load_model, resolve_dtype
