@@ -117,7 +117,7 @@ class _APIKeyMiddleware:
                 if self.on_reject is not None:
                     self.on_reject()
                 message = "missing API key (send 'Authorization: Bearer <key>')" if not key else "invalid API key"
-                if scope["path"].startswith("/v1/messages"):
+                if path.startswith("/v1/messages"):
                     response = JSONResponse(anthropic_error(401, message), status_code=401)
                 else:
                     response = error_response(401, message, "authentication_error", code="invalid_api_key")

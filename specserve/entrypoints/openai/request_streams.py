@@ -7,10 +7,9 @@ whatever is left unfinished when the caller stops listening.
 """
 from __future__ import annotations
 
-import logging
-
 import asyncio
 import dataclasses
+import logging
 from typing import AsyncIterator, Callable
 
 from fastapi import Request

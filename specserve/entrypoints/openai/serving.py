@@ -10,7 +10,6 @@ stream becomes one error event (``errors.py``) before ``[DONE]``.
 from __future__ import annotations
 
 import dataclasses
-
 import time
 from typing import Any, AsyncIterator
 
