@@ -8,6 +8,7 @@ if TYPE_CHECKING:
     from specserve.beam_search_params import BeamSearchOutput, BeamSearchParams
     from specserve.config import EngineConfig, SpeculativeConfig
     from specserve.entrypoints.llm import LLM
+    from specserve.lora.request import LoRARequest
     from specserve.outputs import CompletionOutput, RequestOutput, SpecDecodeStats
     from specserve.sampling_params import SamplingParams, StructuredOutput
 
@@ -19,6 +20,7 @@ _EXPORTS = {
     "EngineConfig": "specserve.config",
     "SpeculativeConfig": "specserve.config",
     "LLM": "specserve.entrypoints.llm",
+    "LoRARequest": "specserve.lora.request",
     "CompletionOutput": "specserve.outputs",
     "RequestOutput": "specserve.outputs",
     "SpecDecodeStats": "specserve.outputs",
@@ -34,5 +36,5 @@ def __getattr__(name: str):
         return value
     raise AttributeError(f"module 'specserve' has no attribute {name!r}")
 
-__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "BeamSearchOutput", "StructuredOutput", "SpeculativeConfig", "EngineConfig", "RequestOutput", "CompletionOutput", "SpecDecodeStats"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "BeamSearchParams", "BeamSearchOutput", "StructuredOutput", "SpeculativeConfig", "EngineConfig", "RequestOutput", "CompletionOutput", "SpecDecodeStats"]
 __version__ = "0.1.0"

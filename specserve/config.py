@@ -322,6 +322,10 @@ class EngineConfig:
     (none: SamplingParams' own) or a folder holding a generation_config.json (or the file);
     override_generation_config sets fields on top ({"temperature": 0.5}).
     (``model_executor/generation_config.py`` has which fields and how they are read.)
+    enable_lora: let requests run with PEFT LoRA adapters (vLLM's; ``LoRARequest``,
+    ``engine/lora_adapters.py``): at most ``max_loras`` adapters in one step (requests of another
+    wait), each of rank at most ``max_lora_rank``, and up to ``max_cpu_loras`` (None: max_loras)
+    kept loaded while no request uses them.
     overlap_grammar_masks: compute a step's structured-output masks in a background thread
     while the target's forward runs (``structured_output.step_masks``); None: on where the
     forward runs on a GPU (the host is idle then), off on a CPU, where the forward's threads
@@ -345,6 +349,10 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     generation_config: str = "auto"
     override_generation_config: dict | None = None
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     SCHEDULING_POLICIES = ("fcfs", "priority")
 
@@ -356,7 +364,8 @@ class EngineConfig:
             self.model = os.fspath(self.model)
         if not isinstance(self.dtype, str) and not _is_torch_dtype(self.dtype):
             raise TypeError(f"dtype must be a string such as 'auto' or 'float32', got {self.dtype!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "kv_cache_memory"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "kv_cache_memory",
+                     "max_loras", "max_lora_rank"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -364,6 +373,11 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
         if not _is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.max_cpu_loras is not None and (not _is_int(self.max_cpu_loras) or self.max_cpu_loras < self.max_loras):
+            raise ValueError(f"max_cpu_loras must be an integer at least max_loras ({self.max_loras}), "
+                             f"got {self.max_cpu_loras!r}")
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be True or False, got {self.enable_lora!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         if not (isinstance(self.int8_activations, bool) or (_is_int(self.int8_activations)

@@ -11,7 +11,8 @@ final: prompt tokens, accepted drafts, never a draft still waiting for
 verification) is registered under a hash of its tokens and of every token
 before it (a chain: the key is ``(parent block's hash, tokens)``, so two
 prefixes share a block only if the block's tokens are equal and their parents'
-64-bit hashes are). A new or preempted
+64-bit hashes are). The first block's parent is the request's *root*: None for
+the base model, a LoRA adapter's id for its requests (their K/V differs). A new or preempted
 request first takes the longest run of registered blocks matching its tokens
 (``acquire_cached_prefix``) and computes only the rest. Blocks are reference
 counted; a released block whose count drops to 0 stays registered in the free
@@ -45,7 +46,7 @@ block of the same tokens, computed by a later request, once that one is marked.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 
 PROPOSER_KV_FROM_TOKENS = "from_tokens"         # a draft model's
@@ -171,8 +172,10 @@ class KVCacheManager:
         return self.num_blocks - len(self._free)
 
     # ------------------------------------------------------------ prefix caching
-    def acquire_cached_prefix(self, request_id: str, token_ids: Sequence[int]) -> int:
-        """Give a request without blocks the longest registered prefix of ``token_ids``;
+    def acquire_cached_prefix(self, request_id: str, token_ids: Sequence[int], root: Hashable = None) -> int:
+        """Give a request without blocks the longest registered prefix of ``token_ids`` under
+        ``root`` (the first block's parent key: what else its K/V depends on, e.g. a LoRA adapter;
+        None for the base model);
         -> the number of tokens it covers (a multiple of the block size, or one less where
         an EAGLE head's last block is copied; see the module docstring for ``proposer_kv``).
         At least one token is always left to compute: the step needs its logits."""
@@ -180,7 +183,7 @@ class KVCacheManager:
             return 0
         bs = self.block_size
         max_blocks = (len(token_ids) - 1) // bs
-        matched = list(self._matched_blocks(token_ids, max_blocks))
+        matched = list(self._matched_blocks(token_ids, max_blocks, root))
         copy_last = False
         if self.proposer_kv == PROPOSER_KV_FROM_FEATURES:   # its head cannot compute a cached position again
             matched = matched[: self._leading_marked([block for _, block in matched])]
@@ -243,10 +246,10 @@ class KVCacheManager:
         self._pending.clear()
         return src, dst
 
-    def _matched_blocks(self, token_ids: Sequence[int], max_blocks: int):
-        """-> (key, block) of the registered blocks that match ``token_ids`` from its start, at most
-        ``max_blocks``."""
-        bs, parent = self.block_size, None
+    def _matched_blocks(self, token_ids: Sequence[int], max_blocks: int, root: Hashable = None):
+        """-> (key, block) of the registered blocks that match ``token_ids`` from its start under
+        ``root``, at most ``max_blocks``."""
+        bs, parent = self.block_size, root
         for i in range(max_blocks):
             key = (parent, tuple(token_ids[i * bs : (i + 1) * bs]))
             block = self._block_of_key.get(key)
@@ -263,7 +266,7 @@ class KVCacheManager:
             self.num_hit_tokens += num_hit_tokens
 
     def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_verified_tokens: int,
-                          num_proposer_tokens: int | None = None) -> None:
+                          num_proposer_tokens: int | None = None, root: Hashable = None) -> None:
         """Register the request's full blocks below ``num_verified_tokens`` (tokens
         whose KV is final; never a draft token awaiting verification). With ``proposer_kv``,
         mark its registered blocks below ``num_proposer_tokens`` too (the positions where the
@@ -274,7 +277,7 @@ class KVCacheManager:
         chain = self._chain.setdefault(request_id, [])
         bs = self.block_size
         for i in range(len(chain), min(num_verified_tokens // bs, len(table))):
-            key = (chain[-1] if chain else None, tuple(token_ids[i * bs : (i + 1) * bs]))
+            key = (chain[-1] if chain else root, tuple(token_ids[i * bs : (i + 1) * bs]))
             chain.append(hash(key))
             block = table[i]
             if key not in self._block_of_key and block not in self._key_of_block:

@@ -62,6 +62,7 @@ class Request:
         self.num_cached_tokens = 0             # of the prompt, found in the prefix cache at admission
         self.status = RequestStatus.WAITING
         self.priority = 0                     # lower runs first under scheduling_policy "priority"
+        self.lora_id = 0                      # its LoRA adapter's id (0: the base model alone)
         self.num_preemptions = 0
         # Speculation: draft tokens proposed for this step, and how many of this
         # request's tokens the proposer's own KV cache holds (draft model / EAGLE).
@@ -94,6 +95,12 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def cache_root(self) -> int | None:
+        """What its cached prefix blocks are keyed under besides their tokens (core.kv_cache_manager):
+        its LoRA adapter, whose K/V differs from the base model's."""
+        return self.lora_id or None
 
     @property
     def num_prompt_tokens(self) -> int:

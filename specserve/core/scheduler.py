@@ -63,8 +63,11 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         num_lookahead_slots: int = 0,
+        max_loras: int | None = None,
     ):
+        """``max_loras``: the most LoRA adapters the running requests may use at once (None: no limit)."""
         self.kv_cache = kv_cache
+        self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -135,14 +138,20 @@ class Scheduler:
             budget -= num_new + lookahead
             i += 1
 
-        # 2. Waiting requests (new or preempted), in priority then arrival order.
+        # 2. Waiting requests (new or preempted), in priority then arrival order; one whose LoRA
+        # adapter would be one more than max_loras lets those behind it go first.
+        skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             req = self.waiting[0]
+            if not self._lora_fits(req):
+                skipped.append(self.waiting.popleft())
+                continue
             looked_up = req.num_computed_tokens == 0
             # new or preempted: start after its longest cached prefix, unless every prompt position
             # must be computed for its prompt logprobs
             if looked_up and not req.needs_prompt_logprobs:
-                req.num_computed_tokens = self.kv_cache.acquire_cached_prefix(req.request_id, req.all_token_ids)
+                req.num_computed_tokens = self.kv_cache.acquire_cached_prefix(req.request_id, req.all_token_ids,
+                                                                            req.cache_root)
                 req.num_cached_tokens = req.num_computed_tokens
                 # the proposer's K/V that came with the blocks (core/kv_cache_manager.py's proposer_kv)
                 req.proposer_num_computed_tokens = self.kv_cache.proposer_tokens_in_hit(req.request_id,
@@ -160,7 +169,16 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, num_new, lookahead))
             budget -= num_new + lookahead
+        self.waiting.extendleft(reversed(skipped))
         return out
+
+    def _lora_fits(self, req: Request) -> bool:
+        """Whether ``req`` may run beside the running requests: no adapter, or one already running,
+        or fewer than max_loras adapters running."""
+        if not req.lora_id or self.max_loras is None:
+            return True
+        running = {r.lora_id for r in self.running} - {0}
+        return req.lora_id in running or len(running) < self.max_loras
 
     @staticmethod
     def _chunk_cap(req: Request) -> int:

@@ -157,10 +157,11 @@ class AsyncLLMEngine:
         params: SamplingParams | BeamSearchParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        lora_request=None,
     ) -> "_Stream":
         """Tokenize (on the tokenizer thread), then queue the request on the engine
         thread; raises ValueError for bad input. ``BeamSearchParams``: a beam search, whose
-        one output comes when it is done. ``priority``: ``LLMEngine.add_request``'s."""
+        one output comes when it is done. ``priority``, ``lora_request``: ``LLMEngine.add_request``'s."""
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine is dead: {self.dead_error!r}")
         if self._stopped:
@@ -171,7 +172,7 @@ class AsyncLLMEngine:
         request_id = request_id if request_id is not None else self.new_request_id()
         stream = _Stream(request_id, loop)
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(("add", prompt, params, request_id, stream, done, prepared, priority))
+        self._commands.put(("add", prompt, params, request_id, stream, done, prepared, priority, lora_request))
         await asyncio.wrap_future(done)
         return stream
 
@@ -196,13 +197,14 @@ class AsyncLLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        lora_request=None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's cumulative outputs until it finishes.
 
         Leaving the loop early (break, cancellation, a client disconnect) aborts
         the request. Raises ValueError (bad input), EngineStepError, EngineDeadError.
         """
-        stream = await self.add_request(prompt, params, request_id, priority)
+        stream = await self.add_request(prompt, params, request_id, priority, lora_request)
         async for out in self.iterate(stream):
             yield out
 
@@ -293,14 +295,16 @@ class AsyncLLMEngine:
                     self.engine.abort_request(rid)
                 return False
             if kind == "add":
-                _, prompt, params, request_id, stream, done, prepared, priority = cmd
+                _, prompt, params, request_id, stream, done, prepared, priority, lora_request = cmd
                 try:
                     if request_id in self._streams:
                         raise ValueError(f"request id {request_id!r} is already in use")
                     if isinstance(params, BeamSearchParams):
-                        self.engine.add_beam_search(prompt, params, request_id, prepared=prepared)
+                        self.engine.add_beam_search(prompt, params, request_id, prepared=prepared,
+                                                    lora_request=lora_request)
                     else:
-                        self.engine.add_request(prompt, params, request_id, prepared=prepared, priority=priority)
+                        self.engine.add_request(prompt, params, request_id, prepared=prepared, priority=priority,
+                                                lora_request=lora_request)
                 except Exception as e:  # noqa: BLE001 - bad input goes back to the caller
                     done.set_exception(e)
                 else:

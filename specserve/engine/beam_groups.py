@@ -122,11 +122,13 @@ class BeamGroups:
         return request.request_id in self._of_beam
 
     def add(self, request_id: str, text: str | None, token_ids: list[int], params: BeamSearchParams,
-            max_tokens: int, eos_token_id: int | None) -> None:
-        """Queue the first beam (the prompt). ``max_tokens``: params' cap, within the model's length."""
+            max_tokens: int, eos_token_id: int | None, lora_id: int = 0) -> None:
+        """Queue the first beam (the prompt). ``max_tokens``: params' cap, within the model's length;
+        ``lora_id``: the LoRA adapter every beam runs with (0: none)."""
         beam_params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         first = Request(f"{request_id}#beam0", text, token_ids, beam_params, None, eos_token_id)
         first.takes_draft_probes = False
+        first.lora_id = lora_id
         group = BeamSearchGroup(request_id, text, list(token_ids), params,
                                 BeamSearchState(params, eos_token_id, max_tokens), first)
         self.by_id[request_id] = group
@@ -283,6 +285,7 @@ class BeamGroups:
             child = Request(group.beam_id(), req.prompt, req.prompt_token_ids, req.sampling_params, None,
                             req.eos_token_id)
             child.takes_draft_probes = False
+            child.lora_id = req.lora_id
             for t in req.output_token_ids + nb.tokens:
                 child.append_token(t)
             self._of_beam[child.request_id] = group
@@ -293,7 +296,7 @@ class BeamGroups:
                 child.num_computed_tokens = keep
                 child.proposer_num_computed_tokens = min(drafted_to, in_place(nb), keep)
                 self.kv_cache.cache_full_blocks(child.request_id, child.all_token_ids, keep,
-                                                child.proposer_num_computed_tokens)
+                                                child.proposer_num_computed_tokens, root=child.cache_root)
                 self.scheduler.add_running(child)
                 if self.proposer is not None:
                     self.proposer.fork(req, child, nb.nodes, length - 1)
@@ -316,7 +319,8 @@ class BeamGroups:
         req.proposer_num_computed_tokens = min(req.proposer_num_computed_tokens, first_drafted)
         for t in first.tokens:
             req.append_token(t)
-        self.kv_cache.cache_full_blocks(req.request_id, req.all_token_ids, keep, req.proposer_num_computed_tokens)
+        self.kv_cache.cache_full_blocks(req.request_id, req.all_token_ids, keep, req.proposer_num_computed_tokens,
+                                        root=req.cache_root)
         return [(first, req)] + placed
 
     # ------------------------------------------------------------------ the end

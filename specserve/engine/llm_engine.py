@@ -27,6 +27,7 @@ from specserve.engine.beam_groups import BeamGroups, beam_capable_proposer
 from specserve.engine.constraints import Constraints
 from specserve.engine.drafting import Drafting, calibrate_k_policy
 from specserve.engine.errors import StepFailedError
+from specserve.engine.lora_adapters import LoraAdapters
 from specserve.engine.output_processor import OutputProcessor
 from specserve.engine.prompt_logprobs import add_prompt_logprobs, prompt_rows
 from specserve.engine.sample_group import SampleGroup, SampleGroups, child_id, child_params
@@ -35,6 +36,7 @@ from specserve.engine.start_up import (kv_cache_blocks, max_model_len_for, prefi
 from specserve.engine.step_inputs import drafts_per_depth, forward_input, tree_branch_moves
 from specserve.model_executor.layers.attention import cache_slot
 from specserve.model_executor.generation_config import sampling_defaults
+from specserve.lora.request import LoRARequest
 from specserve.model_executor.loader import keeps_quantized, load_model, resolve_dtype
 from specserve.outputs import RequestOutput, SpecDecodeStats
 from specserve.sample.penalties import bad_words_token_ids
@@ -104,8 +106,11 @@ class LLMEngine:
         if self.k_policy is not None:
             calibrate_k_policy(self.k_policy, self.runner, getattr(self.proposer, "runner", None), k,
                                self.max_model_len, self.kv_cache.blocks_for)
+        self.loras = LoraAdapters(self.runner, self.hf_config, config.max_lora_rank,
+                                  config.max_cpu_loras or config.max_loras) if config.enable_lora else None
         self.scheduler = Scheduler(
-            self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, num_lookahead_slots=k
+            self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, num_lookahead_slots=k,
+            max_loras=config.max_loras if config.enable_lora else None,
         )
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         self.requests: dict[str, Request] = {}
@@ -146,12 +151,14 @@ class LLMEngine:
         request_id: str | None = None,
         prepared: tuple[str | None, list[int]] | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Validate and queue a request; raises ValueError before any work starts.
 
         ``prepared`` is ``prepare_prompt(prompt)``'s result when the caller already has it.
         Without ``params``: the model's defaults (``sampling_defaults``). ``priority``: lower
-        runs first, with scheduling_policy "priority" only (``core.scheduler``).
+        runs first, with scheduling_policy "priority" only (``core.scheduler``). ``lora_request``:
+        the LoRA adapter it runs with (``enable_lora``).
         """
         input_checks.check_priority(priority, self.config.scheduling_policy)
         params = params or SamplingParams(**self.sampling_defaults)
@@ -161,10 +168,12 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests or request_id in self.groups or request_id in self.beams:
             raise ValueError(f"request id {request_id!r} is already in use")
+        lora_id = self._acquire_lora(lora_request)
         if params.n == 1:
-            self.scheduler.add_request(self._new_request(request_id, text, token_ids, params, priority))
+            self.scheduler.add_request(self._new_request(request_id, text, token_ids, params, priority, lora_id))
             return request_id
-        children = [self._new_request(child_id(request_id, i), text, token_ids, child_params(params, i), priority)
+        children = [self._new_request(child_id(request_id, i), text, token_ids, child_params(params, i), priority,
+                                      lora_id)
                     for i in range(params.n)]
         group = SampleGroup(request_id, children, hold_siblings=self.kv_cache.enable_prefix_caching)
         self.groups.add(group)
@@ -174,7 +183,8 @@ class LLMEngine:
         return request_id
 
     def add_beam_search(self, prompt: str | list[int], params: BeamSearchParams, request_id: str | None = None,
-                        prepared: tuple[str | None, list[int]] | None = None) -> str:
+                        prepared: tuple[str | None, list[int]] | None = None,
+                        lora_request: LoRARequest | None = None) -> str:
         """Queue a beam search (engine/beam_search.py); its one output comes when it is done."""
         text, token_ids = prepared if prepared is not None else self.prepare_prompt(prompt)
         beam_capable_proposer(self.proposer, params.beam_width, self.config.max_num_seqs,
@@ -183,15 +193,49 @@ class LLMEngine:
         if request_id in self.requests or request_id in self.groups or request_id in self.beams:
             raise ValueError(f"request id {request_id!r} is already in use")
         max_tokens = min(params.max_tokens, self.max_model_len - len(token_ids))
-        self.beams.add(request_id, text, token_ids, params, max_tokens, self.eos_token_id)
+        self.beams.add(request_id, text, token_ids, params, max_tokens, self.eos_token_id,
+                       self._acquire_lora(lora_request))
         return request_id
 
+    def _acquire_lora(self, lora_request: LoRARequest | None) -> int:
+        """The adapter's id (0 for none), loaded if it is not; ValueError if it cannot run."""
+        if lora_request is None:
+            return 0
+        if self.loras is None:
+            raise ValueError("LoRA adapters are not enabled: start the engine with enable_lora=True (--enable-lora)")
+        return self.loras.acquire(lora_request, self._loras_in_use())
+
+    def _loras_in_use(self) -> set[int]:
+        """The adapter ids unfinished requests hold (beams and held samples included)."""
+        return ({r.lora_id for r in self.requests.values() if not r.is_finished()}
+                | {r.lora_id for r in self.scheduler.running} | {r.lora_id for r in self.scheduler.waiting})
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load and check an adapter now (vLLM's), rather than at its first request; ValueError if it
+        cannot run."""
+        self._acquire_lora(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop a loaded adapter (vLLM's); False if it is not loaded. One that unfinished requests
+        use raises ValueError."""
+        if self.loras is None:
+            return False
+        if lora_int_id in self._loras_in_use():
+            raise ValueError(f"LoRA adapter {lora_int_id} is in use by unfinished requests")
+        return self.loras.remove(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        """The ids of the loaded adapters (vLLM's)."""
+        return set(self.loras.loaded) if self.loras is not None else set()
+
     def _new_request(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams,
-                     priority: int = 0) -> Request:
+                     priority: int = 0, lora_id: int = 0) -> Request:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         req = Request(request_id, text, token_ids, params, request_seed(params, self._seed_rng), self.eos_token_id)
         req.priority = priority
+        req.lora_id = lora_id
         req.bad_words_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         self.requests[request_id] = req
         self.constraints.attach(req)
@@ -321,7 +365,7 @@ class LLMEngine:
             if (req.status is RequestStatus.RUNNING and req.request_id in self.requests) or req in self._blocks_held:
                 self.kv_cache.cache_full_blocks(req.request_id, req.all_token_ids,
                                                 min(req.num_computed_tokens, req.num_tokens),
-                                                req.proposer_num_computed_tokens)
+                                                req.proposer_num_computed_tokens, root=req.cache_root)
         self._free_held_blocks()
 
     def _free_held_blocks(self) -> None:
@@ -349,7 +393,7 @@ class LLMEngine:
         if not s.will_sample:   # a prefill chunk short of the prompt's end
             req.commit_step(s.num_new_tokens, None)
             self.kv_cache.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens,
-                                           req.proposer_num_computed_tokens)
+                                           req.proposer_num_computed_tokens, root=req.cache_root)
             return None
         verified = emitted[req.request_id]
         if isinstance(verified, BaseException):
@@ -364,7 +408,7 @@ class LLMEngine:
         # Every token below num_computed_tokens is now verified and appended (a stop may
         # have cut the accepted drafts short): their full blocks may be shared.
         self.kv_cache.cache_full_blocks(req.request_id, req.all_token_ids, min(req.num_computed_tokens, req.num_tokens),
-                                       req.proposer_num_computed_tokens)
+                                       req.proposer_num_computed_tokens, root=req.cache_root)
         if s.num_new_tokens == 1:  # a decoding (verification) step, drafts or not
             req.spec_stats.record(num_drafts, verified.num_accepted, appended, per_depth)
             self.spec_stats.record(num_drafts, verified.num_accepted, appended, per_depth)

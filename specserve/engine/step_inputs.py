@@ -25,6 +25,7 @@ def forward_input(s: ScheduledRequest, block_table: list[int]) -> ForwardInput:
         block_table=block_table,
         num_logits=lead + (len(req.draft_token_ids) + 1 if s.will_sample else 0),
         tree_parents=tree_parents,
+        lora_id=req.lora_id,
     )
 
 

@@ -13,6 +13,7 @@ from specserve.engine.async_engine import running_driver
 from specserve.engine.input_checks import check_priority
 from specserve.engine.llm_engine import LLMEngine
 from specserve.entrypoints.chat_template import load_chat_template, render_chat
+from specserve.lora.request import LoRARequest
 from specserve.outputs import RequestOutput, SpecDecodeStats
 from specserve.sampling_params import SamplingParams
 
@@ -92,6 +93,10 @@ class LLM:
         generation_config: str = "auto",
         override_generation_config: dict | None = None,
         scheduling_policy: str = "fcfs",
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
         trust_remote_code: bool = False,
         proposer=None,
         speculative_model_uses_tp_1: bool | None = None,
@@ -136,6 +141,10 @@ class LLM:
             generation_config=generation_config,
             override_generation_config=override_generation_config,
             scheduling_policy=scheduling_policy,
+            enable_lora=enable_lora,
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
+            max_cpu_loras=max_cpu_loras,
         )
         self.engine = LLMEngine(config, spec, proposer=proposer)
 
@@ -165,13 +174,15 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
         priority: list[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run prompts (strings, token-id lists, or vLLM's ``{"prompt": ...}`` /
         ``{"prompt_token_ids": [...]}``) to completion; outputs keep input order.
 
         Every prompt is validated before any work starts, so one bad prompt raises
         without running (or losing) the others. ``priority``: one per prompt (lower first), with
-        ``scheduling_policy="priority"`` (vLLM's).
+        ``scheduling_policy="priority"`` (vLLM's). ``lora_request``: the LoRA adapter of every
+        prompt, or one per prompt (None: the base model), with ``enable_lora=True``.
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -186,6 +197,7 @@ class LLM:
             raise ValueError(f"got {len(prompts)} prompts but {len(priorities)} priorities")
         for p in priorities:
             check_priority(p, self.engine.config.scheduling_policy)
+        loras = self._lora_per_prompt(lora_request, len(prompts))
         prepared = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
             try:
@@ -193,15 +205,32 @@ class LLM:
                 prepared.append((p, self.engine.prepare_prompt(p, sp)))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        ids = [self.engine.add_request(p, sp, prepared=pp, priority=prio)
-               for (p, pp), sp, prio in zip(prepared, params, priorities)]
+        ids = []
+        try:
+            for (p, pp), sp, prio, lora in zip(prepared, params, priorities, loras):
+                ids.append(self.engine.add_request(p, sp, prepared=pp, priority=prio, lora_request=lora))
+        except BaseException:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
         return self._run(ids, use_tqdm if use_tqdm is not None else len(ids) > 8)
+
+    def _lora_per_prompt(self, lora_request, count: int) -> list:
+        """One LoRARequest (or None) per prompt, every adapter loaded and checked (ValueError) before
+        any prompt is queued."""
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * count
+        if len(loras) != count:
+            raise ValueError(f"got {count} prompts but {len(loras)} LoRA requests")
+        for lora in {id(x): x for x in loras if x is not None}.values():
+            self.engine.add_lora(lora)
+        return loras
 
     def beam_search(
         self,
         prompts: Sequence[Prompt | dict],
         params: BeamSearchParams,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[BeamSearchOutput]:
         """Beam search (vLLM's signature): per prompt, the ``beam_width`` best finished beams, best
         first. Prompts are strings, token-id lists, or vLLM's ``{"prompt": ...}`` /
@@ -216,10 +245,11 @@ class LLM:
                 prepared.append((p, self.engine.prepare_prompt(p)))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
+        loras = self._lora_per_prompt(lora_request, len(prepared))
         ids = []
         try:
-            for p, pp in prepared:
-                ids.append(self.engine.add_beam_search(p, params, prepared=pp))
+            for (p, pp), lora in zip(prepared, loras):
+                ids.append(self.engine.add_beam_search(p, params, prepared=pp, lora_request=lora))
         except BaseException:
             for rid in ids:
                 self.engine.abort_request(rid)
@@ -237,6 +267,7 @@ class LLM:
         chat_template_kwargs: dict | None = None,
         chat_template: str | None = None,
         tools: list[dict] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template (or ``chat_template``: a file or the Jinja text) to one
         conversation or a list of them (``chat_template`` module: continue_final_message,
@@ -247,7 +278,7 @@ class LLM:
         prompts = [self._chat_prompt(c, add_generation_prompt, continue_final_message, chat_template_kwargs,
                                      template, tools)
                    for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
                             continue_final_message: bool = False, chat_template_kwargs: dict | None = None,

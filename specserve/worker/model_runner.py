@@ -43,6 +43,7 @@ class ForwardInput:
     # start_position - 1; tree_parents then covers them and token_ids (indices count from the
     # tree's first slot), and every position is that slot + depth.
     tree_cached: int = 0
+    lora_id: int = 0           # the request's LoRA adapter (0: none; ModelRunner.add_lora)
 
 
 @dataclass
@@ -88,6 +89,17 @@ class ModelRunner:
         self.num_blocks = 0
         self.padding_block: int | None = None   # a block past num_blocks that captured graphs' padding writes
         self.graphs: StepGraphs | None = None   # decode and verification steps as CUDA graphs (use_graphs)
+
+    def enable_lora(self) -> None:
+        """Let requests run with LoRA adapters (``add_lora``; ``ForwardInput.lora_id``)."""
+        self.model.enable_lora()
+
+    def add_lora(self, adapter_id: int, modules: dict) -> None:
+        """An adapter's full matrices (``lora.peft_adapter.LoraAdapter.modules``) under ``adapter_id``."""
+        self.model.add_lora(adapter_id, modules, self.dtype)
+
+    def remove_lora(self, adapter_id: int) -> None:
+        self.model.remove_lora(adapter_id)
 
     def load_weights(self, model, state_dict: dict[str, torch.Tensor]) -> None:
         """Full (unsharded) checkpoint tensors; each layer keeps its shard.
@@ -145,7 +157,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, inputs: list[ForwardInput], return_all_hidden: bool = False) -> ForwardOutput:
-        bucket = self.graphs.bucket_for(inputs) if self.graphs is not None else None
+        uses_lora = any(i.lora_id for i in inputs)   # such steps run eagerly (the graphs hold no adapters)
+        bucket = self.graphs.bucket_for(inputs) if self.graphs is not None and not uses_lora else None
         width = self.model.config.hidden_size      # the rows' first columns; then any feature layers' (EAGLE-3)
         if bucket is not None:
             rows, logit_rows, token_rows = self.graphs.run(bucket, inputs)    # [bucket rows, hidden (+ features)]
@@ -189,7 +202,13 @@ class ModelRunner:
         )
         ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
-        all_hidden = self.model(ids, pos, self.kv_caches, meta)  # [T, hidden (+ features)]
+        if uses_lora:
+            self.model.lora_rows.set([i.lora_id for i in inputs for _ in i.token_ids], self.device)
+        try:
+            all_hidden = self.model(ids, pos, self.kv_caches, meta)  # [T, hidden (+ features)]
+        finally:
+            if uses_lora:
+                self.model.lora_rows.clear()
         idx = torch.tensor(logit_indices, dtype=torch.long).to(self.device, non_blocking=True)
         hidden = all_hidden[idx, :width]
         return ForwardOutput(

@@ -165,17 +165,18 @@ class BlockTableDeltas:
                         if a != b:
                             break
                         keep += 1
-            rows.append((inp.token_ids, inp.start_position, inp.num_logits, first, keep, table[keep:], inp.tree_parents))
+            rows.append((inp.token_ids, inp.start_position, inp.num_logits, first, keep, table[keep:], inp.tree_parents,
+                         inp.lora_id))
             seen[first] = list(table)
         self.tables = seen
         return rows
 
     def decode(self, rows: list[tuple]) -> list[ForwardInput]:
         inputs, seen = [], {}
-        for token_ids, start, num_logits, first, keep, tail, tree_parents in rows:
+        for token_ids, start, num_logits, first, keep, tail, tree_parents, lora_id in rows:
             table = self.tables[first][:keep] + list(tail) if keep else list(tail)
             seen[first] = table
-            inputs.append(ForwardInput(list(token_ids), start, table, num_logits, tree_parents))
+            inputs.append(ForwardInput(list(token_ids), start, table, num_logits, tree_parents, lora_id=lora_id))
         self.tables = seen
         return inputs
 
@@ -285,6 +286,14 @@ def serve(conn: Connection, tp: TensorParallelGroup, device: torch.device) -> No
         elif kind == "copy_kv_slots":
             _, key, src, dst = msg
             runners[key].copy_kv_slots(src, dst)
+        elif kind == "enable_lora":
+            runners[msg[1]].enable_lora()
+        elif kind == "add_lora":
+            _, key, adapter_id, modules = msg
+            runners[key].add_lora(adapter_id, modules)
+        elif kind == "remove_lora":
+            _, key, adapter_id = msg
+            runners[key].remove_lora(adapter_id)
         elif kind == "build":
             _, key, config, dtype, max_model_len, block_size, specs, quantized = msg
             shard = {name: _recv_tensor(conn, shape, dt) for name, shape, dt in specs}
@@ -421,6 +430,22 @@ class TensorParallelExecutor:
         except BaseException as e:  # Ctrl-C mid-step: the workers cannot be resynchronized
             group.fail(f"{type(e).__name__} in the middle of a tensor-parallel step")
             raise
+
+    def enable_lora(self) -> None:
+        self.group.check()
+        self.group.send_all(pickle.dumps(("enable_lora", self.key)))
+        self.local.enable_lora()
+
+    def add_lora(self, adapter_id: int, modules: dict) -> None:
+        """Every rank gets the adapter's full matrices and keeps its shard (``ModelRunner.add_lora``)."""
+        self.group.check()
+        self.group.send_all(pickle.dumps(("add_lora", self.key, adapter_id, modules), protocol=pickle.HIGHEST_PROTOCOL))
+        self.local.add_lora(adapter_id, modules)
+
+    def remove_lora(self, adapter_id: int) -> None:
+        self.group.check()
+        self.group.send_all(pickle.dumps(("remove_lora", self.key, adapter_id)))
+        self.local.remove_lora(adapter_id)
 
     def copy_kv_slots(self, src: list[int], dst: list[int]) -> None:
         """Every rank moves the same slots of its own KV heads (see ``ModelRunner.copy_kv_slots``)."""

@@ -7,7 +7,8 @@ so a rank never holds more than its part after loading. A checkpoint tensor may
 also be a ``QuantizedMatrix`` (GGUF blocks kept as they are, CPU only): the layer
 then multiplies through the quantized kernel, and ``weight`` stays an empty
 placeholder. A row-parallel cut that does not fall on the format's blocks is
-dequantized instead (``BlockAlignmentError``), with a warning.
+dequantized instead (``BlockAlignmentError``), with a warning. LoRA adapters, where the model
+enables them, add their low-rank products to the output (``lora.py``).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from torch import nn
 
 from specserve.distributed.parallel_state import SINGLE, TensorParallelGroup
 from specserve.model_executor.layers.fp16_gemm import PackedFp16Weight
+from specserve.model_executor.layers.lora import LoraWeights, fused_column_lora
 from specserve.model_executor.layers.quantized import BlockAlignmentError, QuantizedMatrix
 
 logger = logging.getLogger(__name__)
@@ -68,6 +70,14 @@ class ColumnParallelLinear(TilePackable, nn.Module):
         self.bias = nn.Parameter(torch.empty(out_local), requires_grad=False) if bias else None
         self.packed: PackedFp16Weight | None = None  # set by pack_fp16 (CPU, dtype float16)
         self.quantized: QuantizedMatrix | None = None  # set by load from QuantizedMatrix parts
+        self.lora: LoraWeights | None = None           # set where the model enables LoRA
+
+    def set_lora(self, adapter_id: int, parts: list[tuple[torch.Tensor, torch.Tensor] | None],
+                 dtype: torch.dtype, device) -> None:
+        """An adapter's full (A [r, in], B [out_i, r]) per fused output (None: that output not adapted)."""
+        ab = fused_column_lora(parts, self._shard_rows, self.shard_sizes)
+        if ab is not None:
+            self.lora.adapters[adapter_id] = tuple(t.to(device=device, dtype=dtype) for t in ab)
 
     def pack_fp16(self) -> None:
         """Use the CPU fp16-weight matmul from now on (fp16_gemm); ``weight`` becomes its float16 tensor."""
@@ -96,10 +106,12 @@ class ColumnParallelLinear(TilePackable, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
-            return self.quantized.matmul(x, self.bias)
-        if self.packed is not None:
-            return self.packed(x)
-        return F.linear(x, self.weight, self.bias)
+            y = self.quantized.matmul(x, self.bias)
+        elif self.packed is not None:
+            y = self.packed(x)
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        return self.lora.add_to(y, x) if self.lora is not None and self.lora.rows.active else y
 
 
 class RowParallelLinear(TilePackable, nn.Module):
@@ -122,6 +134,15 @@ class RowParallelLinear(TilePackable, nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.packed: PackedFp16Weight | None = None  # set by pack_fp16 (CPU, dtype float16)
         self.quantized: QuantizedMatrix | None = None  # set by load from a QuantizedMatrix
+        self.lora: LoraWeights | None = None           # set where the model enables LoRA
+
+    def set_lora(self, adapter_id: int, ab: tuple[torch.Tensor, torch.Tensor] | None, dtype: torch.dtype,
+                 device) -> None:
+        """An adapter's full (A [r, in], B [out, r]); this rank keeps its columns of A."""
+        if ab is not None:
+            start, length = self.tp.shard(ab[0].shape[1], "input features", self.num_units)
+            self.lora.adapters[adapter_id] = (ab[0][:, start : start + length].to(device=device, dtype=dtype),
+                                              ab[1].to(device=device, dtype=dtype))
 
     def pack_fp16(self) -> None:
         """Use the CPU fp16-weight matmul from now on (the bias is added after the all-reduce)."""
@@ -149,5 +170,7 @@ class RowParallelLinear(TilePackable, nn.Module):
             partial = self.quantized.matmul(x)
         else:
             partial = self.packed(x) if self.packed is not None else F.linear(x, self.weight)
+        if self.lora is not None and self.lora.rows.active:   # summed with the base's partial sums
+            partial = self.lora.add_to(partial, x)
         y = self.tp.all_reduce(partial)
         return y + self.bias if self.bias is not None else y

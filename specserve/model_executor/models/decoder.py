@@ -21,6 +21,7 @@ from torch import nn
 from specserve.distributed.parallel_state import SINGLE, TensorParallelGroup
 from specserve.model_executor.layers.attention import AttentionMetadata, paged_attention
 from specserve.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+from specserve.model_executor.layers.lora import LoraRows, LoraWeights
 from specserve.model_executor.layers.norm import RMSNorm
 from specserve.model_executor.layers.quantized import QuantizedMatrix
 from specserve.model_executor.layers.quant_layer import QuantizedLayerKernel, QuantizedLayerStack
@@ -188,6 +189,7 @@ class DecoderForCausalLM(nn.Module):
         # final hidden state: an EAGLE-3 head's features (``set_feature_layers``).
         self.feature_layers: tuple[int, ...] = ()
         self._segments: list | None = None       # the layer stack cut at the feature layers (_stack_segments)
+        self.lora_rows: LoraRows | None = None   # a step's rows by LoRA adapter (enable_lora)
 
     def rotary(self, key: str) -> RotaryEmbedding:
         return self.rotaries[key or "default"]
@@ -230,6 +232,50 @@ class DecoderForCausalLM(nn.Module):
         self.feature_layers = tuple(layers)
         self._segments = None
 
+    def _linears(self, layer: DecoderLayer) -> dict[str, nn.Module]:
+        return {"qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj,
+                "gate_up": layer.mlp.gate_up_proj, "down": layer.mlp.down_proj}
+
+    def enable_lora(self) -> LoraRows:
+        """Give every projection room for LoRA adapters (``layers/lora.py``); returns the rows
+        object the runner sets before each forward."""
+        if self.lora_rows is None:
+            self.lora_rows = LoraRows()
+            for layer in self.layers:
+                for linear in self._linears(layer).values():
+                    linear.lora = LoraWeights(self.lora_rows)
+        return self.lora_rows
+
+    def add_lora(self, adapter_id: int, modules: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
+                 dtype: torch.dtype) -> None:
+        """An adapter's full matrices {(layer, Hugging Face projection name): (A [r, in], B [out, r])}
+        (the scale folded into B: ``lora.peft_adapter``), kept in ``dtype`` (the activations'); each
+        layer keeps its shard."""
+        assert self.lora_rows is not None, "enable_lora first"
+        device = self.norm.weight.device
+        for i, layer in enumerate(self.layers):
+            attn, lin = layer.self_attn, self._linears(layer)
+            get = lambda name: modules.get((i, name))   # noqa: E731
+            qkv = [get("q_proj"), get("k_proj"), get("v_proj")]
+            if get("qkv_proj") is not None:             # Phi-3's fused projection: one A, B cut by rows
+                a, b = get("qkv_proj")
+                q_size, kv_size = attn.total_heads * attn.head_dim, attn.total_kv_heads * attn.head_dim
+                qkv = [(a, part) for part in b.split([q_size, kv_size, kv_size])]
+            gate_up = [get("gate_proj"), get("up_proj")]
+            if get("gate_up_proj") is not None:
+                a, b = get("gate_up_proj")
+                gate_up = [(a, part) for part in b.chunk(2)]
+            lin["qkv"].set_lora(adapter_id, qkv, dtype, device)
+            lin["o"].set_lora(adapter_id, get("o_proj"), dtype, device)
+            lin["gate_up"].set_lora(adapter_id, gate_up, dtype, device)
+            lin["down"].set_lora(adapter_id, get("down_proj"), dtype, device)
+
+    def remove_lora(self, adapter_id: int) -> None:
+        for layer in self.layers:
+            for linear in self._linears(layer).values():
+                if linear.lora is not None:
+                    linear.lora.adapters.pop(adapter_id, None)
+
     def forward(
         self,
         input_ids: torch.Tensor,   # [T]
@@ -239,7 +285,8 @@ class DecoderForCausalLM(nn.Module):
     ) -> torch.Tensor:             # [T, hidden] after the final norm (then the feature layers' inputs)
         x = self.embed(input_ids)
         features: list[torch.Tensor] = []
-        if self.layer_kernels is not None and x.device.type == "cpu":
+        lora_step = self.lora_rows is not None and self.lora_rows.active   # the compiled layers have no LoRA
+        if self.layer_kernels is not None and x.device.type == "cpu" and not lora_step:
             x = self._forward_layer_kernels(x, positions, kv_caches, meta, features)
         else:
             if positions.device.type == "cpu":   # elsewhere the check would wait for the device

@@ -1,0 +1,40 @@
+"""LoRARequest: which adapter a request runs with (vLLM's ``vllm.lora.request.LoRARequest``)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """An adapter by name, id and folder, as in vLLM.
+
+    ``lora_int_id`` is the adapter's identity in the engine (positive; two requests with the same id
+    share one loaded copy and their cached prefixes); ``lora_path`` is a PEFT adapter folder
+    (adapter_config.json and adapter_model.safetensors, or adapter_model.bin).
+    """
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lora_name, str) or not self.lora_name:
+            raise ValueError(f"lora_name must be a non-empty string, got {self.lora_name!r}")
+        if not isinstance(self.lora_int_id, int) or isinstance(self.lora_int_id, bool) or self.lora_int_id < 1:
+            raise ValueError(f"lora_int_id must be a positive integer, got {self.lora_int_id!r}")
+        if not isinstance(self.lora_path, (str, os.PathLike)):
+            raise ValueError(f"lora_path must be a folder, got {self.lora_path!r}")
+        object.__setattr__(self, "lora_path", os.fspath(self.lora_path))
+
+    @property
+    def name(self) -> str:
+        return self.lora_name
+
+    @property
+    def adapter_id(self) -> int:
+        return self.lora_int_id
+
+    @property
+    def path(self) -> str:
+        return self.lora_path
