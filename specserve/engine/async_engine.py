@@ -176,6 +176,16 @@ class AsyncLLMEngine:
         await asyncio.wrap_future(done)
         return stream
 
+    async def run_on_engine(self, fn, *args):
+        """``fn(*args)`` on the engine thread between two steps (what changes the engine's state, such as
+        loading a LoRA adapter); its result or exception comes back here."""
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine is dead: {self.dead_error!r}")
+        self.start()
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("call", fn, args, done))
+        return await asyncio.wrap_future(done)
+
     async def run_off_thread(self, fn, *args):
         """``fn(*args)`` on the tokenizer thread (tokenizing, chat templates): neither the
         engine thread nor the event loop waits for it."""
@@ -310,6 +320,12 @@ class AsyncLLMEngine:
                 else:
                     self._streams[request_id] = stream
                     done.set_result(request_id)
+            elif kind == "call":
+                _, fn, args, done = cmd
+                try:
+                    done.set_result(fn(*args))
+                except Exception as e:  # noqa: BLE001 - the caller's failure
+                    done.set_exception(e)
             elif kind == "abort":
                 rid = cmd[1]
                 self.engine.abort_request(rid)
@@ -347,3 +363,5 @@ class AsyncLLMEngine:
                 return
             if cmd[0] == "add":
                 cmd[5].set_exception(EngineDeadError(f"the engine is not running: {error!r}"))
+            elif cmd[0] == "call":
+                cmd[3].set_exception(EngineDeadError(f"the engine is not running: {error!r}"))

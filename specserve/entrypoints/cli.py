@@ -13,6 +13,7 @@ from specserve.entrypoints.openai.responses_store import DEFAULT_MAX_STORED_RESP
 from specserve.entrypoints.engine_args import (  # speculative_config_from_args: still importable from here
     add_model_args,
     json_string_list,
+    lora_module,
     speculative_config_from_args,  # noqa: F401
 )
 from specserve.entrypoints.generate_cmd import add_generate_args, add_sampling_args, cmd_generate
@@ -48,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECSERVE_API_KEY)")
     serve.add_argument("--served-model-name", action="append", default=None,
                        help="a name clients use in 'model' (repeatable; default: the model's own name)")
+    serve.add_argument("--lora-modules", nargs="+", type=lora_module, default=None, metavar="NAME=PATH",
+                       help="LoRA adapters (PEFT folders) requests name in 'model': NAME=PATH or vLLM's JSON "
+                            "'{\"name\": ..., \"path\": ...}' (turns --enable-lora on)")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="accepted for vLLM's command lines: tool_choice 'auto' is always on")
     serve.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,

@@ -25,6 +25,22 @@ def fraction(text: str) -> float:
     return value
 
 
+def lora_module(text: str) -> tuple[str, str]:
+    """``--lora-modules`` item (argparse type): ``NAME=PATH`` or vLLM's JSON ``{"name": ..., "path": ...}``."""
+    if text.lstrip().startswith("{"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not isinstance(value.get("path"), str):
+            raise argparse.ArgumentTypeError('a JSON module needs "name" and "path" strings')
+        return value["name"], value["path"]
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH or a JSON object, got {text!r}")
+    return name, path
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """Options shared by every subcommand that builds an engine."""
     p.add_argument("--model", default=None, help="a .gguf file, a Hugging Face folder, a catalog name (`specserve models`) or a cached hub id (default: SmolLM2-135M-Instruct)")
@@ -54,6 +70,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="sampling defaults set on top, e.g. '{\"temperature\": 0.5, \"max_new_tokens\": 256}'")
     p.add_argument("--enforce-eager", action="store_true",
                    help="GPU: run every step op by op instead of replaying captured CUDA graphs")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="let requests run with PEFT LoRA adapters (serve: --lora-modules, or 'model' naming one)")
+    p.add_argument("--max-loras", type=int, default=EngineConfig.max_loras,
+                   help="LoRA adapters in one step at most (requests of another wait)")
+    p.add_argument("--max-lora-rank", type=int, default=EngineConfig.max_lora_rank,
+                   help="the largest LoRA rank an adapter may have")
+    p.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="LoRA adapters kept loaded at most while no request uses them (default: --max-loras)")
     p.add_argument(NO_SPECULATION_FLAG, dest="no_speculation", action="store_true",
                    help="plain decoding, whatever the default speculation is")
     p.add_argument("--speculative-config", type=json_object, default=None, metavar="JSON",
@@ -201,6 +225,10 @@ def build_llm(args, plain: bool = False):
         override_generation_config=getattr(args, "override_generation_config", None),
         int8_activations=(args.int8_activation_pieces if getattr(args, "int8_activation_pieces", None)
                           else args.int8_activations),
+        enable_lora=bool(getattr(args, "enable_lora", False) or getattr(args, "lora_modules", None)),
+        max_loras=getattr(args, "max_loras", EngineConfig.max_loras),
+        max_lora_rank=getattr(args, "max_lora_rank", EngineConfig.max_lora_rank),
+        max_cpu_loras=getattr(args, "max_cpu_loras", None),
     )
     if getattr(args, "chat_template", None):   # every chat path (generate --chat, the server, its tools) reads it
         tokenizer = llm.get_tokenizer()

@@ -8,7 +8,9 @@ false; server-sent events ``data: {...}`` ending with ``data: [DONE]``), POST /v
 /v1/responses/{id} for the kept ones), POST /v1/messages and /v1/messages/count_tokens
 (Anthropic's Messages API over the chat handler: ``anthropic_messages.py``; its errors in
 Anthropic's shape, and its clients' ``x-api-key`` taken as the key), POST /completion and
-/infill and GET /props (llama-server's own API: ``llama_native.py``), POST /tokenize and /detokenize (vLLM's), GET /v1/models (and /v1/models/{id}), GET
+/infill and GET /props (llama-server's own API: ``llama_native.py``), POST /tokenize and /detokenize (vLLM's), GET /v1/models (and /v1/models/{id}; LoRA
+adapters too, which requests name in ``model``: ``lora_modules.py``, with POST /v1/load_lora_adapter and
+/v1/unload_lora_adapter where runtime updating is allowed), GET
 /v1/specserve/info (model and speculation), GET /version, GET /health,
 GET /metrics (Prometheus), and the chat page at /. The request extension
 ``"specserve": {"provenance": true}`` adds how each token came (``provenance.py``).
@@ -53,9 +55,14 @@ from specserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoraAdapterRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
+    UnloadLoraAdapterRequest,
+)
+from specserve.entrypoints.openai.lora_modules import (
+    add_static_modules, load_adapter, runtime_updating_allowed, unload_adapter,
 )
 from specserve.entrypoints.openai.reasoning import PARSERS
 from specserve.entrypoints.openai.response_format import hold_back
@@ -128,7 +135,8 @@ class _APIKeyMiddleware:
 
 def build_app(llm_or_engine, served_model_name: str | list[str] | None = None, api_key: str | None = None,
               limits: ServerLimits | None = None, cors: CORSOptions | None = None,
-              max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES, reasoning_parser: str | None = None) -> FastAPI:
+              max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES, reasoning_parser: str | None = None,
+              lora_modules: list[tuple[str, str]] | None = None) -> FastAPI:
     """The FastAPI app over an ``LLM``, ``LLMEngine`` or ``AsyncLLMEngine``.
 
     Apps built over the same engine share one engine loop (one step at a time).
@@ -138,6 +146,8 @@ def build_app(llm_or_engine, served_model_name: str | list[str] | None = None, a
     web origins whose pages may call the server (default: none). ``max_stored_responses``: the
     Responses API's responses kept in memory (``responses_store.py``; 0: none). ``reasoning_parser``:
     "deepseek_r1" or "qwen3", a thinking model's reasoning apart from its answer (``reasoning.py``).
+    ``lora_modules``: (name, PEFT adapter folder) pairs requests may name in ``model`` (the engine needs
+    enable_lora), loaded now (``lora_modules.py``).
     """
     if reasoning_parser is not None and reasoning_parser not in PARSERS:
         raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; choose from {sorted(PARSERS)}")
@@ -147,6 +157,7 @@ def build_app(llm_or_engine, served_model_name: str | list[str] | None = None, a
         names = [async_engine.engine.model_name]
     limits = limits if limits is not None else ServerLimits.from_env()
     serving = OpenAIServing(async_engine, names, limits, PARSERS.get(reasoning_parser))
+    add_static_modules(serving, lora_modules or [])
     stored = ResponseStore(max_stored_responses)
     m, ln = serving.metrics, serving.model_name
 
@@ -246,19 +257,33 @@ def build_app(llm_or_engine, served_model_name: str | list[str] | None = None, a
     async def detokenize(raw: Request):
         return await handle(raw, DetokenizeRequest, serving.detokenize)
 
+    def model_card(model_id: str) -> ModelCard:
+        engine, lora = async_engine.engine, serving.loras.get(model_id)
+        if lora is not None:    # an adapter: its folder, and the base model as its parent (vLLM's)
+            return ModelCard(id=model_id, root=lora.lora_path, parent=names[0], max_model_len=engine.max_model_len)
+        return ModelCard(id=model_id, root=engine.model_name, max_model_len=engine.max_model_len)
+
     @app.get("/v1/models")
     async def models():
-        engine = async_engine.engine
-        cards = [ModelCard(id=n, root=engine.model_name, max_model_len=engine.max_model_len) for n in names]
-        return JSONResponse(ModelList(data=cards).model_dump())
+        cards = [model_card(n) for n in names + list(serving.loras.by_name)]
+        return JSONResponse(ModelList(data=cards).model_dump(exclude_none=True))
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        if model_id not in names:
-            return fail(APIError(404, f"the model {model_id!r} does not exist; this server serves {names}",
-                                 param="model", code="model_not_found"))
-        engine = async_engine.engine
-        return JSONResponse(ModelCard(id=model_id, root=engine.model_name, max_model_len=engine.max_model_len).model_dump())
+        try:
+            serving.check_model(model_id)
+        except APIError as e:
+            return fail(e)
+        return JSONResponse(model_card(model_id).model_dump(exclude_none=True))
+
+    if runtime_updating_allowed():   # vLLM's runtime LoRA endpoints, behind the same switch
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(raw: Request):
+            return await handle(raw, LoadLoraAdapterRequest, functools.partial(load_adapter, serving))
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(raw: Request):
+            return await handle(raw, UnloadLoraAdapterRequest, functools.partial(unload_adapter, serving))
 
     @app.get("/version")
     async def version():

@@ -525,7 +525,22 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=now)
     owned_by: str = "specserve"
     root: str | None = None
+    parent: str | None = None          # a LoRA adapter's base model (vLLM's)
     max_model_len: int | None = None
+
+
+class LoadLoraAdapterRequest(StrictModel):
+    """vLLM's POST /v1/load_lora_adapter."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoraAdapterRequest(StrictModel):
+    """vLLM's POST /v1/unload_lora_adapter."""
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None
 
 
 class ModelList(BaseModel):

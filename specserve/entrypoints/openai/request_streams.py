@@ -17,6 +17,7 @@ from fastapi import Request
 from specserve.engine.async_engine import AsyncLLMEngine
 from specserve.entrypoints.openai.limits import APIError
 from specserve.entrypoints.openai.response_format import ChoiceState
+from specserve.lora.peft_adapter import LoraAdapterError
 from specserve.outputs import RequestOutput
 
 
@@ -26,17 +27,22 @@ REQUEST_LOG = logging.getLogger("specserve.requests")
 
 
 async def start_requests(async_engine: AsyncLLMEngine, prompts: list[str | list[int]], params, param_name: str,
-                         priority: int = 0, endpoint: str = "") -> list:
-    """Queue every prompt (at ``priority``; a beam search has none); if one is rejected, abort the
-    ones already queued."""
+                         priority: int = 0, endpoint: str = "", lora_request=None) -> list:
+    """Queue every prompt (at ``priority``; a beam search has none; with ``lora_request``'s adapter); if
+    one is rejected, abort the ones already queued (an adapter that cannot run: a 400 naming ``model``)."""
     streams = []
     try:
         for p in prompts:
-            streams.append(await async_engine.add_request(p, params, priority=priority))
+            streams.append(await async_engine.add_request(p, params, priority=priority, lora_request=lora_request))
             if REQUEST_LOG.isEnabledFor(logging.INFO):
-                REQUEST_LOG.info("request %s (%s): prompt of %d %s, priority %d, %s", streams[-1].request_id,
+                REQUEST_LOG.info("request %s (%s): prompt of %d %s, priority %d, %s%s", streams[-1].request_id,
                                  endpoint or param_name, len(p), "characters" if isinstance(p, str) else "tokens",
-                                 priority, _settings(params))
+                                 priority, _settings(params),
+                                 f", LoRA {lora_request.lora_name!r}" if lora_request is not None else "")
+    except LoraAdapterError as e:
+        for s in streams:
+            async_engine.abort(s.request_id)
+        raise APIError(400, str(e), param="model", code="invalid_value") from None
     except ValueError as e:
         for s in streams:
             async_engine.abort(s.request_id)

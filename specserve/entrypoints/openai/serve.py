@@ -31,7 +31,8 @@ def run_server(args) -> int:
     if args.model and args.model not in names:
         names.append(args.model)
     app = build_app(llm, names, api_key=api_key, limits=limits, cors=cors,
-                    max_stored_responses=args.max_stored_responses, reasoning_parser=args.reasoning_parser)
+                    max_stored_responses=args.max_stored_responses, reasoning_parser=args.reasoning_parser,
+                    lora_modules=args.lora_modules)
     async_engine = app.state.async_engine
     async_engine.start()
     spec = engine.spec_config

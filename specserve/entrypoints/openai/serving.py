@@ -27,6 +27,7 @@ from specserve.entrypoints.openai.echo import echo_logprobs, joined, prompt_logp
 from specserve.entrypoints.openai.tool_call_stream import ToolCallStream, parse_whole
 from specserve.entrypoints.openai.errors import engine_error, error_body, sampling_error
 from specserve.entrypoints.openai.limits import APIError, ServerLimits
+from specserve.entrypoints.openai.lora_modules import LoraModules
 from specserve.entrypoints.openai.metrics import ServerMetrics
 from specserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -47,6 +48,7 @@ from specserve.entrypoints.openai.response_format import (
     sse,
     usage,
 )
+from specserve.lora.request import LoRARequest
 
 
 class OpenAIServing:
@@ -54,6 +56,7 @@ class OpenAIServing:
 
     def __init__(self, async_engine: AsyncLLMEngine, served_model_names: list[str], limits: ServerLimits | None = None,
                  reasoning: ReasoningParser | None = None):
+        """``self.loras``: the LoRA adapters requests may name in ``model`` (``lora_modules.py``; build_app adds them)."""
         self.async_engine = async_engine
         self.reasoning = reasoning          # chat answers' reasoning split from their content (reasoning.py)
         self.limits = limits or ServerLimits()
@@ -61,6 +64,7 @@ class OpenAIServing:
         self.tokenizer = self.engine.tokenizer
         self.served_model_names = served_model_names
         self.model_name = served_model_names[0]
+        self.loras = LoraModules(served_model_names)
         self.metrics = ServerMetrics(async_engine, self.model_name)
 
     def _usage(self, choices, params) -> dict:
@@ -89,14 +93,22 @@ class OpenAIServing:
         }
         return {"model": self.model_name, "max_model_len": engine.max_model_len, "speculative": speculative}
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.served_model_names:
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter ``model`` names (None: the base model); a 404 for a name this server has not."""
+        lora = self.loras.get(model)
+        if model is not None and lora is None and model not in self.served_model_names:
             raise APIError(
                 404,
-                f"the model {model!r} does not exist; this server serves {self.served_model_names}",
+                f"the model {model!r} does not exist; this server serves "
+                f"{self.served_model_names + list(self.loras.by_name)}",
                 param="model",
                 code="model_not_found",
             )
+        return lora
+
+    def answer_model(self, request) -> str:
+        """The name an answer carries: the LoRA adapter's when the request named one (vLLM's)."""
+        return request.model if self.loras.get(getattr(request, "model", None)) is not None else self.model_name
 
     def chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
         """The conversation rendered by the chat template (``entrypoints/chat_template.py``) and
@@ -190,7 +202,7 @@ class OpenAIServing:
 
     async def completions(self, request: CompletionRequest, raw: Request, endpoint: str = "completions") -> Response:
         """``endpoint``: the metrics' label (``completion`` / ``infill`` when llama-server's endpoints ask)."""
-        self.check_model(request.model)
+        lora = self.check_model(request.model)
         arrival = time.monotonic()
         params = await self.constrained(request, self.sampling_params(request))
         prompts = request.prompts()
@@ -205,18 +217,19 @@ class OpenAIServing:
                 raise APIError(400, str(e), param="suffix", code="invalid_value") from None
             params = fim_params(self.tokenizer, params)
         engine_params = self.beam_search_params(request) if request.use_beam_search else params
-        streams = await start_requests(self.async_engine, prompts, engine_params, "prompt", request.priority, endpoint)
+        streams = await start_requests(self.async_engine, prompts, engine_params, "prompt", request.priority, endpoint,
+                                       lora)
         return await self._respond(request, raw, streams, params, arrival, chat=False, endpoint=endpoint)
 
     async def chat_completions(self, request: ChatCompletionRequest, raw: Request, endpoint: str = "chat") -> Response:
         """``endpoint``: the metrics' label (``responses`` when the Responses API asks)."""
-        self.check_model(request.model)
+        lora = self.check_model(request.model)
         arrival = time.monotonic()
         params = await self.constrained(request, self.sampling_params(request))
         engine_params = self.beam_search_params(request) if request.use_beam_search else params
         prompt = await self.async_engine.run_off_thread(self.chat_prompt, request)
         streams = await start_requests(self.async_engine, [prompt], engine_params, "messages", request.priority,
-                                       endpoint)
+                                       endpoint, lora)
         return await self._respond(request, raw, streams, params, arrival, chat=True, endpoint=endpoint)
 
     async def _respond(self, request, raw: Request, streams, params, arrival: float, chat: bool,
@@ -294,7 +307,7 @@ class OpenAIServing:
             "id": rid,
             "object": "chat.completion" if chat else "text_completion",
             "created": created,
-            "model": self.model_name,
+            "model": self.answer_model(request),
             "choices": body_choices,
             "usage": self._usage(choices, params),
         }
@@ -305,6 +318,7 @@ class OpenAIServing:
     async def _stream(self, request, streams, choices: list[ChoiceState], params, chat: bool, n: int = 1) -> AsyncIterator[str]:
         m, ln = self.metrics, self.model_name
         created, rid = now(), random_id("chatcmpl" if chat else "cmpl")
+        model = self.answer_model(request)
         obj = "chat.completion.chunk" if chat else "text_completion"
         include_usage = request.include_usage
         num_top = params.logprobs      # None: not asked for (a beam's output carries them anyway)
@@ -322,7 +336,7 @@ class OpenAIServing:
         continuous = include_usage and bool(request.stream_options.continuous_usage_stats)
 
         def chunk(choice_list: list[dict], final_usage: Any = None, with_usage: bool = False) -> str:
-            body = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choice_list}
+            body = {"id": rid, "object": obj, "created": created, "model": model, "choices": choice_list}
             if include_usage:
                 body["usage"] = final_usage if with_usage else usage(choices) if continuous else None
             return sse(body)
