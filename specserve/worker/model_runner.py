@@ -203,6 +203,8 @@ class ModelRunner:
         ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
         if uses_lora:
+            if getattr(self.model, "lora_rows", None) is None:
+                raise ValueError("a forward input names a LoRA adapter but this runner has LoRA off (enable_lora)")
             self.model.lora_rows.set([i.lora_id for i in inputs for _ in i.token_ids], self.device)
         try:
             all_hidden = self.model(ids, pos, self.kv_caches, meta)  # [T, hidden (+ features)]

@@ -464,3 +464,27 @@ def test_finish_and_abort_free_blocks():
     assert sched.kv_cache.num_free_blocks == 16
     assert not sched.has_unfinished()
     assert sched.schedule().scheduled == []
+
+
+def test_max_loras_lets_requests_behind_a_third_adapter_go_first_and_keeps_its_place():
+    """At most max_loras adapters run at once: a request of another waits (in its place in the
+    queue) while requests of running adapters, or of none, behind it are admitted."""
+    kv = KVCacheManager(64, 4)
+    sched = Scheduler(kv, 8, 64, 64, max_loras=2)
+    reqs = [make_request(f"r{i}", 3, first=i) for i in range(6)]
+    for req, lora in zip(reqs, [1, 2, 3, 0, 1, 3]):
+        req.lora_id = lora
+        sched.add_request(req)
+    out = sched.schedule()
+    assert [s.request.request_id for s in out.scheduled] == ["r0", "r1", "r3", "r4"]
+    assert [r.request_id for r in sched.waiting] == ["r2", "r5"]
+    for r in (reqs[1],):                       # adapter 2's only request finishes: adapter 3 may come in
+        sched.finish(r, RequestStatus.FINISHED_STOPPED)
+    out = sched.schedule()
+    assert {s.request.request_id for s in out.scheduled} >= {"r2", "r5"} and not sched.waiting
+    unlimited = Scheduler(KVCacheManager(64, 4), 8, 64, 64)
+    for i, lora in enumerate([1, 2, 3]):
+        r = make_request(f"u{i}", 3)
+        r.lora_id = lora
+        unlimited.add_request(r)
+    assert len(unlimited.schedule().scheduled) == 3

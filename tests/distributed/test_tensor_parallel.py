@@ -15,6 +15,8 @@
 """
 from __future__ import annotations
 
+import dataclasses
+
 import gc
 import json
 import os
@@ -236,10 +238,40 @@ def test_family_with_qk_norms_or_sliding_windows_sharded_matches_unsharded(famil
     _ranks_as_threads_match_unsharded(config, state, steps, 2)
 
 
-def _ranks_as_threads_match_unsharded(config, state, steps, n):
-    """Run ``steps`` unsharded and on ``n`` ranks (threads): rank 0's logits equal the unsharded ones."""
+@pytest.mark.parametrize("n", [2, 3])
+def test_lora_adapters_sharded_match_unsharded_with_ranks_as_threads(n):
+    """LoRA adapters on every projection (column-parallel: B's rows shared out; row-parallel: A's
+    columns, summed by the base's all-reduce), two adapters and base rows in one step."""
+    from specserve.lora.peft_adapter import expected_shapes
+
+    config = LlamaConfig(vocab_size=101, hidden_size=96, intermediate_size=192, num_hidden_layers=2,
+                         num_attention_heads=12, num_key_value_heads=6, max_position_embeddings=256)
+    config.architectures = ["LlamaForCausalLM"]
+    state = _tiny_llama_state(config, seed=7)
+    g = torch.Generator().manual_seed(n)
+    loras = {}
+    for adapter_id, projs in ((1, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+                              (2, ("v_proj", "down_proj"))):
+        loras[adapter_id] = {(layer, proj): (0.1 * torch.randn(4, i, generator=g), 0.1 * torch.randn(o, 4, generator=g))
+                             for layer in range(2) for proj, (o, i) in expected_shapes(config).items() if proj in projs}
+    steps = [
+        [ForwardInput(list(range(3, 23)), 0, [0, 1], 2, lora_id=1), ForwardInput(list(range(40, 47)), 0, [2], 7),
+         ForwardInput(list(range(50, 55)), 0, [3], 1, lora_id=2)],
+        [ForwardInput([7], 20, [0, 1], 1, lora_id=1), ForwardInput([9, 11, 13], 7, [2], 3),
+         ForwardInput([5], 5, [3], 1, lora_id=2)],
+    ]
+    _ranks_as_threads_match_unsharded(config, state, steps, n, loras)
+
+
+def _ranks_as_threads_match_unsharded(config, state, steps, n, loras: dict | None = None):
+    """Run ``steps`` unsharded and on ``n`` ranks (threads): rank 0's logits equal the unsharded ones
+    (``loras``: {adapter id: its modules} added to every runner)."""
     def run(tp):
         runner = ModelRunner(config, state, torch.float32, torch.device("cpu"), 256, 16, tp=tp)
+        if loras:
+            runner.enable_lora()
+            for adapter_id, modules in loras.items():
+                runner.add_lora(adapter_id, modules)
         runner.allocate_kv_cache(4)
         return [runner.execute(step).logits for step in steps]
 
@@ -264,6 +296,11 @@ def _ranks_as_threads_match_unsharded(config, state, steps, n):
     assert all(logits is None for logits in results[1])   # only rank 0 gets logits
     for got, want in zip(results[0], expected):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    if loras:   # the adapters changed the adapted rows
+        plain = ModelRunner(config, state, torch.float32, torch.device("cpu"), 256, 16)
+        plain.allocate_kv_cache(4)
+        base_step = [dataclasses.replace(i, lora_id=0) for i in steps[0]]
+        assert not torch.allclose(plain.execute(base_step).logits[:2], expected[0][:2], atol=1e-3)
 
 
 def test_block_table_deltas_round_trip():
@@ -486,6 +523,27 @@ def tiny_model_dir(tmp_path_factory) -> str:
 
 
 TINY = dict(dtype="float32", max_model_len=2048, kv_cache_memory=1 << 24)
+
+
+@pytest.mark.slow
+def test_lora_at_tp_2_equals_tp_1(tiny_model_dir, tmp_path):
+    """Adapters reach the worker ranks (each keeps its shard) and mixed steps run there."""
+    from lora_adapters import write_peft_adapter
+    from specserve import LoRARequest
+
+    loras = [LoRARequest("a", 1, write_peft_adapter(tiny_model_dir, str(tmp_path / "a"), seed=1)), None,
+             LoRARequest("b", 2, write_peft_adapter(tiny_model_dir, str(tmp_path / "b"), seed=2,
+                                                    target_modules=("k_proj", "o_proj", "gate_proj", "up_proj")))]
+    prompts = ["Hello there", "Hello there", "Once upon a time"]
+    params = SamplingParams(temperature=0, max_tokens=10)
+    want = token_ids(LLM(model=tiny_model_dir, enable_lora=True, max_loras=2, **TINY).generate(
+        prompts, params, lora_request=loras))
+    llm = LLM(model=tiny_model_dir, tensor_parallel_size=2, enable_lora=True, max_loras=2, **TINY)
+    try:
+        assert token_ids(llm.generate(prompts, params, lora_request=loras)) == want
+        assert want[0] != want[1]
+    finally:
+        llm.engine.runner.shutdown()
 
 
 @pytest.mark.slow

@@ -134,7 +134,7 @@ def test_no_block_is_registered_while_it_holds_an_unverified_draft_token(tiny_ll
 
     marks = []
 
-    def checked(kv, request_id, token_ids, num_verified_tokens, num_proposer_tokens):
+    def checked(kv, request_id, token_ids, num_verified_tokens, num_proposer_tokens, root=None):
         n = 0
         # (with EAGLE, a request that finished this step registers its last blocks at the step's end)
         req = engine.requests.get(request_id) or next(r for r in engine._blocks_held if r.request_id == request_id)
@@ -144,7 +144,8 @@ def test_no_block_is_registered_while_it_holds_an_unverified_draft_token(tiny_ll
         assert num_proposer_tokens == req.proposer_num_computed_tokens
         table = kv.block_table(request_id)
         marked_before = [b in kv._proposer_marks for b in table]
-        real(kv, request_id, token_ids, num_verified_tokens, num_proposer_tokens)
+        assert root is None                          # no LoRA adapter: the base model's chain
+        real(kv, request_id, token_ids, num_verified_tokens, num_proposer_tokens, root=root)
         final = min(num_verified_tokens, num_proposer_tokens)
         for i, block in enumerate(table):
             key = kv.cached_block_key(block)
