@@ -2,7 +2,7 @@
 others (imports inside functions count), and no lower layer imports a higher one.
 
 Layers, bottom up (docs/architecture.md): the base modules (config, sampling_params,
-outputs, catalog); model_executor, distributed, worker; structured_output; core and sample;
+outputs, catalog, reasoning_formats, lora); model_executor, distributed, worker; structured_output; core and sample;
 spec_decode; engine; entrypoints, training and bench on top.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pathlib
 import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "specserve"
-BASE = {"config", "sampling_params", "beam_search_params", "outputs", "catalog"}
+BASE = {"config", "sampling_params", "beam_search_params", "outputs", "catalog", "reasoning_formats", "lora"}
 TOP = {"entrypoints", "training", "bench", "specserve"}     # "specserve": the package's own __init__
 # What each part may never import (its own part and the layers below it are allowed).
 FORBIDDEN = {

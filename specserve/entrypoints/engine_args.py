@@ -225,7 +225,8 @@ def build_llm(args, plain: bool = False):
         override_generation_config=getattr(args, "override_generation_config", None),
         int8_activations=(args.int8_activation_pieces if getattr(args, "int8_activation_pieces", None)
                           else args.int8_activations),
-        enable_lora=bool(getattr(args, "enable_lora", False) or getattr(args, "lora_modules", None)),
+        enable_lora=bool(getattr(args, "enable_lora", False) or getattr(args, "lora_modules", None)
+                         or getattr(args, "lora", None)),
         max_loras=getattr(args, "max_loras", EngineConfig.max_loras),
         max_lora_rank=getattr(args, "max_lora_rank", EngineConfig.max_lora_rank),
         max_cpu_loras=getattr(args, "max_cpu_loras", None),

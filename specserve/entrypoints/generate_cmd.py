@@ -15,6 +15,7 @@ import time
 
 from specserve.entrypoints.engine_args import add_model_args, build_llm
 from specserve.entrypoints.fill_in_middle import fim_params, fim_prompt
+from specserve.lora.request import LoRARequest
 
 
 def structured_output_from_args(args):
@@ -174,8 +175,8 @@ def cmd_beam_search(args) -> int:
     prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     speculative = llm.engine.spec_config is not None
     if args.compare_plain and speculative:
-        _search(llm, prompt, _warm_up(params))   # warm-up, as the plain engine gets
-    out, seconds = _search(llm, prompt, params)
+        _search(llm, prompt, _warm_up(params), _lora(args))   # warm-up, as the plain engine gets
+    out, seconds = _search(llm, prompt, params, _lora(args))
     for i, beam in enumerate(out.sequences):
         generated = beam.tokens[len(beam.tokens) - len(beam.logprobs):]
         if args.json:
@@ -190,8 +191,8 @@ def cmd_beam_search(args) -> int:
         vs = ""
         if args.compare_plain:
             plain = build_llm(args, plain=True)
-            _search(plain, prompt, _warm_up(params))
-            plain_out, plain_seconds = _search(plain, prompt, params)
+            _search(plain, prompt, _warm_up(params), _lora(args))
+            plain_out, plain_seconds = _search(plain, prompt, params, _lora(args))
             vs = (f", {plain_seconds / max(seconds, 1e-9):.2f}x plain beam search's {plain_seconds:.2f} s; "
                   f"{_same_beams(plain_out, out)}")
         print(f"[speculation: {llm.engine.spec_config.method}] {d['num_accepted_tokens']} of "
@@ -210,19 +211,25 @@ def _same_beams(plain, speculative) -> str:
         f"plain beam search's beams, scores within {gap:.1e}"
 
 
-def _search(llm, prompt, params):
+def _lora(args) -> LoRARequest | None:
+    """``--lora DIR``: the adapter every request of this command runs with (llama-cli's flag)."""
+    return LoRARequest("lora", 1, args.lora) if getattr(args, "lora", None) else None
+
+
+def _search(llm, prompt, params, lora=None):
     started = time.perf_counter()
-    out = llm.beam_search([prompt], params)[0]
+    out = llm.beam_search([prompt], params, lora_request=lora)[0]
     return out, time.perf_counter() - started
 
 
 def _answer(llm, args, params):
+    lora = _lora(args)
     if args.chat:
-        return llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+        return llm.chat([{"role": "user", "content": args.prompt}], params, lora_request=lora)[0]
     if args.suffix is not None:   # fill in the middle: the prompt is the prefix
         tok = llm.get_tokenizer()
-        return llm.generate(fim_prompt(tok, args.prompt, args.suffix), fim_params(tok, params))[0]
-    return llm.generate(args.prompt, params)[0]
+        return llm.generate(fim_prompt(tok, args.prompt, args.suffix), fim_params(tok, params), lora_request=lora)[0]
+    return llm.generate(args.prompt, params, lora_request=lora)[0]
 
 
 def _warm_up(params):
@@ -291,6 +298,8 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt")
     add_model_args(p)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--lora", default=None, metavar="DIR",
+                   help="run with this PEFT LoRA adapter (a folder with adapter_config.json; turns --enable-lora on)")
     add_sampling_args(p)
     p.add_argument("--suffix", default=None, metavar="TEXT",
                      help="fill in the middle: write what goes between the prompt and TEXT (code models trained "
