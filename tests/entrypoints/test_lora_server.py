@@ -44,6 +44,13 @@ def test_model_names_the_adapter_and_answers_equal_the_llm_api(peaked_llama_dir,
         chunks = tc.post("/v1/chat/completions", json={"model": "poet", "stream": True, "max_tokens": 4,
                                                        "messages": [{"role": "user", "content": "hi"}]})
         assert '"model": "poet"' in chunks.text or '"model":"poet"' in chunks.text
+        msg = tc.post("/v1/messages", json={"model": "pirate", "max_tokens": 4,
+                                            "messages": [{"role": "user", "content": "hi"}]})
+        assert msg.status_code == 200 and msg.json()["model"] == "pirate"
+        resp = tc.post("/v1/responses", json={"model": "pirate", "input": "hi", "max_output_tokens": 4})
+        assert resp.status_code == 200 and resp.json()["model"] == "pirate"
+        metrics = tc.get("/metrics").text
+        assert 'vllm:lora_requests_info{max_lora="2",model_name="tiny",running_lora_adapters="",' in metrics
         cards = {c["id"]: c for c in tc.get("/v1/models").json()["data"]}
         assert cards["pirate"]["parent"] == "tiny" and cards["pirate"]["root"] == adapter_dirs["pirate"]
         assert "parent" not in cards["tiny"]

@@ -39,7 +39,7 @@ def vllm_view_matches(text: str) -> None:
 
 
 def test_vllm_names_carry_the_same_samples(tiny_llama_dir):
-    llm = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=256, kv_cache_memory=8 << 20,
+    llm = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=256, kv_cache_memory=8 << 20, enable_lora=True,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
     with TestClient(build_app(llm, "tiny")) as tc:
         body = {"model": "tiny", "prompt": "1, 2, 3, 1, 2, 3, 1, 2,", "max_tokens": 12, "temperature": 0}
@@ -56,7 +56,8 @@ def test_vllm_names_carry_the_same_samples(tiny_llama_dir):
 def test_queues_and_preemptions_are_read_at_scrape_time(tiny_llama_dir):
     """Requests added but not yet stepped wait; a cache of one request's blocks preempts."""
     # 5 blocks of 16 tokens (8 KiB each for this model): three requests of 50 tokens do not fit at once
-    llm = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=64, kv_cache_memory=40 << 10, max_num_seqs=4)
+    llm = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=64, kv_cache_memory=40 << 10, max_num_seqs=4,
+              enable_lora=True)   # (its gauge is one of the renamed metrics)
     assert llm.engine.kv_cache.num_blocks == 5
     metrics = ServerMetrics(SimpleNamespace(engine=llm.engine), "tiny")
 

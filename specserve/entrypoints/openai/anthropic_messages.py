@@ -87,7 +87,7 @@ async def create_message(serving, req: MessagesRequest, raw: Request) -> Respons
     chat_request = _validated(to_chat(req))
     answer = await _chat(serving, chat_request, raw)
     if isinstance(answer, SSEResponse):
-        events = MessageEvents(serving.model_name, req.stop_sequences).translate(answer.body_iterator)
+        events = MessageEvents(serving.answer_model(req), req.stop_sequences).translate(answer.body_iterator)
         return SSEResponse(events, on_close=answer.on_close)
     if answer.status_code != 200:
         return answer

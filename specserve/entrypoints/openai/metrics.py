@@ -28,6 +28,7 @@ class _EngineCollector:
     def __init__(self, async_engine: AsyncLLMEngine, model_name: str):
         self.async_engine = async_engine
         self.model_name = model_name
+        self._lora_state: tuple[list[str], float] | None = None   # the LoRA gauge's labels and since when
 
     def collect(self):
         engine = self.async_engine.engine
@@ -80,6 +81,20 @@ class _EngineCollector:
                                 labels=labels)
         c.add_metric(values, scheduler.num_preemptions)
         yield c
+        if engine.loras is not None:     # vLLM's LoRA gauge: the adapters running and waiting, by name
+            names = {i: r.lora_name for i, r in engine.loras.loaded.items()}
+
+            def adapters(reqs) -> str:
+                return ",".join(sorted({names.get(r.lora_id, str(r.lora_id)) for r in reqs if r.lora_id}))
+
+            state = [str(engine.config.max_loras), adapters(scheduler.running), adapters(scheduler.waiting)]
+            if self._lora_state is None or self._lora_state[0] != state:
+                self._lora_state = (state, time.time())
+            g = GaugeMetricFamily("specserve_lora_requests_info", "LoRA adapters of running and waiting requests "
+                                  "(labels; the value: since when, in seconds since the epoch, as vLLM's).",
+                                  labels=labels + ["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+            g.add_metric(values + state, self._lora_state[1])
+            yield g
         kv = engine.kv_cache
         g = GaugeMetricFamily("specserve_kv_cache_free_blocks", "Free KV-cache blocks.", labels=labels)
         g.add_metric(values, kv.num_free_blocks)

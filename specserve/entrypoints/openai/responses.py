@@ -84,7 +84,7 @@ async def create_response(serving, store: ResponseStore, req: "ResponsesRequest"
             e.param = "input"
         raise
     if isinstance(answer, SSEResponse):
-        events = ResponseEvents(req, serving.model_name, finished, serving.reasoning,
+        events = ResponseEvents(req, serving.answer_model(req), finished, serving.reasoning,
                                 logprobs=wants_logprobs(req)).translate(answer.body_iterator)
         return SSEResponse(events, on_close=answer.on_close)
     if answer.status_code != 200:

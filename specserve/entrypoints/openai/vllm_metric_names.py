@@ -15,6 +15,7 @@ VLLM_NAMES: dict[str, list[tuple[str, dict[str, str]]]] = {
     "specserve_scheduler_requests_waiting": [("vllm:num_requests_waiting", {})],
     "specserve_kv_cache_usage_ratio": [("vllm:kv_cache_usage_perc", {}), ("vllm:gpu_cache_usage_perc", {})],
     "specserve_num_preemptions": [("vllm:num_preemptions", {})],
+    "specserve_lora_requests_info": [("vllm:lora_requests_info", {})],
     "specserve_prompt_tokens": [("vllm:prompt_tokens", {})],
     "specserve_generation_tokens": [("vllm:generation_tokens", {})],
     "specserve_request_success": [("vllm:request_success", {"finish_reason": "finished_reason"})],
