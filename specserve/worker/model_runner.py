@@ -144,6 +144,30 @@ class ModelRunner:
         cache is allocated, so CUDA graphs capture the wider output."""
         self.model.set_feature_layers(layers)
 
+    def _execute_apart(self, inputs: list[ForwardInput], return_all_hidden: bool) -> ForwardOutput:
+        """A CPU step of base and LoRA rows as two forwards: the base rows through the compiled layer
+        stack, as in a step of their own, the adapters' op by op (the stack has no adapters). Each row
+        gets the bits it gets in any batch, so an adapter in the step never changes another request's
+        output. Outputs in ``inputs``' order."""
+        groups = [[i for i, inp in enumerate(inputs) if bool(inp.lora_id) == lora] for lora in (False, True)]
+        outs = [self.execute([inputs[i] for i in group], return_all_hidden) for group in groups]
+        where: dict[int, tuple[int, int, int]] = {}          # input -> (group, first logit row, first token row)
+        for g, group in enumerate(groups):
+            logit_row = token_row = 0
+            for i in group:
+                where[i] = (g, logit_row, token_row)
+                logit_row += inputs[i].num_logits
+                token_row += len(inputs[i].token_ids)
+        logits, hidden, every = [], [], []
+        for i, inp in enumerate(inputs):
+            g, lr, tr = where[i]
+            logits.append(outs[g].logits[lr : lr + inp.num_logits])
+            hidden.append(outs[g].hidden[lr : lr + inp.num_logits])
+            if return_all_hidden:
+                every.append(outs[g].all_hidden[tr : tr + len(inp.token_ids)])
+        return ForwardOutput(logits=torch.cat(logits), hidden=torch.cat(hidden),
+                             all_hidden=torch.cat(every) if return_all_hidden else None)
+
     @torch.inference_mode()
     def copy_kv_slots(self, src: list[int], dst: list[int]) -> None:
         """K/V of cache slot src[i] -> slot dst[i], in every layer (all sources read first).
@@ -158,6 +182,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inputs: list[ForwardInput], return_all_hidden: bool = False) -> ForwardOutput:
         uses_lora = any(i.lora_id for i in inputs)   # such steps run eagerly (the graphs hold no adapters)
+        if uses_lora and not all(i.lora_id for i in inputs) and getattr(self.model, "layer_kernels", None) is not None:
+            return self._execute_apart(inputs, return_all_hidden)
         bucket = self.graphs.bucket_for(inputs) if self.graphs is not None and not uses_lora else None
         width = self.model.config.hidden_size      # the rows' first columns; then any feature layers' (EAGLE-3)
         if bucket is not None:
