@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Callable
 
-from specserve.entrypoints.engine_args import build_llm
+from specserve.entrypoints.engine_args import build_llm, lora_from_args
 from specserve.entrypoints.generate_cmd import GENERATE_DEFAULTS, print_summary, sampling_params_from_args
 
 COMMANDS = "/reset forgets the conversation, /exit ends it"
@@ -59,19 +59,19 @@ def run_chat(args, params, llm, summarize: Callable | None = None, stdin=None, s
             continue
         conversation = system + history + [{"role": "user", "content": text}]
         try:
-            answer = _answer(llm, conversation, params, stdout, summarize)
+            answer = _answer(llm, conversation, params, stdout, summarize, lora_from_args(args))
         except ValueError as e:     # the conversation no longer fits, or another refusal: this turn only
             print(f"error: {e} ({COMMANDS})", file=stderr)
             continue
         history += [{"role": "user", "content": text}, {"role": "assistant", "content": answer}]
 
 
-def _answer(llm, conversation: list[dict], params, stdout, summarize: Callable | None) -> str:
-    """Stream one answer to ``stdout``; its text."""
+def _answer(llm, conversation: list[dict], params, stdout, summarize: Callable | None, lora=None) -> str:
+    """Stream one answer to ``stdout`` (with the LoRA adapter ``lora``, if any); its text."""
     engine = llm.engine
     prompt = llm.apply_chat_template(conversation)
     started = time.perf_counter()
-    request_id = engine.add_request(prompt, params)
+    request_id = engine.add_request(prompt, params, lora_request=lora)
     shown, text, tokens, stats = 0, "", 0, None
     try:
         while True:

@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(chat)
     add_sampling_args(chat)
     chat.add_argument("--system-prompt", default=None, help="the conversation's system message")
+    chat.add_argument("--lora", default=None, metavar="DIR",
+                      help="answer with this PEFT LoRA adapter (a folder with adapter_config.json)")
     chat.set_defaults(func=cmd_chat)
 
     serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")

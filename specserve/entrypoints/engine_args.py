@@ -200,6 +200,14 @@ def speculative_config_from_args(args) -> dict | None:
     return values
 
 
+def lora_from_args(args):
+    """``generate --lora DIR`` / ``chat --lora DIR``: the adapter every request of the command runs with
+    (llama-cli's flag), or None."""
+    from specserve.lora.request import LoRARequest
+
+    return LoRARequest("lora", 1, args.lora) if getattr(args, "lora", None) else None
+
+
 def build_llm(args, plain: bool = False):
     """The ``LLM`` the flags describe (``plain``: the same without speculation)."""
     from specserve import LLM

@@ -13,9 +13,8 @@ import math
 import sys
 import time
 
-from specserve.entrypoints.engine_args import add_model_args, build_llm
+from specserve.entrypoints.engine_args import add_model_args, build_llm, lora_from_args
 from specserve.entrypoints.fill_in_middle import fim_params, fim_prompt
-from specserve.lora.request import LoRARequest
 
 
 def structured_output_from_args(args):
@@ -175,8 +174,8 @@ def cmd_beam_search(args) -> int:
     prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     speculative = llm.engine.spec_config is not None
     if args.compare_plain and speculative:
-        _search(llm, prompt, _warm_up(params), _lora(args))   # warm-up, as the plain engine gets
-    out, seconds = _search(llm, prompt, params, _lora(args))
+        _search(llm, prompt, _warm_up(params), lora_from_args(args))   # warm-up, as the plain engine gets
+    out, seconds = _search(llm, prompt, params, lora_from_args(args))
     for i, beam in enumerate(out.sequences):
         generated = beam.tokens[len(beam.tokens) - len(beam.logprobs):]
         if args.json:
@@ -191,8 +190,8 @@ def cmd_beam_search(args) -> int:
         vs = ""
         if args.compare_plain:
             plain = build_llm(args, plain=True)
-            _search(plain, prompt, _warm_up(params), _lora(args))
-            plain_out, plain_seconds = _search(plain, prompt, params, _lora(args))
+            _search(plain, prompt, _warm_up(params), lora_from_args(args))
+            plain_out, plain_seconds = _search(plain, prompt, params, lora_from_args(args))
             vs = (f", {plain_seconds / max(seconds, 1e-9):.2f}x plain beam search's {plain_seconds:.2f} s; "
                   f"{_same_beams(plain_out, out)}")
         print(f"[speculation: {llm.engine.spec_config.method}] {d['num_accepted_tokens']} of "
@@ -211,11 +210,6 @@ def _same_beams(plain, speculative) -> str:
         f"plain beam search's beams, scores within {gap:.1e}"
 
 
-def _lora(args) -> LoRARequest | None:
-    """``--lora DIR``: the adapter every request of this command runs with (llama-cli's flag)."""
-    return LoRARequest("lora", 1, args.lora) if getattr(args, "lora", None) else None
-
-
 def _search(llm, prompt, params, lora=None):
     started = time.perf_counter()
     out = llm.beam_search([prompt], params, lora_request=lora)[0]
@@ -223,7 +217,7 @@ def _search(llm, prompt, params, lora=None):
 
 
 def _answer(llm, args, params):
-    lora = _lora(args)
+    lora = lora_from_args(args)
     if args.chat:
         return llm.chat([{"role": "user", "content": args.prompt}], params, lora_request=lora)[0]
     if args.suffix is not None:   # fill in the middle: the prompt is the prefix

@@ -216,3 +216,21 @@ def test_a_vllm_serve_command_line_runs_as_it_is():
     for bad in ("--kv-cache-dtype fp8", "--quantization awq"):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["serve", *bad.split()])
+
+
+def test_lora_runs_the_command_with_the_adapter(peaked_llama_dir, tmp_path, capsys):
+    """``--lora DIR`` (llama-cli's flag): generate's tokens are the LLM API's with that adapter, and
+    differ from the base model's; chat takes the flag too."""
+    from specserve import LLM, LoRARequest, SamplingParams
+    from lora_adapters import write_peft_adapter
+
+    adapter = write_peft_adapter(peaked_llama_dir, str(tmp_path / "a"), seed=1)
+    common = ["--model", peaked_llama_dir, "--dtype", "float32", "--max-tokens", "8", "--temperature", "0",
+              "--json", "--kv-cache-memory", str(8 << 20)]
+    assert main(["generate", "Hello there", "--lora", adapter, *common]) == 0
+    got = json.loads(capsys.readouterr().out.splitlines()[0])["token_ids"]
+    llm = LLM(peaked_llama_dir, dtype="float32", kv_cache_memory=8 << 20, enable_lora=True)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    assert got == llm.generate("Hello there", params, lora_request=LoRARequest("a", 1, adapter))[0].outputs[0].token_ids
+    assert got != llm.generate("Hello there", params)[0].outputs[0].token_ids
+    assert build_parser().parse_args(["chat", "--lora", adapter]).lora == adapter
