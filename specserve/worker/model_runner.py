@@ -145,11 +145,11 @@ class ModelRunner:
         self.model.set_feature_layers(layers)
 
     def _execute_apart(self, inputs: list[ForwardInput], return_all_hidden: bool) -> ForwardOutput:
-        """A CPU step of base and LoRA rows as two forwards: the base rows through the compiled layer
-        stack, as in a step of their own, the adapters' op by op (the stack has no adapters). Each row
-        gets the bits it gets in any batch, so an adapter in the step never changes another request's
-        output. Outputs in ``inputs``' order."""
-        groups = [[i for i, inp in enumerate(inputs) if bool(inp.lora_id) == lora] for lora in (False, True)]
+        """A CPU step of rows of several LoRA adapters (none counting as one) as one forward per adapter:
+        the compiled layer stack takes one adapter a call. Each row gets the bits it gets in any batch,
+        so an adapter in the step never changes another request's output. Outputs in ``inputs``' order."""
+        ids = sorted({inp.lora_id for inp in inputs})
+        groups = [[i for i, inp in enumerate(inputs) if inp.lora_id == a] for a in ids]
         outs = [self.execute([inputs[i] for i in group], return_all_hidden) for group in groups]
         where: dict[int, tuple[int, int, int]] = {}          # input -> (group, first logit row, first token row)
         for g, group in enumerate(groups):
@@ -182,7 +182,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inputs: list[ForwardInput], return_all_hidden: bool = False) -> ForwardOutput:
         uses_lora = any(i.lora_id for i in inputs)   # such steps run eagerly (the graphs hold no adapters)
-        if uses_lora and not all(i.lora_id for i in inputs) and getattr(self.model, "layer_kernels", None) is not None:
+        if uses_lora and len({i.lora_id for i in inputs}) > 1 and getattr(self.model, "layer_kernels", None) is not None:
             return self._execute_apart(inputs, return_all_hidden)
         bucket = self.graphs.bucket_for(inputs) if self.graphs is not None and not uses_lora else None
         width = self.model.config.hidden_size      # the rows' first columns; then any feature layers' (EAGLE-3)

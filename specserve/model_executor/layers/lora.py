@@ -38,6 +38,12 @@ class LoraRows:
     def clear(self) -> None:
         self.groups = []
 
+    def single_adapter(self) -> int | None:
+        """The one adapter every row of the step uses (0: no adapter rows); None when rows differ."""
+        if not self.groups:
+            return 0
+        return self.groups[0][0] if len(self.groups) == 1 and self.groups[0][1] is None else None
+
 
 class LoraWeights:
     """One linear layer's adapters, this rank's share: {adapter id: (A [r, in_local], B [out_local, r])}."""
@@ -45,6 +51,21 @@ class LoraWeights:
     def __init__(self, rows: LoraRows) -> None:
         self.rows = rows
         self.adapters: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._kernel_pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def remove(self, adapter_id: int) -> None:
+        self.adapters.pop(adapter_id, None)
+        self._kernel_pairs.pop(adapter_id, None)
+
+    def kernel_pair(self, adapter_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(A [r, in], B.T [r, out]) float32 contiguous, as the compiled CPU layers read them
+        (``quant_layer``); None where the adapter leaves this layer alone."""
+        if adapter_id not in self._kernel_pairs:
+            ab = self.adapters.get(adapter_id)
+            if ab is None:
+                return None
+            self._kernel_pairs[adapter_id] = (ab[0].float().contiguous(), ab[1].float().T.contiguous())
+        return self._kernel_pairs[adapter_id]
 
     def add_to(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """y [T, out_local] += each adapted row's B (A x), x [T, in_local]; returns y (changed in place)."""

@@ -3,7 +3,9 @@
 ``cpu_kernels/quant_layer.c`` runs, per layer and step, (1) the input norm, the
 fused q/k/v matmul and the rotary, and (2) the output projection, the residual
 add, the post-attention norm, gate/up, silu * up, down and the second residual
-add, each half in one OpenMP parallel region. Attention between them stays
+add, each half in one OpenMP parallel region; each matmul with the step's LoRA adapter, if
+any (``QuantizedLayerKernel.use_adapter``: one adapter a call, ``ModelRunner`` runs each
+adapter's rows as a forward of their own). Attention between them stays
 ``attention.paged_attention`` (the compiled kernel or SDPA, whatever serves the
 step). The PyTorch path does the same work in ~30 calls per layer, each paying
 dispatch and, for the matmuls, an OpenMP fork and join; at batch 1 on the
@@ -42,6 +44,11 @@ class _QMatrix(ctypes.Structure):
                 ("rows", ctypes.c_int64 * MAX_SEGMENTS), ("data", ctypes.c_void_p * MAX_SEGMENTS)]
 
 
+class _QLora(ctypes.Structure):
+    """quant_layer.c's qlora: a LoRA adapter on one matrix (a [rank, in], bt = B.T [rank, out])."""
+    _fields_ = [("rank", ctypes.c_int64), ("a", ctypes.c_void_p), ("bt", ctypes.c_void_p)]
+
+
 class _QLayer(ctypes.Structure):
     _fields_ = [("hidden", ctypes.c_int64), ("num_heads", ctypes.c_int64), ("num_kv_heads", ctypes.c_int64),
                 ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64), ("eps", ctypes.c_float),
@@ -51,7 +58,8 @@ class _QLayer(ctypes.Structure):
                 ("attn_out_norm", ctypes.c_void_p), ("mlp_out_norm", ctypes.c_void_p),
                 ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
                 ("qk_norm", ctypes.c_int32), ("activation", ctypes.c_int32), ("residual_scale", ctypes.c_float),
-                ("cos_table", ctypes.c_void_p), ("sin_table", ctypes.c_void_p), ("rotary_dim", ctypes.c_int64)]
+                ("cos_table", ctypes.c_void_p), ("sin_table", ctypes.c_void_p), ("rotary_dim", ctypes.c_int64),
+                ("lora_qkv", _QLora), ("lora_o", _QLora), ("lora_gate_up", _QLora), ("lora_down", _QLora)]
 
 _QK_NORM_KINDS = {None: 0, "head": 1, "all": 2}   # quant_layer.c's QK_NORM_*
 _ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}        # quant_layer.c's ACT_*
@@ -68,10 +76,10 @@ class _QAttention(ctypes.Structure):
 
 def _setup(lib: ctypes.CDLL) -> None:
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    sizes = (ctypes.c_int64 * 2)()
+    sizes = (ctypes.c_int64 * 3)()
     lib.specserve_qlayer_struct_sizes(sizes)
-    if (sizes[0], sizes[1]) != (ctypes.sizeof(_QMatrix), ctypes.sizeof(_QLayer)):
-        raise RuntimeError(f"quant_layer.c's structs ({sizes[0]}, {sizes[1]} bytes) differ from their ctypes mirror")
+    if tuple(sizes) != (ctypes.sizeof(_QMatrix), ctypes.sizeof(_QLayer), ctypes.sizeof(_QLora)):
+        raise RuntimeError(f"quant_layer.c's structs ({tuple(sizes)} bytes) differ from their ctypes mirror")
     lib.specserve_qlayer_attn_in.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, c_int]
     lib.specserve_qlayer_mlp.argtypes = [ptr, ptr, i64, ptr, i64, ptr, ptr, c_int]
     lib.specserve_qlayer_attn_in.restype = lib.specserve_qlayer_mlp.restype = c_int
@@ -140,6 +148,22 @@ class QuantizedLayerKernel:
         s.qkv, s.o, s.gate_up, s.down = (_qmatrix(m) for m in self._mats)
         self._ref = ctypes.byref(s)
         self.qkv_width = (attn.num_heads + 2 * attn.num_kv_heads) * attn.head_dim
+        self._linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]   # quant_layer.c's order
+        self.adapter = 0        # the LoRA adapter the struct points at (0: none)
+
+    def use_adapter(self, adapter_id: int) -> None:
+        """Point the layer's matrices at LoRA adapter ``adapter_id`` (its ``LoraWeights``' kernel form;
+        0: none) for the following calls."""
+        if adapter_id == self.adapter:
+            return
+        pairs = [lin.lora.kernel_pair(adapter_id) if adapter_id and lin.lora is not None else None
+                 for lin in self._linears]
+        s = self._struct
+        for name, pair in zip(("lora_qkv", "lora_o", "lora_gate_up", "lora_down"), pairs):
+            lora = getattr(s, name)
+            lora.rank = 0 if pair is None else pair[0].shape[0]
+            lora.a, lora.bt = (None, None) if pair is None else (pair[0].data_ptr(), pair[1].data_ptr())
+        self.adapter = adapter_id
 
     @staticmethod
     def for_layer(layer, eps: float, tp_world_size: int, rotary) -> "QuantizedLayerKernel | None":

@@ -271,10 +271,12 @@ class DecoderForCausalLM(nn.Module):
             lin["down"].set_lora(adapter_id, get("down_proj"), dtype, device)
 
     def remove_lora(self, adapter_id: int) -> None:
+        for kernel in self.layer_kernels or []:
+            kernel.use_adapter(0)           # never left pointing into a dropped adapter
         for layer in self.layers:
             for linear in self._linears(layer).values():
                 if linear.lora is not None:
-                    linear.lora.adapters.pop(adapter_id, None)
+                    linear.lora.remove(adapter_id)
 
     def forward(
         self,
@@ -285,8 +287,11 @@ class DecoderForCausalLM(nn.Module):
     ) -> torch.Tensor:             # [T, hidden] after the final norm (then the feature layers' inputs)
         x = self.embed(input_ids)
         features: list[torch.Tensor] = []
-        lora_step = self.lora_rows is not None and self.lora_rows.active   # the compiled layers have no LoRA
-        if self.layer_kernels is not None and x.device.type == "cpu" and not lora_step:
+        # the compiled layers take one LoRA adapter a call (ModelRunner gives each adapter's rows a forward)
+        adapter = self.lora_rows.single_adapter() if self.lora_rows is not None else 0
+        if self.layer_kernels is not None and x.device.type == "cpu" and adapter is not None:
+            for kernel in self.layer_kernels:
+                kernel.use_adapter(adapter)
             x = self._forward_layer_kernels(x, positions, kv_caches, meta, features)
         else:
             if positions.device.type == "cpu":   # elsewhere the check would wait for the device

@@ -9,6 +9,9 @@
  *                              gu = h @ Wgate_up.T ; a = act(gate) * up ;
  *                              h = [out_norm](a @ Wdown.T) ; x += h * rs
  *
+ * Each matmul may carry a LoRA adapter (``qlora``, set per step by Python for the step's one
+ * adapter): its rows gain B (A in), added right after the matmul, before anything reads it.
+ *
  * The bracketed parts are the family's (models/decoder_spec.py), set per layer in ``qlayer``:
  * a NULL norm is absent, act is silu or GELU-tanh, rs the residual scale (Granite; 1 adds
  * without a multiply), each layer its own rotary tables (Gemma 3's local and global layers).
@@ -30,6 +33,7 @@
  * product and the sum rounded once); the norm and silu are this file's own.
  */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "quant_blocks.h"
@@ -41,6 +45,14 @@ typedef struct {
     int64_t rows[4];
     const uint8_t *data[4];
 } qmatrix;
+
+/* A LoRA adapter on one matrix: out[t] += bt.T (a in[t]); a [rank, in], bt [rank, out] (B
+ * transposed, so the update runs along contiguous rows); rank 0: none. */
+typedef struct {
+    int64_t rank;
+    const float *a, *bt;
+} qlora;
+
 
 enum { QK_NORM_NONE = 0, QK_NORM_HEAD = 1, QK_NORM_ALL = 2 };
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
@@ -63,11 +75,13 @@ typedef struct {
     float residual_scale;
     const float *cos_table, *sin_table;  /* [max_positions, rotary_dim / 2], or NULL: no rotary */
     int64_t rotary_dim;
+    qlora lora_qkv, lora_o, lora_gate_up, lora_down; /* the step's adapter on each matrix */
 } qlayer;
 
 int specserve_qlayer_struct_sizes(int64_t *sizes) { /* the Python side checks its mirror */
     sizes[0] = (int64_t)sizeof(qmatrix);
     sizes[1] = (int64_t)sizeof(qlayer);
+    sizes[2] = (int64_t)sizeof(qlora);
     return 0;
 }
 
@@ -84,6 +98,51 @@ static int qmatrix_gemm(const qmatrix *m, const float *x, int64_t ldx, int64_t r
         col += m->rows[s];
     }
     return status;
+}
+
+/* out[t] += lora's B (A in[t]) for every row t, shared out over the team: first the low-rank
+ * products low[t, r] = a[r] . in[t], then each output element adds low[t, r] * bt[r, o] over r in
+ * order (one row's numbers never depend on another's: row-invariant). in [T, in] (row stride ldx),
+ * out [T, out] (row stride ldo), low [T, rank] scratch shared by the team. */
+#define QLORA_COLUMNS 64
+static void lora_add(const qlora *l, const float *x, int64_t ldx, int64_t T, int64_t in, float *out,
+                     int64_t ldo, int64_t n_out, float *low) {
+    const int64_t R = l->rank, blocks = (n_out + QLORA_COLUMNS - 1) / QLORA_COLUMNS;
+    if (R == 0) return;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < T * R; i++) {
+        const float *ar = l->a + (i % R) * in, *xt = x + (i / R) * ldx;
+        float lanes[8] = {0}; /* 8 fixed partial sums (vectorized), added in a fixed order */
+        int64_t j = 0;
+        for (; j + 8 <= in; j += 8)
+            for (int k = 0; k < 8; k++) lanes[k] += ar[j + k] * xt[j + k];
+        float sum = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+        for (; j < in; j++) sum += ar[j] * xt[j];
+        low[i] = sum;
+    }
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < T * blocks; i++) {
+        const int64_t t = i / blocks, o0 = (i % blocks) * QLORA_COLUMNS;
+        const int64_t o1 = o0 + QLORA_COLUMNS < n_out ? o0 + QLORA_COLUMNS : n_out;
+        float *ot = out + t * ldo;
+        for (int64_t r = 0; r < R; r++) {
+            const float c = low[t * R + r], *br = l->bt + r * n_out;
+            for (int64_t o = o0; o < o1; o++) ot[o] += c * br[o];
+        }
+    }
+}
+
+/* The low-rank scratch for a call's adapters ([T, largest rank]); NULL without one (or on failure,
+ * told apart by *failed). */
+static float *lora_scratch(const qlayer *L, int64_t T, int *failed) {
+    int64_t R = L->lora_qkv.rank;
+    if (L->lora_o.rank > R) R = L->lora_o.rank;
+    if (L->lora_gate_up.rank > R) R = L->lora_gate_up.rank;
+    if (L->lora_down.rank > R) R = L->lora_down.rank;
+    if (R == 0) return NULL;
+    float *low = (float *)malloc((size_t)(T * R) * sizeof(float));
+    *failed = low == NULL;
+    return low;
 }
 
 static inline void rms_norm_row(const float *x, const float *w, int64_t n, float eps, float *y) {
@@ -106,7 +165,9 @@ int specserve_qlayer_attn_in(const qlayer *L, const float *x, int64_t T, const i
     const int64_t n_qkv = (L->num_heads + 2 * L->num_kv_heads) * hd, n_rot = L->num_heads + L->num_kv_heads;
     const int64_t q_width = L->num_heads * hd, k_width = L->num_kv_heads * hd;
     if (num_threads < 1) num_threads = 1;
-    int status = 0;
+    int status = 0, failed = 0;
+    float *low = lora_scratch(L, T, &failed); /* [T, largest LoRA rank], or NULL */
+    if (failed) return -3;
 #pragma omp parallel num_threads(num_threads) reduction(| : status)
     {
         const float *in = x;
@@ -116,6 +177,7 @@ int specserve_qlayer_attn_in(const qlayer *L, const float *x, int64_t T, const i
             in = h;
         }
         status |= qmatrix_gemm(&L->qkv, in, H, T, H, L->qkv_bias, qkv, n_qkv);
+        lora_add(&L->lora_qkv, in, H, T, H, qkv, n_qkv, n_qkv, low);
         if (L->qk_norm == QK_NORM_HEAD) {
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < T * n_rot; i++) {
@@ -145,6 +207,7 @@ int specserve_qlayer_attn_in(const qlayer *L, const float *x, int64_t T, const i
             }
         }
     }
+    free(low);
     return status;
 }
 
@@ -165,10 +228,13 @@ int specserve_qlayer_mlp(const qlayer *L, float *x, int64_t T, const float *attn
                          float *gu, int num_threads) {
     const int64_t H = L->hidden, I = L->intermediate, A = L->num_heads * L->head_dim;
     if (num_threads < 1) num_threads = 1;
-    int status = 0;
+    int status = 0, failed = 0;
+    float *low = lora_scratch(L, T, &failed); /* [T, largest LoRA rank], or NULL */
+    if (failed) return -3;
 #pragma omp parallel num_threads(num_threads) reduction(| : status)
     {
         status |= qmatrix_gemm(&L->o, attn, ld_attn, T, A, NULL, h, H);
+        lora_add(&L->lora_o, attn, ld_attn, T, A, h, H, H, low);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++) {
             float *xt = x + t * H, *ht = h + t * H;
@@ -177,6 +243,7 @@ int specserve_qlayer_mlp(const qlayer *L, float *x, int64_t T, const float *attn
             else memcpy(ht, xt, (size_t)H * sizeof(float));
         }
         status |= qmatrix_gemm(&L->gate_up, h, H, T, H, NULL, gu, 2 * I);
+        lora_add(&L->lora_gate_up, h, H, T, H, gu, 2 * I, 2 * I, low);
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < T * I; i++) { /* act(gate) * up, into gate's place */
             float *g = gu + (i / I) * 2 * I + i % I;
@@ -185,9 +252,11 @@ int specserve_qlayer_mlp(const qlayer *L, float *x, int64_t T, const float *attn
             *g = a * g[I];
         }
         status |= qmatrix_gemm(&L->down, gu, 2 * I, T, I, NULL, h, H);
+        lora_add(&L->lora_down, gu, 2 * I, T, I, h, H, H, low);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++) add_branch(L, x + t * H, h + t * H, L->mlp_out_norm);
     }
+    free(low);
     return status;
 }
 
