@@ -266,3 +266,39 @@ def _write_tokenizer(writer: GGUFWriter, path: str) -> None:
             writer.add_key_value(key, value, GGUFValueType.ARRAY, GGUFValueType.FLOAT32)
         else:
             writer.add_key_value(key, value, GGUFValueType.ARRAY, GGUFValueType.INT32)
+
+
+def write_lora_gguf(adapter_dir: str, config, path, arch: str | None = None,
+                    qtype: GGMLQuantizationType = F32) -> str:
+    """A PEFT adapter folder as llama.cpp's ``convert_lora_to_gguf.py`` writes it: ``general.type``
+    "adapter", ``adapter.type`` "lora", ``adapter.lora.alpha``, and per adapted matrix the gguf-py
+    name + ``.weight.lora_a`` [r, in] and ``.lora_b`` [out, r], lora_b's rows permuted for q and k
+    where the model's are (``LlamaModel.permute``)."""
+    import json
+    import os
+    import re
+
+    from safetensors.torch import load_file
+
+    arch = arch or GGUF_ARCH[config.model_type]
+    with open(os.path.join(adapter_dir, "adapter_config.json"), encoding="utf-8") as f:
+        alpha = float(json.load(f)["lora_alpha"])
+    names = get_tensor_name_map(_MODEL_ARCH[arch], config.num_hidden_layers)
+    writer = GGUFWriter(str(path), arch)
+    writer.add_type("adapter")
+    writer.add_string("adapter.type", "lora")
+    writer.add_float32("adapter.lora.alpha", alpha)
+    for key, tensor in sorted(load_file(os.path.join(adapter_dir, "adapter_model.safetensors")).items()):
+        m = re.search(r"(model\.layers\.\d+\.\w+\.\w+)\.lora_([AB])\.weight$", key)
+        data = tensor.float().numpy().copy()
+        if m[2] == "B" and arch in _PERMUTED and ".q_proj" in m[1]:
+            data = _permute(data, config.num_attention_heads)
+        if m[2] == "B" and arch in _PERMUTED and ".k_proj" in m[1]:
+            data = _permute(data, config.num_key_value_heads)
+        name = names.get_name(m[1] + ".weight", try_suffixes=(".weight",)) + ".lora_" + m[2].lower()   # blk.N.attn_q.weight
+        writer.add_tensor(name, quantize(data, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)

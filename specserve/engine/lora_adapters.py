@@ -1,7 +1,8 @@
 """The LoRA adapters loaded into the target, by id (vLLM's ``enable_lora``).
 
-An adapter is read and checked when a request first names it (``lora.peft_adapter``: a bad
-folder is that request's ValueError, before any work), then added to every adapted projection
+An adapter is read and checked when a request first names it (a PEFT folder: ``lora.peft_adapter``;
+a llama.cpp LoRA file: ``model_executor.gguf_lora``; a bad one is that request's ValueError, before
+any work), then added to every adapted projection
 of the target (``ModelRunner.add_lora``; on every rank under tensor parallelism). It stays loaded
 while requests use it; beyond ``max_cpu_loras`` loaded adapters, the least recently used one that
 no request uses is dropped. How many adapters run in one step is the scheduler's ``max_loras``.
@@ -13,12 +14,21 @@ what the base draft guesses of the adapted target.
 from __future__ import annotations
 
 import logging
+import os
 from collections import OrderedDict
 
-from specserve.lora.peft_adapter import load_peft_adapter
+from specserve.lora.peft_adapter import LoraAdapter, load_peft_adapter
 from specserve.lora.request import LoRARequest
+from specserve.model_executor.gguf_lora import load_gguf_adapter
 
 logger = logging.getLogger(__name__)
+
+
+def read_adapter(path: str, hf_config, max_lora_rank: int) -> LoraAdapter:
+    """A PEFT adapter folder, or llama.cpp's LoRA file (.gguf), checked against the model."""
+    if path.endswith(".gguf") and os.path.isfile(path):
+        return load_gguf_adapter(path, hf_config, max_lora_rank)
+    return load_peft_adapter(path, hf_config, max_lora_rank)
 
 
 class LoraAdapters:
@@ -43,7 +53,7 @@ class LoraAdapters:
                                  f"{lora_request.lora_path!r}: give each adapter its own lora_int_id")
             self.loaded.move_to_end(adapter_id)
             return adapter_id
-        adapter = load_peft_adapter(lora_request.lora_path, self.hf_config, self.max_lora_rank)
+        adapter = read_adapter(lora_request.lora_path, self.hf_config, self.max_lora_rank)
         idle = [i for i in self.loaded if i not in in_use]
         while idle and len(self.loaded) >= self.max_cpu_loras:
             self.remove(idle.pop(0))

@@ -68,6 +68,23 @@ def expected_shapes(config) -> dict[str, tuple[int, int]]:
             "qkv_proj": (q + 2 * kv, hidden), "gate_up_proj": (2 * inter, hidden)}
 
 
+def check_pair(path: str, layer: int, proj: str, a: torch.Tensor, b: torch.Tensor, shapes: dict,
+               max_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One projection's (A [r, in], B [out, r]) as float32, checked against the model's shapes
+    (``expected_shapes``) and the rank limit."""
+    a, b = a.float().contiguous(), b.float()
+    rank = a.shape[0]
+    out, inp = shapes[proj]
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != inp or tuple(b.shape) != (out, rank):
+        raise LoraAdapterError(f"LoRA adapter {path!r}: layer {layer} {proj} has A {tuple(a.shape)} and B "
+                               f"{tuple(b.shape)}; this model needs A [r, {inp}] and B [{out}, r] "
+                               f"(an adapter for another model?)")
+    if rank > max_lora_rank:
+        raise LoraAdapterError(f"LoRA adapter {path!r} has rank {rank} (layer {layer} {proj}), above "
+                               f"max_lora_rank {max_lora_rank}")
+    return a, b
+
+
 def _pattern_value(patterns: dict, module: str, default):
     """PEFT's rule for rank_pattern / alpha_pattern: the first key that matches the end of the module's name."""
     for pattern, value in (patterns or {}).items():
@@ -79,7 +96,7 @@ def _pattern_value(patterns: dict, module: str, default):
 def read_adapter_config(path: str) -> dict:
     file = os.path.join(path, "adapter_config.json")
     if not os.path.isdir(path):
-        raise LoraAdapterError(f"LoRA adapter {path!r} is not a folder")
+        raise LoraAdapterError(f"LoRA adapter {path!r} is neither a PEFT adapter folder nor a llama.cpp .gguf file")
     if not os.path.isfile(file):
         raise LoraAdapterError(f"LoRA adapter {path!r} has no adapter_config.json (is it a PEFT adapter folder?)")
     try:
@@ -136,24 +153,13 @@ def load_peft_adapter(path: str, config, max_lora_rank: int) -> LoraAdapter:
     if not pairs:
         raise LoraAdapterError(f"LoRA adapter {path!r} holds no LoRA weights")
     modules: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
-    top_rank = 0
     for (layer, proj), ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
             raise LoraAdapterError(f"LoRA adapter {path!r}: layer {layer} {proj} has lora_{''.join(ab)} only")
-        a, b = ab["A"].float(), ab["B"].float()
-        rank = a.shape[0]
-        out, inp = shapes[proj]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != inp or b.shape != (out, rank):
-            raise LoraAdapterError(f"LoRA adapter {path!r}: layer {layer} {proj} has A {tuple(a.shape)} and B "
-                                   f"{tuple(b.shape)}; this model needs A [r, {inp}] and B [{out}, r] "
-                                   f"(an adapter for another model?)")
-        if rank > max_lora_rank:
-            raise LoraAdapterError(f"LoRA adapter {path!r} has rank {rank} (layer {layer} {proj}), above "
-                                   f"max_lora_rank {max_lora_rank}")
+        a, b = check_pair(path, layer, proj, ab["A"], ab["B"], shapes, max_lora_rank)
         module = names[(layer, proj)]
-        r = _pattern_value(cfg.get("rank_pattern"), module, cfg.get("r", rank))
+        r = _pattern_value(cfg.get("rank_pattern"), module, cfg.get("r", a.shape[0]))
         alpha = _pattern_value(cfg.get("alpha_pattern"), module, cfg.get("lora_alpha", r))
         scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
-        modules[(layer, proj)] = (a.contiguous(), (b * scale).contiguous())
-        top_rank = max(top_rank, rank)
-    return LoraAdapter(path, top_rank, modules)
+        modules[(layer, proj)] = (a, (b * scale).contiguous())
+    return LoraAdapter(path, max(a.shape[0] for a, _ in modules.values()), modules)

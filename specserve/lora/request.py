@@ -11,7 +11,8 @@ class LoRARequest:
 
     ``lora_int_id`` is the adapter's identity in the engine (positive; two requests with the same id
     share one loaded copy and their cached prefixes); ``lora_path`` is a PEFT adapter folder
-    (adapter_config.json and adapter_model.safetensors, or adapter_model.bin).
+    (adapter_config.json and adapter_model.safetensors, or adapter_model.bin) or a llama.cpp LoRA
+    file (.gguf, as its convert_lora_to_gguf.py writes).
     """
 
     lora_name: str

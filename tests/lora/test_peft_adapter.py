@@ -125,7 +125,7 @@ def test_weights_that_do_not_fit_are_refused(tmp_path, patterned, config, tensor
 def test_rank_limit_and_missing_files(tmp_path, patterned, config):
     with pytest.raises(LoraAdapterError, match="rank 8 .* above max_lora_rank 4"):
         load_peft_adapter(patterned, config, 4)
-    with pytest.raises(LoraAdapterError, match="not a folder"):
+    with pytest.raises(LoraAdapterError, match="neither a PEFT adapter folder nor"):
         load_peft_adapter(str(tmp_path / "nowhere"), config, 16)
     with pytest.raises(LoraAdapterError, match="no adapter_config.json"):
         load_peft_adapter(str(tmp_path), config, 16)
