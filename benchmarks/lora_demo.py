@@ -12,7 +12,9 @@ that specserve's answers with it are transformers + PEFT's, and what speculation
    without the adapter; then, on the GGUF blocks as users run them, plain against n-gram, the
    shipped draft model and the shipped EAGLE head, each with the adapter: equal tokens, acceptance,
    and tokens/s side by side (configurations interleaved per prompt).
-Writes ``--results`` (JSON) with every figure.
+Writes ``--results`` (JSON) with every figure. ``--gguf FILE`` also writes the adapter as llama.cpp's
+LoRA file with llama.cpp's own converter (``--llama-cpp-src``: the peer build's source), for
+``specserve bench lora --lora FILE`` (against ``llama-server --lora``).
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ import json
 import os
 import platform
 import subprocess
+import sys
+import tempfile
 import time
 
 import torch
@@ -162,6 +166,22 @@ def check(out: str, max_tokens: int) -> dict:
     return result
 
 
+def write_gguf(out: str, gguf_path: str, llama_cpp_src: str) -> None:
+    """The adapter in ``out`` as llama.cpp's LoRA file, by llama.cpp's convert_lora_to_gguf.py (its
+    ``--base``: the default model's config and tokenizer, saved from specserve's reading of the file)."""
+    from specserve.model_executor.loader import load_model
+
+    base = load_model(None, torch.float32, load_weights=False)
+    with tempfile.TemporaryDirectory() as folder:
+        base.config.save_pretrained(folder)
+        base.tokenizer.save_pretrained(folder)
+        env = {**os.environ, "PYTHONPATH": os.path.join(llama_cpp_src, "gguf-py")}
+        done = subprocess.run([sys.executable, os.path.join(llama_cpp_src, "convert_lora_to_gguf.py"), "--base", folder,
+                               "--outtype", "f32", "--outfile", gguf_path, out], env=env, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"convert_lora_to_gguf.py failed:\n{done.stderr[-4000:]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="the adapter's folder (written)")
@@ -170,6 +190,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--skip-training", action="store_true", help="check an adapter already in --out")
     ap.add_argument("--results", default=None, help="JSON file for the figures (default: print only)")
+    ap.add_argument("--gguf", default=None, metavar="FILE", help="also write the adapter as llama.cpp's LoRA file")
+    ap.add_argument("--llama-cpp-src", default=os.path.expanduser("~/.cache/specserve-peers/llama.cpp/src"),
+                    help="llama.cpp's source (its convert_lora_to_gguf.py), for --gguf")
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     result = {"command": "python benchmarks/lora_demo.py " + " ".join(f"--{k.replace('_', '-')} {v}"
@@ -180,6 +203,8 @@ def main() -> None:
                                        text=True).stdout.strip()}
     if not args.skip_training:
         result["training"] = train(args.out, args.steps, args.seed)
+    if args.gguf:
+        write_gguf(args.out, args.gguf, args.llama_cpp_src)
     result.update(check(args.out, args.max_tokens))
     print(json.dumps(result, indent=1))
     if args.results:

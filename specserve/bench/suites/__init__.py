@@ -35,6 +35,8 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
           "specserve bench llama-bench"),
     Suite("llama-server", "llama_server", "Chat answers against llama.cpp's llama-server",
           "specserve bench llama-server"),
+    Suite("lora", "llama_server", "LoRA adapters: chat answers with one adapter against llama-server --lora, same "
+          "GGUF file and adapter file", "specserve bench lora --lora ADAPTER.gguf"),
     Suite("real-pair", "real_pair", "A real target and draft: specserve against llama.cpp's speculative decoding",
           "specserve bench real-pair"),
     Suite("prefix-cache", "prefix_cache", "Prefix caching: time to the first tokens of a resent conversation",
