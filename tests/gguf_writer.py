@@ -67,11 +67,7 @@ def write_gguf(model, path, tokenizer_gguf: str | None, qtype: GGMLQuantizationT
         _write_tokenizer(writer, tokenizer_gguf)
     for name, data, stored in _tensors(model, arch, qtype):
         writer.add_tensor(name, quantize(data, stored), raw_dtype=stored)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return str(path)
+    return _finish(writer, path)
 
 
 def dequantized_copy(model, qtype: GGMLQuantizationType):
@@ -216,6 +212,15 @@ def _extra_tensors(config, arch: str) -> list[tuple[str, np.ndarray]]:
     return []
 
 
+def _finish(writer: GGUFWriter, path) -> str:
+    """Header, metadata and tensors to the file; its path as a string."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """LlamaModel.permute: each head's rows from "rotate half" order to interleaved pairs."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -297,8 +302,4 @@ def write_lora_gguf(adapter_dir: str, config, path, arch: str | None = None,
             data = _permute(data, config.num_key_value_heads)
         name = names.get_name(m[1] + ".weight", try_suffixes=(".weight",)) + ".lora_" + m[2].lower()   # blk.N.attn_q.weight
         writer.add_tensor(name, quantize(data, qtype), raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return str(path)
+    return _finish(writer, path)

@@ -181,6 +181,18 @@ def _q8_0_state(hf) -> dict:
     return state
 
 
+def _tiny_q8_0(family: str):
+    """A tiny random model of ``family``: its config and its tensors with the layer matrices as Q8_0 (skips
+    where the kernels did not build)."""
+    from model_families import tiny_model
+
+    if not quant_gemm.available() or not cpu_attention.usable("cpu", torch.float32):
+        pytest.skip("the quantized matmul or the attention kernel did not build")
+    hf = tiny_model(family)
+    hf.config.architectures = [type(hf).__name__]
+    return hf.config, _q8_0_state(hf)
+
+
 @pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3", "mistral", "gemma3", "gemma2", "phi3", "granite",
                                     "olmo2", "smollm3"])
 def test_every_family_through_the_compiled_layers(family):
@@ -189,14 +201,7 @@ def test_every_family_through_the_compiled_layers(family):
     rotary, per-layer rotary tables and windows): logits close to the PyTorch path over the same
     Q8_0 weights; and a verified draft chain, batched with another request, gets exactly the bits
     of decoding alone (what lossless greedy speculation rests on)."""
-    from model_families import tiny_model
-
-    if not quant_gemm.available() or not cpu_attention.usable("cpu", torch.float32):
-        pytest.skip("the quantized matmul or the attention kernel did not build")
-    hf = tiny_model(family)
-    config = hf.config
-    config.architectures = [type(hf).__name__]
-    state = _q8_0_state(hf)
+    config, state = _tiny_q8_0(family)
     runner = ModelRunner(config, state, torch.float16, torch.device("cpu"), 256, 16)
     runner.allocate_kv_cache(16)
     assert runner.model.layer_kernels is not None and runner.model.layer_stack is not None
@@ -227,15 +232,9 @@ def test_lora_adapters_through_the_compiled_layers(family):
     to the PyTorch path with the same adapters; rows of two adapters and of none in one step get
     exactly the bits of their own steps (one forward per adapter); a verified chain with an adapter
     gets the bits of decoding alone with it."""
-    from model_families import tiny_model
     from specserve.lora.peft_adapter import expected_shapes
 
-    if not quant_gemm.available() or not cpu_attention.usable("cpu", torch.float32):
-        pytest.skip("the quantized matmul or the attention kernel did not build")
-    hf = tiny_model(family)
-    config = hf.config
-    config.architectures = [type(hf).__name__]
-    state = _q8_0_state(hf)
+    config, state = _tiny_q8_0(family)
     g = torch.Generator().manual_seed(5)
     names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj") if family == "phi3" else \
         ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
