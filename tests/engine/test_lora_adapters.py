@@ -41,7 +41,8 @@ def lora(adapters, name: str) -> LoRARequest:
 
 def make_llm(model_dir, **kw) -> LLM:
     kw.setdefault("max_loras", 2)
-    return LLM(model_dir, dtype="float32", max_model_len=256, kv_cache_memory=1 << 24, enable_lora=True, **kw)
+    kw.setdefault("kv_cache_memory", 1 << 24)
+    return LLM(model_dir, dtype="float32", max_model_len=256, enable_lora=True, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -170,3 +171,29 @@ def test_bad_adapters_are_refused_before_any_work(llm, peaked_llama_dir, tiny_ll
     assert os.path.isdir(adapters["attn_mlp"])
     # the engine still serves
     assert tokens(llm.generate(PROMPTS[0], GREEDY))[0]
+
+
+def test_preempted_adapter_requests_come_back_with_their_adapter(peaked_llama_dir, adapters):
+    """A pool too small for the batch: requests of two adapters and of none are preempted and
+    computed again (from cached blocks of their own adapter); greedy and seeded outputs equal a
+    roomy engine's."""
+    prompts = [("You are a careful assistant. " * 3) + q for q in PROMPTS] * 2
+    loras = [lora(adapters, "attn_mlp"), lora(adapters, "all"), None] * 2
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=40, ignore_eos=True)] * 3
+    want = tokens(make_llm(peaked_llama_dir).generate(prompts, params, lora_request=loras))
+    roomy_block = make_llm(peaked_llama_dir).engine.runner.bytes_per_block
+    small = make_llm(peaked_llama_dir, kv_cache_memory=16 * roomy_block, max_loras=3)
+    outs = small.generate(prompts, params, lora_request=loras)
+    assert tokens(outs) == want
+    assert sum(o.metrics["num_preemptions"] for o in outs) > 0
+
+
+def test_an_adapter_in_use_is_not_removed(llm, adapters):
+    a = lora(adapters, "attn_mlp")
+    llm.engine.add_request(PROMPTS[0], SamplingParams(max_tokens=4), lora_request=a)
+    with pytest.raises(ValueError, match="in use"):
+        llm.engine.remove_lora(a.lora_int_id)
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert llm.engine.remove_lora(a.lora_int_id)
