@@ -262,3 +262,27 @@ def test_default_model_greedy_speculative_output_is_plain_output_on_the_gpu(defa
     llm = LLM(device=DEVICE, dtype="float32", **KW, speculative_config=spec)
     assert tokens(llm.generate(chat_prompts, GREEDY)) == ref
     assert llm.get_spec_decode_stats().num_accepted_tokens > 0
+
+
+def test_lora_adapters_on_the_gpu(tiny_pair, tiny_eagle, prompts, tmp_path_factory):
+    """A LoRA adapter's steps run eagerly beside graphed base steps: base requests' tokens are the
+    eager engine's, adapter requests' the CPU's (float32), and speculation with the adapter is plain
+    decoding with it."""
+    from lora_adapters import write_peft_adapter
+    from specserve import LoRARequest
+
+    target = tiny_pair[0]
+    adapter = LoRARequest("a", 1, write_peft_adapter(target, str(tmp_path_factory.mktemp("cuda-lora")), seed=1))
+    loras = [adapter, None, adapter, None, None]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    cpu = tokens(LLM(model=target, device="cpu", dtype="float32", **KW, enable_lora=True).generate(
+        prompts, params, lora_request=loras))
+    eager = tokens(LLM(model=target, device=DEVICE, dtype="float32", **KW, enforce_eager=True).generate(prompts, params))
+    graphed = LLM(model=target, device=DEVICE, dtype="float32", **KW, enable_lora=True)
+    got = tokens(graphed.generate(prompts, params, lora_request=loras))
+    assert [got[i] for i in (1, 3, 4)] == [eager[i] for i in (1, 3, 4)]
+    assert [got[i] for i in (0, 2)] == [cpu[i] for i in (0, 2)] and got[0] != eager[0]
+    for proposer in ("ngram", "eagle"):
+        spec = LLM(model=target, device=DEVICE, dtype="float32", **KW, enable_lora=True,
+                   speculative_config=PROPOSERS[proposer](tiny_pair, tiny_eagle))
+        assert tokens(spec.generate(prompts, params, lora_request=loras)) == got, proposer
