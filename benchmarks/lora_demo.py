@@ -146,9 +146,9 @@ def check(out: str, max_tokens: int) -> dict:
         for name, llm in engines.items():
             for which, lora in (("adapter", adapter), ("base", None)):
                 started = time.perf_counter()
-                out = llm.chat([p], greedy, lora_request=lora)[0]
+                answer = llm.chat([p], greedy, lora_request=lora)[0]
                 timings[name][which] += time.perf_counter() - started
-                tokens[name].setdefault(which, []).append(out.outputs[0].token_ids)
+                tokens[name].setdefault(which, []).append(answer.outputs[0].token_ids)
     speed = {}
     for name, llm in engines.items():
         stats = llm.get_spec_decode_stats()
@@ -163,7 +163,28 @@ def check(out: str, max_tokens: int) -> dict:
     for name in configs:
         speed[name]["vs_plain_with_adapter"] = speed[name]["tok_s_adapter"] / speed["plain"]["tok_s_adapter"]
     result["speed"] = speed
+    result["batch_of_8"] = batch_of_8(out, prompts, greedy)
     return result
+
+
+def batch_of_8(out: str, prompts: list, greedy) -> dict:
+    """Throughput of 8 requests at once: all on the base model, all with the adapter, and each pair with
+    another adapter id (4 adapters in every step; the same matrices under 4 ids), interleaved 3 times."""
+    llm = LLM(max_model_len=512, enable_lora=True, max_loras=4, max_cpu_loras=4)
+    batch = prompts[:8]
+    setups = {"base": [None] * 8, "one adapter": [LoRARequest("caps", 1, out)] * 8,
+              "four adapters": [LoRARequest(f"caps{i % 4}", 1 + i % 4, out) for i in range(8)]}
+    seconds, tokens, outputs = dict.fromkeys(setups, 0.0), dict.fromkeys(setups, 0), {}
+    llm.chat(batch, greedy, lora_request=setups["four adapters"])      # warm-up, every adapter loaded
+    for _ in range(3):
+        for name, loras in setups.items():
+            started = time.perf_counter()
+            outs = llm.chat(batch, greedy, lora_request=loras)
+            seconds[name] += time.perf_counter() - started
+            tokens[name] += sum(len(o.outputs[0].token_ids) for o in outs)
+            outputs[name] = [o.outputs[0].token_ids for o in outs]
+    return {"tok_s": {name: tokens[name] / seconds[name] for name in setups},
+            "four_adapters_equal_one": outputs["four adapters"] == outputs["one adapter"]}
 
 
 def write_gguf(out: str, gguf_path: str, llama_cpp_src: str) -> None:

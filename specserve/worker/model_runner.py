@@ -144,30 +144,6 @@ class ModelRunner:
         cache is allocated, so CUDA graphs capture the wider output."""
         self.model.set_feature_layers(layers)
 
-    def _execute_apart(self, inputs: list[ForwardInput], return_all_hidden: bool) -> ForwardOutput:
-        """A CPU step of rows of several LoRA adapters (none counting as one) as one forward per adapter:
-        the compiled layer stack takes one adapter a call. Each row gets the bits it gets in any batch,
-        so an adapter in the step never changes another request's output. Outputs in ``inputs``' order."""
-        ids = sorted({inp.lora_id for inp in inputs})
-        groups = [[i for i, inp in enumerate(inputs) if inp.lora_id == a] for a in ids]
-        outs = [self.execute([inputs[i] for i in group], return_all_hidden) for group in groups]
-        where: dict[int, tuple[int, int, int]] = {}          # input -> (group, first logit row, first token row)
-        for g, group in enumerate(groups):
-            logit_row = token_row = 0
-            for i in group:
-                where[i] = (g, logit_row, token_row)
-                logit_row += inputs[i].num_logits
-                token_row += len(inputs[i].token_ids)
-        logits, hidden, every = [], [], []
-        for i, inp in enumerate(inputs):
-            g, lr, tr = where[i]
-            logits.append(outs[g].logits[lr : lr + inp.num_logits])
-            hidden.append(outs[g].hidden[lr : lr + inp.num_logits])
-            if return_all_hidden:
-                every.append(outs[g].all_hidden[tr : tr + len(inp.token_ids)])
-        return ForwardOutput(logits=torch.cat(logits), hidden=torch.cat(hidden),
-                             all_hidden=torch.cat(every) if return_all_hidden else None)
-
     @torch.inference_mode()
     def copy_kv_slots(self, src: list[int], dst: list[int]) -> None:
         """K/V of cache slot src[i] -> slot dst[i], in every layer (all sources read first).
@@ -182,8 +158,6 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inputs: list[ForwardInput], return_all_hidden: bool = False) -> ForwardOutput:
         uses_lora = any(i.lora_id for i in inputs)   # such steps run eagerly (the graphs hold no adapters)
-        if uses_lora and len({i.lora_id for i in inputs}) > 1 and getattr(self.model, "layer_kernels", None) is not None:
-            return self._execute_apart(inputs, return_all_hidden)
         bucket = self.graphs.bucket_for(inputs) if self.graphs is not None and not uses_lora else None
         width = self.model.config.hidden_size      # the rows' first columns; then any feature layers' (EAGLE-3)
         if bucket is not None:

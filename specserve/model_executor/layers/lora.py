@@ -21,6 +21,7 @@ class LoraRows:
     def __init__(self) -> None:
         # (adapter id, row indices [R] long on the model's device, or None for every row)
         self.groups: list[tuple[int, torch.Tensor | None]] = []
+        self.row_adapters: list[int] = []    # each row's adapter id (0: none), as set
 
     @property
     def active(self) -> bool:
@@ -28,6 +29,7 @@ class LoraRows:
 
     def set(self, row_adapters: list[int], device: torch.device) -> None:
         """``row_adapters``: each row's adapter id (0: none)."""
+        self.row_adapters = list(row_adapters)
         ids = sorted(set(row_adapters) - {0})
         if len(ids) == 1 and all(a == ids[0] for a in row_adapters):
             self.groups = [(ids[0], None)]
@@ -37,12 +39,7 @@ class LoraRows:
 
     def clear(self) -> None:
         self.groups = []
-
-    def single_adapter(self) -> int | None:
-        """The one adapter every row of the step uses (0: no adapter rows); None when rows differ."""
-        if not self.groups:
-            return 0
-        return self.groups[0][0] if len(self.groups) == 1 and self.groups[0][1] is None else None
+        self.row_adapters = []
 
 
 class LoraWeights:

@@ -3,9 +3,8 @@
 ``cpu_kernels/quant_layer.c`` runs, per layer and step, (1) the input norm, the
 fused q/k/v matmul and the rotary, and (2) the output projection, the residual
 add, the post-attention norm, gate/up, silu * up, down and the second residual
-add, each half in one OpenMP parallel region; each matmul with the step's LoRA adapter, if
-any (``QuantizedLayerKernel.use_adapter``: one adapter a call, ``ModelRunner`` runs each
-adapter's rows as a forward of their own). Attention between them stays
+add, each half in one OpenMP parallel region; each row's matmuls with its LoRA adapter, if
+any (``QuantizedLayerKernel.use_adapters``: rows of several adapters, and of none, in one call). Attention between them stays
 ``attention.paged_attention`` (the compiled kernel or SDPA, whatever serves the
 step). The PyTorch path does the same work in ~30 calls per layer, each paying
 dispatch and, for the matmuls, an OpenMP fork and join; at batch 1 on the
@@ -59,7 +58,8 @@ class _QLayer(ctypes.Structure):
                 ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
                 ("qk_norm", ctypes.c_int32), ("activation", ctypes.c_int32), ("residual_scale", ctypes.c_float),
                 ("cos_table", ctypes.c_void_p), ("sin_table", ctypes.c_void_p), ("rotary_dim", ctypes.c_int64),
-                ("lora_qkv", _QLora), ("lora_o", _QLora), ("lora_gate_up", _QLora), ("lora_down", _QLora)]
+                ("lora_row", ctypes.c_void_p), ("lora_qkv", ctypes.c_void_p), ("lora_o", ctypes.c_void_p),
+                ("lora_gate_up", ctypes.c_void_p), ("lora_down", ctypes.c_void_p), ("lora_max_rank", ctypes.c_int64)]
 
 _QK_NORM_KINDS = {None: 0, "head": 1, "all": 2}   # quant_layer.c's QK_NORM_*
 _ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}        # quant_layer.c's ACT_*
@@ -149,21 +149,47 @@ class QuantizedLayerKernel:
         self._ref = ctypes.byref(s)
         self.qkv_width = (attn.num_heads + 2 * attn.num_kv_heads) * attn.head_dim
         self._linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]   # quant_layer.c's order
-        self.adapter = 0        # the LoRA adapter the struct points at (0: none)
+        self._lora_key: tuple[int, ...] | None = None     # the adapters the struct's tables hold now
+        self._lora_tables: dict[tuple[int, ...], tuple] = {}  # adapters -> (4 ctypes tables, largest rank)
 
-    def use_adapter(self, adapter_id: int) -> None:
-        """Point the layer's matrices at LoRA adapter ``adapter_id`` (its ``LoraWeights``' kernel form;
-        0: none) for the following calls."""
-        if adapter_id == self.adapter:
-            return
-        pairs = [lin.lora.kernel_pair(adapter_id) if adapter_id and lin.lora is not None else None
-                 for lin in self._linears]
+    def use_adapters(self, adapters: tuple[int, ...], rows: torch.Tensor | None) -> None:
+        """The step's LoRA adapters for the following calls: ``adapters`` (ids) are entries 1.. of
+        each matrix's table (entry 0: none), ``rows`` [T] int32 each row's entry (None: no LoRA rows;
+        kept alive by the caller until the calls are done)."""
         s = self._struct
-        for name, pair in zip(("lora_qkv", "lora_o", "lora_gate_up", "lora_down"), pairs):
-            lora = getattr(s, name)
-            lora.rank = 0 if pair is None else pair[0].shape[0]
-            lora.a, lora.bt = (None, None) if pair is None else (pair[0].data_ptr(), pair[1].data_ptr())
-        self.adapter = adapter_id
+        if rows is None:
+            s.lora_row = None
+            return
+        if adapters != self._lora_key:
+            if adapters not in self._lora_tables:
+                if len(self._lora_tables) >= 64:
+                    self._lora_tables.clear()
+                self._lora_tables[adapters] = self._tables(adapters)
+            tables, max_rank = self._lora_tables[adapters]
+            s.lora_qkv, s.lora_o, s.lora_gate_up, s.lora_down = (ctypes.addressof(t) for t in tables)
+            s.lora_max_rank = max_rank
+            self._lora_key = adapters
+        s.lora_row = rows.data_ptr()
+
+    def forget_adapters(self) -> None:
+        """Drop every table (an adapter was removed: its matrices may go)."""
+        self._struct.lora_row = None
+        self._lora_key = None
+        self._lora_tables.clear()
+
+    def _tables(self, adapters: tuple[int, ...]) -> tuple[list, int]:
+        """Per matrix, a ctypes array of qlora: entry 0 none, entry j adapter ``adapters[j - 1]`` (its
+        ``LoraWeights``' kernel form; rank 0 where it leaves the matrix alone)."""
+        tables, max_rank = [], 0
+        for linear in self._linears:
+            table = (_QLora * (len(adapters) + 1))()
+            for j, adapter_id in enumerate(adapters, 1):
+                pair = linear.lora.kernel_pair(adapter_id) if linear.lora is not None else None
+                if pair is not None:
+                    table[j].rank, table[j].a, table[j].bt = pair[0].shape[0], pair[0].data_ptr(), pair[1].data_ptr()
+                    max_rank = max(max_rank, pair[0].shape[0])
+            tables.append(table)
+        return tables, max_rank
 
     @staticmethod
     def for_layer(layer, eps: float, tp_world_size: int, rotary) -> "QuantizedLayerKernel | None":

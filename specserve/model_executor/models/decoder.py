@@ -272,7 +272,7 @@ class DecoderForCausalLM(nn.Module):
 
     def remove_lora(self, adapter_id: int) -> None:
         for kernel in self.layer_kernels or []:
-            kernel.use_adapter(0)           # never left pointing into a dropped adapter
+            kernel.forget_adapters()        # never left pointing into a dropped adapter
         for layer in self.layers:
             for linear in self._linears(layer).values():
                 if linear.lora is not None:
@@ -287,11 +287,8 @@ class DecoderForCausalLM(nn.Module):
     ) -> torch.Tensor:             # [T, hidden] after the final norm (then the feature layers' inputs)
         x = self.embed(input_ids)
         features: list[torch.Tensor] = []
-        # the compiled layers take one LoRA adapter a call (ModelRunner gives each adapter's rows a forward)
-        adapter = self.lora_rows.single_adapter() if self.lora_rows is not None else 0
-        if self.layer_kernels is not None and x.device.type == "cpu" and adapter is not None:
-            for kernel in self.layer_kernels:
-                kernel.use_adapter(adapter)
+        if self.layer_kernels is not None and x.device.type == "cpu":
+            self._point_kernels_at_adapters()
             x = self._forward_layer_kernels(x, positions, kv_caches, meta, features)
         else:
             if positions.device.type == "cpu":   # elsewhere the check would wait for the device
@@ -307,6 +304,19 @@ class DecoderForCausalLM(nn.Module):
             return out
         by_layer = dict(zip(sorted(set(self.feature_layers)), features))
         return torch.cat([out, *(by_layer[i].to(out.dtype) for i in self.feature_layers)], dim=-1)
+
+    def _point_kernels_at_adapters(self) -> None:
+        """Tell the compiled layers each row's LoRA adapter this step (none without LoRA rows)."""
+        rows = self.lora_rows
+        if rows is None or not rows.active:
+            for kernel in self.layer_kernels:
+                kernel.use_adapters((), None)
+            return
+        adapters = tuple(a for a, _ in rows.groups)
+        entry = {a: j for j, a in enumerate(adapters, 1)}
+        self._lora_row_entries = torch.tensor([entry.get(a, 0) for a in rows.row_adapters], dtype=torch.int32)  # [T]
+        for kernel in self.layer_kernels:
+            kernel.use_adapters(adapters, self._lora_row_entries)
 
     def _check_positions(self, positions: torch.Tensor) -> None:
         for table in self.rotaries.values():

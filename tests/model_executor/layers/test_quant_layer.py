@@ -229,9 +229,9 @@ def test_every_family_through_the_compiled_layers(family):
 @pytest.mark.parametrize("family", ["llama3", "phi3"])
 def test_lora_adapters_through_the_compiled_layers(family):
     """LoRA adapters in quant_layer.c (every matrix; Phi-3's fused q/k/v and gate/up): logits close
-    to the PyTorch path with the same adapters; rows of two adapters and of none in one step get
-    exactly the bits of their own steps (one forward per adapter); a verified chain with an adapter
-    gets the bits of decoding alone with it."""
+    to the PyTorch path with the same adapters; rows of two adapters and of none in one step (one
+    call, each row its own adapter) get exactly the bits of their own steps; a verified chain with an
+    adapter gets the bits of decoding alone with it."""
     from specserve.lora.peft_adapter import expected_shapes
 
     config, state = _tiny_q8_0(family)

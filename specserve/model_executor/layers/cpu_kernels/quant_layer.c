@@ -9,8 +9,9 @@
  *                              gu = h @ Wgate_up.T ; a = act(gate) * up ;
  *                              h = [out_norm](a @ Wdown.T) ; x += h * rs
  *
- * Each matmul may carry a LoRA adapter (``qlora``, set per step by Python for the step's one
- * adapter): its rows gain B (A in), added right after the matmul, before anything reads it.
+ * Each row may carry a LoRA adapter (``lora_row``: an index into each matrix's table of ``qlora``,
+ * set per step by Python): the row gains its adapter's B (A in), added right after the matmul,
+ * before anything reads it, so rows of different adapters (and of none) share one call.
  *
  * The bracketed parts are the family's (models/decoder_spec.py), set per layer in ``qlayer``:
  * a NULL norm is absent, act is silu or GELU-tanh, rs the residual scale (Granite; 1 adds
@@ -47,7 +48,7 @@ typedef struct {
 } qmatrix;
 
 /* A LoRA adapter on one matrix: out[t] += bt.T (a in[t]); a [rank, in], bt [rank, out] (B
- * transposed, so the update runs along contiguous rows); rank 0: none. */
+ * transposed, so the update runs along contiguous rows); rank 0: none (entry 0 of every table). */
 typedef struct {
     int64_t rank;
     const float *a, *bt;
@@ -75,7 +76,9 @@ typedef struct {
     float residual_scale;
     const float *cos_table, *sin_table;  /* [max_positions, rotary_dim / 2], or NULL: no rotary */
     int64_t rotary_dim;
-    qlora lora_qkv, lora_o, lora_gate_up, lora_down; /* the step's adapter on each matrix */
+    const int32_t *lora_row;             /* [T]: each row's entry in the tables below, or NULL: no LoRA */
+    const qlora *lora_qkv, *lora_o, *lora_gate_up, *lora_down; /* the step's adapters on each matrix */
+    int64_t lora_max_rank;               /* the largest rank in the tables */
 } qlayer;
 
 int specserve_qlayer_struct_sizes(int64_t *sizes) { /* the Python side checks its mirror */
@@ -100,17 +103,19 @@ static int qmatrix_gemm(const qmatrix *m, const float *x, int64_t ldx, int64_t r
     return status;
 }
 
-/* out[t] += lora's B (A in[t]) for every row t, shared out over the team: first the low-rank
- * products low[t, r] = a[r] . in[t], then each output element adds low[t, r] * bt[r, o] over r in
- * order (one row's numbers never depend on another's: row-invariant). in [T, in] (row stride ldx),
- * out [T, out] (row stride ldo), low [T, rank] scratch shared by the team. */
+/* out[t] += B (A in[t]) of row t's adapter (table[row[t]]), for every row, shared out over the team:
+ * first the low-rank products low[t, r] = a[r] . in[t], then each output element adds low[t, r] *
+ * bt[r, o] over r in order (one row's numbers never depend on another's: row-invariant). in [T, in]
+ * (row stride ldx), out [T, out] (row stride ldo), low [T, R] scratch shared by the team. */
 #define QLORA_COLUMNS 64
-static void lora_add(const qlora *l, const float *x, int64_t ldx, int64_t T, int64_t in, float *out,
-                     int64_t ldo, int64_t n_out, float *low) {
-    const int64_t R = l->rank, blocks = (n_out + QLORA_COLUMNS - 1) / QLORA_COLUMNS;
-    if (R == 0) return;
+static void lora_add(const qlora *table, const int32_t *row, int64_t R, const float *x, int64_t ldx, int64_t T,
+                     int64_t in, float *out, int64_t ldo, int64_t n_out, float *low) {
+    const int64_t blocks = (n_out + QLORA_COLUMNS - 1) / QLORA_COLUMNS;
+    if (row == NULL) return;
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < T * R; i++) {
+        const qlora *l = table + row[i / R];
+        if (i % R >= l->rank) continue;
         const float *ar = l->a + (i % R) * in, *xt = x + (i / R) * ldx;
         float lanes[8] = {0}; /* 8 fixed partial sums (vectorized), added in a fixed order */
         int64_t j = 0;
@@ -124,23 +129,20 @@ static void lora_add(const qlora *l, const float *x, int64_t ldx, int64_t T, int
     for (int64_t i = 0; i < T * blocks; i++) {
         const int64_t t = i / blocks, o0 = (i % blocks) * QLORA_COLUMNS;
         const int64_t o1 = o0 + QLORA_COLUMNS < n_out ? o0 + QLORA_COLUMNS : n_out;
+        const qlora *l = table + row[t];
         float *ot = out + t * ldo;
-        for (int64_t r = 0; r < R; r++) {
+        for (int64_t r = 0; r < l->rank; r++) {
             const float c = low[t * R + r], *br = l->bt + r * n_out;
             for (int64_t o = o0; o < o1; o++) ot[o] += c * br[o];
         }
     }
 }
 
-/* The low-rank scratch for a call's adapters ([T, largest rank]); NULL without one (or on failure,
+/* The low-rank scratch for a call's adapters ([T, largest rank]); NULL without any (or on failure,
  * told apart by *failed). */
 static float *lora_scratch(const qlayer *L, int64_t T, int *failed) {
-    int64_t R = L->lora_qkv.rank;
-    if (L->lora_o.rank > R) R = L->lora_o.rank;
-    if (L->lora_gate_up.rank > R) R = L->lora_gate_up.rank;
-    if (L->lora_down.rank > R) R = L->lora_down.rank;
-    if (R == 0) return NULL;
-    float *low = (float *)malloc((size_t)(T * R) * sizeof(float));
+    if (L->lora_row == NULL || L->lora_max_rank == 0) return NULL;
+    float *low = (float *)malloc((size_t)(T * L->lora_max_rank) * sizeof(float));
     *failed = low == NULL;
     return low;
 }
@@ -177,7 +179,7 @@ int specserve_qlayer_attn_in(const qlayer *L, const float *x, int64_t T, const i
             in = h;
         }
         status |= qmatrix_gemm(&L->qkv, in, H, T, H, L->qkv_bias, qkv, n_qkv);
-        lora_add(&L->lora_qkv, in, H, T, H, qkv, n_qkv, n_qkv, low);
+        lora_add(L->lora_qkv, low ? L->lora_row : NULL, L->lora_max_rank, in, H, T, H, qkv, n_qkv, n_qkv, low);
         if (L->qk_norm == QK_NORM_HEAD) {
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < T * n_rot; i++) {
@@ -234,7 +236,7 @@ int specserve_qlayer_mlp(const qlayer *L, float *x, int64_t T, const float *attn
 #pragma omp parallel num_threads(num_threads) reduction(| : status)
     {
         status |= qmatrix_gemm(&L->o, attn, ld_attn, T, A, NULL, h, H);
-        lora_add(&L->lora_o, attn, ld_attn, T, A, h, H, H, low);
+        lora_add(L->lora_o, low ? L->lora_row : NULL, L->lora_max_rank, attn, ld_attn, T, A, h, H, H, low);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++) {
             float *xt = x + t * H, *ht = h + t * H;
@@ -243,7 +245,7 @@ int specserve_qlayer_mlp(const qlayer *L, float *x, int64_t T, const float *attn
             else memcpy(ht, xt, (size_t)H * sizeof(float));
         }
         status |= qmatrix_gemm(&L->gate_up, h, H, T, H, NULL, gu, 2 * I);
-        lora_add(&L->lora_gate_up, h, H, T, H, gu, 2 * I, 2 * I, low);
+        lora_add(L->lora_gate_up, low ? L->lora_row : NULL, L->lora_max_rank, h, H, T, H, gu, 2 * I, 2 * I, low);
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < T * I; i++) { /* act(gate) * up, into gate's place */
             float *g = gu + (i / I) * 2 * I + i % I;
@@ -252,7 +254,7 @@ int specserve_qlayer_mlp(const qlayer *L, float *x, int64_t T, const float *attn
             *g = a * g[I];
         }
         status |= qmatrix_gemm(&L->down, gu, 2 * I, T, I, NULL, h, H);
-        lora_add(&L->lora_down, gu, 2 * I, T, I, h, H, H, low);
+        lora_add(L->lora_down, low ? L->lora_row : NULL, L->lora_max_rank, gu, 2 * I, T, I, h, H, H, low);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++) add_branch(L, x + t * H, h + t * H, L->mlp_out_norm);
     }
