@@ -322,6 +322,8 @@ class EngineConfig:
     (none: SamplingParams' own) or a folder holding a generation_config.json (or the file);
     override_generation_config sets fields on top ({"temperature": 0.5}).
     (``model_executor/generation_config.py`` has which fields and how they are read.)
+    pooling: how ``LLM.embed`` and /v1/embeddings pool a prompt's final hidden states: "last",
+    "mean" or "cls" (``engine/embedding.py``).
     enable_lora: let requests run with PEFT LoRA adapters (vLLM's; ``LoRARequest``,
     ``engine/lora_adapters.py``): at most ``max_loras`` adapters in one step (requests of another
     wait), each of rank at most ``max_lora_rank``, and up to ``max_cpu_loras`` (None: max_loras)
@@ -349,6 +351,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     generation_config: str = "auto"
     override_generation_config: dict | None = None
+    pooling: str = "last"
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
@@ -376,6 +379,8 @@ class EngineConfig:
         if self.max_cpu_loras is not None and (not _is_int(self.max_cpu_loras) or self.max_cpu_loras < self.max_loras):
             raise ValueError(f"max_cpu_loras must be an integer at least max_loras ({self.max_loras}), "
                              f"got {self.max_cpu_loras!r}")
+        if self.pooling not in ("last", "mean", "cls"):
+            raise ValueError(f"pooling must be 'last', 'mean' or 'cls', got {self.pooling!r}")
         if not isinstance(self.enable_lora, bool):
             raise ValueError(f"enable_lora must be True or False, got {self.enable_lora!r}")
         if not isinstance(self.enable_prefix_caching, bool):

@@ -154,3 +154,19 @@ def logprob_entries(tokenizer, chosen: int, chosen_logprob: float, top_ids: list
         else:
             entry[tid] = Logprob(lp, rank=rank, decoded_token=tokenizer.decode([tid]))
     return entry
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]        # [hidden], pooled (and L2-normalized where asked)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """One prompt's embedding (vLLM's shape: ``outputs.embedding``)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

@@ -29,15 +29,18 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import itertools
 import logging
 import queue
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
 from specserve.beam_search_params import BeamSearchParams
+from specserve.engine.embedding import EmbeddingNoRoomError
 from specserve.engine.llm_engine import LLMEngine, StepFailedError
 from specserve.core.request import RequestStatus
 from specserve.outputs import RequestOutput
@@ -185,6 +188,22 @@ class AsyncLLMEngine:
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(("call", fn, args, done))
         return await asyncio.wrap_future(done)
+
+    async def embed(self, prompt: str | list[int], pooling: str | None = None, lora_request=None,
+                    wait_s: float = 60.0):
+        """``LLMEngine.embed`` on the engine thread, the prompt tokenized on the tokenizer thread first;
+        while running requests hold the KV blocks it needs it tries again after the next steps, for
+        up to ``wait_s`` (then ``EmbeddingNoRoomError``)."""
+        prepared = await self.run_off_thread(self.engine.prepare_prompt, prompt)
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return await self.run_on_engine(
+                    functools.partial(self.engine.embed, prompt, pooling, lora_request=lora_request, prepared=prepared))
+            except EmbeddingNoRoomError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.02)
 
     async def run_off_thread(self, fn, *args):
         """``fn(*args)`` on the tokenizer thread (tokenizing, chat templates): neither the

@@ -26,6 +26,7 @@ from specserve.engine import input_checks
 from specserve.engine.beam_groups import BeamGroups, beam_capable_proposer
 from specserve.engine.constraints import Constraints
 from specserve.engine.drafting import Drafting, calibrate_k_policy
+from specserve.engine.embedding import check_pooling, embed_prompt
 from specserve.engine.errors import StepFailedError
 from specserve.engine.lora_adapters import LoraAdapters
 from specserve.engine.output_processor import OutputProcessor
@@ -38,7 +39,7 @@ from specserve.model_executor.layers.attention import cache_slot
 from specserve.model_executor.generation_config import sampling_defaults
 from specserve.lora.request import LoRARequest
 from specserve.model_executor.loader import keeps_quantized, load_model, resolve_dtype
-from specserve.outputs import RequestOutput, SpecDecodeStats
+from specserve.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, SpecDecodeStats
 from specserve.sample.penalties import bad_words_token_ids
 from specserve.sample.verify import Verifier
 from specserve.sampling_params import SamplingParams
@@ -224,6 +225,18 @@ class LLMEngine:
         if lora_int_id in self._loras_in_use():
             raise ValueError(f"LoRA adapter {lora_int_id} is in use by unfinished requests")
         return self.loras.remove(lora_int_id)
+
+    def embed(self, prompt: str | list[int], pooling: str | None = None, normalize: bool = True,
+              lora_request: LoRARequest | None = None,
+              prepared: tuple[str | None, list[int]] | None = None) -> EmbeddingRequestOutput:
+        """The prompt's embedding, computed now, between steps (``engine/embedding.py``); ValueError for
+        bad input, ``EmbeddingNoRoomError`` while running requests hold the KV blocks it needs."""
+        text, token_ids = prepared if prepared is not None else self.prepare_prompt(prompt)
+        pooling = check_pooling(pooling or self.config.pooling)
+        request_id = f"embd-{next(self._ids)}"
+        vector = embed_prompt(self.runner, self.kv_cache, request_id, token_ids, pooling, normalize,
+                              self.config.max_num_batched_tokens, self._acquire_lora(lora_request))
+        return EmbeddingRequestOutput(request_id, text, token_ids, EmbeddingOutput(vector.tolist()))
 
     def list_loras(self) -> set[int]:
         """The ids of the loaded adapters (vLLM's)."""

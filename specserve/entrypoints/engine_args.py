@@ -70,6 +70,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="sampling defaults set on top, e.g. '{\"temperature\": 0.5, \"max_new_tokens\": 256}'")
     p.add_argument("--enforce-eager", action="store_true",
                    help="GPU: run every step op by op instead of replaying captured CUDA graphs")
+    p.add_argument("--pooling", choices=["last", "mean", "cls"], default=EngineConfig.pooling,
+                   help="embeddings (/v1/embeddings, LLM.embed): the prompt's final hidden states pooled by the last "
+                        "token's, their mean or the first token's")
     p.add_argument("--enable-lora", action="store_true",
                    help="let requests run with PEFT LoRA adapters (serve: --lora-modules, or 'model' naming one)")
     p.add_argument("--max-loras", type=int, default=EngineConfig.max_loras,
@@ -233,6 +236,7 @@ def build_llm(args, plain: bool = False):
         override_generation_config=getattr(args, "override_generation_config", None),
         int8_activations=(args.int8_activation_pieces if getattr(args, "int8_activation_pieces", None)
                           else args.int8_activations),
+        pooling=getattr(args, "pooling", EngineConfig.pooling),
         enable_lora=bool(getattr(args, "enable_lora", False) or getattr(args, "lora_modules", None)
                          or getattr(args, "lora", None)),
         max_loras=getattr(args, "max_loras", EngineConfig.max_loras),

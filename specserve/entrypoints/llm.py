@@ -10,11 +10,12 @@ from tqdm.auto import tqdm
 from specserve.beam_search_params import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from specserve.config import EngineConfig, SpeculativeConfig
 from specserve.engine.async_engine import running_driver
+from specserve.engine.embedding import EmbeddingNoRoomError
 from specserve.engine.input_checks import check_priority
 from specserve.engine.llm_engine import LLMEngine
 from specserve.entrypoints.chat_template import load_chat_template, render_chat
 from specserve.lora.request import LoRARequest
-from specserve.outputs import RequestOutput, SpecDecodeStats
+from specserve.outputs import EmbeddingRequestOutput, RequestOutput, SpecDecodeStats
 from specserve.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -93,6 +94,7 @@ class LLM:
         generation_config: str = "auto",
         override_generation_config: dict | None = None,
         scheduling_policy: str = "fcfs",
+        pooling: str = "last",
         enable_lora: bool = False,
         max_loras: int = 1,
         max_lora_rank: int = 16,
@@ -141,6 +143,7 @@ class LLM:
             generation_config=generation_config,
             override_generation_config=override_generation_config,
             scheduling_policy=scheduling_policy,
+            pooling=pooling,
             enable_lora=enable_lora,
             max_loras=max_loras,
             max_lora_rank=max_lora_rank,
@@ -224,6 +227,30 @@ class LLM:
         for lora in {id(x): x for x in loras if x is not None}.values():
             self.engine.add_lora(lora)
         return loras
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], pooling: str | None = None, normalize: bool = True,
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+              ) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding (vLLM's ``LLM.embed``: ``outputs.embedding``): its final hidden states
+        pooled (``pooling``: "last", "mean" or "cls"; default the engine's ``pooling``) and, unless
+        ``normalize`` is False, of unit length. Every prompt is checked before any is run."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        loras = self._lora_per_prompt(lora_request, len(prompts))
+        prepared = []
+        for i, p in enumerate(prompts):
+            try:
+                p = _unwrap_prompt(p)
+                prepared.append((p, self.engine.prepare_prompt(p)))
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        if running_driver(self.engine) is not None:
+            raise RuntimeError("an AsyncLLMEngine (for example a running server) is driving this LLM's engine; "
+                               "send requests through it, or shut it down first")
+        try:
+            return [self.engine.embed(p, pooling, normalize, lora, prepared=pp) for (p, pp), lora in zip(prepared, loras)]
+        except EmbeddingNoRoomError as e:      # nothing else runs here: the cache is too small for the prompt
+            raise ValueError(f"{e}: raise kv_cache_memory") from None
 
     def beam_search(
         self,

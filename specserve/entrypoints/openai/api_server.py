@@ -3,7 +3,8 @@
     specserve serve --speculative-method ngram --num-speculative-tokens 4 --port 8000
 
 Routes: POST /v1/completions, POST /v1/chat/completions (``stream`` true or
-false; server-sent events ``data: {...}`` ending with ``data: [DONE]``), POST /v1/responses
+false; server-sent events ``data: {...}`` ending with ``data: [DONE]``), POST /v1/embeddings
+(``embeddings.py``), POST /v1/responses
 (OpenAI's Responses API over the chat handler: ``responses.py``; GET and DELETE
 /v1/responses/{id} for the kept ones), POST /v1/messages and /v1/messages/count_tokens
 (Anthropic's Messages API over the chat handler: ``anthropic_messages.py``; its errors in
@@ -55,12 +56,14 @@ from specserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     LoadLoraAdapterRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
     UnloadLoraAdapterRequest,
 )
+from specserve.entrypoints.openai.embeddings import create_embeddings
 from specserve.entrypoints.openai.lora_modules import (
     add_static_modules, load_adapter, runtime_updating_allowed, unload_adapter,
 )
@@ -211,6 +214,10 @@ def build_app(llm_or_engine, served_model_name: str | list[str] | None = None, a
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request):
         return await handle(raw, ChatCompletionRequest, serving.chat_completions)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(raw: Request):
+        return await handle(raw, EmbeddingRequest, functools.partial(create_embeddings, serving))
 
     @app.post("/v1/responses")
     async def responses(raw: Request):

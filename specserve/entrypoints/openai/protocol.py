@@ -529,6 +529,22 @@ class ModelCard(BaseModel):
     max_model_len: int | None = None
 
 
+class EmbeddingRequest(StrictModel):
+    """POST /v1/embeddings (OpenAI's): one input or a list of them, each text or token ids."""
+
+    model: str | None = None
+    input: str | Annotated[list[str], Field(min_length=1)] | Annotated[list[int], Field(min_length=1)] \
+        | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+    def inputs(self) -> list[str | list[int]]:
+        if isinstance(self.input, str) or (self.input and isinstance(self.input[0], int)):
+            return [self.input]
+        return list(self.input)
+
+
 class LoadLoraAdapterRequest(StrictModel):
     """vLLM's POST /v1/load_lora_adapter."""
 

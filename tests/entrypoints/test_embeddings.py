@@ -1,0 +1,55 @@
+"""POST /v1/embeddings with OpenAI's own client: float and base64 (the client's default) give the
+LLM API's vectors; a list of texts and of token-id lists; usage; a LoRA adapter named in model;
+bad input is a 400."""
+from __future__ import annotations
+
+import openai
+import pytest
+from fastapi.testclient import TestClient
+
+from specserve import LLM
+from specserve.entrypoints.openai.api_server import build_app
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llama_dir):
+    llm = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=128, kv_cache_memory=8 << 20, pooling="mean")
+    return llm, build_app(llm, "tiny")
+
+
+def test_the_openai_client_gets_the_llm_apis_vectors(served):
+    llm, app = served
+    outs = llm.embed(["Hello there", "A cat"])
+    want, prompt_tokens = [o.outputs.embedding for o in outs], sum(len(o.prompt_token_ids) for o in outs)
+    ids = llm.get_tokenizer().encode("A cat")
+    with TestClient(app) as tc:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=tc, max_retries=0)
+        got = client.embeddings.create(model="tiny", input=["Hello there", "A cat"])   # base64 underneath
+        for d, w in zip(got.data, want):
+            assert d.embedding == pytest.approx(w, abs=1e-6)
+        assert [d.index for d in got.data] == [0, 1]
+        assert got.usage.prompt_tokens == prompt_tokens
+        floats = tc.post("/v1/embeddings", json={"input": "Hello there", "encoding_format": "float"}).json()
+        assert floats["data"][0]["embedding"] == pytest.approx(want[0], abs=1e-6) and floats["model"] == "tiny"
+        by_ids = tc.post("/v1/embeddings", json={"input": [ids], "encoding_format": "float"}).json()
+        assert by_ids["data"][0]["embedding"] == pytest.approx(want[1], abs=1e-6)
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ({"input": ""}, 400, "input"),
+    ({"input": []}, 400, None),
+    ({"input": "hi", "dimensions": 8}, 400, "dimensions"),
+    ({"input": "hi", "encoding_format": "int8"}, 400, None),
+    ({"input": [[999999]]}, 400, "input"),
+    ({"input": "hi", "model": "nobody"}, 404, "model"),
+])
+def test_bad_requests(served, body, status, param):
+    _, app = served
+    with TestClient(app) as tc:
+        r = tc.post("/v1/embeddings", json=body)
+        assert r.status_code == status, r.text
+        if param:
+            assert r.json()["error"]["param"] == param
+        assert tc.get("/health").status_code == 200
