@@ -8,7 +8,7 @@ if TYPE_CHECKING:
     from specserve.beam_search_params import BeamSearchOutput, BeamSearchParams
     from specserve.config import EngineConfig, SpeculativeConfig
     from specserve.entrypoints.llm import LLM
-    from specserve.lora.request import LoRARequest
+    from specserve.lora.request import LoRAMix, LoRARequest
     from specserve.outputs import CompletionOutput, RequestOutput, SpecDecodeStats
     from specserve.sampling_params import SamplingParams, StructuredOutput
 
@@ -21,6 +21,7 @@ _EXPORTS = {
     "SpeculativeConfig": "specserve.config",
     "LLM": "specserve.entrypoints.llm",
     "LoRARequest": "specserve.lora.request",
+    "LoRAMix": "specserve.lora.request",
     "CompletionOutput": "specserve.outputs",
     "RequestOutput": "specserve.outputs",
     "SpecDecodeStats": "specserve.outputs",
@@ -36,5 +37,5 @@ def __getattr__(name: str):
         return value
     raise AttributeError(f"module 'specserve' has no attribute {name!r}")
 
-__all__ = ["LLM", "LoRARequest", "SamplingParams", "BeamSearchParams", "BeamSearchOutput", "StructuredOutput", "SpeculativeConfig", "EngineConfig", "RequestOutput", "CompletionOutput", "SpecDecodeStats"]
+__all__ = ["LLM", "LoRARequest", "LoRAMix", "SamplingParams", "BeamSearchParams", "BeamSearchOutput", "StructuredOutput", "SpeculativeConfig", "EngineConfig", "RequestOutput", "CompletionOutput", "SpecDecodeStats"]
 __version__ = "0.1.0"

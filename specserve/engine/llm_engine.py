@@ -37,7 +37,7 @@ from specserve.engine.start_up import (kv_cache_blocks, max_model_len_for, prefi
 from specserve.engine.step_inputs import drafts_per_depth, forward_input, tree_branch_moves
 from specserve.model_executor.layers.attention import cache_slot
 from specserve.model_executor.generation_config import sampling_defaults
-from specserve.lora.request import LoRARequest
+from specserve.lora.request import LoRAMix, LoRARequest
 from specserve.model_executor.loader import keeps_quantized, load_model, resolve_dtype
 from specserve.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, SpecDecodeStats
 from specserve.sample.penalties import bad_words_token_ids
@@ -198,12 +198,14 @@ class LLMEngine:
                        self._acquire_lora(lora_request))
         return request_id
 
-    def _acquire_lora(self, lora_request: LoRARequest | None) -> int:
+    def _acquire_lora(self, lora_request: LoRARequest | LoRAMix | None) -> int:
         """The adapter's id (0 for none), loaded if it is not; ValueError if it cannot run."""
         if lora_request is None:
             return 0
         if self.loras is None:
             raise ValueError("LoRA adapters are not enabled: start the engine with enable_lora=True (--enable-lora)")
+        if isinstance(lora_request, LoRAMix):
+            return self.loras.acquire_mix(lora_request, self._loras_in_use())
         return self.loras.acquire(lora_request, self._loras_in_use())
 
     def _loras_in_use(self) -> set[int]:

@@ -17,11 +17,15 @@ import logging
 import os
 from collections import OrderedDict
 
+import torch
+
 from specserve.lora.peft_adapter import LoraAdapter, load_peft_adapter
-from specserve.lora.request import LoRARequest
+from specserve.lora.request import LoRAMix, LoRARequest
 from specserve.model_executor.gguf_lora import load_gguf_adapter
 
 logger = logging.getLogger(__name__)
+
+MIX_IDS_FROM = 1 << 40   # the ids of LoRAMix adapters (a LoRARequest's lora_int_id stays below)
 
 
 def read_adapter(path: str, hf_config, max_lora_rank: int) -> LoraAdapter:
@@ -38,6 +42,7 @@ class LoraAdapters:
         self.max_lora_rank = max_lora_rank
         self.max_cpu_loras = max_cpu_loras
         self.loaded: OrderedDict[int, LoRARequest] = OrderedDict()   # least recently used first
+        self._mix_ids: dict[tuple, int] = {}      # LoRAMix.key -> the id its adapter is loaded under
         runner.enable_lora()
 
     def acquire(self, lora_request: LoRARequest, in_use: set[int]) -> int:
@@ -53,16 +58,47 @@ class LoraAdapters:
                                  f"{lora_request.lora_path!r}: give each adapter its own lora_int_id")
             self.loaded.move_to_end(adapter_id)
             return adapter_id
+        if adapter_id >= MIX_IDS_FROM:
+            raise ValueError(f"lora_int_id must be below {MIX_IDS_FROM} (ids above are the engine's, for LoRAMix)")
         adapter = read_adapter(lora_request.lora_path, self.hf_config, self.max_lora_rank)
-        idle = [i for i in self.loaded if i not in in_use]
-        while idle and len(self.loaded) >= self.max_cpu_loras:
-            self.remove(idle.pop(0))
+        self._evict_idle(in_use)
         self.runner.add_lora(adapter_id, adapter.modules)
         self.loaded[adapter_id] = lora_request
         logger.info("LoRA adapter %r (id %d, rank %d, %d projections, %.1f MiB) loaded from %s",
                     lora_request.lora_name, adapter_id, adapter.rank, len(adapter.modules),
                     adapter.num_bytes() / 2**20, lora_request.lora_path)
         return adapter_id
+
+    def acquire_mix(self, mix: LoRAMix, in_use: set[int]) -> int:
+        """The id of ``mix``'s combined adapter (0: no part), built and loaded if it is not: for each
+        projection, A = [A_1; A_2; ...] and B = [s_1 B_1, s_2 B_2, ...], so B A = sum s_i B_i A_i."""
+        if not mix.parts:
+            return 0
+        if len(mix.parts) == 1 and mix.parts[0][1] == 1.0:
+            return self.acquire(mix.parts[0][0], in_use)
+        adapter_id = self._mix_ids.get(mix.key)
+        if adapter_id in self.loaded:
+            self.loaded.move_to_end(adapter_id)
+            return adapter_id
+        parts = [(read_adapter(r.lora_path, self.hf_config, self.max_lora_rank), scale) for r, scale in mix.parts]
+        modules = {}
+        for key in sorted({k for adapter, _ in parts for k in adapter.modules}):
+            pairs = [(adapter.modules[key][0], scale * adapter.modules[key][1]) for adapter, scale in parts
+                     if key in adapter.modules]
+            modules[key] = (torch.cat([a for a, _ in pairs]), torch.cat([b for _, b in pairs], dim=1))
+        adapter_id = MIX_IDS_FROM + len(self._mix_ids) if mix.key not in self._mix_ids else self._mix_ids[mix.key]
+        self._mix_ids[mix.key] = adapter_id
+        self._evict_idle(in_use)
+        self.runner.add_lora(adapter_id, modules)
+        name = " + ".join(f"{s:g} x {r.lora_name}" for r, s in mix.parts)
+        self.loaded[adapter_id] = LoRARequest(name, adapter_id, name)
+        logger.info("LoRA mix %s loaded (id %d)", name, adapter_id)
+        return adapter_id
+
+    def _evict_idle(self, in_use: set[int]) -> None:
+        idle = [i for i in self.loaded if i not in in_use]
+        while idle and len(self.loaded) >= self.max_cpu_loras:
+            self.remove(idle.pop(0))
 
     def remove(self, adapter_id: int) -> bool:
         """Drop an adapter (the caller makes sure no request uses it); False if it was not loaded."""

@@ -39,3 +39,25 @@ class LoRARequest:
     @property
     def path(self) -> str:
         return self.lora_path
+
+
+@dataclass(frozen=True)
+class LoRAMix:
+    """Several adapters at once, each at a scale, their products added (llama.cpp's per-request
+    ``lora`` list): one adapter of their ranks concatenated (A stacked, B side by side, each scaled),
+    loaded under an id of its own. Parts at scale 0 are left out; no part left: the base model."""
+
+    parts: tuple[tuple[LoRARequest, float], ...]
+
+    def __post_init__(self) -> None:
+        for part in self.parts:
+            if not (isinstance(part, tuple) and len(part) == 2 and isinstance(part[0], LoRARequest)
+                    and isinstance(part[1], (int, float)) and not isinstance(part[1], bool)):
+                raise ValueError(f"a LoRAMix part is (LoRARequest, scale), got {part!r}")
+            if part[1] != part[1] or abs(part[1]) == float("inf"):
+                raise ValueError(f"a LoRA scale must be a finite number, got {part[1]!r}")
+        object.__setattr__(self, "parts", tuple((r, float(s)) for r, s in self.parts if s != 0))
+
+    @property
+    def key(self) -> tuple[tuple[str, float], ...]:
+        return tuple((r.lora_path, s) for r, s in self.parts)

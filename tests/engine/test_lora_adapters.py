@@ -197,3 +197,37 @@ def test_an_adapter_in_use_is_not_removed(llm, adapters):
     while llm.engine.has_unfinished_requests():
         llm.engine.step()
     assert llm.engine.remove_lora(a.lora_int_id)
+
+
+def test_a_mix_of_adapters_at_scales_is_their_weighted_sum(peaked_llama_dir, adapters):
+    """LoRAMix (llama.cpp's per-request list): 0.5 x one adapter - 0.3 x another runs as the model
+    whose weights gained 0.5 B1 A1 - 0.3 B2 A2 (transformers, merged); scale-0 parts are dropped and a
+    lone part at scale 1 is that adapter itself."""
+    from transformers import AutoModelForCausalLM
+
+    from specserve.lora.peft_adapter import load_peft_adapter
+    from specserve.lora.request import LoRAMix
+
+    a, b = lora(adapters, "attn_mlp"), lora(adapters, "all")
+    llm = make_llm(peaked_llama_dir, max_loras=3, max_cpu_loras=4)
+    out = llm.generate(PROMPTS[0], GREEDY, lora_request=LoRAMix(((a, 0.5), (b, -0.3), (a, 0))))[0]
+    hf = AutoModelForCausalLM.from_pretrained(peaked_llama_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for request, scale in ((a, 0.5), (b, -0.3)):
+            for (layer, proj), (lo_a, lo_b) in load_peft_adapter(request.lora_path, hf.config, 16).modules.items():
+                block = hf.model.layers[layer]
+                module = getattr(block.self_attn if hasattr(block.self_attn, proj) else block.mlp, proj)
+                module.weight += scale * lo_b @ lo_a
+        ids = list(out.prompt_token_ids) + out.outputs[0].token_ids
+        n = len(out.prompt_token_ids)
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0, n - 1 : -1].float(), dim=-1)
+    assert out.outputs[0].token_ids == ref.argmax(-1).tolist()
+    got = torch.tensor([lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)])
+    torch.testing.assert_close(got, ref.gather(1, torch.tensor(out.outputs[0].token_ids)[:, None])[:, 0],
+                               atol=2e-4, rtol=0)
+    alone = tokens(llm.generate(PROMPTS[0], GREEDY, lora_request=a))
+    assert tokens(llm.generate(PROMPTS[0], GREEDY, lora_request=LoRAMix(((a, 1.0), (b, 0.0))))) == alone
+    assert tokens(llm.generate(PROMPTS[0], GREEDY, lora_request=LoRAMix(()))) == \
+        tokens(llm.generate(PROMPTS[0], GREEDY))
+    with pytest.raises(ValueError, match="finite"):
+        LoRAMix(((a, float("nan")),))
