@@ -54,6 +54,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--lora-modules", nargs="+", type=lora_module, default=None, metavar="NAME=PATH",
                        help="LoRA adapters (PEFT folders) requests name in 'model': NAME=PATH or vLLM's JSON "
                             "'{\"name\": ..., \"path\": ...}' (turns --enable-lora on)")
+    serve.add_argument("--lora", action="append", default=None, metavar="FILE",
+                       help="llama-server's: a LoRA adapter (llama.cpp .gguf or PEFT folder) applied at scale 1 to "
+                            "requests that name no adapter (repeatable; numbered from 0 for GET/POST /lora-adapters "
+                            "and a request's 'lora' list)")
+    serve.add_argument("--lora-scaled", action="append", nargs=2, default=None, metavar=("FILE", "SCALE"),
+                       help="llama-server's: --lora at another scale (repeatable)")
+    serve.add_argument("--lora-init-without-apply", action="store_true",
+                       help="llama-server's: load the --lora adapters at scale 0 (requests or POST /lora-adapters "
+                            "turn them on)")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="accepted for vLLM's command lines: tool_choice 'auto' is always on")
     serve.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,

@@ -238,7 +238,7 @@ def build_llm(args, plain: bool = False):
                           else args.int8_activations),
         pooling=getattr(args, "pooling", EngineConfig.pooling),
         enable_lora=bool(getattr(args, "enable_lora", False) or getattr(args, "lora_modules", None)
-                         or getattr(args, "lora", None)),
+                         or getattr(args, "lora", None) or getattr(args, "lora_scaled", None)),
         max_loras=getattr(args, "max_loras", EngineConfig.max_loras),
         max_lora_rank=getattr(args, "max_lora_rank", EngineConfig.max_lora_rank),
         max_cpu_loras=getattr(args, "max_cpu_loras", None),

@@ -95,3 +95,50 @@ def test_without_enable_lora_a_named_module_is_refused(tiny_llama_dir, tmp_path)
     llm = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=64, kv_cache_memory=4 << 20)
     with pytest.raises(ValueError, match="not enabled"):
         build_app(llm, "tiny", lora_modules=[("a", str(tmp_path))])
+
+
+def test_llama_servers_lora_files_scales_and_endpoints(peaked_llama_dir, adapter_dirs):
+    """serve --lora FILE (llama-server's): the adapter at scale 1 for requests that name none; a
+    request's lora list sets its own scales (those left out: 0); GET/POST /lora-adapters; a model
+    naming a --lora-modules adapter still picks that one."""
+    from specserve.lora.request import LoRAMix
+
+    llm = make_llm(peaked_llama_dir)
+    pirate, poet = LoRARequest("pirate", 1, adapter_dirs["pirate"]), LoRARequest("poet", 2, adapter_dirs["poet"])
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    want = {"pirate": llm.generate("Hello there", greedy, lora_request=pirate)[0].outputs[0].text,
+            "base": llm.generate("Hello there", greedy)[0].outputs[0].text,
+            "half": llm.generate("Hello there", greedy, lora_request=LoRAMix(((pirate, 0.5),)))[0].outputs[0].text}
+    app = build_app(make_llm(peaked_llama_dir), "tiny", lora_modules=[("poet", adapter_dirs["poet"])],
+                    llama_loras=[(adapter_dirs["pirate"], 1.0)])
+    body = {"prompt": "Hello there", "temperature": 0}
+    with TestClient(app) as tc:
+        assert tc.get("/lora-adapters").json() == [{"id": 0, "path": adapter_dirs["pirate"], "scale": 1.0}]
+        assert tc.post("/v1/completions", json={**body, "max_tokens": 8}).json()["choices"][0]["text"] == want["pirate"]
+        assert tc.post("/completion", json={**body, "n_predict": 8}).json()["content"] == want["pirate"]
+        off = tc.post("/completion", json={**body, "n_predict": 8, "lora": [{"id": 0, "scale": 0.0}]})
+        assert off.json()["content"] == want["base"]
+        half = tc.post("/completion", json={**body, "n_predict": 8, "lora": [{"id": 0, "scale": 0.5}]})
+        assert half.json()["content"] == want["half"]
+        named = tc.post("/v1/completions", json={**body, "max_tokens": 8, "model": "poet"})
+        assert named.json()["model"] == "poet"
+        bad = tc.post("/completion", json={**body, "n_predict": 2, "lora": [{"id": 3, "scale": 1.0}]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora"
+        assert tc.post("/lora-adapters", json=[{"id": 0, "scale": 0}]).json() == {"success": True}
+        assert tc.post("/v1/completions", json={**body, "max_tokens": 8}).json()["choices"][0]["text"] == want["base"]
+        assert tc.post("/lora-adapters", json=[{"id": "x"}]).status_code == 400
+
+
+def test_a_lora_list_without_lora_files_is_refused_and_the_flags_parse(tiny_llama_dir):
+    from specserve.entrypoints.cli import build_parser
+    from specserve.entrypoints.openai.serve import llama_loras_from_args
+
+    llm = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=64, kv_cache_memory=4 << 20)
+    with TestClient(build_app(llm, "tiny")) as tc:
+        r = tc.post("/completion", json={"prompt": "x", "n_predict": 2, "lora": [{"id": 0, "scale": 1}]})
+        assert r.status_code == 400 and "--lora" in r.json()["error"]["message"]
+        assert tc.get("/lora-adapters").json() == []
+    args = build_parser().parse_args(["serve", "--lora", "a.gguf", "--lora-scaled", "b.gguf", "0.5"])
+    assert llama_loras_from_args(args) == [("a.gguf", 1.0), ("b.gguf", 0.5)]
+    args = build_parser().parse_args(["serve", "--lora", "a.gguf", "--lora-init-without-apply"])
+    assert llama_loras_from_args(args) == [("a.gguf", 0.0)]

@@ -102,7 +102,7 @@ class CORSOptions:
 
 # Routes outside /v1 that generate or read the model, guarded by the key too (llama-server guards its
 # own so; the chat page, its static files, /health, /metrics and /version stay open)
-KEYED_ROUTES = ("/completion", "/infill", "/props", "/tokenize", "/detokenize")
+KEYED_ROUTES = ("/completion", "/infill", "/props", "/tokenize", "/detokenize", "/lora-adapters")
 
 
 class _APIKeyMiddleware:
@@ -139,7 +139,8 @@ class _APIKeyMiddleware:
 def build_app(llm_or_engine, served_model_name: str | list[str] | None = None, api_key: str | None = None,
               limits: ServerLimits | None = None, cors: CORSOptions | None = None,
               max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES, reasoning_parser: str | None = None,
-              lora_modules: list[tuple[str, str]] | None = None) -> FastAPI:
+              lora_modules: list[tuple[str, str]] | None = None,
+              llama_loras: list[tuple[str, float]] | None = None) -> FastAPI:
     """The FastAPI app over an ``LLM``, ``LLMEngine`` or ``AsyncLLMEngine``.
 
     Apps built over the same engine share one engine loop (one step at a time).
@@ -150,7 +151,8 @@ def build_app(llm_or_engine, served_model_name: str | list[str] | None = None, a
     Responses API's responses kept in memory (``responses_store.py``; 0: none). ``reasoning_parser``:
     "deepseek_r1" or "qwen3", a thinking model's reasoning apart from its answer (``reasoning.py``).
     ``lora_modules``: (name, PEFT adapter folder) pairs requests may name in ``model`` (the engine needs
-    enable_lora), loaded now (``lora_modules.py``).
+    enable_lora), loaded now (``lora_modules.py``); ``llama_loras``: llama-server's ``--lora`` files and
+    their global scales, applied to requests that name no adapter.
     """
     if reasoning_parser is not None and reasoning_parser not in PARSERS:
         raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; choose from {sorted(PARSERS)}")
@@ -160,7 +162,7 @@ def build_app(llm_or_engine, served_model_name: str | list[str] | None = None, a
         names = [async_engine.engine.model_name]
     limits = limits if limits is not None else ServerLimits.from_env()
     serving = OpenAIServing(async_engine, names, limits, PARSERS.get(reasoning_parser))
-    add_static_modules(serving, lora_modules or [])
+    add_static_modules(serving, lora_modules or [], llama_loras or [])
     stored = ResponseStore(max_stored_responses)
     m, ln = serving.metrics, serving.model_name
 
@@ -282,6 +284,18 @@ def build_app(llm_or_engine, served_model_name: str | list[str] | None = None, a
         except APIError as e:
             return fail(e)
         return JSONResponse(model_card(model_id).model_dump(exclude_none=True))
+
+    @app.get("/lora-adapters")
+    async def lora_adapters():
+        return JSONResponse(serving.llama_loras.listing())
+
+    @app.post("/lora-adapters")
+    async def set_lora_adapters(raw: Request):
+        try:
+            serving.llama_loras.scales = serving.llama_loras.scales_from(await read_json(raw, limits, (list,)), "body")
+        except APIError as e:
+            return fail(e)
+        return JSONResponse({"success": True})
 
     if runtime_updating_allowed():   # vLLM's runtime LoRA endpoints, behind the same switch
         @app.post("/v1/load_lora_adapter")

@@ -19,7 +19,7 @@ def encoded(vector: list[float], encoding_format: str):
 
 
 async def create_embeddings(serving, req, raw) -> JSONResponse:
-    lora = serving.check_model(req.model)
+    lora = serving.request_lora(req)
     inputs = req.inputs()
     if len(inputs) > serving.limits.max_prompts:
         raise APIError(400, f"at most {serving.limits.max_prompts} inputs per request, got {len(inputs)}",

@@ -136,8 +136,9 @@ OPTIONS = [
 ]
 
 
-async def read_json(raw: Request, limits: ServerLimits) -> dict:
-    """The request's body as a checked JSON object (see the module docstring)."""
+async def read_json(raw: Request, limits: ServerLimits, kinds: tuple[type, ...] = (dict,)) -> dict:
+    """The request's body as a checked JSON object (see the module docstring); ``kinds``: what the
+    top level may be (llama-server's POST /lora-adapters takes an array too)."""
     from starlette.requests import ClientDisconnect
 
     media_type = raw.headers.get("content-type", "").split(";")[0].strip().lower()
@@ -164,8 +165,9 @@ async def read_json(raw: Request, limits: ServerLimits) -> dict:
     except RecursionError:
         raise APIError(400, f"the request body nests deeper than {limits.max_json_depth} levels",
                        code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    if not isinstance(data, kinds):
+        raise APIError(400, "the request body must be a JSON " + (" or ".join("object" if k is dict else "array"
+                                                                             for k in kinds)), code="invalid_json")
     check_json(data, limits.max_json_depth)
     return data
 

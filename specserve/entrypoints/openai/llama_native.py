@@ -15,9 +15,10 @@ cut-offs: ``n_indent`` (a new line indented less than that ends the answer, the 
 ``t_max_predict_ms`` (after a new line, the answer ends once generating took that long).
 Leaving early aborts the request.
 
-Options specserve cannot honour exactly are refused with a 400 naming them (DRY, XTC,
-Mirostat, dynamic temperature, locally typical sampling, post-sampling probabilities, several
-prompts, LoRA adapters); ``model`` (as llama-server, one model whatever is named), ``cache_prompt``
+``lora`` (``[{"id": 0, "scale": 0.5}]``) sets the request's scales of the server's ``--lora`` files
+(``lora_modules.LlamaLoras``; those left out: 0). Options specserve cannot honour exactly are refused
+with a 400 naming them (DRY, XTC, Mirostat, dynamic temperature, locally typical sampling,
+post-sampling probabilities, several prompts); ``model`` (as llama-server, one model whatever is named), ``cache_prompt``
 (the prefix cache always reuses), ``samplers`` (specserve's order:
 penalties, top-k, top-p, min-p, temperature), ``t_max_prompt_ms``, ``id_slot``, ``n_keep``,
 ``n_cache_reuse``, ``min_keep`` and ``timings_per_token`` are accepted and change nothing.
@@ -103,10 +104,12 @@ async def native_completion(serving, req: NativeRequest, raw: Request, infill: b
     """POST /completion (``infill`` False) or /infill: ``req`` through the completions handler."""
     # tokenizing an editor's context files takes a while: off the event loop
     body, prompt_ids = await serving.async_engine.run_off_thread(to_completions, serving, req, infill)
+    mix = serving.llama_loras.mix(serving.llama_loras.scales_from(req.lora, "lora")) if req.lora is not None else None
     names = {**NAMES, "structured_outputs": "grammar" if req.grammar is not None else "json_schema"}
     try:
         completion_request = CompletionRequest.model_validate(body)
-        answer = await serving.completions(completion_request, raw, endpoint="infill" if infill else "completion")
+        answer = await serving.completions(completion_request, raw, endpoint="infill" if infill else "completion",
+                                           lora_mix=mix)
     except ValidationError as e:
         raise with_names(validation_error(e), names) from None
     except APIError as e:
@@ -147,8 +150,9 @@ def to_completions(serving, req: NativeRequest, infill: bool) -> tuple[dict, lis
         if getattr(req, name) != off:
             raise APIError(400, f"{name} is not supported here (only {off!r}, the sampler off)", param=name,
                            code="unsupported_value")
-    if req.lora:
-        raise APIError(400, "LoRA adapters are not supported", param="lora", code="unsupported_value")
+    if req.lora and not serving.llama_loras.adapters:
+        raise APIError(400, "this server has no --lora adapters (start it with --lora FILE; adapters by name: "
+                            "--lora-modules and model)", param="lora", code="invalid_value")
     if req.grammar is not None and req.json_schema is not None:
         raise APIError(400, "grammar and json_schema cannot go together", param="json_schema", code="invalid_value")
     engine = serving.engine

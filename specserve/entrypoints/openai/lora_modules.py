@@ -13,7 +13,7 @@ import os
 from fastapi.responses import PlainTextResponse
 
 from specserve.entrypoints.openai.limits import APIError
-from specserve.lora.request import LoRARequest
+from specserve.lora.request import LoRAMix, LoRARequest
 
 RUNTIME_UPDATING_VARIABLES = ("SPECSERVE_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_ALLOW_RUNTIME_LORA_UPDATING")
 
@@ -28,13 +28,13 @@ class LoraModules:
     def __init__(self, base_names: list[str]) -> None:
         self.base_names = base_names
         self.by_name: dict[str, LoRARequest] = {}
-        self._ids = itertools.count(1)
+        self.ids = itertools.count(1)        # the adapters' lora_int_ids (llama-server's --lora files' too)
 
     def request_for(self, name: str, path: str) -> LoRARequest:
         if name in self.base_names or name in self.by_name:
             raise APIError(400, f"the LoRA adapter {name!r} has already been loaded (or names the base model)",
                            param="lora_name", code="invalid_value")
-        return LoRARequest(name, next(self._ids), path)
+        return LoRARequest(name, next(self.ids), path)
 
     def add(self, request: LoRARequest) -> None:
         self.by_name[request.lora_name] = request
@@ -48,15 +48,21 @@ class LoraModules:
         return self.by_name.get(model) if model is not None else None
 
 
-def add_static_modules(serving, modules: list[tuple[str, str]]) -> None:
-    """``--lora-modules``: each adapter loaded and checked now (a bad one stops the start, naming it)."""
-    for name, path in modules:
-        request = serving.loras.request_for(name, path)
+def add_static_modules(serving, modules: list[tuple[str, str]], llama_loras: list[tuple[str, float]]) -> None:
+    """``--lora-modules`` (by name) and llama-server's ``--lora`` files (by number, at a scale): each
+    adapter loaded and checked now (a bad one stops the start, naming it)."""
+    def loaded(request: LoRARequest, flag: str) -> LoRARequest:
         try:
             serving.engine.add_lora(request)
         except ValueError as e:
-            raise ValueError(f"--lora-modules {name}={path}: {e}") from None
-        serving.loras.add(request)
+            raise ValueError(f"{flag} {request.lora_path}: {e}") from None
+        return request
+
+    for name, path in modules:
+        serving.loras.add(loaded(serving.loras.request_for(name, path), f"--lora-modules {name}="))
+    ids = serving.loras.ids
+    serving.llama_loras = LlamaLoras([(loaded(LoRARequest(os.path.basename(path) or path, next(ids), path), "--lora"),
+                                       scale) for path, scale in llama_loras])
 
 
 async def load_adapter(serving, req, raw) -> PlainTextResponse:
@@ -79,3 +85,42 @@ async def unload_adapter(serving, req, raw) -> PlainTextResponse:
         serving.loras.add(request)
         raise APIError(400, str(e), param="lora_name", code="invalid_value") from None
     return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
+
+
+class LlamaLoras:
+    """llama-server's adapters (``serve --lora FILE``, ``--lora-scaled FILE SCALE``): numbered from 0,
+    each with a global scale (1, the given one, or 0 with ``--lora-init-without-apply``) that applies
+    to every request naming no adapter in ``model``; a request's ``lora`` list sets its own scales
+    (adapters it leaves out: 0); GET and POST /lora-adapters read and set the global ones."""
+
+    def __init__(self, adapters: list[tuple[LoRARequest, float]]) -> None:
+        self.adapters = [request for request, _ in adapters]
+        self.scales = [scale for _, scale in adapters]
+
+    def mix(self, scales: list[float] | None = None) -> LoRAMix | None:
+        """The adapters at ``scales`` (default: the global ones) as one LoRAMix; None without adapters."""
+        if not self.adapters:
+            return None
+        return LoRAMix(tuple(zip(self.adapters, self.scales if scales is None else scales)))
+
+    def scales_from(self, entries, param: str) -> list[float]:
+        """llama-server's ``[{"id": 0, "scale": 0.5}, ...]`` -> a scale per adapter (those left out: 0)."""
+        if not isinstance(entries, list):
+            raise APIError(400, f"{param} must be a list of {{\"id\", \"scale\"}} objects", param=param,
+                           code="invalid_value")
+        scales = [0.0] * len(self.adapters)
+        for entry in entries:
+            ident = entry.get("id") if isinstance(entry, dict) else None
+            scale = entry.get("scale", 0.0) if isinstance(entry, dict) else None
+            if not isinstance(ident, int) or isinstance(ident, bool) or not 0 <= ident < len(self.adapters):
+                raise APIError(400, f"{param}: id must be one of this server's --lora adapters (0.."
+                                    f"{len(self.adapters) - 1}), got {entry!r}", param=param, code="invalid_value")
+            if not isinstance(scale, (int, float)) or isinstance(scale, bool) or scale != scale \
+                    or abs(scale) == float("inf"):
+                raise APIError(400, f"{param}: scale must be a finite number, got {entry!r}", param=param,
+                               code="invalid_value")
+            scales[ident] = float(scale)
+        return scales
+
+    def listing(self) -> list[dict]:
+        return [{"id": i, "path": r.lora_path, "scale": s} for i, (r, s) in enumerate(zip(self.adapters, self.scales))]

@@ -32,7 +32,7 @@ def run_server(args) -> int:
         names.append(args.model)
     app = build_app(llm, names, api_key=api_key, limits=limits, cors=cors,
                     max_stored_responses=args.max_stored_responses, reasoning_parser=args.reasoning_parser,
-                    lora_modules=args.lora_modules)
+                    lora_modules=args.lora_modules, llama_loras=llama_loras_from_args(args))
     async_engine = app.state.async_engine
     async_engine.start()
     spec = engine.spec_config
@@ -46,6 +46,18 @@ def run_server(args) -> int:
     finally:
         async_engine.shutdown(timeout=5)
     return 0
+
+
+def llama_loras_from_args(args) -> list[tuple[str, float]]:
+    """llama-server's --lora FILE (scale 1) and --lora-scaled FILE SCALE, in order; scale 0 with
+    --lora-init-without-apply."""
+    loras = [(path, 1.0) for path in args.lora or []]
+    for path, scale in args.lora_scaled or []:
+        try:
+            loras.append((path, float(scale)))
+        except ValueError:
+            raise ValueError(f"--lora-scaled {path} {scale}: the scale must be a number") from None
+    return [(path, 0.0) for path, _ in loras] if args.lora_init_without_apply else loras
 
 
 def capacity_line(engine) -> str:

@@ -27,7 +27,7 @@ from specserve.entrypoints.openai.echo import echo_logprobs, joined, prompt_logp
 from specserve.entrypoints.openai.tool_call_stream import ToolCallStream, parse_whole
 from specserve.entrypoints.openai.errors import engine_error, error_body, sampling_error
 from specserve.entrypoints.openai.limits import APIError, ServerLimits
-from specserve.entrypoints.openai.lora_modules import LoraModules
+from specserve.entrypoints.openai.lora_modules import LlamaLoras, LoraModules
 from specserve.entrypoints.openai.metrics import ServerMetrics
 from specserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -48,7 +48,7 @@ from specserve.entrypoints.openai.response_format import (
     sse,
     usage,
 )
-from specserve.lora.request import LoRARequest
+from specserve.lora.request import LoRAMix, LoRARequest
 
 
 class OpenAIServing:
@@ -65,6 +65,7 @@ class OpenAIServing:
         self.served_model_names = served_model_names
         self.model_name = served_model_names[0]
         self.loras = LoraModules(served_model_names)
+        self.llama_loras = LlamaLoras([])      # llama-server's --lora files (build_app sets them)
         self.metrics = ServerMetrics(async_engine, self.model_name)
 
     def _usage(self, choices, params) -> dict:
@@ -105,6 +106,14 @@ class OpenAIServing:
                 code="model_not_found",
             )
         return lora
+
+    def request_lora(self, request, mix: LoRAMix | None = None) -> LoRARequest | LoRAMix | None:
+        """A request's adapter: the one its ``model`` names; else ``mix`` (a llama-server request's own
+        ``lora`` list), else llama-server's --lora files at their global scales; else none."""
+        lora = self.check_model(request.model)
+        if lora is not None:
+            return lora
+        return mix if mix is not None else self.llama_loras.mix()
 
     def answer_model(self, request) -> str:
         """The name an answer carries: the LoRA adapter's when the request named one (vLLM's)."""
@@ -200,9 +209,11 @@ class OpenAIServing:
                            code="invalid_value") from None
         return params
 
-    async def completions(self, request: CompletionRequest, raw: Request, endpoint: str = "completions") -> Response:
-        """``endpoint``: the metrics' label (``completion`` / ``infill`` when llama-server's endpoints ask)."""
-        lora = self.check_model(request.model)
+    async def completions(self, request: CompletionRequest, raw: Request, endpoint: str = "completions",
+                          lora_mix: LoRAMix | None = None) -> Response:
+        """``endpoint``: the metrics' label (``completion`` / ``infill`` when llama-server's endpoints ask);
+        ``lora_mix``: llama-server's per-request ``lora`` list."""
+        lora = self.request_lora(request, lora_mix)
         arrival = time.monotonic()
         params = await self.constrained(request, self.sampling_params(request))
         prompts = request.prompts()
@@ -223,7 +234,7 @@ class OpenAIServing:
 
     async def chat_completions(self, request: ChatCompletionRequest, raw: Request, endpoint: str = "chat") -> Response:
         """``endpoint``: the metrics' label (``responses`` when the Responses API asks)."""
-        lora = self.check_model(request.model)
+        lora = self.request_lora(request)
         arrival = time.monotonic()
         params = await self.constrained(request, self.sampling_params(request))
         engine_params = self.beam_search_params(request) if request.use_beam_search else params
