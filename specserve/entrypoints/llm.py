@@ -218,6 +218,25 @@ class LLM:
             raise
         return self._run(ids, use_tqdm if use_tqdm is not None else len(ids) > 8)
 
+    def _prepare_all(self, prompts) -> list[tuple]:
+        """One prompt or a list of them -> (prompt, ``prepare_prompt``'s result) each; ValueError naming the
+        first bad prompt before any is queued."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prepared = []
+        for i, p in enumerate(prompts):
+            try:
+                p = _unwrap_prompt(p)
+                prepared.append((p, self.engine.prepare_prompt(p)))
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        return prepared
+
+    def _check_not_driven(self) -> None:
+        if running_driver(self.engine) is not None:   # two threads stepping one engine would corrupt it
+            raise RuntimeError("an AsyncLLMEngine (for example a running server) is driving this LLM's engine; "
+                               "send requests through it, or shut it down first")
+
     def _lora_per_prompt(self, lora_request, count: int) -> list:
         """One LoRARequest (or None) per prompt, every adapter loaded and checked (ValueError) before
         any prompt is queued."""
@@ -234,19 +253,9 @@ class LLM:
         """Each prompt's embedding (vLLM's ``LLM.embed``: ``outputs.embedding``): its final hidden states
         pooled (``pooling``: "last", "mean" or "cls"; default the engine's ``pooling``) and, unless
         ``normalize`` is False, of unit length. Every prompt is checked before any is run."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        loras = self._lora_per_prompt(lora_request, len(prompts))
-        prepared = []
-        for i, p in enumerate(prompts):
-            try:
-                p = _unwrap_prompt(p)
-                prepared.append((p, self.engine.prepare_prompt(p)))
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
-        if running_driver(self.engine) is not None:
-            raise RuntimeError("an AsyncLLMEngine (for example a running server) is driving this LLM's engine; "
-                               "send requests through it, or shut it down first")
+        prepared = self._prepare_all(prompts)
+        loras = self._lora_per_prompt(lora_request, len(prepared))
+        self._check_not_driven()
         try:
             return [self.engine.embed(p, pooling, normalize, lora, prepared=pp) for (p, pp), lora in zip(prepared, loras)]
         except EmbeddingNoRoomError as e:      # nothing else runs here: the cache is too small for the prompt
@@ -263,15 +272,7 @@ class LLM:
         first. Prompts are strings, token-id lists, or vLLM's ``{"prompt": ...}`` /
         ``{"prompt_token_ids": [...]}``. With speculation the beams and their scores are the same as
         without (engine/beam_search.py says how); every prompt is checked before any work starts."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prepared = []
-        for i, p in enumerate(prompts):
-            try:
-                p = _unwrap_prompt(p)
-                prepared.append((p, self.engine.prepare_prompt(p)))
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
+        prepared = self._prepare_all(prompts)
         loras = self._lora_per_prompt(lora_request, len(prepared))
         ids = []
         try:
@@ -326,11 +327,12 @@ class LLM:
         return self.engine.tokenize(text, add_special_tokens=False)   # the template wrote the special tokens
 
     def _run(self, ids: list[str], show_progress: bool) -> list[RequestOutput]:
-        if running_driver(self.engine) is not None:   # two threads stepping one engine would corrupt it
+        try:
+            self._check_not_driven()
+        except RuntimeError:
             for rid in ids:
                 self.engine.abort_request(rid)
-            raise RuntimeError("an AsyncLLMEngine (for example a running server) is driving this LLM's engine; "
-                               "send requests through it, or shut it down first")
+            raise
         finished: dict[str, RequestOutput] = {}
         wanted = set(ids)
         bar = tqdm(total=len(ids), desc="Generating", disable=not show_progress)
