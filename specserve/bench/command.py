@@ -58,6 +58,7 @@ PRESETS = {   # suites that are spec-bench with other defaults
             "device": "cuda", "peer": ["transformers"]},
 }
 SUITE_DEFAULTS = {   # other suites that are another suite's module with other defaults
+    "lora-load": {"configs": "plain,llama.cpp"},
     # the GPU's step times: the 8B shape's decode and verification with and without graphs, the
     # 1B shape's 4-step draft chain against it, the 1.5B shape, against 4.8 TB/s and transformers
     "gpu-steps": {"models": "shape:llama-3.1-8b,shape:llama-3.1-8b:eager,shape:llama-3.2-1b,shape:qwen2.5-1.5b,"

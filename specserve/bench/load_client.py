@@ -68,9 +68,11 @@ class Report:
         return d
 
 
-async def one_request(http: httpx.AsyncClient, url: str, endpoint: str, model: str, prompt: str, args) -> Result:
+async def one_request(http: httpx.AsyncClient, url: str, endpoint: str, model: str, prompt: str, args,
+                      fields: dict | None = None) -> Result:
+    """``fields``: more of the request body (they may replace ``model``)."""
     body = {"model": model, "max_tokens": args.max_tokens, "temperature": args.temperature, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, **(fields or {})}
     if args.ignore_eos:
         body["ignore_eos"] = True
     if endpoint == "chat":
@@ -126,25 +128,30 @@ def scrape_spec(url: str) -> dict:
     return values
 
 
-async def run_load(url: str, model: str, prompts: list[str], args) -> tuple[list[Result], float]:
+async def run_load(url: str, model: str, prompts: list[str], args, request_fields=None) -> tuple[list[Result], float]:
+    """``request_fields(i)``: more body fields for request i (None: none)."""
     limit = httpx.Limits(max_connections=args.concurrency + 4, max_keepalive_connections=args.concurrency + 4)
     sem = asyncio.Semaphore(args.concurrency)
     async with httpx.AsyncClient(timeout=args.request_timeout, limits=limit, headers=_auth(args)) as http:
-        async def bounded(p):
+        async def bounded(i, p):
             async with sem:
-                return await one_request(http, url, args.endpoint, model, p, args)
+                return await one_request(http, url, args.endpoint, model, p, args,
+                                         request_fields(i) if request_fields else None)
 
         start = time.perf_counter()
-        results = await asyncio.gather(*(bounded(p) for p in prompts))
+        results = await asyncio.gather(*(bounded(i, p) for i, p in enumerate(prompts)))
         return list(results), time.perf_counter() - start
 
 
-def measure(label: str, url: str, prompts: list[str], args) -> Report:
+def measure(label: str, url: str, prompts: list[str], args, request_fields=None) -> Report:
+    """``request_fields(i)``: more body fields for request i (a LoRA adapter, by name or llama-server's list)."""
     model = httpx.get(url + "/v1/models", timeout=30, headers=_auth(args)).json()["data"][0]["id"]
-    # Warm-up: one short request so the first measured prefill pays no one-off costs.
-    asyncio.run(run_load(url, model, prompts[:1], argparse.Namespace(**{**vars(args), "max_tokens": 4, "concurrency": 1})))
+    # Warm-up: short requests so the first measured prefill pays no one-off costs (every adapter loaded).
+    warm = min(len(prompts), getattr(args, "loras", 1) or 1)
+    asyncio.run(run_load(url, model, prompts[:warm], argparse.Namespace(**{**vars(args), "max_tokens": 4,
+                                                                              "concurrency": 1}), request_fields))
     before = scrape_spec(url)
-    results, wall = asyncio.run(run_load(url, model, prompts, args))
+    results, wall = asyncio.run(run_load(url, model, prompts, args, request_fields))
     after = scrape_spec(url)
     spec = {}
     drafted = after.get("specserve_spec_decode_num_draft_tokens_total", 0) - before.get("specserve_spec_decode_num_draft_tokens_total", 0)

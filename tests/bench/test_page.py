@@ -99,10 +99,10 @@ def test_the_published_page_is_what_its_results_give():
     page = render_page(os.path.join(ROOT, "docs", "bench", "results"), os.path.join(ROOT, "benchmarks"))
     with open(os.path.join(ROOT, "docs", "benchmarks.md")) as f:
         assert f.read() == page, "run `specserve bench page` after changing docs/bench/results or benchmarks/"
-    # a screenful per suite (19), and a table per machine kind (three CPU kinds: AVX2, AVX-512, AVX-512 with AMX;
+    # a screenful per suite (20), and a table per machine kind (three CPU kinds: AVX2, AVX-512, AVX-512 with AMX;
     # the kernels suite has a table for each since its AMX-tile rows, on AMX five formats by five row counts;
     # draft-trees, beam-search and serve-load show their runs with AMX beside their older ones)
-    assert len(page.splitlines()) <= 840
+    assert len(page.splitlines()) <= 860
 
 
 def test_results_are_saved_gzipped_and_read_either_way(tmp_path):

@@ -31,6 +31,8 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
           "specserve bench batch-scaling"),
     Suite("serve-load", "serve_load", "Serving load: the OpenAI server under concurrent streams, plain against speculation and llama-server",
           "specserve bench serve-load"),
+    Suite("lora-load", "serve_load", "Serving load with LoRA adapters: 32 streaming requests over 4 adapters, "
+          "specserve against llama-server with the same adapter files", "specserve bench lora-load --lora ADAPTER.gguf"),
     Suite("llama-bench", "llama_bench", "Plain decoding against llama.cpp (llama-bench), same GGUF file and threads",
           "specserve bench llama-bench"),
     Suite("llama-server", "llama_server", "Chat answers against llama.cpp's llama-server",

@@ -9,7 +9,9 @@ starts llama.cpp's ``llama-server`` instead (a peer measured from outside: the s
 with the same client and requests. Reported per configuration: output throughput, TTFT and TPOT
 percentiles, acceptance (from the server's ``/metrics``), and each configuration's throughput
 against plain (and against llama.cpp's, when it ran). ``--url`` measures a server that is already
-running.
+running. ``--lora FILE --loras N``: request i runs with adapter i mod N of N copies of one LoRA file
+(distinct adapters to each server): specserve's by name (``--lora-modules``, ``--max-loras N``),
+llama-server's by its ``lora`` list (``--lora`` N times, ``--lora-init-without-apply``).
 """
 from __future__ import annotations
 
@@ -46,6 +48,8 @@ def add_arguments(p) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--server-log", default=None, help="append the servers' output to this file")
+    p.add_argument("--lora", default=None, metavar="FILE", help="a LoRA adapter (llama.cpp .gguf) the requests use")
+    p.add_argument("--loras", type=int, default=4, help="with --lora: that many distinct adapters, one per request in turn")
 
 
 def load_prompts(path: str, n: int) -> list[str]:
@@ -76,9 +80,28 @@ def server_args(config: str, args) -> list[str]:
     return extra
 
 
+def lora_server_args(args) -> list[str]:
+    """``specserve serve`` flags for ``--lora``: the file under ``--loras`` names."""
+    if not args.lora:
+        return []
+    return ["--lora-modules", *(f"lora{i}={os.path.abspath(args.lora)}" for i in range(args.loras)),
+            "--max-loras", str(args.loras), "--max-cpu-loras", str(args.loras)]
+
+
+def lora_fields(args, peer: bool):
+    """Request i's adapter (None without ``--lora``): llama-server's ``lora`` list, or specserve's name."""
+    if not args.lora:
+        return None
+    if peer:
+        return lambda i: {"lora": [{"id": i % args.loras, "scale": 1.0}]}
+    return lambda i: {"model": f"lora{i % args.loras}"}
+
+
 def run(args, doc: dict) -> None:
     from specserve.bench import load_client as lc
 
+    if args.suite == "lora-load" and not args.lora:
+        raise SystemExit("specserve bench lora-load: --lora ADAPTER.gguf is needed (benchmarks/lora_demo.py writes one)")
     args.ignore_eos = not args.stop_at_eos
     doc["params"] = {k: v for k, v in vars(args).items() if k not in ("func", "api_key")}
     prompts = load_prompts(args.prompts, args.num_requests)
@@ -105,7 +128,9 @@ def run(args, doc: dict) -> None:
     doc["table"] = {"columns": columns, "rows": rows}
     doc["notes"] = [f"{args.num_requests} streaming {args.endpoint} requests, {args.concurrency} in flight, "
                     f"{args.max_tokens} tokens each" + (" at most" if args.stop_at_eos else " (end-of-sequence ignored)")
-                    + f", temperature {args.temperature:g}; one server per configuration, one after the other."]
+                    + f", temperature {args.temperature:g}; one server per configuration, one after the other."
+                    + (f" Request i runs with LoRA adapter i mod {args.loras} ({args.loras} adapters, each a copy of "
+                       f"{os.path.basename(args.lora)})." if args.lora else "")]
     if peer:
         doc["notes"].append(f"llama.cpp: llama-server on the same GGUF file, {args.concurrency} slots of "
                             f"{args.max_model_len} tokens, {_llama_threads(args)} threads (acceptance and tau are "
@@ -119,10 +144,10 @@ def run(args, doc: dict) -> None:
 def _measure_specserve(config: str, prompts: list[str], args):
     from specserve.bench import load_client as lc
 
-    server = lc.ServerProcess(server_args(config, args), args)
+    server = lc.ServerProcess(server_args(config, args) + lora_server_args(args), args)
     try:
         server.wait_ready(args.startup_timeout)
-        return lc.measure(config, server.url, prompts, args)
+        return lc.measure(config, server.url, prompts, args, lora_fields(args, peer=False))
     finally:
         server.stop()
 
@@ -142,10 +167,12 @@ def _measure_llama_server(prompts: list[str], args):
                            f"leave {PEER} out of --configs")
     log = open(args.server_log, "a") if args.server_log else open(os.devnull, "w")
     with log:
+        loras = [a for _ in range(args.loras) for a in ("--lora", os.path.abspath(args.lora))] if args.lora else []
         server, base = start_llama_server(exe, gguf_path(args.model), _llama_threads(args),
                                           ctx_size=args.concurrency * args.max_model_len, slots=args.concurrency,
-                                          log=log, timeout_s=args.startup_timeout)
+                                          log=log, timeout_s=args.startup_timeout,
+                                          extra_args=loras + (["--lora-init-without-apply"] if loras else []))
         try:
-            return lc.measure(PEER, base, prompts, args)
+            return lc.measure(PEER, base, prompts, args, lora_fields(args, peer=True))
         finally:
             stop_process(server)
