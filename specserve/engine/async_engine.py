@@ -190,7 +190,7 @@ class AsyncLLMEngine:
         return await asyncio.wrap_future(done)
 
     async def embed(self, prompt: str | list[int], pooling: str | None = None, lora_request=None,
-                    wait_s: float = 60.0):
+                    wait_s: float = 60.0, normalize: bool = True):
         """``LLMEngine.embed`` on the engine thread, the prompt tokenized on the tokenizer thread first;
         while running requests hold the KV blocks it needs it tries again after the next steps, for
         up to ``wait_s`` (then ``EmbeddingNoRoomError``)."""
@@ -199,7 +199,8 @@ class AsyncLLMEngine:
         while True:
             try:
                 return await self.run_on_engine(
-                    functools.partial(self.engine.embed, prompt, pooling, lora_request=lora_request, prepared=prepared))
+                    functools.partial(self.engine.embed, prompt, pooling, normalize, lora_request=lora_request,
+                                      prepared=prepared))
             except EmbeddingNoRoomError:
                 if time.monotonic() > deadline:
                     raise

@@ -53,3 +53,27 @@ def test_bad_requests(served, body, status, param):
         if param:
             assert r.json()["error"]["param"] == param
         assert tc.get("/health").status_code == 200
+
+
+def test_llama_servers_embedding_endpoint(served):
+    """POST /embedding (and /embeddings): llama-server's ``content`` -> ``[{"index", "embedding": [v]}]``,
+    normalized by its ``embd_normalize`` (2 euclidean by default, -1 none, 1 taxicab, 0 int16 scale)."""
+    import numpy as np
+
+    _, app = served
+    with TestClient(app) as tc:
+        vector = tc.post("/v1/embeddings", json={"input": "Hello there", "encoding_format": "float"}).json()
+        raw = np.asarray(tc.post("/embedding", json={"content": "Hello there", "embd_normalize": -1}).json()[0]
+                         ["embedding"][0])
+        np.testing.assert_allclose(vector["data"][0]["embedding"], raw / np.linalg.norm(raw), atol=1e-6)
+        out = tc.post("/embedding", json={"content": "Hello there"}).json()
+        assert [o["index"] for o in out] == [0] and len(out[0]["embedding"]) == 1
+        np.testing.assert_allclose(out[0]["embedding"][0], raw / np.linalg.norm(raw), atol=1e-6)
+        for norm, want in ((-1, raw), (1, raw / np.abs(raw).sum()), (0, raw * 32760 / np.abs(raw).max()),
+                           (3, raw / (np.abs(raw) ** 3).sum() ** (1 / 3))):
+            got = tc.post("/embeddings", json={"input": "Hello there", "embd_normalize": norm}).json()
+            np.testing.assert_allclose(got[0]["embedding"][0], want, rtol=1e-5, atol=1e-4)
+        two = tc.post("/embedding", json={"content": ["Hello there", "A cat"]}).json()
+        assert [o["index"] for o in two] == [0, 1]
+        assert tc.post("/embedding", json={"content": "x", "input": "y"}).status_code == 400
+        assert tc.post("/embedding", json={"content": "x", "embd_normalize": -2}).status_code == 400

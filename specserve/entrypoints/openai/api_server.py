@@ -4,7 +4,7 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (``stream`` true or
 false; server-sent events ``data: {...}`` ending with ``data: [DONE]``), POST /v1/embeddings
-(``embeddings.py``), POST /v1/responses
+(``embeddings.py``; llama-server's POST /embedding and /embeddings too), POST /v1/responses
 (OpenAI's Responses API over the chat handler: ``responses.py``; GET and DELETE
 /v1/responses/{id} for the kept ones), POST /v1/messages and /v1/messages/count_tokens
 (Anthropic's Messages API over the chat handler: ``anthropic_messages.py``; its errors in
@@ -58,12 +58,13 @@ from specserve.entrypoints.openai.protocol import (
     DetokenizeRequest,
     EmbeddingRequest,
     LoadLoraAdapterRequest,
+    NativeEmbeddingRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
     UnloadLoraAdapterRequest,
 )
-from specserve.entrypoints.openai.embeddings import create_embeddings
+from specserve.entrypoints.openai.embeddings import create_embeddings, native_embeddings
 from specserve.entrypoints.openai.lora_modules import (
     add_static_modules, load_adapter, runtime_updating_allowed, unload_adapter,
 )
@@ -102,7 +103,8 @@ class CORSOptions:
 
 # Routes outside /v1 that generate or read the model, guarded by the key too (llama-server guards its
 # own so; the chat page, its static files, /health, /metrics and /version stay open)
-KEYED_ROUTES = ("/completion", "/infill", "/props", "/tokenize", "/detokenize", "/lora-adapters")
+KEYED_ROUTES = ("/completion", "/infill", "/props", "/tokenize", "/detokenize", "/lora-adapters", "/embedding",
+                "/embeddings")
 
 
 class _APIKeyMiddleware:
@@ -220,6 +222,11 @@ def build_app(llm_or_engine, served_model_name: str | list[str] | None = None, a
     @app.post("/v1/embeddings")
     async def embeddings(raw: Request):
         return await handle(raw, EmbeddingRequest, functools.partial(create_embeddings, serving))
+
+    @app.post("/embedding")
+    @app.post("/embeddings")
+    async def native_embedding(raw: Request):
+        return await handle(raw, NativeEmbeddingRequest, functools.partial(native_embeddings, serving))
 
     @app.post("/v1/responses")
     async def responses(raw: Request):

@@ -1,5 +1,7 @@
 """POST /v1/embeddings (OpenAI's, as vLLM and llama-server serve it): each input's pooled final
-hidden state (``engine/embedding.py``: ``--pooling``, unit length), as floats or base64 float32."""
+hidden state (``engine/embedding.py``: ``--pooling``, unit length), as floats or base64 float32; and
+llama-server's own POST /embedding (and /embeddings): ``content`` (or ``input``) -> ``[{"index",
+"embedding": [vector]}]``, normalized as its ``embd_normalize`` says."""
 from __future__ import annotations
 
 import base64
@@ -18,26 +20,58 @@ def encoded(vector: list[float], encoding_format: str):
     return vector
 
 
+def llama_normalized(vector: list[float], embd_normalize: int) -> list[float]:
+    """llama-server's ``embd_normalize``: -1 none, 0 scaled so the largest magnitude is 32760 (int16),
+    1 taxicab, 2 euclidean (its default), p > 2 the p-norm."""
+    v = np.asarray(vector, dtype=np.float64)
+    if embd_normalize < 0:
+        norm = 1.0
+    elif embd_normalize == 0:
+        norm = np.abs(v).max() / 32760.0
+    elif embd_normalize == 2:
+        norm = np.sqrt((v * v).sum())
+    else:
+        norm = (np.abs(v) ** embd_normalize).sum() ** (1.0 / embd_normalize)
+    return (v / norm if norm > 0 else v).astype(np.float32).tolist()
+
+
+async def _embed_all(serving, inputs: list, lora, normalize: bool, param: str) -> list:
+    """Each input's EmbeddingRequestOutput, one after the other; 400 / 503 as the module says."""
+    if len(inputs) > serving.limits.max_prompts:
+        raise APIError(400, f"at most {serving.limits.max_prompts} inputs per request, got {len(inputs)}",
+                       param=param, code="too_many_prompts")
+    serving.metrics.requests.labels(serving.model_name, "embeddings").inc()
+    outs = []
+    for i, item in enumerate(inputs):
+        try:
+            outs.append(await serving.async_engine.embed(item, lora_request=lora, normalize=normalize))
+        except ValueError as e:
+            raise APIError(400, f"{param} {i}: {e}", param=param, code="invalid_prompt") from None
+        except EmbeddingNoRoomError as e:
+            raise APIError(503, f"the server is busy: {e}", "server_error", code="server_busy") from None
+    return outs
+
+
+async def native_embeddings(serving, req, raw) -> JSONResponse:
+    """llama-server's POST /embedding: ``[{"index": i, "embedding": [vector]}]``."""
+    if req.embd_normalize < -1:
+        raise APIError(400, "embd_normalize must be -1 (none), 0, 1, 2 (euclidean) or a larger p",
+                       param="embd_normalize", code="invalid_value")
+    outs = await _embed_all(serving, req.inputs(), serving.request_lora(req), False, "content")
+    return JSONResponse([{"index": i, "embedding": [llama_normalized(o.outputs.embedding, req.embd_normalize)]}
+                         for i, o in enumerate(outs)])
+
+
 async def create_embeddings(serving, req, raw) -> JSONResponse:
     lora = serving.request_lora(req)
     inputs = req.inputs()
-    if len(inputs) > serving.limits.max_prompts:
-        raise APIError(400, f"at most {serving.limits.max_prompts} inputs per request, got {len(inputs)}",
-                       param="input", code="too_many_prompts")
     width = serving.engine.hf_config.hidden_size
     if req.dimensions is not None and req.dimensions != width:
         raise APIError(400, f"this model's embeddings have {width} dimensions; dimensions {req.dimensions} cannot "
                             f"be given", param="dimensions", code="invalid_value")
-    serving.metrics.requests.labels(serving.model_name, "embeddings").inc()
-    data, tokens = [], 0
-    for i, item in enumerate(inputs):
-        try:
-            out = await serving.async_engine.embed(item, lora_request=lora)
-        except ValueError as e:
-            raise APIError(400, f"input {i}: {e}", param="input", code="invalid_prompt") from None
-        except EmbeddingNoRoomError as e:
-            raise APIError(503, f"the server is busy: {e}", "server_error", code="server_busy") from None
-        tokens += len(out.prompt_token_ids)
-        data.append({"object": "embedding", "index": i, "embedding": encoded(out.outputs.embedding, req.encoding_format)})
+    outs = await _embed_all(serving, inputs, lora, True, "input")
+    data = [{"object": "embedding", "index": i, "embedding": encoded(o.outputs.embedding, req.encoding_format)}
+            for i, o in enumerate(outs)]
+    tokens = sum(len(o.prompt_token_ids) for o in outs)
     return JSONResponse({"object": "list", "data": data, "model": serving.answer_model(req),
                          "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})

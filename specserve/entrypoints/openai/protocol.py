@@ -529,20 +529,47 @@ class ModelCard(BaseModel):
     max_model_len: int | None = None
 
 
+# What an embeddings request embeds: a text, token ids, or a list of either
+EmbeddingInput = (str | Annotated[list[str], Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]
+                  | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)])
+
+
+def embedding_inputs(value) -> list[str | list[int]]:
+    """An ``EmbeddingInput`` as a list of prompts."""
+    if isinstance(value, str) or (value and isinstance(value[0], int)):
+        return [value]
+    return list(value)
+
+
 class EmbeddingRequest(StrictModel):
     """POST /v1/embeddings (OpenAI's): one input or a list of them, each text or token ids."""
 
     model: str | None = None
-    input: str | Annotated[list[str], Field(min_length=1)] | Annotated[list[int], Field(min_length=1)] \
-        | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)]
+    input: EmbeddingInput
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
 
     def inputs(self) -> list[str | list[int]]:
-        if isinstance(self.input, str) or (self.input and isinstance(self.input[0], int)):
-            return [self.input]
-        return list(self.input)
+        return embedding_inputs(self.input)
+
+
+class NativeEmbeddingRequest(StrictModel):
+    """llama-server's POST /embedding: ``content`` (or ``input``), ``embd_normalize``."""
+
+    model: str | None = None
+    content: EmbeddingInput | None = None
+    input: EmbeddingInput | None = None
+    embd_normalize: int = 2
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.content is None) == (self.input is None):
+            raise ValueError("give either content or input")
+        return self
+
+    def inputs(self) -> list[str | list[int]]:
+        return embedding_inputs(self.content if self.content is not None else self.input)
 
 
 class LoadLoraAdapterRequest(StrictModel):
