@@ -35,6 +35,9 @@ def test_the_openai_client_gets_the_llm_apis_vectors(served):
         assert floats["data"][0]["embedding"] == pytest.approx(want[0], abs=1e-6) and floats["model"] == "tiny"
         by_ids = tc.post("/v1/embeddings", json={"input": [ids], "encoding_format": "float"}).json()
         assert by_ids["data"][0]["embedding"] == pytest.approx(want[1], abs=1e-6)
+        metrics = tc.get("/metrics").text
+        assert 'specserve_requests_total{endpoint="embeddings",model_name="tiny"}' in metrics
+        assert f'vllm:prompt_tokens_total{{model_name="tiny"}} {float(2 * prompt_tokens):.1f}' in metrics   # the two inputs twice
 
 
 @pytest.mark.parametrize("body,status,param", [

@@ -49,6 +49,7 @@ async def _embed_all(serving, inputs: list, lora, normalize: bool, param: str) -
             raise APIError(400, f"{param} {i}: {e}", param=param, code="invalid_prompt") from None
         except EmbeddingNoRoomError as e:
             raise APIError(503, f"the server is busy: {e}", "server_error", code="server_busy") from None
+    serving.metrics.prompt_tokens.labels(serving.model_name).inc(sum(len(o.prompt_token_ids) for o in outs))
     return outs
 
 
