@@ -74,6 +74,9 @@ class LookupBackoff:
             self._cuts[request] = 0
 
 
+MIN_ADAPTER_DRAFTS = 32   # draft tokens a LoRA adapter's requests propose before their prior is its own
+
+
 class Drafting:
     def __init__(self, disable_by_batch_size: int | None, k_policy: DraftLengthPolicy | None,
                  engine_stats: SpecDecodeStats, max_model_len: int):
@@ -81,6 +84,9 @@ class Drafting:
         self.max_model_len = max_model_len    # a request's tokens left: what a probe's catch-up can pay off over
         self.k_policy = k_policy
         self.engine_stats = engine_stats      # the engine-wide acceptance (the policy's prior)
+        # the same by LoRA adapter (0: the base model): with adapters, a request's prior is its adapter's,
+        # whose drafts (proposed without the adapter) are accepted at a rate of their own
+        self.stats_by_adapter: dict[int, SpecDecodeStats] = {}
         self.propose_seconds = 0.0            # this step's proposer time (dynamic_k's cost model)
         self.shadows = ShadowDrafts() if k_policy is not None else None   # free proposers' scored proposals
         self.backoff = LookupBackoff()
@@ -199,16 +205,32 @@ class Drafting:
         except Exception:  # noqa: BLE001 - stale proposer state only costs acceptance
             logger.exception("the proposer failed to observe the target's hidden states")
 
+    def record_adapter_step(self, lora_id: int, num_drafts: int, num_accepted: int, num_emitted: int,
+                            per_depth: list[int] | None) -> None:
+        """A decode step's counts, under the request's LoRA adapter (0: none)."""
+        self.stats_by_adapter.setdefault(lora_id, SpecDecodeStats()).record(num_drafts, num_accepted, num_emitted,
+                                                                            per_depth)
+
+    def prior_for(self, lora_id: int) -> list[float]:
+        """The acceptance by position a request starts from: its LoRA adapter's once that has drafted
+        MIN_ADAPTER_DRAFTS tokens and adapters are in use, else the engine-wide one."""
+        stats = self.stats_by_adapter.get(lora_id)
+        if len(self.stats_by_adapter) < 2 or stats is None or stats.num_draft_tokens < MIN_ADAPTER_DRAFTS:
+            stats = self.engine_stats
+        return self.k_policy.prior(stats.accepted_per_position, stats.drafted_per_position)
+
     def _choose_draft_lengths(self, proposer, decoding: list[ScheduledRequest]) -> None:
         """Lower each request's lookahead to the draft length the policy picks (its slots stay
         reserved, unused); a seeded request's tokens do not depend on it (``sample.verify``)."""
         policy = self.k_policy
-        prior = policy.prior(self.engine_stats.accepted_per_position, self.engine_stats.drafted_per_position)
+        priors = {lora_id: self.prior_for(lora_id) for lora_id in {s.request.lora_id for s in decoding}}
         rates = [policy.acceptance(s.request.spec_stats.accepted_per_position,
-                                   s.request.spec_stats.drafted_per_position, prior) for s in decoding]
+                                   s.request.spec_stats.drafted_per_position, priors[s.request.lora_id])
+                 for s in decoding]
         probe = [s.request.takes_draft_probes and policy.is_probe_step(s.request.spec_stats.num_steps)
                  and policy.probe_pays(s.request.spec_stats.accepted_per_position,
-                                       s.request.spec_stats.drafted_per_position, prior, self._tokens_left(s.request),
+                                       s.request.spec_stats.drafted_per_position, priors[s.request.lora_id],
+                                       self._tokens_left(s.request),
                                        policy.extra_catch_up(proposer.catch_up_tokens(s.request)))
                  for s in decoding]
         for s, k in zip(decoding, policy.choose(rates, [s.num_lookahead for s in decoding], probe)):

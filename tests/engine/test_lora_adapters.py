@@ -231,3 +231,28 @@ def test_a_mix_of_adapters_at_scales_is_their_weighted_sum(peaked_llama_dir, ada
         tokens(llm.generate(PROMPTS[0], GREEDY))
     with pytest.raises(ValueError, match="finite"):
         LoRAMix(((a, float("nan")),))
+
+
+def test_dynamic_k_starts_an_adapters_requests_from_that_adapters_acceptance(peaked_llama_dir, peaked_draft_dir,
+                                                                             adapters):
+    """With adapters in use, dynamic_k's prior for a new request is its adapter's acceptance (once
+    that adapter has drafted enough), not the engine-wide mix; the outputs stay plain's."""
+    from specserve.engine.drafting import MIN_ADAPTER_DRAFTS
+
+    spec = {"method": "draft_model", "model": peaked_draft_dir, "num_speculative_tokens": 3, "dynamic_k": True}
+    llm = make_llm(peaked_llama_dir, speculative_config=spec)
+    a = lora(adapters, "all")
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    got = tokens(llm.generate(PROMPTS * 2, params, lora_request=[a, None, None] * 2))
+    assert got == tokens(make_llm(peaked_llama_dir).generate(PROMPTS * 2, params, lora_request=[a, None, None] * 2))
+    drafting = llm.engine.drafting
+    by = drafting.stats_by_adapter
+    assert set(by) == {0, a.lora_int_id}
+    assert by[0].num_draft_tokens + by[a.lora_int_id].num_draft_tokens == llm.get_spec_decode_stats().num_draft_tokens
+    engine_wide = drafting.k_policy.prior(drafting.engine_stats.accepted_per_position,
+                                          drafting.engine_stats.drafted_per_position)
+    for lora_id, stats in by.items():
+        want = (drafting.k_policy.prior(stats.accepted_per_position, stats.drafted_per_position)
+                if stats.num_draft_tokens >= MIN_ADAPTER_DRAFTS else engine_wide)
+        assert drafting.prior_for(lora_id) == want
+    assert drafting.prior_for(99) == engine_wide
