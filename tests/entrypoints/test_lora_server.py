@@ -127,6 +127,7 @@ def test_llama_servers_lora_files_scales_and_endpoints(peaked_llama_dir, adapter
         assert tc.post("/lora-adapters", json=[{"id": 0, "scale": 0}]).json() == {"success": True}
         assert tc.post("/v1/completions", json={**body, "max_tokens": 8}).json()["choices"][0]["text"] == want["base"]
         assert tc.post("/lora-adapters", json=[{"id": "x"}]).status_code == 400
+        assert tc.post("/lora-adapters", json=[{"id": 0, "scale": 1e6}]).status_code == 400
 
 
 def test_a_lora_list_without_lora_files_is_refused_and_the_flags_parse(tiny_llama_dir):

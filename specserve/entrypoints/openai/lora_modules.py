@@ -87,6 +87,9 @@ async def unload_adapter(serving, req, raw) -> PlainTextResponse:
     return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
 
+MAX_SCALE = 1000.0   # a request's LoRA scale at most (beyond it float32 products overflow to nonsense)
+
+
 class LlamaLoras:
     """llama-server's adapters (``serve --lora FILE``, ``--lora-scaled FILE SCALE``): numbered from 0,
     each with a global scale (1, the given one, or 0 with ``--lora-init-without-apply``) that applies
@@ -115,10 +118,9 @@ class LlamaLoras:
             if not isinstance(ident, int) or isinstance(ident, bool) or not 0 <= ident < len(self.adapters):
                 raise APIError(400, f"{param}: id must be one of this server's --lora adapters (0.."
                                     f"{len(self.adapters) - 1}), got {entry!r}", param=param, code="invalid_value")
-            if not isinstance(scale, (int, float)) or isinstance(scale, bool) or scale != scale \
-                    or abs(scale) == float("inf"):
-                raise APIError(400, f"{param}: scale must be a finite number, got {entry!r}", param=param,
-                               code="invalid_value")
+            if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not abs(scale) <= MAX_SCALE:
+                raise APIError(400, f"{param}: scale must be a number in [-{MAX_SCALE:g}, {MAX_SCALE:g}], got {entry!r}",
+                               param=param, code="invalid_value")
             scales[ident] = float(scale)
         return scales
 
