@@ -86,13 +86,12 @@ class LoraAdapters:
             pairs = [(adapter.modules[key][0], scale * adapter.modules[key][1]) for adapter, scale in parts
                      if key in adapter.modules]
             modules[key] = (torch.cat([a for a, _ in pairs]), torch.cat([b for _, b in pairs], dim=1))
-        adapter_id = MIX_IDS_FROM + len(self._mix_ids) if mix.key not in self._mix_ids else self._mix_ids[mix.key]
-        self._mix_ids[mix.key] = adapter_id
+        if adapter_id is None:
+            adapter_id = self._mix_ids[mix.key] = MIX_IDS_FROM + len(self._mix_ids)
         self._evict_idle(in_use)
         self.runner.add_lora(adapter_id, modules)
-        name = " + ".join(f"{s:g} x {r.lora_name}" for r, s in mix.parts)
-        self.loaded[adapter_id] = LoRARequest(name, adapter_id, name)
-        logger.info("LoRA mix %s loaded (id %d)", name, adapter_id)
+        self.loaded[adapter_id] = LoRARequest(mix.lora_name, adapter_id, mix.lora_name)
+        logger.info("LoRA mix %s loaded (id %d)", mix.lora_name, adapter_id)
         return adapter_id
 
     def _evict_idle(self, in_use: set[int]) -> None:

@@ -61,3 +61,8 @@ class LoRAMix:
     @property
     def key(self) -> tuple[tuple[str, float], ...]:
         return tuple((r.lora_path, s) for r, s in self.parts)
+
+    @property
+    def lora_name(self) -> str:
+        """What logs and the metrics call it: "0.5 x caps + 1 x poet"."""
+        return " + ".join(f"{s:g} x {r.lora_name}" for r, s in self.parts)

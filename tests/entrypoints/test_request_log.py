@@ -36,3 +36,16 @@ def test_the_flag_parses(tmp_path):
     from specserve.entrypoints.cli import build_parser
 
     assert build_parser().parse_args(["serve", "--enable-log-requests"]).enable_log_requests
+
+
+def test_a_request_with_llama_servers_lora_mix_is_logged(peaked_llama_dir, tmp_path, caplog):
+    """A request that runs with llama-server's --lora files at a scale (a LoRAMix) logs its mix."""
+    from lora_adapters import write_peft_adapter
+
+    adapter = write_peft_adapter(peaked_llama_dir, str(tmp_path / "a"), seed=1)
+    llm = LLM(model=peaked_llama_dir, dtype="float32", max_model_len=128, kv_cache_memory=8 << 20, enable_lora=True)
+    with TestClient(build_app(llm, "tiny", llama_loras=[(adapter, 0.5)])) as tc:
+        with caplog.at_level(logging.INFO, logger=REQUEST_LOG.name):
+            assert tc.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+    [line] = [r.getMessage() for r in caplog.records if r.name == REQUEST_LOG.name]
+    assert "LoRA '0.5 x a'" in line
