@@ -265,6 +265,12 @@ class KVCacheManager:
             self.num_queried_tokens += num_tokens
             self.num_hit_tokens += num_hit_tokens
 
+    def cache_request_blocks(self, req, num_verified_tokens: int) -> None:
+        """``cache_full_blocks`` for a ``core.request.Request``: its id, tokens, proposer count and cache
+        root (its LoRA adapter), so no caller can leave one out."""
+        self.cache_full_blocks(req.request_id, req.all_token_ids, num_verified_tokens, req.proposer_num_computed_tokens,
+                               root=req.cache_root)
+
     def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_verified_tokens: int,
                           num_proposer_tokens: int | None = None, root: Hashable = None) -> None:
         """Register the request's full blocks below ``num_verified_tokens`` (tokens

@@ -295,8 +295,7 @@ class BeamGroups:
                 copies += [(cache_slot(table, source(nb, p), bs), cache_slot(own, p, bs)) for p in range(shared, keep)]
                 child.num_computed_tokens = keep
                 child.proposer_num_computed_tokens = min(drafted_to, in_place(nb), keep)
-                self.kv_cache.cache_full_blocks(child.request_id, child.all_token_ids, keep,
-                                                child.proposer_num_computed_tokens, root=child.cache_root)
+                self.kv_cache.cache_request_blocks(child, keep)
                 self.scheduler.add_running(child)
                 if self.proposer is not None:
                     self.proposer.fork(req, child, nb.nodes, length - 1)
@@ -319,8 +318,7 @@ class BeamGroups:
         req.proposer_num_computed_tokens = min(req.proposer_num_computed_tokens, first_drafted)
         for t in first.tokens:
             req.append_token(t)
-        self.kv_cache.cache_full_blocks(req.request_id, req.all_token_ids, keep, req.proposer_num_computed_tokens,
-                                        root=req.cache_root)
+        self.kv_cache.cache_request_blocks(req, keep)
         return [(first, req)] + placed
 
     # ------------------------------------------------------------------ the end

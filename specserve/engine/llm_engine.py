@@ -378,9 +378,7 @@ class LLMEngine:
         for s in scheduled:
             req = s.request
             if (req.status is RequestStatus.RUNNING and req.request_id in self.requests) or req in self._blocks_held:
-                self.kv_cache.cache_full_blocks(req.request_id, req.all_token_ids,
-                                                min(req.num_computed_tokens, req.num_tokens),
-                                                req.proposer_num_computed_tokens, root=req.cache_root)
+                self.kv_cache.cache_request_blocks(req, min(req.num_computed_tokens, req.num_tokens))
         self._free_held_blocks()
 
     def _free_held_blocks(self) -> None:
@@ -407,8 +405,7 @@ class LLMEngine:
             add_prompt_logprobs(req, prompt_logits[req.request_id], self.tokenizer)
         if not s.will_sample:   # a prefill chunk short of the prompt's end
             req.commit_step(s.num_new_tokens, None)
-            self.kv_cache.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens,
-                                           req.proposer_num_computed_tokens, root=req.cache_root)
+            self.kv_cache.cache_request_blocks(req, req.num_computed_tokens)
             return None
         verified = emitted[req.request_id]
         if isinstance(verified, BaseException):
@@ -422,8 +419,7 @@ class LLMEngine:
         status = self.constraints.after_append(req, verified.token_ids[:appended], status)
         # Every token below num_computed_tokens is now verified and appended (a stop may
         # have cut the accepted drafts short): their full blocks may be shared.
-        self.kv_cache.cache_full_blocks(req.request_id, req.all_token_ids, min(req.num_computed_tokens, req.num_tokens),
-                                       req.proposer_num_computed_tokens, root=req.cache_root)
+        self.kv_cache.cache_request_blocks(req, min(req.num_computed_tokens, req.num_tokens))
         if s.num_new_tokens == 1:  # a decoding (verification) step, drafts or not
             req.spec_stats.record(num_drafts, verified.num_accepted, appended, per_depth)
             self.spec_stats.record(num_drafts, verified.num_accepted, appended, per_depth)
