@@ -181,6 +181,9 @@ class BlockTableDeltas:
         return inputs
 
 
+# ModelRunner methods the driver runs on every rank with the same arguments, answered by nothing
+RANK_CALLS = ("copy_kv_slots", "enable_lora", "add_lora", "remove_lora")
+
 QUANTIZED_SUFFIX = ".quantized."   # shard entry "<module>.quantized.<i>": segment i of a QuantizedMatrix
 
 
@@ -283,17 +286,9 @@ def serve(conn: Connection, tp: TensorParallelGroup, device: torch.device) -> No
         if kind == "execute":
             _, key, rows = msg
             runners[key].execute(tables[key].decode(rows))  # logits stay on rank 0
-        elif kind == "copy_kv_slots":
-            _, key, src, dst = msg
-            runners[key].copy_kv_slots(src, dst)
-        elif kind == "enable_lora":
-            runners[msg[1]].enable_lora()
-        elif kind == "add_lora":
-            _, key, adapter_id, modules = msg
-            runners[key].add_lora(adapter_id, modules)
-        elif kind == "remove_lora":
-            _, key, adapter_id = msg
-            runners[key].remove_lora(adapter_id)
+        elif kind in RANK_CALLS:   # the same ModelRunner method on every rank, no answer
+            _, key, *args = msg
+            getattr(runners[key], kind)(*args)
         elif kind == "build":
             _, key, config, dtype, max_model_len, block_size, specs, quantized = msg
             shard = {name: _recv_tensor(conn, shape, dt) for name, shape, dt in specs}
@@ -431,27 +426,26 @@ class TensorParallelExecutor:
             group.fail(f"{type(e).__name__} in the middle of a tensor-parallel step")
             raise
 
-    def enable_lora(self) -> None:
+    def _on_every_rank(self, method: str, *args) -> None:
+        """``ModelRunner.<method>(*args)`` on every rank (one of ``RANK_CALLS``), rank 0's here."""
+        assert method in RANK_CALLS
         self.group.check()
-        self.group.send_all(pickle.dumps(("enable_lora", self.key)))
-        self.local.enable_lora()
+        self.group.send_all(pickle.dumps((method, self.key, *args), protocol=pickle.HIGHEST_PROTOCOL))
+        getattr(self.local, method)(*args)
+
+    def enable_lora(self) -> None:
+        self._on_every_rank("enable_lora")
 
     def add_lora(self, adapter_id: int, modules: dict) -> None:
         """Every rank gets the adapter's full matrices and keeps its shard (``ModelRunner.add_lora``)."""
-        self.group.check()
-        self.group.send_all(pickle.dumps(("add_lora", self.key, adapter_id, modules), protocol=pickle.HIGHEST_PROTOCOL))
-        self.local.add_lora(adapter_id, modules)
+        self._on_every_rank("add_lora", adapter_id, modules)
 
     def remove_lora(self, adapter_id: int) -> None:
-        self.group.check()
-        self.group.send_all(pickle.dumps(("remove_lora", self.key, adapter_id)))
-        self.local.remove_lora(adapter_id)
+        self._on_every_rank("remove_lora", adapter_id)
 
     def copy_kv_slots(self, src: list[int], dst: list[int]) -> None:
         """Every rank moves the same slots of its own KV heads (see ``ModelRunner.copy_kv_slots``)."""
-        self.group.check()
-        self.group.send_all(pickle.dumps(("copy_kv_slots", self.key, src, dst)))
-        self.local.copy_kv_slots(src, dst)
+        self._on_every_rank("copy_kv_slots", src, dst)
 
     def shutdown(self) -> None:
         """Stop the workers now (also happens when the engine is garbage collected or at exit)."""
