@@ -423,7 +423,8 @@ class LLMEngine:
         if s.num_new_tokens == 1:  # a decoding (verification) step, drafts or not
             req.spec_stats.record(num_drafts, verified.num_accepted, appended, per_depth)
             self.spec_stats.record(num_drafts, verified.num_accepted, appended, per_depth)
-            self.drafting.record_adapter_step(req.lora_id, num_drafts, verified.num_accepted, appended, per_depth)
+            if self.loras is not None:    # dynamic_k's per-adapter priors (engine/drafting.py)
+                self.drafting.record_adapter_step(req.lora_id, num_drafts, verified.num_accepted, appended, per_depth)
         if status is not None:
             self._finish(req, status, hold_blocks=self.kv_cache.proposer_kv == PROPOSER_KV_FROM_FEATURES)
         if not (stream_outputs or req.is_finished()):

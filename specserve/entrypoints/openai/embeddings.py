@@ -35,8 +35,9 @@ def llama_normalized(vector: list[float], embd_normalize: int) -> list[float]:
     return (v / norm if norm > 0 else v).astype(np.float32).tolist()
 
 
-async def _embed_all(serving, inputs: list, lora, normalize: bool, param: str) -> list:
-    """Each input's EmbeddingRequestOutput, one after the other; 400 / 503 as the module says."""
+async def _embed_all(serving, inputs: list, lora, normalize: bool, param: str) -> tuple[list, int]:
+    """(each input's EmbeddingRequestOutput, one after the other; their prompt tokens); 400 / 503 as
+    the module says."""
     if len(inputs) > serving.limits.max_prompts:
         raise APIError(400, f"at most {serving.limits.max_prompts} inputs per request, got {len(inputs)}",
                        param=param, code="too_many_prompts")
@@ -49,8 +50,9 @@ async def _embed_all(serving, inputs: list, lora, normalize: bool, param: str) -
             raise APIError(400, f"{param} {i}: {e}", param=param, code="invalid_prompt") from None
         except EmbeddingNoRoomError as e:
             raise APIError(503, f"the server is busy: {e}", "server_error", code="server_busy") from None
-    serving.metrics.prompt_tokens.labels(serving.model_name).inc(sum(len(o.prompt_token_ids) for o in outs))
-    return outs
+    tokens = sum(len(o.prompt_token_ids) for o in outs)
+    serving.metrics.prompt_tokens.labels(serving.model_name).inc(tokens)
+    return outs, tokens
 
 
 async def native_embeddings(serving, req, raw) -> JSONResponse:
@@ -58,7 +60,7 @@ async def native_embeddings(serving, req, raw) -> JSONResponse:
     if req.embd_normalize < -1:
         raise APIError(400, "embd_normalize must be -1 (none), 0, 1, 2 (euclidean) or a larger p",
                        param="embd_normalize", code="invalid_value")
-    outs = await _embed_all(serving, req.inputs(), serving.request_lora(req), False, "content")
+    outs, _ = await _embed_all(serving, req.inputs(), serving.request_lora(req), False, "content")
     return JSONResponse([{"index": i, "embedding": [llama_normalized(o.outputs.embedding, req.embd_normalize)]}
                          for i, o in enumerate(outs)])
 
@@ -70,9 +72,8 @@ async def create_embeddings(serving, req, raw) -> JSONResponse:
     if req.dimensions is not None and req.dimensions != width:
         raise APIError(400, f"this model's embeddings have {width} dimensions; dimensions {req.dimensions} cannot "
                             f"be given", param="dimensions", code="invalid_value")
-    outs = await _embed_all(serving, inputs, lora, True, "input")
+    outs, tokens = await _embed_all(serving, inputs, lora, True, "input")
     data = [{"object": "embedding", "index": i, "embedding": encoded(o.outputs.embedding, req.encoding_format)}
             for i, o in enumerate(outs)]
-    tokens = sum(len(o.prompt_token_ids) for o in outs)
     return JSONResponse({"object": "list", "data": data, "model": serving.answer_model(req),
                          "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})

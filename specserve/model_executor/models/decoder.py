@@ -308,7 +308,9 @@ class DecoderForCausalLM(nn.Module):
     def _point_kernels_at_adapters(self) -> None:
         """Tell the compiled layers each row's LoRA adapter this step (none without LoRA rows)."""
         rows = self.lora_rows
-        if rows is None or not rows.active:
+        if rows is None:          # LoRA never enabled: the kernels' row pointers stay NULL
+            return
+        if not rows.active:
             for kernel in self.layer_kernels:
                 kernel.use_adapters((), None)
             return
