@@ -103,15 +103,17 @@ static int qmatrix_gemm(const qmatrix *m, const float *x, int64_t ldx, int64_t r
     return status;
 }
 
-/* out[t] += B (A in[t]) of row t's adapter (table[row[t]]), for every row, shared out over the team:
- * first the low-rank products low[t, r] = a[r] . in[t], then each output element adds low[t, r] *
+/* out[t] += B (A in[t]) of row t's adapter (table[L->lora_row[t]]), for every row, shared out over the
+ * team: first the low-rank products low[t, r] = a[r] . in[t], then each output element adds low[t, r] *
  * bt[r, o] over r in order (one row's numbers never depend on another's: row-invariant). in [T, in]
- * (row stride ldx), out [T, out] (row stride ldo), low [T, R] scratch shared by the team. */
+ * (row stride ldx), out [T, n_out] (contiguous rows), low [T, L->lora_max_rank] scratch shared by the
+ * team (NULL: no LoRA rows this call, nothing to add). */
 #define QLORA_COLUMNS 64
-static void lora_add(const qlora *table, const int32_t *row, int64_t R, const float *x, int64_t ldx, int64_t T,
-                     int64_t in, float *out, int64_t ldo, int64_t n_out, float *low) {
-    const int64_t blocks = (n_out + QLORA_COLUMNS - 1) / QLORA_COLUMNS;
-    if (row == NULL) return;
+static void lora_add(const qlayer *L, const qlora *table, const float *x, int64_t ldx, int64_t T, int64_t in,
+                     float *out, int64_t n_out, float *low) {
+    if (low == NULL) return;
+    const int32_t *row = L->lora_row;
+    const int64_t R = L->lora_max_rank, ldo = n_out, blocks = (n_out + QLORA_COLUMNS - 1) / QLORA_COLUMNS;
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < T * R; i++) {
         const qlora *l = table + row[i / R];
@@ -179,7 +181,7 @@ int specserve_qlayer_attn_in(const qlayer *L, const float *x, int64_t T, const i
             in = h;
         }
         status |= qmatrix_gemm(&L->qkv, in, H, T, H, L->qkv_bias, qkv, n_qkv);
-        lora_add(L->lora_qkv, low ? L->lora_row : NULL, L->lora_max_rank, in, H, T, H, qkv, n_qkv, n_qkv, low);
+        lora_add(L, L->lora_qkv, in, H, T, H, qkv, n_qkv, low);
         if (L->qk_norm == QK_NORM_HEAD) {
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < T * n_rot; i++) {
@@ -236,7 +238,7 @@ int specserve_qlayer_mlp(const qlayer *L, float *x, int64_t T, const float *attn
 #pragma omp parallel num_threads(num_threads) reduction(| : status)
     {
         status |= qmatrix_gemm(&L->o, attn, ld_attn, T, A, NULL, h, H);
-        lora_add(L->lora_o, low ? L->lora_row : NULL, L->lora_max_rank, attn, ld_attn, T, A, h, H, H, low);
+        lora_add(L, L->lora_o, attn, ld_attn, T, A, h, H, low);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++) {
             float *xt = x + t * H, *ht = h + t * H;
@@ -245,7 +247,7 @@ int specserve_qlayer_mlp(const qlayer *L, float *x, int64_t T, const float *attn
             else memcpy(ht, xt, (size_t)H * sizeof(float));
         }
         status |= qmatrix_gemm(&L->gate_up, h, H, T, H, NULL, gu, 2 * I);
-        lora_add(L->lora_gate_up, low ? L->lora_row : NULL, L->lora_max_rank, h, H, T, H, gu, 2 * I, 2 * I, low);
+        lora_add(L, L->lora_gate_up, h, H, T, H, gu, 2 * I, low);
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < T * I; i++) { /* act(gate) * up, into gate's place */
             float *g = gu + (i / I) * 2 * I + i % I;
@@ -254,7 +256,7 @@ int specserve_qlayer_mlp(const qlayer *L, float *x, int64_t T, const float *attn
             *g = a * g[I];
         }
         status |= qmatrix_gemm(&L->down, gu, 2 * I, T, I, NULL, h, H);
-        lora_add(L->lora_down, low ? L->lora_row : NULL, L->lora_max_rank, gu, 2 * I, T, I, h, H, H, low);
+        lora_add(L, L->lora_down, gu, 2 * I, T, I, h, H, low);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++) add_branch(L, x + t * H, h + t * H, L->mlp_out_norm);
     }
